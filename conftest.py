@@ -1,0 +1,42 @@
+"""Shared pytest setup for every test file, under Bazel and under plain pytest.
+
+- The import path: a checkout run (`pytest packages/...`) puts the four package roots on
+  sys.path, as Bazel's `imports = ["."]` does.
+- Eight host devices, so the shard_map tests can build an 8-way mesh on CPU; set before
+  JAX initialises its backends.
+- Tests marked gpu/tpu skip, saying why, where that accelerator is absent.
+"""
+
+import os
+import sys
+
+_ROOT = os.path.dirname(os.path.abspath(__file__))
+for _pkg in ("reference", "kernels", "tuning", "bench"):
+    _path = os.path.join(_ROOT, "packages", _pkg)
+    if os.path.isdir(_path) and _path not in sys.path:
+        sys.path.insert(0, _path)
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+
+import pytest  # noqa: E402
+
+
+def _has_platform(name):
+    import jax
+
+    try:
+        return bool(jax.devices(name))
+    except RuntimeError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    for platform in ("gpu", "tpu"):
+        marked = [item for item in items if platform in item.keywords]
+        if marked and not _has_platform(platform):
+            skip = pytest.mark.skip(reason=f"needs a {platform.upper()}: none is visible to JAX")
+            for item in marked:
+                item.add_marker(skip)

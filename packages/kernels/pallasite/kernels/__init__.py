@@ -1,0 +1,19 @@
+"""pallasite.kernels: the public API.
+
+Pallas kernels for the operations XLA does not fuse well, each with a plain-JAX reference
+(pallasite.reference) it is tested against and falls back to.
+"""
+
+from pallasite.kernels.platform import (
+    bf16_dot_runs,
+    device_generation,
+    mosaic_gpu_runs,
+    triton_runs,
+)
+
+__all__ = [
+    "bf16_dot_runs",
+    "device_generation",
+    "mosaic_gpu_runs",
+    "triton_runs",
+]

@@ -1,0 +1,76 @@
+"""Platform predicates: the one place that says what the present device can run.
+
+Every kernel selector keys on these functions; none inspects devices itself. Each takes an
+optional `device` (anything with jax.Device's `platform`, `device_kind` and, on CUDA,
+`compute_capability` attributes) so tests can fake hardware; by default it asks JAX for
+the first device of the default backend.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax
+
+# TPU device_kind strings as the runtimes report them, most specific first.
+_TPU_KINDS = (
+    (re.compile(r"v6\s*(lite|e)|trillium", re.I), "v6e"),
+    (re.compile(r"v5\s*(lite|e)", re.I), "v5e"),
+    (re.compile(r"v5\s*p|v5$", re.I), "v5p"),
+    (re.compile(r"v4", re.I), "v4"),
+    (re.compile(r"v3", re.I), "v3"),
+    (re.compile(r"v2", re.I), "v2"),
+)
+
+
+def _default_device() -> Any:
+    return jax.devices()[0]
+
+
+def _cuda_capability(device: Any) -> tuple[int, int] | None:
+    """(major, minor) for a CUDA device, None for anything else (ROCm has none)."""
+    cc = getattr(device, "compute_capability", None)
+    if device.platform not in ("gpu", "cuda") or not cc:
+        return None
+    major, _, minor = str(cc).partition(".")
+    return int(major), int(minor or 0)
+
+
+def device_generation(device: Any = None) -> str:
+    """'sm90', 'sm89', ... for CUDA; 'v6e', 'v5e', 'v5p', 'v4', ... for TPU; else the platform.
+
+    An unrecognised TPU kind gives 'tpu', a GPU without a CUDA capability (ROCm) 'gpu'.
+    """
+    device = device if device is not None else _default_device()
+    cc = _cuda_capability(device)
+    if cc is not None:
+        return f"sm{cc[0]}{cc[1]}"
+    if device.platform == "tpu":
+        kind = getattr(device, "device_kind", "")
+        for pattern, name in _TPU_KINDS:
+            if pattern.search(kind):
+                return name
+        return "tpu"
+    return device.platform
+
+
+def triton_runs(device: Any = None) -> bool:
+    """Pallas Triton kernels: a CUDA GPU from sm80 (Ampere), where bf16 mma exists."""
+    device = device if device is not None else _default_device()
+    cc = _cuda_capability(device)
+    return cc is not None and cc >= (8, 0)
+
+
+def mosaic_gpu_runs(device: Any = None) -> bool:
+    """Mosaic GPU kernels (wgmma, TMA): Hopper, sm90, only; Blackwell has no wgmma."""
+    device = device if device is not None else _default_device()
+    return _cuda_capability(device) == (9, 0)
+
+
+def bf16_dot_runs(device: Any = None) -> bool:
+    """A bf16 x bf16 -> fp32 dot runs natively: every TPU and CPU, a CUDA GPU from sm80."""
+    device = device if device is not None else _default_device()
+    if device.platform in ("tpu", "cpu"):
+        return True
+    return triton_runs(device)
