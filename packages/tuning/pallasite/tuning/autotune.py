@@ -1,0 +1,172 @@
+"""The bounded autotuner: time a few candidate configs, keep the fastest correct one.
+
+Bounded three ways: at most `max_candidates` configs (the tables' lists hold a few dozen),
+a wall-clock `budget_s` checked before each candidate and each timed run (a candidate that
+starts inside the budget may finish past it; the rest are recorded as skipped), and a
+handful of timed runs per candidate (the median is kept: one slow run from a clock change
+or a neighbour's kernel does not decide).
+
+Every candidate leaves a Trial whose status says what happened:
+  ok              ran, matched the reference, timed;
+  does_not_fit    refused by the kernel's `fits` rule for this shape, never built;
+  compile_error   building or the first (compiling) call raised;
+  smem_overflow   the same, where the error says the config wants more shared memory
+                  (or TPU VMEM) than the chip has: a property of the config, not a bug;
+  runtime_error   a later, timed call raised;
+  wrong_result    ran, but the output is not within tolerance of the reference;
+  skipped_budget  not tried: the time budget was spent.
+
+The kernel side supplies a Benchmark: `build(config)` returns a zero-argument function that
+runs the kernel with that config on fixed synthetic inputs of the real shapes and dtypes;
+`reference()` gives the expected output on the same inputs. The tuner never sees arrays'
+meaning, only pytrees it compares in float64. It runs under `jax.ensure_compile_time_eval()`
+so it also works when a kernel resolves its block sizes while being traced under jit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import statistics
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+
+OK = "ok"
+DOES_NOT_FIT = "does_not_fit"
+COMPILE_ERROR = "compile_error"
+SMEM_OVERFLOW = "smem_overflow"
+RUNTIME_ERROR = "runtime_error"
+WRONG_RESULT = "wrong_result"
+SKIPPED_BUDGET = "skipped_budget"
+
+DEFAULT_BUDGET_S = 60.0
+DEFAULT_MAX_CANDIDATES = 24
+
+# Triton: "out of resource: shared memory, Required: ..."; XLA/Mosaic GPU: "shared memory
+# ... exceeds"; Mosaic TPU: "scoped vmem limit" / RESOURCE_EXHAUSTED.
+_SMEM_PATTERN = re.compile(r"shared[ _]mem|smem|out of resource|resource_exhausted|vmem", re.I)
+
+
+@dataclasses.dataclass(frozen=True)
+class Benchmark:
+    """How to run one config on synthetic inputs, and what it must produce."""
+
+    build: Callable[[Any], Callable[[], Any]]
+    reference: Callable[[], Any]
+    atol: float = 2e-2
+    rtol: float = 2e-2
+    warmup: int = 1
+    reps: int = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class Trial:
+    config: Any
+    status: str
+    time_s: float | None = None
+    error: str | None = None
+
+    def as_json(self, to_dict: Callable[[Any], Mapping[str, Any]]) -> dict[str, Any]:
+        return {
+            "config": dict(to_dict(self.config)),
+            "status": self.status,
+            "time_s": self.time_s,
+            "error": self.error,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneResult:
+    best: Any | None  # None: no candidate ran correctly
+    best_time_s: float | None
+    trials: tuple[Trial, ...]
+
+    def time_of(self, config: Any) -> float | None:
+        """The measured time of `config` if it was tried and ran correctly."""
+        return next((t.time_s for t in self.trials if t.config == config and t.status == OK), None)
+
+
+def classify_build_error(err: BaseException) -> str:
+    return SMEM_OVERFLOW if _SMEM_PATTERN.search(f"{type(err).__name__}: {err}") else COMPILE_ERROR
+
+
+def _short(err: BaseException, limit: int = 400) -> str:
+    text = f"{type(err).__name__}: {err}".strip()
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def max_error(out: Any, ref: Any) -> tuple[float, float]:
+    """(max |out - ref|, max |ref|) over all leaves in float64; NaN anywhere gives inf."""
+    outs, refs = jax.tree.leaves(out), jax.tree.leaves(ref)
+    if len(outs) != len(refs):
+        return float("inf"), 0.0
+    err, scale = 0.0, 0.0
+    for o, r in zip(outs, refs):
+        o = np.asarray(o, dtype=np.float64)
+        r = np.asarray(r, dtype=np.float64)
+        if o.shape != r.shape or not np.all(np.isfinite(o)):
+            return float("inf"), 0.0
+        if o.size:
+            err = max(err, float(np.max(np.abs(o - r))))
+            scale = max(scale, float(np.max(np.abs(r))))
+    return err, scale
+
+
+def _run_one(config: Any, bench: Benchmark, ref: Any, deadline: float,
+             clock: Callable[[], float]) -> Trial:
+    try:
+        fn = bench.build(config)
+        out = jax.block_until_ready(fn())  # the first call compiles
+    except Exception as err:  # noqa: BLE001 - any failure to build is a verdict on the config
+        return Trial(config, classify_build_error(err), error=_short(err))
+    err, scale = max_error(out, ref)
+    if not err <= bench.atol + bench.rtol * scale:
+        return Trial(config, WRONG_RESULT, error=f"max abs error {err:.3g} vs reference scale {scale:.3g}")
+    times = []
+    try:
+        for _ in range(bench.warmup):
+            jax.block_until_ready(fn())
+        for _ in range(max(1, bench.reps)):
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times.append(time.perf_counter() - start)
+            if clock() > deadline:
+                break
+    except Exception as err:  # noqa: BLE001
+        return Trial(config, RUNTIME_ERROR, error=_short(err))
+    return Trial(config, OK, time_s=statistics.median(times))
+
+
+def autotune(
+    candidates: Sequence[Any],
+    bench: Benchmark,
+    *,
+    fits: Callable[[Any], bool] | None = None,
+    budget_s: float = DEFAULT_BUDGET_S,
+    max_candidates: int = DEFAULT_MAX_CANDIDATES,
+    clock: Callable[[], float] = time.perf_counter,
+) -> TuneResult:
+    """Try candidates in order (duplicates dropped) within the budget; fastest correct wins."""
+    unique = list(dict.fromkeys(candidates))[:max_candidates]
+    deadline = clock() + budget_s
+    trials: list[Trial] = []
+    with jax.ensure_compile_time_eval():
+        ref = None
+        for config in unique:
+            if fits is not None and not fits(config):
+                trials.append(Trial(config, DOES_NOT_FIT))
+                continue
+            if clock() > deadline:
+                trials.append(Trial(config, SKIPPED_BUDGET))
+                continue
+            if ref is None:
+                ref = jax.block_until_ready(bench.reference())
+            trials.append(_run_one(config, bench, ref, deadline, clock))
+    ok = [t for t in trials if t.status == OK]
+    if not ok:
+        return TuneResult(None, None, tuple(trials))
+    best = min(ok, key=lambda t: t.time_s)
+    return TuneResult(best.config, best.time_s, tuple(trials))

@@ -1,0 +1,183 @@
+"""The one entry point kernels call to choose block sizes.
+
+    sel = select_block_sizes("grouped_projection", "pallas_triton",
+                             device_kind=..., dtypes=(x.dtype,), shape={"m": m, ...},
+                             config_type=BlockSizes, default=DEFAULT, caller=block_sizes,
+                             fits=lambda cfg: ...)
+    sel.config, sel.source   # source: caller | table | cache | autotune | default
+
+Order (DESIGN.md "Tuning"), first that applies wins:
+  1. `caller`: the block sizes the user passed, unchanged and unchecked (their choice);
+  2. the checked-in table entry for (implementation, device kind, dtypes, shape bucket),
+     if it rebuilds into `config_type` and `fits` the shape;
+  3. the on-disk cache entry for the same key, under the same conditions; a cached
+     "no viable candidate" skips step 4;
+  4. a bounded autotune, only when the caller gave a `measure` (a Benchmark or a
+     zero-argument function returning one, built only on a miss) and PALLASITE_AUTOTUNE is
+     not 0; the default is always among the candidates, so a tuned config is never one the
+     tuner measured slower than the default; the outcome (winner or no-viable) is cached;
+  5. `default`.
+With no table entry, no cache entry and no `measure`, the result is `default`: wiring a
+kernel through here changes nothing until an entry exists for its key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable, Mapping, Sequence
+
+from pallasite.tuning import autotune as _autotune
+from pallasite.tuning import cache as _cache
+from pallasite.tuning.configs import StaleConfig, config_fields, config_from_dict, config_to_dict
+from pallasite.tuning.tables import Table, exact_bucket, load_table, normalize_dtypes
+
+log = logging.getLogger(__name__)
+
+CALLER = "caller"
+TABLE = "table"
+CACHE = "cache"
+AUTOTUNE = "autotune"
+DEFAULT = "default"
+
+_UNSET: Any = object()
+# Autotune results whose cache write failed (unwritable directory): kept for this process
+# so a kernel traced many times is tuned once.
+_memo: dict[_cache.CacheKey, Any] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    config: Any
+    source: str  # caller | table | cache | autotune | default
+    detail: str = ""  # why an earlier source was passed over, for logs and tests
+    tune: _autotune.TuneResult | None = None  # present when source came from a fresh autotune
+
+
+def _usable(config_type: type, data: Mapping[str, Any], fits: Callable | None,
+            shape: Mapping[str, int]) -> tuple[Any, str]:
+    """(config, "") if `data` rebuilds and fits the shape, else (None, reason)."""
+    try:
+        config = config_from_dict(config_type, data)
+    except StaleConfig as err:
+        return None, f"stale: {err}"
+    if fits is not None and not fits(config, shape):
+        return None, f"does not fit shape {dict(shape)}: {data}"
+    return config, ""
+
+
+def _candidate_configs(config_type: type, default: Any, candidates: Sequence[Any],
+                       table: Table | None, implementation: str) -> list[Any]:
+    raw = list(candidates) or (list(table.candidates_for(implementation)) if table else [])
+    out = [default]
+    for c in raw:
+        if isinstance(c, Mapping):
+            try:
+                c = config_from_dict(config_type, c)
+            except StaleConfig as err:
+                log.warning("tuning: dropping candidate %s: %s", c, err)
+                continue
+        out.append(c)
+    return list(dict.fromkeys(out))
+
+
+def select_block_sizes(
+    op: str,
+    implementation: str,
+    *,
+    device_kind: str,
+    dtypes: Any,
+    shape: Mapping[str, int],
+    config_type: type,
+    default: Any,
+    caller: Any = None,
+    fits: Callable[[Any, Mapping[str, int]], bool] | None = None,
+    candidates: Sequence[Any] = (),
+    measure: Any = None,
+    table: Any = _UNSET,
+    cache_directory: Any = None,
+    budget_s: float = _autotune.DEFAULT_BUDGET_S,
+    max_candidates: int = _autotune.DEFAULT_MAX_CANDIDATES,
+) -> Selection:
+    """Block sizes for one kernel call, and which source they came from (see module doc).
+
+    `fits(config, shape)` is the kernel's rule for whether a config can run on this shape;
+    `candidates` (configs or field dicts) defaults to the table's list for the
+    implementation; `table` defaults to the checked-in table for `op` (tests pass their own).
+    """
+    if caller is not None:
+        return Selection(caller, CALLER)
+    table = load_table(op) if table is _UNSET else table
+    dtypes = normalize_dtypes(dtypes)
+    notes = []
+
+    bucket = None
+    if table is not None:
+        found = table.lookup(implementation=implementation, device_kind=device_kind,
+                             dtypes=dtypes, shape=shape)
+        bucket = found.bucket
+        if found.matched:
+            config, why = _usable(config_type, found.entry.config, fits, shape)
+            if config is not None:
+                return Selection(config, TABLE)
+            notes.append(f"table entry passed over ({why})")
+    if bucket is None:
+        bucket = exact_bucket(shape, table.dims if table is not None else None)
+
+    key = _cache.CacheKey(op, implementation, device_kind, dtypes, bucket)
+    cands = _candidate_configs(config_type, default, candidates, table, implementation)
+    digest = _cache.candidates_digest([config_to_dict(c) for c in cands])
+    fields = config_fields(config_type)
+    if key in _memo:
+        return Selection(_memo[key], CACHE, "in-process memo")
+    entry = _cache.read(key, cache_directory)
+    if entry is not None and entry.config_fields == fields:
+        if entry.status == _cache.OK:
+            config, why = _usable(config_type, entry.config, fits, shape)
+            if config is not None:
+                return Selection(config, CACHE, "; ".join(notes))
+            notes.append(f"cache entry passed over ({why})")
+        elif entry.candidates_digest == digest:
+            notes.append("cached: no viable candidate")
+            return Selection(default, DEFAULT, "; ".join(notes))
+
+    if measure is not None and _cache.autotune_enabled():
+        bench = measure if isinstance(measure, _autotune.Benchmark) else measure()
+        result = _autotune.autotune(
+            cands, bench, fits=None if fits is None else (lambda c: fits(c, shape)),
+            budget_s=budget_s, max_candidates=max_candidates)
+        _store(key, result, fields, digest, cache_directory)
+        if result.best is not None:
+            return Selection(result.best, AUTOTUNE, "; ".join(notes), tune=result)
+        notes.append("autotune: no viable candidate")
+        return Selection(default, DEFAULT, "; ".join(notes), tune=result)
+    if measure is not None:
+        notes.append(f"autotune off ({_cache.ENV_AUTOTUNE}=0)")
+    return Selection(default, DEFAULT, "; ".join(notes))
+
+
+def _store(key: _cache.CacheKey, result: _autotune.TuneResult, fields: tuple[str, ...],
+           digest: str, directory: Any) -> None:
+    entry = _cache.CacheEntry(
+        key=key,
+        status=_cache.OK if result.best is not None else _cache.NO_VIABLE,
+        config=None if result.best is None else config_to_dict(result.best),
+        config_fields=fields,
+        candidates_digest=digest,
+        trials=tuple(t.as_json(config_to_dict) for t in result.trials),
+    )
+    if _cache.write(entry, directory) is None:
+        log.warning("tuning: cache %s not writable; keeping %s in memory", directory or _cache.cache_dir(), key)
+        if result.best is not None:
+            _memo[key] = result.best
+
+
+def device_kind() -> str:
+    """The default device's kind string ('NVIDIA H200', 'TPU v6 lite', 'cpu'), the tables' key.
+
+    Tables key on the exact kind, not the generation: an H100 and an H200 are both sm90
+    but differ 1.4x in memory bandwidth, which moves the best tile for memory-bound shapes.
+    """
+    import jax
+
+    return jax.devices()[0].device_kind
