@@ -1,0 +1,583 @@
+"""Mamba-2 SSD chunked scan on the GPU: Pallas Triton kernels, forward and backward.
+
+Layout (the SSD backend contract): x [b, nc, C, h, p], a [b, nc, C, h] (a = A*dt <= 0),
+b and c [b, nc, C, g, n] (head i reads group i // (h // g)), states [b, h, p, n] fp32.
+Per chunk, with acs the inclusive cumulative sum of a inside the chunk:
+
+    y_i  = sum_{j<=i} (C_i.B_j) exp(acs_i - acs_j) x_j + exp(acs_i) S C_i
+    S'   = exp(acs_last) S + sum_j exp(acs_last - acs_j) x_j B_j^T
+
+Why this shape (issue 8): one program per (batch, head) looping over chunks starves an
+H200 (132 SMs) and overflows shared memory at C = 256. Everything here is parallel over
+(batch, chunk, head) except the inter-chunk state pass, which is a short sequential loop
+per (batch, head) over [p, n] fp32 tiles. The stages:
+
+  forward   1. acs = cumsum(a) per chunk (XLA; [b, nc, C, h] fp32, a few MB)
+            2. _chunk_state: local_c = x^T (B * exp(acs_last - acs))   [p, n] per chunk
+            3. _state_pass:  S_{c+1} = exp(acs_last_c) S_c + local_c    (sequential in c)
+            4. _chunk_output: y rows in blocks of block_m; the [block_m, block_m] tiles of
+               (C B^T * L) live in registers only, never in HBM.
+  backward  1. _chunk_state again: dlocal_c = dy^T (C * exp(acs))
+            2. _state_pass_reverse: G_c = dS_{c+1} (gradient of the state a chunk leaves
+               with), dinitial, and <G_c, S_c> for d(acs_last)
+            3. _bwd_rows_j: dx, dB and the column part of d(acs) (one program per
+               (batch, chunk, group, row block), looping over the group's heads so dB sums
+               over heads in registers, not through a per-head HBM buffer)
+            4. _bwd_rows_i: dC and the row part of d(acs), the same way
+            5. da = reverse cumsum of d(acs) inside the chunk (XLA, tiny)
+
+Matmul operands are the inputs' dtype (bf16 on the tensor cores) with fp32 accumulation;
+decays, cumulative sums and states are fp32. The segment sum acs_i - acs_j is the
+difference of two fp32 cumulative sums inside one chunk: |acs| stays below a few tens for
+Mamba-2 decays, so the difference carries an absolute error near 1e-6 (fp32 ulp of
+|acs|), far below the bf16 rounding of the operands (4e-3 relative).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tiling of the SSD Triton kernels.
+
+    block_m: rows (and columns) of the [C, C] tile one step handles in the output and
+      backward kernels; the causal loop skips the tiles above the diagonal.
+    block_t: time steps per matmul step in the chunk-state kernel.
+    """
+
+    block_m: int = 64
+    block_t: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+DEFAULT_BLOCK_SIZES = BlockSizes()
+
+
+def resolve_block_sizes(block_sizes: BlockSizes | None, chunk: int) -> BlockSizes:
+    """The one place block sizes are chosen (the tuning package can route this later)."""
+    bs = block_sizes or DEFAULT_BLOCK_SIZES
+    return dataclasses.replace(
+        bs, block_m=min(bs.block_m, chunk), block_t=min(bs.block_t, chunk)
+    )
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _pow2(v: int) -> bool:
+    return v >= 1 and (v & (v - 1)) == 0
+
+
+def _check_inputs(x, a, b, c, state, state_name: str) -> None:
+    """ValueError naming the argument and its shape, before any kernel is built."""
+    if x.ndim != 5:
+        raise ValueError(f"x must be [b, nc, C, h, p], got shape {x.shape}")
+    bsz, nc, chunk, h, p = x.shape
+    if a.shape != (bsz, nc, chunk, h):
+        raise ValueError(f"a must be {(bsz, nc, chunk, h)} to match x, got shape {a.shape}")
+    for name, arr in (("b", b), ("c", c)):
+        if arr.ndim != 5 or arr.shape[:3] != (bsz, nc, chunk):
+            raise ValueError(f"{name} must be [b, nc, C, g, n] matching x, got shape {arr.shape}")
+    if b.shape != c.shape:
+        raise ValueError(f"b and c must have one shape, got b {b.shape} and c {c.shape}")
+    g, n = b.shape[3], b.shape[4]
+    if h % g:
+        raise ValueError(f"heads {h} of x {x.shape} must be a multiple of groups {g} of b")
+    if state.shape != (bsz, h, p, n):
+        raise ValueError(f"{state_name} must be {(bsz, h, p, n)}, got shape {state.shape}")
+    for name, v in (("chunk", chunk), ("head_dim", p), ("state_size", n)):
+        if not _pow2(v) or v < 16:
+            raise ValueError(
+                f"{name} = {v} (x {x.shape}, b {b.shape}) must be a power of 2 >= 16 "
+                "for the Triton kernels"
+            )
+
+
+# ----------------------------------------------------------------------------- sharding
+
+
+def _batch_shards(fn, args, n_out: int):
+    """Run fn inside an explicit shard_map that splits the batch axis (dim 0 of every
+    operand and result) over the mesh in context, or over the local devices that divide
+    the batch. Chunks and the sequential state pass stay local to a shard."""
+    batch = args[0].shape[0]
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        devices = jax.devices()
+        ndev = max(d for d in range(1, len(devices) + 1) if batch % d == 0)
+        mesh = jax.sharding.Mesh(np.array(devices[:ndev]), ("batch",))
+    axes = tuple(mesh.axis_names)
+    spec = P(axes) if batch % mesh.size == 0 else P()
+    return jax.shard_map(
+        fn,
+        mesh=mesh,
+        in_specs=(spec,) * len(args),
+        out_specs=(spec,) * n_out,
+        check_vma=False,
+    )(*args)
+
+
+def _nbytes(*arrays) -> int:
+    return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in arrays))
+
+
+def _params(bs: BlockSizes):
+    return plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _chunk_state_kernel(u_ref, v_ref, w_ref, out_ref, *, block_t):
+    """out[p, n] = sum_t u[t, p] * w[t] * v[t, n] over one chunk, fp32 accumulation."""
+    chunk, p = u_ref.shape
+    n = v_ref.shape[1]
+
+    def step(k, acc):
+        t = pl.ds(pl.multiple_of(k * block_t, block_t), block_t)
+        u = u_ref[t, :]
+        v = (v_ref[t, :].astype(F32) * w_ref[t][:, None]).astype(u.dtype)
+        return acc + plgpu.dot(u, v, trans_a=True)
+
+    out_ref[...] = jax.lax.fori_loop(0, chunk // block_t, step, jnp.zeros((p, n), F32))
+
+
+def _chunk_state(u, v, w, bs: BlockSizes, interpret: bool):
+    """[b, nc, h, p, n] fp32: u [b,nc,C,h,p] (per head), v [b,nc,C,g,n] (per group),
+    w [b,nc,C,h] fp32 weights. Forward: (x, B, exp(acs_last - acs)); backward:
+    (dy, C, exp(acs))."""
+    bsz, nc, chunk, h, p = u.shape
+    g, n = v.shape[3], v.shape[4]
+    hpg = h // g
+    out_shape = jax.ShapeDtypeStruct((bsz, nc, h, p, n), F32)
+    return pl.pallas_call(
+        functools.partial(_chunk_state_kernel, block_t=bs.block_t),
+        out_shape=out_shape,
+        grid=(bsz, nc, h),
+        in_specs=[
+            pl.BlockSpec((None, None, chunk, None, p), lambda i, j, k: (i, j, 0, k, 0)),
+            pl.BlockSpec((None, None, chunk, None, n), lambda i, j, k: (i, j, 0, k // hpg, 0)),
+            pl.BlockSpec((None, None, chunk, None), lambda i, j, k: (i, j, 0, k)),
+        ],
+        out_specs=pl.BlockSpec((None, None, None, p, n), lambda i, j, k: (i, j, k, 0, 0)),
+        compiler_params=_params(bs),
+        interpret=interpret,
+        cost_estimate=pl.CostEstimate(
+            flops=2 * bsz * nc * h * chunk * p * n + bsz * nc * h * chunk * n,
+            transcendentals=0,
+            bytes_accessed=_nbytes(u, v, w, out_shape),
+        ),
+        name="ssd_chunk_state",
+    )(u, v, w)
+
+
+def _state_pass_kernel(local_ref, decay_ref, init_ref, states_ref, final_ref):
+    """S_0 = init; states[c] = S_c; S_{c+1} = decay_c S_c + local_c."""
+    nc = local_ref.shape[0]
+
+    def step(ci, s):
+        states_ref[ci] = s
+        return decay_ref[ci] * s + local_ref[ci]
+
+    final_ref[...] = jax.lax.fori_loop(0, nc, step, init_ref[...])
+
+
+def _state_pass(local, decay, init, bs: BlockSizes, interpret: bool):
+    """(states [b, nc, h, p, n] entering each chunk, final [b, h, p, n]), fp32."""
+    bsz, nc, h, p, n = local.shape
+    shapes = (
+        jax.ShapeDtypeStruct(local.shape, F32),
+        jax.ShapeDtypeStruct(init.shape, F32),
+    )
+    seq = pl.BlockSpec((None, nc, None, p, n), lambda i, k: (i, 0, k, 0, 0))
+    one = pl.BlockSpec((None, None, p, n), lambda i, k: (i, k, 0, 0))
+    return pl.pallas_call(
+        _state_pass_kernel,
+        out_shape=shapes,
+        grid=(bsz, h),
+        in_specs=[seq, pl.BlockSpec((None, nc, None), lambda i, k: (i, 0, k)), one],
+        out_specs=[seq, one],
+        compiler_params=_params(bs),
+        interpret=interpret,
+        cost_estimate=pl.CostEstimate(
+            flops=2 * local.size,
+            transcendentals=0,
+            bytes_accessed=_nbytes(local, decay, init, *shapes),
+        ),
+        name="ssd_state_pass",
+    )(local, decay, init.astype(F32))
+
+
+def _state_pass_reverse_kernel(
+    local_ref, decay_ref, states_ref, dfinal_ref, grads_ref, gs_ref, dinit_ref
+):
+    """G_{nc-1} = dfinal; grads[c] = G_c; gs[c] = <G_c, S_c>; G_{c-1} = decay_c G_c + local_c."""
+    nc = local_ref.shape[0]
+
+    def step(k, gr):
+        ci = nc - 1 - k
+        grads_ref[ci] = gr
+        gs_ref[ci] = jnp.sum(jnp.sum(gr * states_ref[ci], axis=1), axis=0)
+        return decay_ref[ci] * gr + local_ref[ci]
+
+    dinit_ref[...] = jax.lax.fori_loop(0, nc, step, dfinal_ref[...])
+
+
+def _state_pass_reverse(dlocal, decay, states, dfinal, bs: BlockSizes, interpret: bool):
+    """(grads [b,nc,h,p,n] = dS leaving each chunk, gs [b,nc,h], dinitial [b,h,p,n])."""
+    bsz, nc, h, p, n = dlocal.shape
+    shapes = (
+        jax.ShapeDtypeStruct(dlocal.shape, F32),
+        jax.ShapeDtypeStruct((bsz, nc, h), F32),
+        jax.ShapeDtypeStruct(dfinal.shape, F32),
+    )
+    seq = pl.BlockSpec((None, nc, None, p, n), lambda i, k: (i, 0, k, 0, 0))
+    vec = pl.BlockSpec((None, nc, None), lambda i, k: (i, 0, k))
+    one = pl.BlockSpec((None, None, p, n), lambda i, k: (i, k, 0, 0))
+    return pl.pallas_call(
+        _state_pass_reverse_kernel,
+        out_shape=shapes,
+        grid=(bsz, h),
+        in_specs=[seq, vec, seq, one],
+        out_specs=[seq, vec, one],
+        compiler_params=_params(bs),
+        interpret=interpret,
+        cost_estimate=pl.CostEstimate(
+            flops=4 * dlocal.size,
+            transcendentals=0,
+            bytes_accessed=_nbytes(dlocal, decay, states, dfinal, *shapes),
+        ),
+        name="ssd_state_pass_reverse",
+    )(dlocal, decay, states, dfinal.astype(F32))
+
+
+def _causal_decay(acs_rows, acs_cols, row0, col0, bm, bk, *, rows_later: bool):
+    """exp(acs_later - acs_earlier) where the later index >= the earlier one, else 0.
+
+    rows_later: the tile's rows are the later time (the output's i), else its columns."""
+    ri = row0 + jax.lax.broadcasted_iota(jnp.int32, (bm, bk), 0)
+    ci = col0 + jax.lax.broadcasted_iota(jnp.int32, (bm, bk), 1)
+    if rows_later:
+        diff, keep = acs_rows[:, None] - acs_cols[None, :], ri >= ci
+    else:
+        diff, keep = acs_cols[None, :] - acs_rows[:, None], ci >= ri
+    return jnp.exp(jnp.where(keep, diff, -jnp.inf))
+
+
+def _chunk_output_kernel(x_ref, b_ref, c_ref, acs_ref, s_ref, y_ref, *, bm):
+    """y rows [r*bm, (r+1)*bm) of one (batch, chunk, head)."""
+    r = pl.program_id(3)
+    i0 = pl.multiple_of(r * bm, bm)
+    rows = pl.ds(i0, bm)
+    c_i = c_ref[rows, :]
+    acs_i = acs_ref[rows]
+    cd = c_i.dtype
+    # The state the chunk entered with, read through C: exp(acs_i) C_i S^T.
+    acc = plgpu.dot(c_i, s_ref[...].astype(cd), trans_b=True) * jnp.exp(acs_i)[:, None]
+
+    def step(k, acc):
+        j0 = pl.multiple_of(k * bm, bm)
+        cols = pl.ds(j0, bm)
+        cb = plgpu.dot(c_i, b_ref[cols, :], trans_b=True)
+        m = cb * _causal_decay(acs_i, acs_ref[cols], i0, j0, bm, bm, rows_later=True)
+        return acc + plgpu.dot(m.astype(cd), x_ref[cols, :])
+
+    acc = jax.lax.fori_loop(0, r + 1, step, acc)
+    y_ref[...] = acc.astype(y_ref.dtype)
+
+
+def _chunk_output(x, b, c, acs, states, bs: BlockSizes, interpret: bool):
+    bsz, nc, chunk, h, p = x.shape
+    g, n = b.shape[3], b.shape[4]
+    hpg, bm = h // g, bs.block_m
+    out_shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    grp = pl.BlockSpec((None, None, chunk, None, n), lambda i, j, k, r: (i, j, 0, k // hpg, 0))
+    tri = bsz * nc * h * (chunk * (chunk + bm) // 2)  # causal tile entries computed
+    return pl.pallas_call(
+        functools.partial(_chunk_output_kernel, bm=bm),
+        out_shape=out_shape,
+        grid=(bsz, nc, h, chunk // bm),
+        in_specs=[
+            pl.BlockSpec((None, None, chunk, None, p), lambda i, j, k, r: (i, j, 0, k, 0)),
+            grp,
+            grp,
+            pl.BlockSpec((None, None, chunk, None), lambda i, j, k, r: (i, j, 0, k)),
+            pl.BlockSpec((None, None, None, p, n), lambda i, j, k, r: (i, j, k, 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, None, bm, None, p), lambda i, j, k, r: (i, j, r, k, 0)),
+        compiler_params=_params(bs),
+        interpret=interpret,
+        cost_estimate=pl.CostEstimate(
+            flops=tri * 2 * (n + p) + 2 * bsz * nc * h * chunk * p * n,
+            transcendentals=tri + bsz * nc * h * chunk,
+            bytes_accessed=_nbytes(x, b, c, acs, states, out_shape),
+        ),
+        name="ssd_chunk_output",
+    )(x, b, c, acs, states)
+
+
+def _bwd_rows_j_kernel(
+    x_ref, dy_ref, b_ref, c_ref, acs_ref, g_ref, dx_ref, db_ref, dacs_ref, q_ref, *, bm
+):
+    """Rows j of one (batch, chunk, group): dx_j and dacs_j per head, dB_j summed over the
+    group's heads.
+
+      dx_j  = sum_{i>=j} (B_j.C_i) L_ij dy_i + exp(acs_last - acs_j) G B_j
+      dB_j  = sum_{i>=j} (x_j.dy_i) L_ij C_i + exp(acs_last - acs_j) G^T x_j
+      dacs_j gets -sum_{i>=j} P_ij - q_j, q_j = exp(acs_last - acs_j) x_j.(G B_j)
+    with L_ij = exp(acs_i - acs_j), P_ij = (dy_i.x_j)(C_i.B_j) L_ij."""
+    r = pl.program_id(3)
+    chunk, hpg, _ = x_ref.shape
+    j0 = pl.multiple_of(r * bm, bm)
+    rows = pl.ds(j0, bm)
+    b_j = b_ref[rows, :]
+    cd = b_j.dtype
+    nblocks = chunk // bm
+
+    def head(hh, db_acc):
+        x_j = x_ref[rows, hh, :]
+        acs_j = acs_ref[rows, hh]
+        decay_out = jnp.exp(acs_ref[chunk - 1, hh] - acs_j)[:, None]
+        g = g_ref[hh].astype(cd)
+        dx = plgpu.dot(b_j, g, trans_b=True) * decay_out
+        q = jnp.sum(x_j.astype(F32) * dx, axis=1)
+        db_acc = db_acc + plgpu.dot(x_j, g) * decay_out
+
+        def step(k, carry):
+            dx, db_acc, col = carry
+            i0 = pl.multiple_of(k * bm, bm)
+            cols = pl.ds(i0, bm)
+            c_i = c_ref[cols, :]
+            dy_i = dy_ref[cols, hh, :]
+            lt = _causal_decay(acs_j, acs_ref[cols, hh], j0, i0, bm, bm, rows_later=False)
+            mt = plgpu.dot(b_j, c_i, trans_b=True)
+            dlt = plgpu.dot(x_j, dy_i, trans_b=True) * lt
+            dx = dx + plgpu.dot((mt * lt).astype(cd), dy_i)
+            db_acc = db_acc + plgpu.dot(dlt.astype(cd), c_i)
+            col = col + jnp.sum(dlt * mt, axis=1)
+            return dx, db_acc, col
+
+        dx, db_acc, col = jax.lax.fori_loop(
+            r, nblocks, step, (dx, db_acc, jnp.zeros((bm,), F32))
+        )
+        dx_ref[:, hh, :] = dx.astype(dx_ref.dtype)
+        dacs_ref[:, hh] = -col - q
+        q_ref[:, hh] = q
+        return db_acc
+
+    db = jax.lax.fori_loop(0, hpg, head, jnp.zeros(db_ref.shape, F32))
+    db_ref[...] = db.astype(db_ref.dtype)
+
+
+def _bwd_rows_i_kernel(
+    x_ref, dy_ref, b_ref, c_ref, acs_ref, s_ref, dc_ref, dacs_ref, *, bm
+):
+    """Rows i of one (batch, chunk, group): dC_i summed over the group's heads, dacs_i per
+    head.
+
+      dC_i   = sum_{j<=i} (dy_i.x_j) L_ij B_j + exp(acs_i) S^T dy_i
+      dacs_i gets sum_{j<=i} P_ij + exp(acs_i) dy_i.(S C_i)"""
+    r = pl.program_id(3)
+    hpg = x_ref.shape[1]
+    i0 = pl.multiple_of(r * bm, bm)
+    rows = pl.ds(i0, bm)
+    c_i = c_ref[rows, :]
+    cd = c_i.dtype
+
+    def head(hh, dc_acc):
+        dy_i = dy_ref[rows, hh, :]
+        acs_i = acs_ref[rows, hh]
+        grow = jnp.exp(acs_i)[:, None]
+        s = s_ref[hh].astype(cd)
+        dc_acc = dc_acc + plgpu.dot(dy_i, s) * grow
+        sc = plgpu.dot(c_i, s, trans_b=True) * grow
+        row = jnp.sum(dy_i.astype(F32) * sc, axis=1)
+
+        def step(k, carry):
+            dc_acc, row = carry
+            j0 = pl.multiple_of(k * bm, bm)
+            cols = pl.ds(j0, bm)
+            b_j = b_ref[cols, :]
+            lt = _causal_decay(acs_i, acs_ref[cols, hh], i0, j0, bm, bm, rows_later=True)
+            m = plgpu.dot(c_i, b_j, trans_b=True)
+            dl = plgpu.dot(dy_i, x_ref[cols, hh, :], trans_b=True) * lt
+            dc_acc = dc_acc + plgpu.dot(dl.astype(cd), b_j)
+            return dc_acc, row + jnp.sum(dl * m, axis=1)
+
+        dc_acc, row = jax.lax.fori_loop(0, r + 1, step, (dc_acc, row))
+        dacs_ref[:, hh] = row
+        return dc_acc
+
+    dc = jax.lax.fori_loop(0, hpg, head, jnp.zeros(dc_ref.shape, F32))
+    dc_ref[...] = dc.astype(dc_ref.dtype)
+
+
+def _group_specs(x, b, bm):
+    """BlockSpecs for a (batch, chunk, group, row block) grid."""
+    bsz, nc, chunk, h, p = x.shape
+    g, n = b.shape[3], b.shape[4]
+    hpg = h // g
+    heads = pl.BlockSpec((None, None, chunk, hpg, p), lambda i, j, k, r: (i, j, 0, k, 0))
+    grp = pl.BlockSpec((None, None, chunk, None, n), lambda i, j, k, r: (i, j, 0, k, 0))
+    acs = pl.BlockSpec((None, None, chunk, hpg), lambda i, j, k, r: (i, j, 0, k))
+    st = pl.BlockSpec((None, None, hpg, p, n), lambda i, j, k, r: (i, j, k, 0, 0))
+    rows_heads = pl.BlockSpec((None, None, bm, hpg, p), lambda i, j, k, r: (i, j, r, k, 0))
+    rows_grp = pl.BlockSpec((None, None, bm, None, n), lambda i, j, k, r: (i, j, r, k, 0))
+    rows_acs = pl.BlockSpec((None, None, bm, hpg), lambda i, j, k, r: (i, j, r, k))
+    return heads, grp, acs, st, rows_heads, rows_grp, rows_acs
+
+
+def _bwd_cost(x, b, bm, matmuls_per_tile: int, arrays):
+    bsz, nc, chunk, h, p = x.shape
+    n = b.shape[4]
+    tri = bsz * nc * h * (chunk * (chunk + bm) // 2)
+    flops = tri * 2 * matmuls_per_tile * max(n, p) + 4 * bsz * nc * h * chunk * p * n
+    return pl.CostEstimate(
+        flops=flops, transcendentals=tri + bsz * nc * h * chunk,
+        bytes_accessed=_nbytes(*arrays),
+    )
+
+
+def _bwd_rows_j(x, dy, b, c, acs, grads, bs: BlockSizes, interpret: bool):
+    bsz, nc, chunk, h, p = x.shape
+    g = b.shape[3]
+    bm = bs.block_m
+    heads, grp, acs_s, st, rows_heads, rows_grp, rows_acs = _group_specs(x, b, bm)
+    shapes = (
+        jax.ShapeDtypeStruct(x.shape, x.dtype),
+        jax.ShapeDtypeStruct(b.shape, b.dtype),
+        jax.ShapeDtypeStruct(acs.shape, F32),
+        jax.ShapeDtypeStruct(acs.shape, F32),
+    )
+    return pl.pallas_call(
+        functools.partial(_bwd_rows_j_kernel, bm=bm),
+        out_shape=shapes,
+        grid=(bsz, nc, g, chunk // bm),
+        in_specs=[heads, heads, grp, grp, acs_s, st],
+        out_specs=[rows_heads, rows_grp, rows_acs, rows_acs],
+        compiler_params=_params(bs),
+        interpret=interpret,
+        cost_estimate=_bwd_cost(x, b, bm, 4, (x, dy, b, c, acs, grads, *shapes)),
+        name="ssd_bwd_rows_j",
+    )(x, dy, b, c, acs, grads)
+
+
+def _bwd_rows_i(x, dy, b, c, acs, states, bs: BlockSizes, interpret: bool):
+    bsz, nc, chunk, h, p = x.shape
+    g = b.shape[3]
+    bm = bs.block_m
+    heads, grp, acs_s, st, _, rows_grp, rows_acs = _group_specs(x, b, bm)
+    shapes = (
+        jax.ShapeDtypeStruct(c.shape, c.dtype),
+        jax.ShapeDtypeStruct(acs.shape, F32),
+    )
+    return pl.pallas_call(
+        functools.partial(_bwd_rows_i_kernel, bm=bm),
+        out_shape=shapes,
+        grid=(bsz, nc, g, chunk // bm),
+        in_specs=[heads, heads, grp, grp, acs_s, st],
+        out_specs=[rows_grp, rows_acs],
+        compiler_params=_params(bs),
+        interpret=interpret,
+        cost_estimate=_bwd_cost(x, b, bm, 3, (x, dy, b, c, acs, states, *shapes)),
+        name="ssd_bwd_rows_i",
+    )(x, dy, b, c, acs, states)
+
+
+# ----------------------------------------------------------------------------- stages
+
+
+def _forward_local(x, a, b, c, initial_state, *, bs, interpret):
+    acs = jnp.cumsum(a.astype(F32), axis=2)
+    last = acs[:, :, -1, :]
+    local = _chunk_state(x, b, jnp.exp(last[:, :, None, :] - acs), bs, interpret)
+    states, final = _state_pass(local, jnp.exp(last), initial_state, bs, interpret)
+    y = _chunk_output(x, b, c, acs, states, bs, interpret)
+    return y, final, states
+
+
+def _backward_local(x, a, b, c, states, dy, dfinal, *, bs, interpret):
+    acs = jnp.cumsum(a.astype(F32), axis=2)
+    last = acs[:, :, -1, :]
+    dy = dy.astype(x.dtype)
+    dlocal = _chunk_state(dy, c, jnp.exp(acs), bs, interpret)
+    grads, gs, dinit = _state_pass_reverse(dlocal, jnp.exp(last), states, dfinal, bs, interpret)
+    dx, db, dacs_col, q = _bwd_rows_j(x, dy, b, c, acs, grads, bs, interpret)
+    dc, dacs_row = _bwd_rows_i(x, dy, b, c, acs, states, bs, interpret)
+    # acs_last also scales the entering state and every step's term of the leaving state:
+    # d(acs_last) += exp(acs_last) <G, S_c> + sum_j q_j.
+    dacs = (dacs_row + dacs_col).at[:, :, -1, :].add(jnp.sum(q, axis=2) + jnp.exp(last) * gs)
+    da = jnp.flip(jnp.cumsum(jnp.flip(dacs, axis=2), axis=2), axis=2)
+    return dx, da.astype(a.dtype), db, dc, dinit
+
+
+def forward(
+    x: Float[Array, "b nc C h p"],
+    a: Float[Array, "b nc C h"],
+    b: Float[Array, "b nc C g n"],
+    c: Float[Array, "b nc C g n"],
+    initial_state: Float[Array, "b h p n"],
+    *,
+    interpret: bool = False,
+    block_sizes: BlockSizes | None = None,
+) -> tuple[Float[Array, "b nc C h p"], Float[Array, "b h p n"], Float[Array, "b nc h p n"]]:
+    """(y in x.dtype, final_state fp32, chunk_states fp32 = the state each chunk entered
+    with). b and c are cast to x.dtype (the matmul operand dtype)."""
+    _check_inputs(x, a, b, c, initial_state, "initial_state")
+    bs = resolve_block_sizes(block_sizes, x.shape[2])
+    fn = functools.partial(_forward_local, bs=bs, interpret=interpret)
+    args = (x, a, b.astype(x.dtype), c.astype(x.dtype), initial_state.astype(F32))
+    return _batch_shards(fn, args, 3)
+
+
+def backward(
+    x: Float[Array, "b nc C h p"],
+    a: Float[Array, "b nc C h"],
+    b: Float[Array, "b nc C g n"],
+    c: Float[Array, "b nc C g n"],
+    chunk_states: Float[Array, "b nc h p n"],
+    dy: Float[Array, "b nc C h p"],
+    dfinal_state: Float[Array, "b h p n"],
+    *,
+    interpret: bool = False,
+    block_sizes: BlockSizes | None = None,
+) -> tuple[
+    Float[Array, "b nc C h p"],
+    Float[Array, "b nc C h"],
+    Float[Array, "b nc C g n"],
+    Float[Array, "b nc C g n"],
+    Float[Array, "b h p n"],
+]:
+    """(dx, da, db, dc, dinitial_state) in the primal dtypes (dinitial_state fp32)."""
+    _check_inputs(x, a, b, c, dfinal_state, "dfinal_state")
+    bsz, nc, _, h, p = x.shape
+    n = b.shape[4]
+    if chunk_states.shape != (bsz, nc, h, p, n):
+        raise ValueError(
+            f"chunk_states must be {(bsz, nc, h, p, n)}, got shape {chunk_states.shape}"
+        )
+    if dy.shape != x.shape:
+        raise ValueError(f"dy must have x's shape {x.shape}, got shape {dy.shape}")
+    bs = resolve_block_sizes(block_sizes, x.shape[2])
+    fn = functools.partial(_backward_local, bs=bs, interpret=interpret)
+    args = (
+        x, a, b.astype(x.dtype), c.astype(x.dtype), chunk_states.astype(F32), dy,
+        dfinal_state.astype(F32),
+    )
+    dx, da, db, dc, dinit = _batch_shards(fn, args, 5)
+    return dx, da, db.astype(b.dtype), dc.astype(c.dtype), dinit
