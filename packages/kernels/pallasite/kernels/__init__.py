@@ -10,10 +10,20 @@ from pallasite.kernels.platform import (
     mosaic_gpu_runs,
     triton_runs,
 )
+from pallasite.kernels.ssd import (
+    chunk_ssd,
+    ssd_chunk_scan,
+    ssd_kernel_platform,
+    ssd_kernel_runs,
+)
 
 __all__ = [
     "bf16_dot_runs",
+    "chunk_ssd",
     "device_generation",
     "mosaic_gpu_runs",
+    "ssd_chunk_scan",
+    "ssd_kernel_platform",
+    "ssd_kernel_runs",
     "triton_runs",
 ]

@@ -1,0 +1,302 @@
+"""SSD chunked scan as Mosaic TPU kernels: forward and the reverse-chunk backward.
+
+One program per (batch, head, chunk), chunks innermost and "arbitrary" so the state passes
+from one chunk to the next in a VMEM scratch (fp32) instead of through HBM; batch and head
+are "parallel" (megacore splits them). Everything inside is fp32; every dot at HIGHEST.
+
+Why the operands are transposed to head-major ([b, h, nc, C, p]) before the call: Mosaic
+tiles the last two dimensions of a block in (8, 128) and the chunked layout puts heads in
+the second-minor position, so a per-head block would be one row high. The head-major view
+costs one XLA transpose of x, y, dx and of B/C each way; B and C stay per group
+([b, g, nc, C, n]) and the index maps pick group head // (h // g), so nothing is copied per
+head on the way in. Only dB and dC leave per head (fp32) and are summed per group in XLA:
+the head loop is outside the chunk loop, so no program could accumulate over heads.
+
+acs (the in-chunk cumulative sum of a, fp32) is computed in XLA, where it is a cheap pass
+over [b, nc, C, h], and enters as a row [1, C] and a column [C, 1], so the kernel never
+transposes a vector. The decay matrix is exp(acs_i - acs_j), masked to i >= j before the
+exp (so growth above the diagonal never reaches inf * 0); inside one chunk the difference
+form is within eps * |acs_last| of the masked-sum form in the exponent (see docs/ssd.md for
+the measured effect).
+
+The backward runs the chunks in reverse (index map nc - 1 - k), carrying dS, the cotangent
+of the state, in scratch; each chunk recomputes its own [C, C] matrices from its inputs
+and its entry state (the forward's chunk_states, the only residual).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+_F32 = jnp.float32
+_HI = jax.lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """The kernel's only knob: the scoped VMEM limit (its tiles are the chunk itself)."""
+
+    vmem_limit_bytes: int = 32 * 1024 * 1024
+
+
+DEFAULT = BlockSizes()
+
+
+def resolve_block_sizes(block_sizes: BlockSizes | None) -> BlockSizes:
+    """The caller's block sizes, else the default (the one place tuning will route)."""
+    return block_sizes or DEFAULT
+
+
+def _dot(lhs, rhs, lhs_axis, rhs_axis):
+    dims = (((lhs_axis,), (rhs_axis,)), ((), ()))
+    return jax.lax.dot_general(lhs, rhs, dims, precision=_HI, preferred_element_type=_F32)
+
+
+def _nn(lhs, rhs):
+    return _dot(lhs, rhs, 1, 0)
+
+
+def _nt(lhs, rhs):
+    return _dot(lhs, rhs, 1, 1)
+
+
+def _tn(lhs, rhs):
+    return _dot(lhs, rhs, 0, 0)
+
+
+def _decay(acs_col, acs_row):
+    """L [C, C] = exp(acs_i - acs_j) on and below the diagonal, 0 above."""
+    size = acs_col.shape[0]
+    rows = jax.lax.broadcasted_iota(jnp.int32, (size, size), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (size, size), 1)
+    return jnp.exp(jnp.where(rows >= cols, acs_col - acs_row, -jnp.inf))
+
+
+def _load(ref):
+    return ref[...].astype(_F32)
+
+
+def _forward_kernel(x_ref, b_ref, c_ref, row_ref, col_ref, init_ref,
+                    y_ref, final_ref, states_ref, state_scr):
+    k = pl.program_id(2)
+
+    @pl.when(k == 0)
+    def _():
+        state_scr[...] = _load(init_ref)
+
+    state = state_scr[...]
+    states_ref[...] = state
+    x, bm, cm = _load(x_ref), _load(b_ref), _load(c_ref)
+    acs_row, acs_col = row_ref[...], col_ref[...]
+    last = acs_row[:, -1:]  # [1, 1]
+    mix = _nt(cm, bm) * _decay(acs_col, acs_row)
+    y = _nn(mix, x) + jnp.exp(acs_col) * _nt(cm, state)
+    y_ref[...] = y.astype(y_ref.dtype)
+    new = jnp.exp(last) * state + _tn(x * jnp.exp(last - acs_col), bm)
+    state_scr[...] = new
+
+    @pl.when(k == pl.num_programs(2) - 1)
+    def _():
+        final_ref[...] = new
+
+
+def _backward_kernel(x_ref, b_ref, c_ref, row_ref, col_ref, states_ref, dy_ref, dfinal_ref,
+                     dx_ref, db_ref, dc_ref, dacs_ref, dinit_ref, carry_scr):
+    k = pl.program_id(2)
+
+    @pl.when(k == 0)
+    def _():
+        carry_scr[...] = _load(dfinal_ref)
+
+    dexit = carry_scr[...]  # dS': cotangent of the state this chunk leaves with
+    state = states_ref[...]
+    x, bm, cm, dy = _load(x_ref), _load(b_ref), _load(c_ref), _load(dy_ref)
+    acs_row, acs_col = row_ref[...], col_ref[...]
+    size = x.shape[0]
+    last = acs_row[:, -1:]
+    e, w = jnp.exp(acs_col), jnp.exp(last - acs_col)
+    decay = _decay(acs_col, acs_row)
+    gram = _nt(cm, bm)
+    dmix = _nt(dy, x) * decay  # d(C B^T) through M = (C B^T) * L
+    u = _nt(bm, dexit)  # B dS'^T [C, p]
+    dx_ref[...] = (_tn(gram * decay, dy) + w * u).astype(dx_ref.dtype)
+    dc_ref[...] = _nn(dmix, bm) + e * _nn(dy, state)
+    db_ref[...] = _tn(dmix, cm) + w * _nn(x, dexit)
+
+    pm = dmix * gram
+    ones = jnp.ones((size, 1), _F32)
+    wdw = w * jnp.sum(x * u, axis=1, keepdims=True)
+    dacs = jnp.sum(pm, axis=1, keepdims=True) - _tn(pm, ones) - wdw
+    dacs = dacs + e * jnp.sum(dy * _nt(cm, state), axis=1, keepdims=True)
+    to_last = jnp.sum(wdw, axis=(0, 1), keepdims=True) + jnp.exp(last) * jnp.sum(
+        dexit * state, axis=(0, 1), keepdims=True)
+    is_last = jax.lax.broadcasted_iota(jnp.int32, (size, 1), 0) == size - 1
+    dacs_ref[...] = dacs + jnp.where(is_last, to_last, 0.0)
+
+    new = jnp.exp(last) * dexit + _tn(dy * e, cm)
+    carry_scr[...] = new
+
+    @pl.when(k == pl.num_programs(2) - 1)
+    def _():
+        dinit_ref[...] = new
+
+
+def _head_major(t):
+    """[b, nc, C, h, w] -> [b, h, nc, C, w]."""
+    return jnp.transpose(t, (0, 3, 1, 2, 4))
+
+
+def _chunk_major(t):
+    """[b, h, nc, C, w] -> [b, nc, C, h, w]."""
+    return jnp.transpose(t, (0, 2, 3, 1, 4))
+
+
+def _cumsums(a):
+    """acs as rows [b, h, nc, 1, C] and columns [b, h, nc, C, 1], fp32."""
+    acs = jnp.transpose(jnp.cumsum(a.astype(_F32), axis=2), (0, 3, 1, 2))
+    return acs[..., None, :], acs[..., :, None]
+
+
+def _specs(shape_x, groups):
+    """BlockSpecs for x-like, B/C, acs row, acs column, per-(b, h) state, per-chunk state."""
+    _, nc, size, h, p = shape_x
+    heads_per_group = h // groups
+    return dict(
+        x=lambda rev, w: pl.BlockSpec((None, None, None, size, w),
+                                      lambda i, j, k: (i, j, _chunk(k, nc, rev), 0, 0)),
+        bc=lambda rev, n: pl.BlockSpec(
+            (None, None, None, size, n),
+            lambda i, j, k: (i, j // heads_per_group, _chunk(k, nc, rev), 0, 0)),
+        row=lambda rev: pl.BlockSpec((None, None, None, 1, size),
+                                     lambda i, j, k: (i, j, _chunk(k, nc, rev), 0, 0)),
+        col=lambda rev: pl.BlockSpec((None, None, None, size, 1),
+                                     lambda i, j, k: (i, j, _chunk(k, nc, rev), 0, 0)),
+        state=lambda n: pl.BlockSpec((None, None, p, n), lambda i, j, k: (i, j, 0, 0)),
+        chunk_state=lambda rev, n: pl.BlockSpec(
+            (None, None, None, p, n), lambda i, j, k: (i, _chunk(k, nc, rev), j, 0, 0)),
+    )
+
+
+def _chunk(k, nc, rev):
+    return nc - 1 - k if rev else k
+
+
+def _params(block_sizes):
+    return pltpu.CompilerParams(
+        dimension_semantics=("parallel", "parallel", "arbitrary"),
+        vmem_limit_bytes=block_sizes.vmem_limit_bytes,
+    )
+
+
+def _interpret(interpret):
+    if interpret is True:
+        return pltpu.InterpretParams()
+    return interpret or False
+
+
+def forward_cost(shape_x, groups, n, x_bytes, bc_bytes) -> pl.CostEstimate:
+    """Flops of the chunk matmuls (C B^T, M x, C S^T, x^T B), exps, and HBM bytes.
+
+    B and C are read once per head (each head's program reads its group's block).
+    """
+    bsz, nc, size, h, p = shape_x
+    programs = bsz * h * nc
+    flops = programs * (2 * size * size * (n + p) + 4 * size * n * p)
+    exps = programs * (size * size + 2 * size + 1)
+    tokens = bsz * nc * size * h
+    bytes_ = (2 * tokens * p * x_bytes  # x in, y out
+              + 2 * programs * size * n * bc_bytes  # B, C per head
+              + 2 * tokens * 4  # acs row and column
+              + programs * p * n * 4  # chunk states out
+              + 2 * bsz * h * p * n * 4)  # initial and final state
+    return pl.CostEstimate(flops=int(flops), transcendentals=int(exps), bytes_accessed=int(bytes_))
+
+
+def backward_cost(shape_x, groups, n, x_bytes, bc_bytes) -> pl.CostEstimate:
+    """Recomputed C B^T, dy x^T, B dS'^T, C S^T, and dx, dC, dB, dS, d acs matmuls."""
+    bsz, nc, size, h, p = shape_x
+    programs = bsz * h * nc
+    flops = programs * (size * size * (6 * n + 4 * p + 2) + 10 * size * n * p)
+    exps = programs * (size * size + 2 * size + 1)
+    tokens = bsz * nc * size * h
+    bytes_ = (4 * tokens * p * x_bytes  # x, dy in, dx out (dy counted at x's width)
+              + 2 * programs * size * n * bc_bytes  # B, C per head in
+              + 2 * programs * size * n * 4  # dB, dC per head out
+              + 3 * tokens * 4  # acs row, column, d acs
+              + programs * p * n * 4  # chunk states in
+              + 2 * bsz * h * p * n * 4)  # d final in, d initial out
+    return pl.CostEstimate(flops=int(flops), transcendentals=int(exps), bytes_accessed=int(bytes_))
+
+
+def forward(x, a, b, c, initial_state, *, interpret=False, block_sizes=None):
+    """(y [b,nc,C,h,p] x.dtype, final_state [b,h,p,n] fp32, chunk_states [b,nc,h,p,n] fp32)."""
+    block_sizes = resolve_block_sizes(block_sizes)
+    bsz, nc, size, h, p = x.shape
+    groups, n = b.shape[-2], b.shape[-1]
+    specs = _specs(x.shape, groups)
+    row, col = _cumsums(a)
+    y, final, states = pl.pallas_call(
+        _forward_kernel,
+        grid=(bsz, h, nc),
+        in_specs=[specs["x"](False, p), specs["bc"](False, n), specs["bc"](False, n),
+                  specs["row"](False), specs["col"](False), specs["state"](n)],
+        out_specs=[specs["x"](False, p), specs["state"](n), specs["chunk_state"](False, n)],
+        out_shape=[jax.ShapeDtypeStruct((bsz, h, nc, size, p), x.dtype),
+                   jax.ShapeDtypeStruct((bsz, h, p, n), _F32),
+                   jax.ShapeDtypeStruct((bsz, nc, h, p, n), _F32)],
+        scratch_shapes=[pltpu.VMEM((p, n), _F32)],
+        compiler_params=_params(block_sizes),
+        cost_estimate=forward_cost(x.shape, groups, n, x.dtype.itemsize, b.dtype.itemsize),
+        interpret=_interpret(interpret),
+        name="ssd_forward_mosaic_tpu",
+    )(_head_major(x), _head_major(b), _head_major(c), row, col, initial_state.astype(_F32))
+    return _chunk_major(y), final, states
+
+
+def backward(x, a, b, c, chunk_states, dy, dfinal_state, *, interpret=False, block_sizes=None):
+    """(dx, da, db, dc, d initial_state) in the primal dtypes (d initial_state fp32)."""
+    block_sizes = resolve_block_sizes(block_sizes)
+    bsz, nc, size, h, p = x.shape
+    groups, n = b.shape[-2], b.shape[-1]
+    specs = _specs(x.shape, groups)
+    row, col = _cumsums(a)
+    per_head = jax.ShapeDtypeStruct((bsz, h, nc, size, n), _F32)
+    dx, db, dc, dacs, dinit = pl.pallas_call(
+        _backward_kernel,
+        grid=(bsz, h, nc),
+        in_specs=[specs["x"](True, p), specs["bc"](True, n), specs["bc"](True, n),
+                  specs["row"](True), specs["col"](True), specs["chunk_state"](True, n),
+                  specs["x"](True, p), specs["state"](n)],
+        out_specs=[specs["x"](True, p), specs["x"](True, n), specs["x"](True, n),
+                   specs["col"](True), specs["state"](n)],
+        out_shape=[jax.ShapeDtypeStruct((bsz, h, nc, size, p), x.dtype), per_head, per_head,
+                   jax.ShapeDtypeStruct((bsz, h, nc, size, 1), _F32),
+                   jax.ShapeDtypeStruct((bsz, h, p, n), _F32)],
+        scratch_shapes=[pltpu.VMEM((p, n), _F32)],
+        compiler_params=_params(block_sizes),
+        cost_estimate=backward_cost(x.shape, groups, n, x.dtype.itemsize, b.dtype.itemsize),
+        interpret=_interpret(interpret),
+        name="ssd_backward_mosaic_tpu",
+    )(_head_major(x), _head_major(b), _head_major(c), row, col, chunk_states.astype(_F32),
+      _head_major(dy.astype(x.dtype)), dfinal_state.astype(_F32))
+    da = jnp.flip(jnp.cumsum(jnp.flip(dacs[..., 0], -1), -1), -1)  # [b, h, nc, C]
+    return (
+        _chunk_major(dx),
+        jnp.transpose(da, (0, 2, 3, 1)).astype(a.dtype),
+        _group_sum(db, groups).astype(b.dtype),
+        _group_sum(dc, groups).astype(c.dtype),
+        dinit,
+    )
+
+
+def _group_sum(per_head, groups):
+    """[b, h, nc, C, n] per head -> [b, nc, C, g, n] summed over each group's heads."""
+    bsz, h, nc, size, n = per_head.shape
+    summed = per_head.reshape(bsz, groups, h // groups, nc, size, n).sum(axis=2)
+    return jnp.transpose(summed, (0, 2, 3, 1, 4))

@@ -1,0 +1,147 @@
+"""Which SSD backend a geometry is built for, and why.
+
+Two questions, kept apart:
+
+- `ssd_kernel_runs(chunk_size, head_dim, state_size, backend)`: can `backend` build this
+  geometry at all, and is it worth a program? (the geometry rule; it does not look at the
+  device). `ssd_kernel_reason` says why not.
+- `ssd_kernel_platform(chunk_size, head_dim, state_size)`: the backend to build for on the
+  present device, or None for the XLA path. A backend is offered only where it runs this
+  geometry AND it is admitted: DESIGN.md admits a backend only where a benchmark in
+  docs/performance.md shows it ahead of the XLA path.
+
+Admission today (see ADMITTED): neither kernel. The Mosaic TPU kernel is correct (interpret
+parity, TPU lowering) but no TPU has measured it here, so a TPU takes the XLA path unless
+the caller names the kernel. The GPU engineer sets "pallas_triton" from the H200 figures.
+Each decision is logged once per (geometry, device) at INFO on logger "pallasite.ssd".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+from pallasite.kernels import platform
+
+_LOG = logging.getLogger("pallasite.ssd")
+
+BACKENDS = ("pallas_mosaic_tpu", "pallas_triton")
+
+# backend -> (admitted by default?, the measurement or the reason). Flip to True only with
+# the figure that shows the kernel ahead of XLA.
+ADMITTED: dict[str, tuple[bool, str]] = {
+    "pallas_mosaic_tpu": (False, "no TPU benchmark yet (DESIGN: admitted only where measured "
+                                 "ahead of XLA)"),
+    "pallas_triton": (False, "no GPU benchmark yet: issue 8 sets this from H200 figures"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """One backend's limits.
+
+    min_chunk: below it the fixed cost of a program outweighs its work. A Pallas TPU grid
+      step costs ~0.35 us (Pallas TPU docs); at C=32, p=n=64 a program moves ~40 KB
+      (~0.05 us at v5e's 819 GB/s) and does ~0.8 MFLOP, so overhead would be ~7x the work;
+      at C=64 it is ~2x and falls with C^2 for the matmuls. The same argument holds on the
+      GPU for a launch slice (the GPU owner may tighten it with measurements).
+    budget_bytes: per program: VMEM (scoped default 16 MiB on v5e, 32 MiB on v6e; the
+      kernel asks for 32 MiB and we keep 16 as the safe figure) or Triton shared memory
+      (227 KiB per block on sm90).
+    """
+
+    min_chunk: int
+    max_chunk: int
+    budget_bytes: int
+    program_bytes: object  # (chunk, head_dim, state) -> bytes one program holds
+
+
+def _mosaic_tpu_bytes(chunk: int, head_dim: int, state: int) -> int:
+    """VMEM of the backward program (the larger): double-buffered blocks + scratch + temps.
+
+    Blocks in fp32 width (bf16 halves them): x, dy, dx [C, p]; B, C, dB, dC [C, n]; acs
+    column and d acs [C, 1] padded to 128 lanes; acs row [1, C] padded to 8 sublanes;
+    state, d final, d initial [p, n]; one [p, n] scratch; about 8 live [C, C] fp32
+    temporaries and 6 [C, max(p, n)] ones.
+    """
+    f32 = 4
+    blocks = (3 * chunk * head_dim + 4 * chunk * state + 2 * chunk * 128 + 8 * chunk
+              + 3 * head_dim * state) * f32
+    temps = (8 * chunk * chunk + 6 * chunk * max(head_dim, state)) * f32
+    return 2 * blocks + head_dim * state * f32 + temps
+
+
+def _triton_bytes(chunk: int, head_dim: int, state: int) -> int:
+    """Shared memory of one program holding a chunk's x, B, C (bf16) and a [C, C] tile."""
+    return 2 * (chunk * head_dim + 2 * chunk * state) + 4 * chunk * chunk
+
+
+GEOMETRY: dict[str, Geometry] = {
+    "pallas_mosaic_tpu": Geometry(64, 512, 16 * 1024 * 1024, _mosaic_tpu_bytes),
+    "pallas_triton": Geometry(64, 256, 227 * 1024, _triton_bytes),
+}
+
+
+def _power_of_two(value: int) -> bool:
+    return value >= 1 and value & (value - 1) == 0
+
+
+def ssd_kernel_reason(chunk_size: int, head_dim: int, state_size: int, backend: str) -> str | None:
+    """None when `backend` can build this geometry; otherwise the reason it cannot."""
+    if backend not in GEOMETRY:
+        return f"unknown SSD backend {backend!r}; known: {sorted(GEOMETRY)}"
+    geo = GEOMETRY[backend]
+    for name, value in (("chunk_size", chunk_size), ("head_dim", head_dim),
+                        ("state_size", state_size)):
+        if not (_power_of_two(value) and value >= 8):
+            return f"{name}={value} is not a power of two >= 8 (tiles are (8, 128)-aligned)"
+    if chunk_size < geo.min_chunk:
+        return f"chunk_size={chunk_size} < {geo.min_chunk}: too short to pay for a program"
+    if chunk_size > geo.max_chunk:
+        return f"chunk_size={chunk_size} > {geo.max_chunk}: [C, C] tiles exceed the program"
+    need = geo.program_bytes(chunk_size, head_dim, state_size)
+    if need > geo.budget_bytes:
+        return f"one program needs {need} bytes > {backend} budget {geo.budget_bytes}"
+    return None
+
+
+def ssd_kernel_runs(chunk_size: int, head_dim: int, state_size: int, backend: str) -> bool:
+    """Whether `backend` builds (chunk_size, head_dim, state_size) and it pays for a program."""
+    return ssd_kernel_reason(chunk_size, head_dim, state_size, backend) is None
+
+
+def _device_backend(device=None) -> str | None:
+    """The kernel backend the device could run: Mosaic on TPU, Triton on a GPU from sm80."""
+    generation = platform.device_generation(device)
+    if generation.startswith("v") or generation == "tpu":
+        return "pallas_mosaic_tpu"
+    if platform.triton_runs(device):
+        return "pallas_triton"
+    return None
+
+
+def ssd_kernel_platform(chunk_size: int, head_dim: int, state_size: int,
+                        device=None) -> str | None:
+    """The backend to build this geometry for on `device` (default: JAX's first), or None.
+
+    None means the XLA path: no kernel for the device, the geometry refused, or the
+    backend not admitted (ADMITTED). The choice and its reason are logged once.
+    """
+    backend = _device_backend(device)
+    if backend is None:
+        choice, why = None, f"no SSD kernel for {platform.device_generation(device)}"
+    elif (reason := ssd_kernel_reason(chunk_size, head_dim, state_size, backend)) is not None:
+        choice, why = None, f"{backend} refused: {reason}"
+    elif not ADMITTED[backend][0]:
+        choice, why = None, f"{backend} not admitted: {ADMITTED[backend][1]}"
+    else:
+        choice, why = backend, f"{backend}: {ADMITTED[backend][1]}"
+    _log_once(chunk_size, head_dim, state_size, backend, choice, why)
+    return choice
+
+
+@functools.lru_cache(maxsize=None)
+def _log_once(chunk_size, head_dim, state_size, backend, choice, why) -> None:
+    _LOG.info("ssd geometry chunk=%d head_dim=%d state=%d -> %s (%s)",
+              chunk_size, head_dim, state_size, choice or "xla", why)
