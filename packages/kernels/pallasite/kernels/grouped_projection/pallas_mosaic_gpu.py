@@ -1,0 +1,520 @@
+"""Grouped projection on Hopper (sm90) through Pallas Mosaic GPU: wgmma fed by TMA.
+
+Backend contract (megablox style, shared by every grouped-projection backend):
+  gmm(lhs[m,k], rhs[g,k,n] or [g,n,k] with transpose_rhs, group_sizes[g]) -> [m,n]
+  tgmm(lhs[m,k], rhs[m,n], group_sizes[g], num_groups=g) -> [g,k,n], out_g = lhs_g^T rhs_g
+Rows of lhs are sorted by group; rows past sum(group_sizes) give zeros; empty groups give
+zero tgmm blocks; products accumulate in fp32 (wgmma accumulators) and round once.
+
+gmm (forward, and dx = gmm(dy, kernel, transpose_rhs=True): the transposed weight tile is
+  read through a transposed shared-memory view, never copied in HBM).
+  Row tiles are laid out per group, starting at the group's first row, so no tile straddles
+  two groups: a tile holds up to block_m rows of one group. The tile table (group, first
+  row, valid rows) is built on the device by a few tiny XLA ops before the kernel; the
+  kernel reads three scalars per tile instead of unrolling a search over all groups (JAX's
+  example kernel does the latter, which costs it most of the gap on g=128/256 shapes, see
+  docs/performance.md). Rows past the total form one extra pseudo-group whose tiles skip
+  the matmul and store zeros, so every output row is written exactly once, by its owner.
+  A persistent grid (one program per SM) walks (row tile, column tile) pairs in a planar
+  snake of width grid_block_n column tiles, so concurrently running programs share weight
+  and activation tiles in L2. Each tile runs a `stages`-deep TMA -> swizzled SMEM -> wgmma
+  pipeline over k. The output tile goes registers -> SMEM -> TMA store, with the ragged row
+  count stored as a ladder of power-of-two row boxes (TMA boxes are static).
+  The TMA load window is clamped into [0, m) (a short last tile of the last group reads a
+  few rows before its first row rather than past the array end) so no load is out of
+  bounds; the store uses only the group's own rows.
+
+tgmm (dkernel): one output tile (block_m x block_n of [k, n]) per (group, tile) pair; the
+  contraction runs over the group's rows in steps of block_k starting at the group's first
+  row; the last step masks rows past the group's end in both operands (a select, so a NaN
+  in a neighbour's rows cannot leak in as 0*NaN). Empty groups skip the loop and store
+  zeros. On every TARGETS shape there are >= 28k output tiles for 132 SMs, so uneven
+  groups average out across programs without split-k (see docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Int, Shaped
+
+# H200 SXM has 132 SMs; used when the default device does not report its core count.
+_DEFAULT_NUM_SMS = 132
+# Programs in interpret mode (CPU tests): few, so the interpreter's threads stay cheap.
+_INTERPRET_NUM_SMS = 3
+_MAX_ACC_ELEMS = 192 * 128  # one warpgroup: 192 fp32 accumulator registers per thread
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGpuBlockSizes:
+    """Tiles for one Mosaic GPU product.
+
+    block_m x block_n is the output tile held in one warpgroup's registers; block_k the
+    contraction step per pipeline stage. For gmm: block_m rows of lhs, block_n columns of
+    the output, block_k of the k contraction. For tgmm: block_m over k (lhs columns),
+    block_n over n, block_k rows of the ragged contraction. stages is the number of TMA
+    buffers in flight; grid_block_n the width (in column tiles) of the planar snake.
+    """
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    stages: int = 4
+    grid_block_n: int = 8
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k", "stages", "grid_block_n"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"MosaicGpuBlockSizes.{name} must be a positive int, got {value!r}")
+        for name in ("block_m", "block_n", "block_k"):
+            if getattr(self, name) % 64:
+                raise ValueError(
+                    f"MosaicGpuBlockSizes.{name} must be a multiple of 64 (wgmma warpgroup "
+                    f"rows, 128-byte swizzle of bf16), got {getattr(self, name)}"
+                )
+        if self.block_m * self.block_n > _MAX_ACC_ELEMS:
+            raise ValueError(
+                f"MosaicGpuBlockSizes block_m*block_n={self.block_m * self.block_n} exceeds "
+                f"{_MAX_ACC_ELEMS}: the fp32 accumulator would not fit one warpgroup's registers"
+            )
+
+
+# Defaults measured on one H200 (docs/performance.md, issue 7). Many small groups
+# (mean group < 1024 rows) waste up to block_m-1 rows per group, so they take block_m 128;
+# few large groups take the 192-row tile that the sweep of JAX's example found best.
+GMM_LARGE_GROUPS = MosaicGpuBlockSizes(block_m=192, block_n=128, block_k=64, stages=4, grid_block_n=8)
+GMM_SMALL_GROUPS = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=4, grid_block_n=8)
+TGMM_DEFAULT = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=4, grid_block_n=8)
+
+
+def resolve_block_sizes(
+    op: str, m: int, k: int, n: int, num_groups: int, block_sizes: Any
+) -> MosaicGpuBlockSizes:
+    """The one place block sizes are chosen: the caller's, else the default for the shape."""
+    if block_sizes is not None:
+        if not isinstance(block_sizes, MosaicGpuBlockSizes):
+            raise TypeError(
+                f"block_sizes must be MosaicGpuBlockSizes or None, got {type(block_sizes).__name__}"
+            )
+        return block_sizes
+    if op == "tgmm":
+        return TGMM_DEFAULT
+    return GMM_LARGE_GROUPS if m >= 1024 * max(num_groups, 1) else GMM_SMALL_GROUPS
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _num_programs(interpret: bool) -> int:
+    if interpret:
+        return _INTERPRET_NUM_SMS
+    return int(getattr(jax.devices()[0], "core_count", 0) or _DEFAULT_NUM_SMS)
+
+
+def _interpret_params(interpret: bool):
+    return plgpu.InterpretGPUParams() if interpret else False
+
+
+def _compiler_params():
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+
+
+def _swizzle_transforms(dtype, rows: int = 8) -> tuple:
+    """128-byte swizzle with (rows, 128 bytes) tiles.
+
+    rows=1 for the ragged output tile: its row boxes start at any row, which (8, .) tiles
+    cannot address.
+    """
+    swizzle = 128
+    elems = swizzle // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((rows, elems)), plgpu.SwizzleTransform(swizzle))
+
+
+def _pad_axis(x: jax.Array, axis: int, multiple: int, minimum: int = 0) -> jax.Array:
+    size = x.shape[axis]
+    target = max(-(-size // multiple) * multiple, minimum)
+    if target == size:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, target - size)
+    return jnp.pad(x, pad)
+
+
+def _fit_block(dim: int, block: int) -> int:
+    """Largest multiple of 64 <= block that divides dim (avoids padding the weights)."""
+    for b in range(block, 63, -64):
+        if dim % b == 0:
+            return b
+    return block
+
+
+def _group_bounds(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
+    """Start and clamped size of each group; totals past m are cut at m."""
+    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    return starts, ends - starts
+
+
+def _row_tile_table(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, jax.Array]:
+    """Per row tile (segment, load row, first row, valid rows) as int32 [4, T]; count [1].
+
+    Segments are the g groups and one extra for the rows past the total (stored as zeros).
+    A segment's tiles start at its first row rounded down to 8 (TMA loads and the swizzled
+    SMEM tiles need 8-row alignment; m is padded to a multiple of 8), so a tile holds at
+    most block_m rows of one segment and wastes at most 7 leading rows. The load row is
+    clamped to m - block_m so no load leaves the array.
+    T = (m + (g+1)(block_m+7)) // block_m + 1 bounds sum_s ceil((size_s + 7) / block_m).
+    """
+    g = group_sizes.shape[0]
+    starts, sizes = _group_bounds(group_sizes, m)
+    total = starts[-1] + sizes[-1]
+    seg_start = jnp.concatenate([starts, total[None]])
+    seg_end = jnp.concatenate([starts + sizes, jnp.full((1,), m, jnp.int32)])
+    seg_base = seg_start // 8 * 8
+    seg_tiles = jnp.where(seg_end > seg_start, (seg_end - seg_base + block_m - 1) // block_m, 0)
+    tile_end = jnp.cumsum(seg_tiles)
+    tile_begin = tile_end - seg_tiles
+    bound = (m + (g + 1) * (block_m + 7)) // block_m + 1
+    t = jnp.arange(bound, dtype=jnp.int32)
+    seg = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), g).astype(jnp.int32)
+    window = seg_base[seg] + (t - tile_begin[seg]) * block_m
+    first = jnp.maximum(window, seg_start[seg])
+    last = jnp.minimum(window + block_m, seg_end[seg])
+    load = jnp.minimum(window, m - block_m)
+    table = jnp.stack([seg, load, first, jnp.maximum(last - first, 0)]).astype(jnp.int32)
+    return table, tile_end[-1:].astype(jnp.int32)
+
+
+def _shard_map(fn, *args):
+    """Run fn under an explicit shard_map, operands replicated (the ragged dim stays local).
+
+    Uses the ambient mesh when one is set; otherwise a one-axis mesh over the devices.
+    Replicated specs mean no collective is inserted: each device computes the product.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        mesh = jax.sharding.Mesh(np.array(jax.devices()), ("grouped_projection",))
+    specs = tuple(P() for _ in args)
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(*args)
+
+
+# --------------------------------------------------------------------------- gmm
+
+
+def _store_rows(acc, out_gmem, row0, rows, smem_off, col0, block_m: int, block_n: int):
+    """Store `rows` (dynamic, <= block_m) rows of the tile from SMEM row smem_off on.
+
+    TMA boxes are static, so the count is written as a sum of power-of-two row boxes.
+    """
+
+    o_type = plgpu.SMEM(
+        (block_m, block_n), out_gmem.dtype, transforms=_swizzle_transforms(out_gmem.dtype, rows=1)
+    )
+
+    @functools.partial(pl.run_scoped, o_smem=o_type)
+    def _(o_smem):
+        o_smem[...] = acc.astype(o_smem.dtype)
+        plgpu.commit_smem()
+        done = jnp.int32(0)
+        box = 1 << (block_m.bit_length() - 1)
+        while box:
+
+            @pl.when(rows & box != 0)
+            def _(box=box, done=done):
+                plgpu.copy_smem_to_gmem(
+                    o_smem.at[pl.ds(smem_off + done, box)],
+                    out_gmem.at[pl.ds(row0 + done, box), pl.ds(col0, block_n)],
+                )
+
+            done = done + (rows & box)
+            box //= 2
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _gmm_kernel(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_rhs: bool):
+    bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
+    grid_n = n // bn
+    delay = 1 if bs.stages > 1 else 0
+
+    def body(table_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem):
+        num_tiles = count_gmem[0]
+
+        @plgpu.nd_loop((num_tiles * grid_n,), collective_axes="sm")
+        def _(info):
+            mi, ni = plgpu.planar_snake(info.index[0], (num_tiles, grid_n), 1, bs.grid_block_n)
+            seg = table_gmem[0, mi]
+            load0 = pl.multiple_of(table_gmem[1, mi], 8)
+            row0 = table_gmem[2, mi]
+            rows = table_gmem[3, mi]
+
+            def acc_scope(acc_ref):
+                def mma(_, a_smem, b_smem):
+                    plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)) if transpose_rhs else b_smem)
+                    if not delay:
+                        plgpu.wgmma_wait(0)
+
+                @pl.when(seg < g)
+                def _():
+                    rhs_spec = (
+                        plgpu.BlockSpec((bn, bk), lambda kk: (ni, kk), delay_release=delay)
+                        if transpose_rhs
+                        else plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni), delay_release=delay)
+                    )
+                    plgpu.emit_pipeline(
+                        mma,
+                        grid=(k // bk,),
+                        in_specs=[
+                            plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), delay_release=delay),
+                            rhs_spec,
+                        ],
+                        max_concurrent_steps=bs.stages,
+                    )(lhs_gmem.at[pl.ds(load0, bm)], rhs_gmem.at[seg])
+
+                return acc_ref[...]
+
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
+            _store_rows(acc, out_gmem, row0, rows, row0 - load0, ni * bn, bm, bn)
+
+    return body
+
+
+def _gmm_local(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, bs, interpret):
+    """gmm on one device's operands (already padded to the block multiples)."""
+    m, k = lhs.shape
+    g = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    table, count = _row_tile_table(group_sizes, m, bs.block_m)
+    isz, osz = jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize
+    cost = pl.CostEstimate(
+        flops=2 * m * k * n,
+        transcendentals=0,
+        bytes_accessed=m * k * isz + g * k * n * isz + m * n * osz + table.size * 4 + 4,
+    )
+    call = pl.kernel(
+        _gmm_kernel(m, k, n, g, bs, transpose_rhs),
+        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        mesh=plgpu.Mesh(grid=(_num_programs(interpret),), grid_names=("sm",)),
+        compiler_params=_compiler_params(),
+        interpret=_interpret_params(interpret),
+        cost_estimate=cost,
+        name="grouped_projection_gmm_mosaic_gpu",
+    )
+    return call(table, count, lhs, rhs)
+
+
+def _check_gmm(lhs, rhs, group_sizes, transpose_rhs):
+    if lhs.ndim != 2:
+        raise ValueError(f"lhs must be [m, k], got shape {lhs.shape}")
+    if rhs.ndim != 3:
+        raise ValueError(f"rhs must be [g, k, n] (or [g, n, k] transposed), got shape {rhs.shape}")
+    rk = rhs.shape[2] if transpose_rhs else rhs.shape[1]
+    if rk != lhs.shape[1]:
+        raise ValueError(
+            f"k mismatch: lhs {lhs.shape} vs rhs {rhs.shape} (transpose_rhs={transpose_rhs})"
+        )
+    _check_group_sizes(group_sizes, rhs.shape[0])
+    if lhs.dtype != rhs.dtype:
+        raise TypeError(f"lhs and rhs must share the compute dtype, got {lhs.dtype} and {rhs.dtype}")
+    if jnp.dtype(lhs.dtype).itemsize != 2:
+        raise TypeError(f"Mosaic GPU kernels take 16-bit operands (bf16/fp16), got {lhs.dtype}")
+
+
+def _check_group_sizes(group_sizes, g):
+    if group_sizes.ndim != 1 or group_sizes.shape[0] != g:
+        raise ValueError(f"group_sizes must be [{g}], got shape {group_sizes.shape}")
+    if group_sizes.dtype != jnp.int32:
+        raise TypeError(f"group_sizes must be int32, got {group_sizes.dtype}")
+
+
+def gmm(
+    lhs: Shaped[Array, "m k"],
+    rhs: Shaped[Array, "g kn nk"],
+    group_sizes: Int[Array, " g"],
+    *,
+    transpose_rhs: bool = False,
+    out_dtype: Any = None,
+    block_sizes: MosaicGpuBlockSizes | None = None,
+    interpret: bool = False,
+) -> Shaped[Array, "m n"]:
+    """Grouped matmul: out[rows of group i] = lhs[rows of group i] @ rhs[i] (or rhs[i]^T)."""
+    _check_gmm(lhs, rhs, group_sizes, transpose_rhs)
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    m, k = lhs.shape
+    g = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    bs = resolve_block_sizes("gmm", m, k, n, g, block_sizes)
+    bs = dataclasses.replace(bs, block_n=_fit_block(n, bs.block_n))
+    if m == 0 or n == 0:
+        return jnp.zeros((m, n), out_dtype)
+    # Pad only where a dimension is not a block multiple (none of the TARGETS shapes).
+    lhs_p = _pad_axis(_pad_axis(lhs, 1, bs.block_k), 0, 8, bs.block_m)
+    rhs_p = _pad_axis(rhs, 2 if transpose_rhs else 1, bs.block_k)
+    rhs_p = _pad_axis(rhs_p, 1 if transpose_rhs else 2, bs.block_n)
+
+    def local(a, b, gs):
+        return _gmm_local(
+            a, b, gs, transpose_rhs=transpose_rhs, out_dtype=out_dtype, bs=bs, interpret=interpret
+        )
+
+    out = _shard_map(local, lhs_p, rhs_p, group_sizes)
+    return out[:m, :n]
+
+
+# --------------------------------------------------------------------------- tgmm
+
+
+def _mask_rows(ref, lo, hi, shape):
+    """Zero the rows outside [lo, hi) of an SMEM tile in place (a select: NaN-safe)."""
+    rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, shape, 0), plgpu.Layout.WGMMA)
+    x = ref[...]
+    ref[...] = jnp.where((rows >= lo) & (rows < hi), x, jnp.zeros_like(x))
+
+
+def _tgmm_kernel(m, k, n, g, bs: MosaicGpuBlockSizes, dtype):
+    bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
+    grid_m, grid_n = k // bm, n // bn
+    delay = 1 if bs.stages > 1 else 0
+    transforms = _swizzle_transforms(dtype)
+
+    def body(starts_gmem, sizes_gmem, lhs_gmem, rhs_gmem, out_gmem):
+        @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
+        def _(info):
+            gi = info.index[0]
+            mi, ni = plgpu.planar_snake(info.index[1], (grid_m, grid_n), 1, bs.grid_block_n)
+            start = starts_gmem[gi]
+            size = sizes_gmem[gi]
+            base = start // 8 * 8  # TMA row boxes start on 8-row boundaries
+            steps = (start + size - base + bk - 1) // bk
+
+            def acc_scope(acc_ref):
+                def step(idx, lhs_smem, rhs_smem):
+                    # Rows [lo, hi) of this step belong to the group; only the first and
+                    # last steps can hold a neighbour's rows (or TMA's zero fill).
+                    lo = start - base - idx[0] * bk
+                    hi = start + size - base - idx[0] * bk
+
+                    @pl.when((lo > 0) | (hi < bk))
+                    def _():
+                        _mask_rows(lhs_smem, lo, hi, (bk, bm))
+                        _mask_rows(rhs_smem, lo, hi, (bk, bn))
+                        plgpu.commit_smem()
+
+                    plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), rhs_smem)
+                    if not delay:
+                        plgpu.wgmma_wait(0)
+
+                def row_block(r):
+                    return pl.multiple_of(base + r * bk, 8)
+
+                @pl.when(size > 0)
+                def _():
+                    plgpu.emit_pipeline(
+                        step,
+                        grid=(steps,),
+                        in_specs=[
+                            plgpu.BlockSpec(
+                                (pl.Element(bk), bm),
+                                lambda r: (row_block(r), mi),
+                                delay_release=delay,
+                                transforms=transforms,
+                            ),
+                            plgpu.BlockSpec(
+                                (pl.Element(bk), bn),
+                                lambda r: (row_block(r), ni),
+                                delay_release=delay,
+                                transforms=transforms,
+                            ),
+                        ],
+                        max_concurrent_steps=bs.stages,
+                    )(lhs_gmem, rhs_gmem)
+
+                return acc_ref[...]
+
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
+
+            @functools.partial(
+                pl.run_scoped,
+                o_smem=plgpu.SMEM(
+                    (bm, bn), dtype=out_gmem.dtype, transforms=_swizzle_transforms(out_gmem.dtype)
+                ),
+            )
+            def _(o_smem):
+                o_smem[...] = acc.astype(o_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(
+                    o_smem, out_gmem.at[gi, pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)]
+                )
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    return body
+
+
+def _tgmm_local(lhs, rhs, group_sizes, *, out_dtype, bs, interpret):
+    m, k = lhs.shape
+    n = rhs.shape[1]
+    g = group_sizes.shape[0]
+    starts, sizes = _group_bounds(group_sizes, m)
+    isz, osz = jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize
+    cost = pl.CostEstimate(
+        flops=2 * m * k * n,
+        transcendentals=0,
+        bytes_accessed=m * k * isz + m * n * isz + g * k * n * osz + 8 * g,
+    )
+    call = pl.kernel(
+        _tgmm_kernel(m, k, n, g, bs, lhs.dtype),
+        out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
+        mesh=plgpu.Mesh(grid=(_num_programs(interpret),), grid_names=("sm",)),
+        compiler_params=_compiler_params(),
+        interpret=_interpret_params(interpret),
+        cost_estimate=cost,
+        name="grouped_projection_tgmm_mosaic_gpu",
+    )
+    return call(starts, sizes, lhs, rhs)
+
+
+def tgmm(
+    lhs: Shaped[Array, "m k"],
+    rhs: Shaped[Array, "m n"],
+    group_sizes: Int[Array, " g"],
+    *,
+    num_groups: int | None = None,
+    out_dtype: Any = None,
+    block_sizes: MosaicGpuBlockSizes | None = None,
+    interpret: bool = False,
+) -> Shaped[Array, "g k n"]:
+    """Ragged contraction: out[i] = lhs[rows of group i]^T @ rhs[rows of group i]."""
+    if lhs.ndim != 2 or rhs.ndim != 2 or lhs.shape[0] != rhs.shape[0]:
+        raise ValueError(f"lhs [m, k] and rhs [m, n] must share m, got {lhs.shape} and {rhs.shape}")
+    g = group_sizes.shape[0] if num_groups is None else num_groups
+    _check_group_sizes(group_sizes, g)
+    if lhs.dtype != rhs.dtype:
+        raise TypeError(f"lhs and rhs must share the compute dtype, got {lhs.dtype} and {rhs.dtype}")
+    if jnp.dtype(lhs.dtype).itemsize != 2:
+        raise TypeError(f"Mosaic GPU kernels take 16-bit operands (bf16/fp16), got {lhs.dtype}")
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    m, k = lhs.shape
+    n = rhs.shape[1]
+    bs = resolve_block_sizes("tgmm", m, k, n, g, block_sizes)
+    bs = dataclasses.replace(bs, block_m=_fit_block(k, bs.block_m), block_n=_fit_block(n, bs.block_n))
+    if g == 0 or k == 0 or n == 0:
+        return jnp.zeros((g, k, n), out_dtype)
+    # Rows are padded to a block_k multiple (and at least one block) so every contraction
+    # window lies in a block-aligned array; the pad rows belong to no group.
+    lhs_p = _pad_axis(_pad_axis(lhs, 0, bs.block_k, bs.block_k), 1, bs.block_m)
+    rhs_p = _pad_axis(_pad_axis(rhs, 0, bs.block_k, bs.block_k), 1, bs.block_n)
+
+    def local(a, b, gs):
+        return _tgmm_local(a, b, gs, out_dtype=out_dtype, bs=bs, interpret=interpret)
+
+    out = _shard_map(local, lhs_p, rhs_p, group_sizes)
+    return out[:, :k, :n]
