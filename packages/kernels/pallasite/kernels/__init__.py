@@ -4,6 +4,13 @@ Pallas kernels for the operations XLA does not fuse well, each with a plain-JAX 
 (pallasite.reference) it is tested against and falls back to.
 """
 
+from pallasite.kernels.grouped_projection import (
+    GroupedProjectionBlockSizes,
+    MosaicTpuBlockSizes,
+    TritonBlockSizes,
+    grouped_projection,
+    ragged_dot_runs,
+)
 from pallasite.kernels.platform import (
     bf16_dot_runs,
     device_generation,
@@ -18,6 +25,11 @@ from pallasite.kernels.ssd import (
 )
 
 __all__ = [
+    "GroupedProjectionBlockSizes",
+    "MosaicTpuBlockSizes",
+    "TritonBlockSizes",
+    "grouped_projection",
+    "ragged_dot_runs",
     "bf16_dot_runs",
     "chunk_ssd",
     "device_generation",

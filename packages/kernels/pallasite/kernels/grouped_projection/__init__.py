@@ -1,0 +1,23 @@
+"""grouped_projection: the MoE expert projection (ragged matmul), forward and backward.
+
+api.py (public function, backend order), ops.py (custom_vjp, shard_map), group_metadata.py
+(row tiles per group), config.py (block sizes), predicates.py (ragged_dot_runs), and one
+file per backend: xla.py, pallas_triton.py, pallas_mosaic_tpu.py, pallas_mosaic_gpu.py.
+"""
+
+from pallasite.kernels.grouped_projection.api import IMPLEMENTATIONS, grouped_projection
+from pallasite.kernels.grouped_projection.config import (
+    GroupedProjectionBlockSizes,
+    MosaicTpuBlockSizes,
+    TritonBlockSizes,
+)
+from pallasite.kernels.grouped_projection.predicates import ragged_dot_runs
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "GroupedProjectionBlockSizes",
+    "MosaicTpuBlockSizes",
+    "TritonBlockSizes",
+    "grouped_projection",
+    "ragged_dot_runs",
+]

@@ -1,0 +1,183 @@
+"""`grouped_projection`: the public MoE expert projection, and how a backend is chosen.
+
+Default order per lowering platform (jax.lax.platform_dependent, so one jitted function
+exports for several platforms; each platform's branch is traced, only the lowered ones
+are compiled):
+  cuda: pallas_mosaic_gpu (Hopper, when that module imports and mosaic_gpu_runs),
+        pallas_triton (triton_runs: sm80+), then xla;
+  tpu:  pallas_mosaic_tpu, then xla;
+  else: xla, or pallas_triton through the interpreter when interpret_on_cpu=True.
+Kernels are admitted only where ragged_dot_runs says they compute what was asked (16-bit
+compute, or fp32 at default precision, no x64). On the H200 the Triton path is 3-30x
+jax.lax.ragged_dot and fits dsv3 where XLA runs out of memory (docs/performance.md).
+
+`implementation=` a name: that backend or its error (fails fast); a sequence: tried in
+order, each fallback logged with its reason, all reasons raised together (an
+ExceptionGroup) if none works; None: the default order above. A backend "fails" when its
+predicate refuses the input/device or it raises while being traced; errors that surface
+only when XLA compiles the program cannot be caught here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from pallasite.kernels import platform
+from pallasite.kernels.grouped_projection import config, ops
+from pallasite.kernels.grouped_projection.predicates import ragged_dot_runs
+from pallasite.reference.grouped_projection import validate_grouped_projection
+
+log = logging.getLogger(__name__)
+
+# The default order on CUDA; pallas_mosaic_gpu joins it only if its module imports.
+CUDA_ORDER = ["pallas_mosaic_gpu", "pallas_triton", "xla"]
+TPU_ORDER = ["pallas_mosaic_tpu", "xla"]
+IMPLEMENTATIONS = ops.BACKENDS
+
+# Which backend a bare block-size class belongs to (by class name: the Hopper backend's
+# class lives in its own module).
+_BLOCKS_OWNER = {
+    "TritonBlockSizes": "pallas_triton",
+    "MosaicTpuBlockSizes": "pallas_mosaic_tpu",
+    "MosaicGpuBlockSizes": "pallas_mosaic_gpu",
+}
+
+
+def _importable(name: str) -> str | None:
+    try:
+        ops.backend(name)
+    except ImportError as e:  # a backend that is not there is simply not in the order
+        return f"{name} does not import: {e}"
+    return None
+
+
+def _refusal(name: str, compute, operands, interpret: bool, check_device: bool = True
+             ) -> str | None:
+    """Why backend `name` cannot run here (None: it can). interpret: CPU interpreter.
+    check_device=False skips the local-device predicates: the TPU branch of a
+    platform_dependent is only lowered for a TPU, and every TPU runs the Mosaic kernels,
+    so exporting for TPU from a CPU host still gets them."""
+    if name == "xla":
+        return None
+    if (why := _importable(name)) is not None:
+        return why
+    if not ragged_dot_runs(compute, operands):
+        return (f"{name}: ragged_dot_runs refuses compute={np.dtype(compute).name} with "
+                f"operands {[np.dtype(o.dtype).name for o in operands]} "
+                f"(x64={jax.config.jax_enable_x64}, precision="
+                f"{jax.config.jax_default_matmul_precision})")
+    if interpret or not check_device:
+        return None
+    generation = platform.device_generation()
+    if name == "pallas_triton" and not platform.triton_runs():
+        return f"pallas_triton needs a CUDA GPU from sm80; the device is {generation}"
+    if name == "pallas_mosaic_gpu" and not platform.mosaic_gpu_runs():
+        return f"pallas_mosaic_gpu needs a Hopper GPU (sm90); the device is {generation}"
+    if name == "pallas_mosaic_tpu" and not generation.startswith(("v", "tpu")):
+        return f"pallas_mosaic_tpu needs a TPU; the device is {generation}"
+    return None
+
+
+def _blocks_for(name: str, block_sizes):
+    if block_sizes is None or isinstance(block_sizes, config.GroupedProjectionBlockSizes):
+        return block_sizes
+    owner = _BLOCKS_OWNER.get(type(block_sizes).__name__)
+    if owner is None:
+        raise TypeError(f"block_sizes must be a backend's BlockSizes or "
+                        f"GroupedProjectionBlockSizes; got {block_sizes!r}")
+    return block_sizes if owner == name else None
+
+
+def _run(name, x, kernel, group_sizes, compute, block_sizes, interpret):
+    return ops.project(x, kernel, group_sizes, name, np.dtype(compute),
+                       _blocks_for(name, block_sizes), interpret)
+
+
+def _try_in_order(names, x, kernel, group_sizes, compute, block_sizes, interpret, strict,
+                  check_device=True):
+    """Run the first backend of `names` that accepts; log each fallback; raise them all."""
+    errors = []
+    for name in names:
+        why = _refusal(name, compute, (x, kernel), interpret, check_device)
+        try:
+            if why is not None:
+                raise RuntimeError(why)
+            return _run(name, x, kernel, group_sizes, compute, block_sizes, interpret)
+        except Exception as e:  # noqa: BLE001 - every backend's failure is reported
+            if strict:
+                raise
+            log.warning("grouped_projection: %s failed (%s: %s); trying the next",
+                        name, type(e).__name__, e)
+            errors.append(e)
+    raise ExceptionGroup(
+        f"grouped_projection: every implementation failed: {list(names)}", errors)
+
+
+def _default(x, kernel, group_sizes, compute, block_sizes, interpret_on_cpu):
+    def branch(names, interpret=False, check_device=True):
+        names = [n for n in names if n == "xla" or _importable(n) is None]
+
+        def run(x, kernel, group_sizes):
+            for name in names:  # the predicates pick; xla always accepts
+                why = _refusal(name, compute, (x, kernel), interpret, check_device)
+                if why is None:
+                    return _try_in_order(names[names.index(name):], x, kernel, group_sizes,
+                                         compute, block_sizes, interpret, strict=False,
+                                         check_device=check_device)
+                log.info("grouped_projection: skipping %s: %s", name, why)
+            raise AssertionError("unreachable: xla always accepts")
+
+        return run
+
+    cpu = ["pallas_triton", "xla"] if interpret_on_cpu else ["xla"]
+    return jax.lax.platform_dependent(
+        x, kernel, group_sizes,
+        cuda=branch(CUDA_ORDER),
+        tpu=branch(TPU_ORDER, check_device=False),
+        cpu=branch(cpu, interpret=bool(interpret_on_cpu)),
+        default=branch(["xla"]),
+    )
+
+
+def grouped_projection(
+    x: Float[Array, "m k"],
+    kernel: Float[Array, "g k n"],
+    group_sizes: Int[Array, "g"],
+    compute,
+    interpret_on_cpu: bool = False,
+    *,
+    implementation: str | Sequence[str] | None = None,
+    block_sizes=None,
+) -> Float[Array, "m n"]:
+    """`[m, n]` in `compute`: rows of group i (sorted, `group_sizes[i]` of them) times
+    `kernel[i]`; rows past `sum(group_sizes)` are zero. Operands are cast to `compute`,
+    products summed in fp32 and rounded once; differentiable (dx in x.dtype, dkernel in
+    kernel.dtype, fp32 sums, empty groups zero dkernel).
+
+    implementation: None, a name from IMPLEMENTATIONS, or a sequence of them (see the
+    module docstring). block_sizes: a backend's BlockSizes (used by that backend only) or
+    a GroupedProjectionBlockSizes per product; None: the backend's tuned default.
+    interpret_on_cpu: on CPU, run the kernel through the Pallas interpreter (tests).
+    """
+    validate_grouped_projection(x, kernel, group_sizes, compute)
+    if block_sizes is not None:
+        _blocks_for("xla", block_sizes)  # a wrong type fails here, before any kernel
+    if implementation is None:
+        return _default(x, kernel, group_sizes, compute, block_sizes, interpret_on_cpu)
+    interpret = bool(interpret_on_cpu) and jax.default_backend() == "cpu"
+    if isinstance(implementation, str):
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
+        return _try_in_order([implementation], x, kernel, group_sizes, compute, block_sizes,
+                             interpret, strict=True)
+    names = list(implementation)
+    unknown = [n for n in names if n not in IMPLEMENTATIONS]
+    if not names or unknown:
+        raise ValueError(f"implementation={implementation!r}: need names from {IMPLEMENTATIONS}")
+    return _try_in_order(names, x, kernel, group_sizes, compute, block_sizes, interpret,
+                         strict=False)

@@ -1,0 +1,123 @@
+"""Group metadata: which rows each program of a grouped kernel owns.
+
+Rows of the left operand are sorted by group; group i owns rows
+[offsets[i], offsets[i+1]). A grouped kernel runs one program per *visit*: a
+(group, row range) pair of at most `tile` rows. Two tilings are built here, once per
+call, in plain JAX (a few small int32 ops, cheap next to the matmul):
+
+- `aligned=False` (Pallas Triton): each group is cut into tiles starting at the group's
+  own first row, so no tile straddles two groups and no row is computed twice; a tile
+  reads rows at an arbitrary offset, which a pointer-based kernel does with masks.
+- `aligned=True` (Mosaic TPU): visits are the intersections of groups with the
+  tile-aligned row blocks `[j*tile, (j+1)*tile)`, because TPU blocks must be aligned;
+  a block shared by two groups is visited once per group, consecutively, and each visit
+  stores only its own rows.
+
+The rows past `sum(group_sizes)` form one more pseudo-group, id `num_groups`, when
+`include_tail=True`, so the kernel writes zeros there (the contract) without a second
+pass over the output. `visit_empty=True` gives every empty group one empty visit, which
+a kernel reducing per group (tgmm) needs to write that group's zeros.
+
+The number of visits is data dependent, but bounded statically: at most
+`cdiv(m, tile) + num_groups + 1` (each of the `num_groups + 1` pieces adds at most one
+partial tile). Visits past the real count repeat the last real visit's group and tile
+with an empty row range, so a kernel that revisits an output block keeps it resident
+and a per-group reduction does not close early.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Int
+
+
+class GroupMetadata(NamedTuple):
+    """Per-visit arrays, each int32 [num_visits] except `offsets` ([num_groups + 1])."""
+
+    offsets: Int[Array, "g1"]  # row where group i starts; offsets[g] = sum(group_sizes)
+    group: Int[Array, "v"]  # group id of the visit (num_groups = rows past the total)
+    start: Int[Array, "v"]  # first row of the visit
+    end: Int[Array, "v"]  # one past its last row (end == start: nothing to do)
+    tile: Int[Array, "v"]  # aligned row block (start // tile for aligned tilings)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def num_visits(m: int, num_groups: int, tile: int) -> int:
+    """The static bound on visits: the grid size of a grouped kernel."""
+    return cdiv(m, tile) + num_groups + 1
+
+
+def group_offsets(group_sizes: Int[Array, "g"]) -> Int[Array, "g1"]:
+    """[0, s0, s0+s1, ...]: where each group starts, and the total last."""
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32), dtype=jnp.int32)
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+
+
+def make_group_metadata(
+    group_sizes: Int[Array, "g"],
+    m: int,
+    tile: int,
+    *,
+    aligned: bool,
+    include_tail: bool,
+    visit_empty: bool = False,
+) -> GroupMetadata:
+    """The visits of a grouped kernel over `m` rows in tiles of `tile` rows."""
+    num_groups = group_sizes.shape[0]
+    offsets = group_offsets(group_sizes)
+    total = jnp.minimum(offsets[-1], m)
+    starts = jnp.minimum(offsets[:-1], m)
+    ends = jnp.minimum(offsets[1:], m)
+    if include_tail:  # rows past the total: one more piece, id num_groups
+        starts = jnp.concatenate([starts, total[None]])
+        ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
+    sizes = ends - starts
+
+    if aligned:
+        first = starts // tile
+        counts = jnp.where(sizes > 0, cdiv_traced(ends, tile) - first, 0)
+    else:
+        first = jnp.zeros_like(starts)
+        counts = cdiv_traced(sizes, tile)
+    if visit_empty:
+        counts = jnp.where(sizes == 0, 1, counts)
+
+    bound = num_visits(m, num_groups, tile)
+    visit_ends = jnp.cumsum(counts, dtype=jnp.int32)
+    real = visit_ends[-1]
+    v = jnp.arange(bound, dtype=jnp.int32)
+    # Visits past the real count are padding: copies of the last real visit.
+    vv = jnp.maximum(jnp.minimum(v, real - 1), 0)
+    piece = jnp.searchsorted(visit_ends, vv, side="right")
+    piece = jnp.clip(piece, 0, starts.shape[0] - 1).astype(jnp.int32)
+    local = jnp.maximum(vv - (visit_ends[piece] - counts[piece]), 0)
+
+    if aligned:
+        tile_id = first[piece] + local
+        start = jnp.maximum(starts[piece], tile_id * tile)
+        end = jnp.minimum(ends[piece], (tile_id + 1) * tile)
+    else:
+        start = starts[piece] + local * tile
+        end = jnp.minimum(start + tile, ends[piece])
+        tile_id = start // tile
+    end = jnp.maximum(end, start)  # empty visits of empty groups
+    padding = v >= real
+    end = jnp.where(padding, start, end)
+    tile_id = jnp.clip(tile_id, 0, max(cdiv(m, tile) - 1, 0))
+    return GroupMetadata(
+        offsets=offsets,
+        group=piece,
+        start=start.astype(jnp.int32),
+        end=end.astype(jnp.int32),
+        tile=tile_id.astype(jnp.int32),
+    )
+
+
+def cdiv_traced(a: jax.Array, b: int) -> jax.Array:
+    return (a + (b - 1)) // b

@@ -1,0 +1,211 @@
+"""Mosaic TPU grouped matmuls (gmm, tgmm) in the megablox style.
+
+TPU blocks must be aligned, so a visit (see group_metadata, `aligned=True`) is the
+intersection of one group with one [tm]-row block: a block shared by two groups is
+visited once per group, consecutively, each visit storing only its own rows (the output
+block stays resident in VMEM between visits). The visit arrays ride in scalar prefetch
+(SMEM) and steer the BlockSpec index maps. The contraction is the innermost,
+"arbitrary" axis, accumulated in an fp32 VMEM scratch and rounded once at the store.
+
+gmm grid: (n tiles, visits, k tiles). Rows past the total are one more pseudo-group whose
+visits store zeros; padded visits (the static bound exceeds the real count) repeat the
+last visit with no rows. With transpose_rhs, rhs is [g, n, k] and its [tn, tk] block is
+contracted on its last axis: dx reads the forward kernel in place.
+tgmm grid: (n tiles, k tiles, visits); every empty group gets one empty visit, so its
+zero accumulator is stored.
+
+Unaligned m, k, n are padded with zeros to the tile (a copy only when unaligned).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallasite.kernels.grouped_projection import config
+from pallasite.kernels.grouped_projection.group_metadata import (
+    cdiv,
+    make_group_metadata,
+    num_visits,
+)
+
+DEFAULT = config.MosaicTpuBlockSizes()
+
+
+def resolve_block_sizes(block_sizes, *, product: str, m: int, k: int, n: int, g: int,
+                        dtype) -> config.MosaicTpuBlockSizes:
+    """The one place this backend picks its tiles: the caller's, else 128^3 (megablox's
+    default, the MXU width on v5e; a tuned table would go here)."""
+    del m, k, n, g, dtype
+    chosen = config.for_product(block_sizes, product)
+    if chosen is None:
+        return DEFAULT
+    if not isinstance(chosen, config.MosaicTpuBlockSizes):
+        raise TypeError(f"block_sizes for pallas_mosaic_tpu must be MosaicTpuBlockSizes, got {chosen!r}")
+    return chosen
+
+
+def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+    extra = -x.shape[axis] % multiple
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
+
+
+def _row_mask(tile, start, end, tm: int, width: int):
+    rows = tile * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, width), 0)
+    return (rows >= start) & (rows < end)
+
+
+def _interpret(interpret: bool):
+    return pltpu.InterpretParams() if interpret else False
+
+
+def _cost(m, k, n, operands, out_bytes):
+    """2*m*k*n flops; bytes = every operand and the result once."""
+    return pl.CostEstimate(
+        flops=2 * m * k * n,
+        transcendentals=0,
+        bytes_accessed=sum(op.size * op.dtype.itemsize for op in operands) + out_bytes,
+    )
+
+
+def _gmm_kernel(group_ref, start_ref, end_ref, tile_ref, lhs_ref, rhs_ref, out_ref, acc_ref,
+                *, num_groups, tiles_k, tm, tn, transpose_rhs):
+    v, ki = pl.program_id(1), pl.program_id(2)
+    group, start, end = group_ref[v], start_ref[v], end_ref[v]
+
+    @pl.when(ki == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when((group < num_groups) & (end > start))
+    def _accumulate():
+        dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
+        acc_ref[...] += jax.lax.dot_general(
+            lhs_ref[...], rhs_ref[...], dims, preferred_element_type=jnp.float32
+        )
+
+    @pl.when(ki == tiles_k - 1)
+    def _store():
+        mask = _row_mask(tile_ref[v], start, end, tm, tn)
+        old = out_ref[...].astype(jnp.float32)
+        out_ref[...] = jnp.where(mask, acc_ref[...], old).astype(out_ref.dtype)
+
+
+def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None, block_sizes=None,
+        interpret=False):
+    """[m, k] x [g, k, n] (or [g, n, k] with transpose_rhs) -> [m, n] out_dtype."""
+    m, k = lhs.shape
+    g = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    bs = resolve_block_sizes(block_sizes, product="dx" if transpose_rhs else "forward",
+                             m=m, k=k, n=n, g=g, dtype=lhs.dtype)
+    tm, tk, tn = bs.tm, bs.tk, bs.tn
+    lhs = _pad_to(_pad_to(lhs, 0, tm), 1, tk)
+    k_axis, n_axis = (2, 1) if transpose_rhs else (1, 2)
+    rhs = _pad_to(_pad_to(rhs, k_axis, tk), n_axis, tn)
+    mp, kp = lhs.shape
+    np_ = rhs.shape[n_axis]
+    meta = make_group_metadata(group_sizes, mp, tm, aligned=True, include_tail=True)
+    visits, tiles_k = num_visits(mp, g, tm), kp // tk
+
+    def rhs_map(ni, v, ki, group, start, end, tile):
+        gi = jnp.minimum(group[v], g - 1)
+        return (gi, ni, ki) if transpose_rhs else (gi, ki, ni)
+
+    rhs_block = (None, tn, tk) if transpose_rhs else (None, tk, tn)
+    kernel = functools.partial(_gmm_kernel, num_groups=g, tiles_k=tiles_k, tm=tm, tn=tn,
+                               transpose_rhs=transpose_rhs)
+    scalars = (meta.group, meta.start, meta.end, meta.tile)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(np_ // tn, visits, tiles_k),
+            in_specs=[
+                pl.BlockSpec((tm, tk), lambda ni, v, ki, gr, st, en, tl: (tl[v], ki)),
+                pl.BlockSpec(rhs_block, rhs_map),
+            ],
+            out_specs=pl.BlockSpec((tm, tn), lambda ni, v, ki, gr, st, en, tl: (tl[v], ni)),
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        interpret=_interpret(interpret),
+        cost_estimate=_cost(mp, kp, np_, (*scalars, lhs, rhs), mp * np_ * out_dtype.itemsize),
+        name="grouped_projection_gmm_dx" if transpose_rhs else "grouped_projection_gmm",
+    )(*scalars, lhs, rhs)
+    return out[:m, :n]
+
+
+def _tgmm_kernel(group_ref, start_ref, end_ref, tile_ref, lhs_ref, rhs_ref, out_ref, acc_ref,
+                 *, tm, tk, tn):
+    v, last = pl.program_id(2), pl.num_programs(2) - 1
+    group, start, end, tile = group_ref[v], start_ref[v], end_ref[v], tile_ref[v]
+
+    @pl.when((v == 0) | (group != group_ref[jnp.maximum(v - 1, 0)]))
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(end > start)
+    def _accumulate():
+        dtype = lhs_ref.dtype
+        a = jnp.where(_row_mask(tile, start, end, tm, tk), lhs_ref[...].astype(jnp.float32), 0)
+        b = jnp.where(_row_mask(tile, start, end, tm, tn), rhs_ref[...].astype(jnp.float32), 0)
+        acc_ref[...] += jax.lax.dot_general(
+            a.astype(dtype).T, b.astype(dtype), (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+
+    @pl.when((v == last) | (group != group_ref[jnp.minimum(v + 1, last)]))
+    def _store():
+        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+
+def tgmm(lhs, rhs, group_sizes, *, num_groups=None, out_dtype=None, block_sizes=None,
+         interpret=False):
+    """[m, k], [m, n] -> [g, k, n]: per group lhs_g^T @ rhs_g; empty groups zeros."""
+    m, k = lhs.shape
+    n = rhs.shape[1]
+    g = num_groups or group_sizes.shape[0]
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    bs = resolve_block_sizes(block_sizes, product="dkernel", m=m, k=k, n=n, g=g, dtype=lhs.dtype)
+    tm, tk, tn = bs.tm, bs.tk, bs.tn
+    lhs = _pad_to(_pad_to(lhs, 0, tm), 1, tk)
+    rhs = _pad_to(_pad_to(rhs, 0, tm), 1, tn)
+    mp, kp = lhs.shape
+    np_ = rhs.shape[1]
+    meta = make_group_metadata(group_sizes, mp, tm, aligned=True, include_tail=False,
+                               visit_empty=True)
+    scalars = (meta.group, meta.start, meta.end, meta.tile)
+    kernel = functools.partial(_tgmm_kernel, tm=tm, tk=tk, tn=tn)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((g, kp, np_), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(np_ // tn, kp // tk, num_visits(mp, g, tm)),
+            in_specs=[
+                pl.BlockSpec((tm, tk), lambda ni, ki, v, gr, st, en, tl: (tl[v], ki)),
+                pl.BlockSpec((tm, tn), lambda ni, ki, v, gr, st, en, tl: (tl[v], ni)),
+            ],
+            out_specs=pl.BlockSpec((None, tk, tn),
+                                   lambda ni, ki, v, gr, st, en, tl: (gr[v], ki, ni)),
+            scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        interpret=_interpret(interpret),
+        cost_estimate=_cost(mp, kp, np_, (*scalars, lhs, rhs), g * kp * np_ * out_dtype.itemsize),
+        name="grouped_projection_tgmm",
+    )(*scalars, lhs, rhs)
+    return out[:, :k, :n]

@@ -1,0 +1,187 @@
+"""Pallas Triton grouped matmuls (gmm, tgmm) for CUDA GPUs from sm80.
+
+gmm: out[rows of group i] = lhs[rows of group i] @ rhs[i]. One program per (row tile,
+column tile); row tiles come from `group_metadata` (unaligned: a tile starts at its
+group's first row, so no tile straddles two groups and no row is computed twice). The
+grid is static, `cdiv(m, block_m) + g + 1` row tiles; the extra ones have empty row
+ranges and exit. Rows past the total are a pseudo-group whose tiles store zeros. Every
+load and store is masked on rows, the contraction and columns, so no dimension needs
+padding. With transpose_rhs the weight block is read as [block_n, block_k] from
+rhs[g, n, k] and contracted on its second axis: dx reads the forward kernel in place,
+no transposed copy in HBM.
+
+tgmm: out[i] = lhs[rows of i]^T @ rhs[rows of i]. One program per (group, k tile, n tile)
+loops over the group's rows in steps of block_m; an empty group loops zero times and
+stores its zeros.
+
+Accumulation is fp32 in registers; one rounding to out_dtype at the store.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallasite.kernels.grouped_projection import config
+from pallasite.kernels.grouped_projection.group_metadata import (
+    cdiv,
+    group_offsets,
+    make_group_metadata,
+    num_visits,
+)
+
+DEFAULT = config.TritonBlockSizes()
+
+
+def resolve_block_sizes(block_sizes, *, product: str, m: int, k: int, n: int, g: int,
+                        dtype) -> config.TritonBlockSizes:
+    """The one place this backend picks its blocks: the caller's, else the default."""
+    del m, k, n, g, dtype
+    chosen = config.for_product(block_sizes, product)
+    if chosen is None:
+        return DEFAULT
+    if not isinstance(chosen, config.TritonBlockSizes):
+        raise TypeError(f"block_sizes for pallas_triton must be TritonBlockSizes, got {chosen!r}")
+    return chosen
+
+
+def cost_estimate(m: int, k: int, n: int, operands, out_bytes: int) -> pl.CostEstimate:
+    """2*m*k*n flops (rows past the total are counted: the grid cannot know the total);
+    bytes = every operand and the result once, the compulsory traffic. Re-reads of
+    weight tiles by other row tiles mostly hit L2 (group_m swizzle), so they are left
+    out rather than guessed."""
+    return pl.CostEstimate(
+        flops=2 * m * k * n,
+        transcendentals=0,
+        bytes_accessed=sum(op.size * op.dtype.itemsize for op in operands) + out_bytes,
+    )
+
+
+def _swizzle(pid, num_tiles: int, num_col_tiles: int, group_m: int):
+    """Program id -> (row tile, column tile), group_m row tiles per sweep of columns so
+    the weight tiles a sweep reads stay in L2 (rows of one group are adjacent tiles)."""
+    width = group_m * num_col_tiles
+    first = (pid // width) * group_m
+    size = jnp.minimum(num_tiles - first, group_m)
+    local = pid % width
+    return first + local % size, local // size
+
+
+def _gmm_kernel(group_ref, start_ref, end_ref, lhs_ref, rhs_ref, out_ref, *, bs, m, k, n,
+                num_groups, num_tiles, transpose_rhs):
+    bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
+    tile, col = _swizzle(pl.program_id(0), num_tiles, cdiv(n, bn), bs.group_m)
+    group, start, end = group_ref[tile], start_ref[tile], end_ref[tile]
+    rows = pl.ds(start, bm)
+    row_ok = (start + jnp.arange(bm, dtype=jnp.int32)) < end
+    cols = pl.ds(col * bn, bn)
+    col_ok = (col * bn + jnp.arange(bn, dtype=jnp.int32)) < n
+    store_ok = row_ok[:, None] & col_ok[None, :]
+
+    @pl.when((group < num_groups) & (end > start))
+    def _compute():
+        gi = jnp.minimum(group, num_groups - 1)
+
+        def step(i, acc):
+            ks = pl.ds(i * bk, bk)
+            k_ok = (i * bk + jnp.arange(bk, dtype=jnp.int32)) < k
+            a = plgpu.load(lhs_ref.at[rows, ks], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if transpose_rhs:  # rhs[g] is [n, k]: a [bn, bk] block, contracted on axis 1
+                b = plgpu.load(rhs_ref.at[gi, cols, ks], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                dims = (((1,), (1,)), ((), ()))
+            else:
+                b = plgpu.load(rhs_ref.at[gi, ks, cols], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                dims = (((1,), (0,)), ((), ()))
+            return acc + jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+        acc = jax.lax.fori_loop(0, cdiv(k, bk), step, jnp.zeros((bm, bn), jnp.float32))
+        plgpu.store(out_ref.at[rows, cols], acc.astype(out_ref.dtype), mask=store_ok)
+
+    @pl.when(group == num_groups)  # rows past the total: zeros, per the contract
+    def _zeros():
+        plgpu.store(out_ref.at[rows, cols], jnp.zeros((bm, bn), out_ref.dtype), mask=store_ok)
+
+
+def _params(bs: config.TritonBlockSizes):
+    return plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
+
+
+def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None, block_sizes=None,
+        interpret=False):
+    """[m, k] x [g, k, n] (or [g, n, k] with transpose_rhs) -> [m, n] out_dtype."""
+    m, k = lhs.shape
+    g = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    bs = resolve_block_sizes(block_sizes, product="dx" if transpose_rhs else "forward",
+                             m=m, k=k, n=n, g=g, dtype=lhs.dtype)
+    meta = make_group_metadata(group_sizes, m, bs.block_m, aligned=False, include_tail=True)
+    num_tiles = num_visits(m, g, bs.block_m)
+    kernel = functools.partial(
+        _gmm_kernel, bs=bs, m=m, k=k, n=n, num_groups=g, num_tiles=num_tiles,
+        transpose_rhs=transpose_rhs,
+    )
+    cost = cost_estimate(m, k, n, (meta.group, meta.start, meta.end, lhs, rhs),
+                         (m * n * out_dtype.itemsize))
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(num_tiles * cdiv(n, bs.block_n),),
+        compiler_params=_params(bs),
+        interpret=interpret,
+        cost_estimate=cost,
+        name="grouped_projection_gmm_dx" if transpose_rhs else "grouped_projection_gmm",
+    )(meta.group, meta.start, meta.end, lhs, rhs)
+
+
+def _tgmm_kernel(offsets_ref, lhs_ref, rhs_ref, out_ref, *, bs, k, n):
+    bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
+    group, kt, nt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    start, end = offsets_ref[group], offsets_ref[group + 1]
+    ks, cols = pl.ds(kt * bk, bk), pl.ds(nt * bn, bn)
+    k_ok = (kt * bk + jnp.arange(bk, dtype=jnp.int32)) < k
+    col_ok = (nt * bn + jnp.arange(bn, dtype=jnp.int32)) < n
+
+    def step(i, acc):
+        row0 = start + i * bm
+        row_ok = (row0 + jnp.arange(bm, dtype=jnp.int32)) < end
+        a = plgpu.load(lhs_ref.at[pl.ds(row0, bm), ks], mask=row_ok[:, None] & k_ok[None, :],
+                       other=0.0)
+        b = plgpu.load(rhs_ref.at[pl.ds(row0, bm), cols], mask=row_ok[:, None] & col_ok[None, :],
+                       other=0.0)
+        dims = (((0,), (0,)), ((), ()))  # a^T b: contract the rows
+        return acc + jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+    trips = (end - start + bm - 1) // bm
+    acc = jax.lax.fori_loop(0, trips, step, jnp.zeros((bk, bn), jnp.float32))
+    plgpu.store(out_ref.at[group, ks, cols], acc.astype(out_ref.dtype),
+                mask=k_ok[:, None] & col_ok[None, :])
+
+
+def tgmm(lhs, rhs, group_sizes, *, num_groups=None, out_dtype=None, block_sizes=None,
+         interpret=False):
+    """[m, k], [m, n] -> [g, k, n]: per group lhs_g^T @ rhs_g; empty groups zeros.
+    Rows past the total belong to no group and are never read."""
+    m, k = lhs.shape
+    n = rhs.shape[1]
+    g = num_groups or group_sizes.shape[0]
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    bs = resolve_block_sizes(block_sizes, product="dkernel", m=m, k=k, n=n, g=g, dtype=lhs.dtype)
+    offsets = group_offsets(group_sizes)
+    offsets = jnp.minimum(offsets, m)  # a total past m (caller error) never reads past m
+    kernel = functools.partial(_tgmm_kernel, bs=bs, k=k, n=n)
+    tiles_k, tiles_n = cdiv(k, bs.block_k), cdiv(n, bs.block_n)
+    cost = cost_estimate(m, k, n, (offsets, lhs, rhs), g * k * n * out_dtype.itemsize)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((g, k, n), out_dtype),
+        grid=(g, tiles_k, tiles_n),
+        compiler_params=_params(bs),
+        interpret=interpret,
+        cost_estimate=cost,
+        name="grouped_projection_tgmm",
+    )(offsets, lhs, rhs)
