@@ -123,6 +123,9 @@ def _batch_shards(fn, args, n_out: int):
         mesh = jax.sharding.Mesh(np.array(devices[:ndev]), ("batch",))
     axes = tuple(mesh.axis_names)
     spec = P(axes) if batch % mesh.size == 0 else P()
+    if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+        # Explicit axes: shard_map takes operands already laid out as the specs say.
+        args = tuple(jax.sharding.reshard(x, spec) for x in args)
     return jax.shard_map(
         fn,
         mesh=mesh,
