@@ -1,0 +1,392 @@
+"""Regenerate the tuned tables: `bazel run //packages/bench:autotune -- --op ... --device-kind ...`.
+
+For each implementation of the op that is present and runs on this device, and each
+TARGETS.md shape, runs pallasite.tuning's bounded autotuner over the table's candidate list
+(the backend's default always first), on synthetic inputs of the real shapes in bf16, each
+candidate's output checked against an exact reference on sampled rows before it may win.
+Prints tuned-vs-default times and writes an entry into the source tree's table for every
+key where the tuned config is at least `--min-speedup` (default 3%) faster than the
+default; below that the two are within timing noise and the default stays (no entry).
+
+Each entry's `measured` field records the shape, both times, the number of candidates
+tried and failed, the date, the device and the jax version: the tables hold measurements
+only. `--dry-run` lists the keys and candidates and runs nothing; `--results FILE` appends
+one JSON line per key with every trial (status, time, error).
+
+The kernels are reached through their backend functions (`gmm`/`tgmm`, SSD `forward`),
+called with `block_sizes=` so the table under test never decides what is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from pallasite.tuning import autotune as tuner
+from pallasite.tuning import tables
+from pallasite.tuning.configs import config_from_dict, config_to_dict
+
+GP = "grouped_projection"
+SSD = "ssd"
+BF16 = "bfloat16"
+
+# TARGETS.md shapes. grouped_projection: (m, k, n, g); ssd: (b, l, h, p, n, g, chunk).
+GP_TARGETS = {
+    "mixtral": (32768, 4096, 14336, 8),
+    "dsv3": (65536, 7168, 2048, 256),
+    "qwen3": (65536, 2048, 768, 128),
+    "olmoe": (32768, 2048, 1024, 64),
+}
+SSD_TARGETS = {
+    "b8_l4096_h32": (8, 4096, 32, 64, 128, 1, 256),
+    "b4_l8192_h64_g8": (4, 8192, 64, 64, 128, 8, 256),
+    "b2_l16384_h80": (2, 16384, 80, 64, 128, 1, 256),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Impl:
+    """One tunable kernel: its table key, config type, default and a Benchmark factory."""
+
+    name: str  # the table's implementation key, e.g. "pallas_triton:forward"
+    config_type: type
+    default: Any
+    make_bench: Callable[[dict], tuner.Benchmark]  # target dims -> Benchmark
+
+
+# ------------------------------------------------------------------ grouped_projection
+
+
+def _gp_inputs(dims: dict, seed: int = 0):
+    import jax
+    import jax.numpy as jnp
+
+    from pallasite.reference import inputs as ref_inputs
+
+    m, k, n, g = dims["m"], dims["k"], dims["n"], dims["g"]
+    x, kernel, group_sizes = ref_inputs.grouped_projection_inputs(jax.random.key(seed), m, k, n, g, jnp.bfloat16)
+    dy = jax.random.normal(jax.random.key(seed + 1), (m, n), jnp.bfloat16)
+    return x, kernel, group_sizes, dy
+
+
+def _sample_rows(group_sizes: np.ndarray, count: int = 48) -> np.ndarray:
+    """Each of a few groups' first and last rows plus random rows: where tiles meet groups."""
+    ends = np.cumsum(group_sizes)
+    starts = ends - group_sizes
+    edges = [int(r) for s, e in zip(starts, ends) if e > s for r in (s, e - 1)][: count // 2]
+    rng = np.random.default_rng(7)
+    rand = rng.integers(0, max(int(ends[-1]), 1), count - len(edges)).tolist()
+    return np.asarray(sorted(set(edges + rand)), np.int32)
+
+
+def _exact_rows(lhs, weight_of, rows: np.ndarray, group_sizes: np.ndarray):
+    """out[r] = lhs[r] @ weight_of(group(r)) with exact bf16 products summed in fp32."""
+    import jax
+    import jax.numpy as jnp
+
+    groups = np.searchsorted(np.cumsum(group_sizes), rows, side="right")
+    picked = lhs[jnp.asarray(rows)]
+    out = None
+    for gi in np.unique(groups):
+        full = jnp.dot(picked, weight_of(int(gi)), preferred_element_type=jnp.float32,
+                       precision=jax.lax.Precision.HIGHEST)
+        out = full if out is None else jnp.where(jnp.asarray(groups == gi)[:, None], full, out)
+    return out
+
+
+def _gp_bench(module, product: str, dims: dict, interpret: bool = False) -> tuner.Benchmark:
+    import jax
+    import jax.numpy as jnp
+
+    x, kernel, gs, dy = _gp_inputs(dims)
+    gs_np = np.asarray(gs)
+    rows = _sample_rows(gs_np)
+    rows_j = jnp.asarray(rows)
+    g = dims["g"]
+    if product == "dkernel":
+        ends = np.cumsum(gs_np)
+        picks = sorted({int(np.argmax(gs_np)), int(np.argmin(np.where(gs_np > 0, gs_np, ends[-1] + 1)))})
+
+        def build(cfg):
+            f = jax.jit(lambda a, b, s: module.tgmm(a, b, s, num_groups=g, out_dtype=jnp.bfloat16,
+                                                    block_sizes=cfg, interpret=interpret)[jnp.asarray(picks)])
+            return lambda: f(x, dy, gs)
+
+        def reference():
+            return jnp.stack([
+                jnp.dot(x[ends[i] - gs_np[i]:ends[i]].T, dy[ends[i] - gs_np[i]:ends[i]],
+                        preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+                for i in picks])
+    else:
+        transpose = product == "dx"
+        lhs = dy if transpose else x  # dx = gmm(dy, kernel, transpose_rhs=True): kernel is [g, k, n]
+        rhs = kernel
+
+        def build(cfg):
+            f = jax.jit(lambda a, w, s: module.gmm(a, w, s, transpose_rhs=transpose, out_dtype=jnp.bfloat16,
+                                                   block_sizes=cfg, interpret=interpret)[rows_j])
+            return lambda: f(lhs, rhs, gs)
+
+        def reference():
+            return _exact_rows(lhs, (lambda i: kernel[i].T) if transpose else (lambda i: kernel[i]), rows, gs_np)
+
+    # bf16 output against an fp32 reference: one rounding, 2^-8 relative, well inside 1e-2.
+    return tuner.Benchmark(build=build, reference=reference, atol=0.0, rtol=1e-2, warmup=1, reps=5)
+
+
+def _gp_impls(interpret: bool = False) -> list[Impl]:
+    from pallasite.kernels import platform
+
+    out = []
+    if platform.triton_runs() or interpret:
+        mod = _try_import("pallasite.kernels.grouped_projection.pallas_triton")
+        cfg = _try_import("pallasite.kernels.grouped_projection.config")
+        if mod is not None and cfg is not None:
+            for product in ("forward", "dx", "dkernel"):
+                out.append(Impl(f"pallas_triton:{product}", cfg.TritonBlockSizes, mod.DEFAULT,
+                                lambda d, p=product: _gp_bench(mod, p, d, interpret)))
+    if platform.mosaic_gpu_runs() and not interpret:
+        mod = _try_import("pallasite.kernels.grouped_projection.pallas_mosaic_gpu")
+        if mod is not None:
+            for product, op in (("forward", "gmm"), ("dkernel", "tgmm")):
+                # The backend's own default for the shape (it depends on m / g).
+                def default_for(d, op=op):
+                    return mod.resolve_block_sizes(op, d["m"], d["k"], d["n"], d["g"], None)
+                out.append(Impl(f"pallas_mosaic_gpu:{op}", mod.MosaicGpuBlockSizes, default_for,
+                                lambda d, p=product: _gp_bench(mod, p, d)))
+    return out
+
+
+# ------------------------------------------------------------------------------- ssd
+
+
+def _ssd_numpy(x, a, b, c, init):
+    """One (batch, head) of the SSD recurrence in float64, 64-step closed-form blocks."""
+    state = np.array(init, np.float64)
+    ys = []
+    for s in range(0, x.shape[0], 64):
+        xs, as_, bs, cs = x[s:s + 64], a[s:s + 64], b[s:s + 64], c[s:s + 64]
+        acs = np.cumsum(as_)
+        decay = np.tril(np.exp(acs[:, None] - acs[None, :]))
+        ys.append((decay * (cs @ bs.T)) @ xs + np.exp(acs)[:, None] * (cs @ state.T))
+        state = np.exp(acs[-1]) * state + (xs * np.exp(acs[-1] - acs)[:, None]).T @ bs
+    return np.concatenate(ys), state
+
+
+def _ssd_bench(module, dims: dict, interpret: bool = False) -> tuner.Benchmark:
+    import jax
+    import jax.numpy as jnp
+
+    from pallasite.reference import inputs as ref_inputs
+
+    bsz, l, h, p, n, g, chunk = (dims[k] for k in ("b", "length", "heads", "head_dim", "state", "groups", "chunk"))
+    x, a, b, c = ref_inputs.ssd_inputs(jax.random.key(0), bsz, l, h, p, n, g, jnp.bfloat16)
+    init = ref_inputs.ssd_initial_state(jax.random.key(1), bsz, h, p, n)
+    nc = l // chunk
+    chunked = [t.reshape(bsz, nc, chunk, *t.shape[2:]) for t in (x, a, b, c)]
+    picks = sorted({(0, 0), (bsz - 1, h - 1)})
+    bi = jnp.asarray([q[0] for q in picks])
+    hi = jnp.asarray([q[1] for q in picks])
+
+    def build(cfg):
+        def run(xx, aa, bb, cc, s0):
+            y, final, _ = module.forward(xx, aa, bb, cc, s0, block_sizes=cfg, interpret=interpret)
+            return y.reshape(bsz, l, h, p)[bi, :, hi], final[bi, hi]
+        f = jax.jit(run)
+        return lambda: f(*chunked, init)
+
+    def reference():
+        f64 = lambda t: np.asarray(t, np.float64)  # noqa: E731
+        ys, finals = [], []
+        for bq, hq in picks:
+            gq = hq // (h // g)
+            y, final = _ssd_numpy(f64(x[bq, :, hq]), f64(a[bq, :, hq]), f64(b[bq, :, gq]),
+                                  f64(c[bq, :, gq]), f64(init[bq, hq]))
+            ys.append(y)
+            finals.append(final)
+        return np.stack(ys), np.stack(finals)
+
+    return tuner.Benchmark(build=build, reference=reference, atol=0.0, rtol=2e-2, warmup=1, reps=5)
+
+
+def _ssd_impls(interpret: bool = False) -> list[Impl]:
+    from pallasite.kernels import platform
+
+    out = []
+    if platform.triton_runs() or interpret:
+        mod = _try_import("pallasite.kernels.ssd.pallas_triton")
+        if mod is not None:
+            out.append(Impl("pallas_triton:forward", mod.BlockSizes, mod.DEFAULT_BLOCK_SIZES,
+                            lambda d: _ssd_bench(mod, d, interpret)))
+    return out
+
+
+# ------------------------------------------------------------------------------ driver
+
+
+def _try_import(name: str):
+    try:
+        return importlib.import_module(name)
+    except Exception as err:  # noqa: BLE001 - a backend that does not import is not tuned
+        print(f"autotune: skipping {name}: {type(err).__name__}: {err}", file=sys.stderr)
+        return None
+
+
+def targets(op: str) -> dict[str, dict]:
+    """Table dims plus what the benchmark needs, per TARGETS.md shape name."""
+    if op == GP:
+        return {name: dict(zip("mkng", v)) for name, v in GP_TARGETS.items()}
+    return {name: dict(zip(("b", "length", "heads", "head_dim", "state", "groups", "chunk"), v))
+            for name, v in SSD_TARGETS.items()}
+
+
+def _candidates(table: tables.Table, impl: Impl, default: Any) -> list[Any]:
+    out = [default]
+    for raw in table.candidates_for(impl.name):
+        out.append(config_from_dict(impl.config_type, raw))
+    return list(dict.fromkeys(out))
+
+
+def tune_key(op: str, impl: Impl, table: tables.Table, name: str, dims: dict, args) -> dict:
+    default = impl.default(dims) if callable(impl.default) else impl.default
+    cands = _candidates(table, impl, default)
+    bucket = table.bucket_of(dims)
+    record = {"op": op, "implementation": impl.name, "shape_name": name, "dims": dims,
+              "bucket": dict(bucket) if bucket else None, "default": config_to_dict(default)}
+    if args.dry_run:
+        record["candidates"] = [config_to_dict(c) for c in cands]
+        return record
+    start = time.perf_counter()
+    try:
+        bench = impl.make_bench(dims)
+        result = tuner.autotune(cands, bench, budget_s=args.budget_s, max_candidates=args.max_candidates)
+    except Exception as err:  # noqa: BLE001 - inputs or reference failed: report, go on
+        record["error"] = f"{type(err).__name__}: {err}"[:400]
+        return record
+    record["seconds"] = round(time.perf_counter() - start, 1)
+    record["trials"] = [t.as_json(config_to_dict) for t in result.trials]
+    default_s = result.time_of(default)
+    record["default_ms"] = None if default_s is None else default_s * 1e3
+    record["tuned_ms"] = None if result.best_time_s is None else result.best_time_s * 1e3
+    record["tuned"] = None if result.best is None else config_to_dict(result.best)
+    if default_s and result.best_time_s:
+        record["speedup"] = default_s / result.best_time_s
+    return record
+
+
+def _entry(record: dict, device_kind: str) -> tables.Entry:
+    import jax
+
+    trials = record["trials"]
+    return tables.Entry(
+        implementation=record["implementation"], device_kind=device_kind, dtypes=(BF16,),
+        bucket=tuple(record["bucket"].items()), config=record["tuned"],
+        measured={
+            "shape": f"{record['shape_name']} " + ",".join(f"{k}={v}" for k, v in record["dims"].items()),
+            "default_ms": round(record["default_ms"], 4), "tuned_ms": round(record["tuned_ms"], 4),
+            "speedup": round(record["speedup"], 3),
+            "candidates": len(trials), "ok": sum(t["status"] == tuner.OK for t in trials),
+            "date": datetime.date.today().isoformat(), "jax": jax.__version__,
+        })
+
+
+def write_table(table: tables.Table, path: Path) -> None:
+    """Atomic replace, like the cache: a killed run never leaves half a table."""
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(tables.table_to_json(table), indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def table_dir(args) -> Path:
+    if args.table_dir:
+        return Path(args.table_dir)
+    ws = os.environ.get("BUILD_WORKSPACE_DIRECTORY")  # set by `bazel run`: write the source tree
+    return Path(ws) / "packages/tuning/pallasite/tuning/data" if ws else tables.DATA_DIR
+
+
+def _print_summary(records: list[dict]) -> None:
+    print(f"{'implementation':26} {'shape':18} {'default ms':>10} {'tuned ms':>9} {'speedup':>7}  tuned config / status")
+    for r in records:
+        if "error" in r or "trials" not in r:
+            print(f"{r['implementation']:26} {r['shape_name']:18} {'-':>10} {'-':>9} {'-':>7}  {r.get('error', 'dry run')}")
+            continue
+        counts: dict[str, int] = {}
+        for t in r["trials"]:
+            counts[t["status"]] = counts.get(t["status"], 0) + 1
+        d = "-" if r["default_ms"] is None else f"{r['default_ms']:.3f}"
+        t = "-" if r["tuned_ms"] is None else f"{r['tuned_ms']:.3f}"
+        s = f"{r['speedup']:.3f}" if "speedup" in r else "-"
+        print(f"{r['implementation']:26} {r['shape_name']:18} {d:>10} {t:>9} {s:>7}  {r['tuned']} {counts}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--op", required=True, choices=(GP, SSD))
+    parser.add_argument("--device-kind", required=True, help="the table key; must be this device's kind")
+    parser.add_argument("--implementation", action="append", help="only these keys (repeatable)")
+    parser.add_argument("--shape", action="append", help="only these TARGETS shape names (repeatable)")
+    parser.add_argument("--budget-s", type=float, default=20.0, help="time budget per (implementation, shape)")
+    parser.add_argument("--deadline-s", type=float, default=None, help="stop starting new keys after this")
+    parser.add_argument("--max-candidates", type=int, default=tuner.DEFAULT_MAX_CANDIDATES)
+    parser.add_argument("--min-speedup", type=float, default=1.03)
+    parser.add_argument("--table-dir", help="where <op>.json lives (default: the source tree)")
+    parser.add_argument("--results", help="append one JSON line per key here")
+    parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--interpret", action="store_true",
+                        help="run the Triton kernels in interpret mode (a CPU smoke test of this tool)")
+    parser.add_argument("--custom-shape", help="tune this shape instead, e.g. m=256,k=128,n=128,g=4")
+    parser.add_argument("--no-write", action="store_true", help="measure and print, leave the table")
+    args = parser.parse_args(argv)
+
+    import jax
+
+    actual = jax.devices()[0].device_kind
+    if not (args.dry_run or args.interpret) and tables.normalize_device_kind(actual) != tables.normalize_device_kind(args.device_kind):
+        parser.error(f"--device-kind {args.device_kind!r} but this device is {actual!r}")
+    path = tables.table_path(args.op, table_dir(args))
+    table = tables.load_table(args.op, path.parent)
+    if table is None:
+        parser.error(f"no table at {path}: it declares the buckets and candidates")
+    impls = _gp_impls(args.interpret) if args.op == GP else _ssd_impls(args.interpret)
+    if args.implementation:
+        impls = [i for i in impls if i.name in args.implementation]
+    if not impls:
+        print(f"autotune: no {args.op} implementation runs on {actual}", file=sys.stderr)
+        return 1
+    shapes = {k: v for k, v in targets(args.op).items() if not args.shape or k in args.shape}
+    if args.custom_shape:
+        shapes = {"custom": {k: int(v) for k, v in (kv.split("=") for kv in args.custom_shape.split(","))}}
+    start = time.perf_counter()
+    records = []
+    for name, dims in shapes.items():
+        for impl in impls:
+            if args.deadline_s is not None and time.perf_counter() - start > args.deadline_s:
+                records.append({"implementation": impl.name, "shape_name": name, "error": "deadline"})
+                continue
+            record = tune_key(args.op, impl, table, name, dims, args)
+            records.append(record)
+            print(json.dumps({k: record.get(k) for k in ("implementation", "shape_name", "default_ms", "tuned_ms", "speedup")}), flush=True)
+            if args.results:
+                with open(args.results, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(record, default=str) + "\n")
+            if record.get("speedup", 0) >= args.min_speedup and record.get("bucket") and not args.dry_run:
+                table = tables.with_entry(table, _entry(record, args.device_kind))
+    _print_summary(records)
+    if not (args.dry_run or args.no_write):
+        write_table(table, path)
+        print(f"autotune: wrote {path} ({len(table.entries)} entries)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

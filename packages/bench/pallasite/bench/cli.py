@@ -1,0 +1,154 @@
+"""pallasite's main job: every op against its reference and its peers on the present device.
+
+    tools/bazel run //packages/bench -- --quick          # or: python -m pallasite.bench
+    pallasite-bench --shape olmoe --op grouped_projection --implementation triton
+
+On a GPU/TPU the default suite is TARGETS.md's shapes (`--quick`: one small shape per op).
+Without one it runs the CPU suite: the Pallas kernels through the interpreters for parity,
+the XLA paths timed, and says that kernel timings need a GPU. Records go to
+<results>/records.jsonl and .csv (one per key, see records.py), the plot to
+<results>/roofline.png. docs/benchmarks.md explains every field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from pallasite.bench import impls, ops, records, suites
+
+CPU_NOTE = ("No GPU or TPU here: the Pallas kernels run through the interpreters on small "
+            "shapes for parity only; the XLA paths are timed on the CPU. Kernel timings "
+            "need a GPU (or TPU).")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="pallasite-bench", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="one small shape per op")
+    p.add_argument("--smoke", action="store_true",
+                   help="smallest subset (one tiny shape per op, forward): for tests")
+    p.add_argument("--suite", choices=("targets", "quick", "cpu", "smoke"),
+                   help="force a suite (default: targets on an accelerator, cpu without)")
+    p.add_argument("--op", action="append", choices=(ops.GP, ops.SSD), dest="ops")
+    p.add_argument("--shape", action="append", dest="shapes",
+                   help=f"shape name (substring); known: {', '.join(suites.shape_names())}")
+    p.add_argument("--implementation", action="append", dest="impls",
+                   help="implementation name (substring), e.g. triton, xla, ragged_dot")
+    p.add_argument("--direction", action="append", choices=ops.DIRECTIONS, dest="directions")
+    p.add_argument("--results", default="results", help="results folder (default ./results)")
+    p.add_argument("--no-peers", action="store_true", help="pallasite's implementations only")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--measure-ceilings", action="store_true",
+                   help="measure a large matmul and copy; use them as the roofline")
+    p.add_argument("--mamba-ssm-path", default=None,
+                   help="folder holding mamba_ssm (default $PALLASITE_PEERS or "
+                        "/work/main/.peers)")
+    p.add_argument("--block-sizes", default=None, help="JSON dict passed as block_sizes")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--samples", type=int, default=15)
+    p.add_argument("--budget-s", type=float, default=20.0, help="timed seconds per record")
+    p.add_argument("--copies", type=int, default=None, help="input sets to rotate (override)")
+    p.add_argument("--list", action="store_true", help="list the cases and exit")
+    p.add_argument("-v", "--verbose", action="store_true", help="tracebacks of crashes")
+    return p.parse_args(argv)
+
+
+def choose_cases(args, backend: str) -> tuple[str, list[ops.Case]]:
+    name = args.suite or ("smoke" if args.smoke else
+                          "cpu" if backend == "cpu" else "quick" if args.quick else "targets")
+    cases = suites.suite(name)
+    chosen = suites.filter_cases(cases, ops_=args.ops, shapes=args.shapes,
+                                 directions=args.directions)
+    if not chosen and args.shapes:  # a named shape from another suite
+        every = [c for s in ("targets", "quick", "cpu") for c in suites.suite(s)]
+        chosen = suites.filter_cases(every, ops_=args.ops, shapes=args.shapes,
+                                     directions=args.directions)
+    return name, list(dict.fromkeys(chosen))
+
+
+def _fmt(value, spec, scale=1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
+def table(recs: list[records.Record]) -> str:
+    head = ("kernel", "shape", "implementation", "status", "compile_s", "time_ms",
+            "p10-p90_ms", "TFLOP/s", "TB/s", "bound", "roof%", "rel_l2", "note")
+    rows = [head]
+    for r in recs:
+        spread = ("-" if r.time_p10 is None else
+                  f"{r.time_p10 * 1e3:.3g}-{r.time_p90 * 1e3:.3g}")
+        note = r.reason or r.timing
+        rows.append((r.kernel, r.shape.split("[")[0], r.implementation + ("*" if r.peer else ""),
+                     r.status, _fmt(r.compile_time, ".2f"), _fmt(r.steady_state_time, ".4g", 1e3),
+                     spread, _fmt(r.tflops, ".3g"), _fmt(r.tbps, ".3g"), r.bound,
+                     _fmt(r.roofline_fraction, ".1f", 100), _fmt(r.error_rel_l2, ".1e"),
+                     note[:70]))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines) + "\n(* peer)"
+
+
+def _progress(i: int, total: int, case: ops.Case, impl: impls.Impl, start: float) -> None:
+    line = (f"[{i}/{total}] {time.perf_counter() - start:6.1f}s  {case.kernel} "
+            f"{case.shape_name} {impl.name}")
+    print(line, file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    # `bazel run` starts in the runfiles tree: resolve ./results where the user ran it.
+    if not os.path.isabs(args.results) and os.environ.get("BUILD_WORKING_DIRECTORY"):
+        args.results = os.path.join(os.environ["BUILD_WORKING_DIRECTORY"], args.results)
+    import jax
+
+    from pallasite.bench import roofline, runner
+
+    backend = jax.default_backend()
+    suite_name, cases = choose_cases(args, backend)
+    pairs = [(c, i) for c in cases for i in impls.select(c.op, args.impls)
+             if not (args.no_peers and i.peer)]
+    if args.list:
+        for c, i in pairs:
+            print(c.kernel, c.shape, i.name)
+        return 0
+    device = jax.devices()[0]
+    roof = roofline.measure_ceilings(device) if args.measure_ceilings else None
+    options = {"mamba_ssm_path": args.mamba_ssm_path, "warmup": args.warmup,
+               "samples": args.samples, "budget_s": args.budget_s, "copies": args.copies,
+               "verbose": args.verbose,
+               "block_sizes": json.loads(args.block_sizes) if args.block_sizes else None}
+    ctx = runner.Context(options, roof)
+    print(f"pallasite-bench: {device.device_kind} ({backend}), suite {suite_name!r}, "
+          f"{len(pairs)} records; roofline {ctx.roof.name} ({ctx.roof.source})")
+    if backend == "cpu":
+        print(CPU_NOTE)
+    start = time.perf_counter()
+    done: list[records.Record] = []
+    for n, (case, impl) in enumerate(pairs, 1):
+        _progress(n, len(pairs), case, impl, start)
+        done.append(runner.run_one(case, impl, ctx))
+        records.write(done[-1:], args.results)  # as we go: a killed run keeps its records
+    print(table(done))
+    if not args.no_plot:
+        path = _plot(done, ctx.roof, args.results)
+        print(f"plot: {path}" if path else "plot: nothing timed, no plot")
+    counts = {s: sum(r.status == s for r in done) for s in records.STATUSES}
+    print(f"records: {os.path.join(args.results, records.JSONL)} (+ .csv); "
+          + ", ".join(f"{v} {k}" for k, v in counts.items()))
+    if backend == "cpu":
+        print(CPU_NOTE)
+    return 1 if counts["wrong"] else 0
+
+
+def _plot(recs, roof, folder):
+    from pallasite.bench import plot
+
+    return plot.roofline_png(recs, roof, os.path.join(folder, "roofline.png"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""The implementations a case runs through: pallasite's backends and the peers beside them.
+
+Each `Impl` says where it runs (`unavailable` gives the reason where it cannot, which the
+record keeps as status "unsupported") and builds a function from an input set (the dict of
+ops.make_inputs) to the tuple of outputs the checks compare:
+grouped_projection fwd (y,), fwd_bwd (y, dx, dkernel); chunk_ssd fwd (y, final_state),
+fwd_bwd (y, final_state, dx, da, db, dc, dinitial_state).
+
+pallasite's kernels are imported lazily, so a backend that has not landed, or a peer that is
+not installed, becomes an "unsupported" record and the CLI still runs. On a CPU the Pallas
+kernels run through the interpreters (parity only: interpreter time says nothing about a
+GPU); the XLA paths and jax.lax.ragged_dot are timed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from pallasite.bench import ops, peers
+
+_INTERPRETABLE = ("pallas_triton", "pallas_mosaic_tpu", "pallas_mosaic_gpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Impl:
+    name: str
+    op: str
+    peer: bool  # a reference point, not pallasite's own code
+    framework: str = "jax"  # "jax" (jitted, compiled ahead) or "torch"
+
+
+IMPLS: tuple[Impl, ...] = (
+    Impl("pallas_mosaic_gpu", ops.GP, False),
+    Impl("pallas_triton", ops.GP, False),
+    Impl("pallas_mosaic_tpu", ops.GP, False),
+    Impl("xla", ops.GP, False),
+    Impl("jax.lax.ragged_dot", ops.GP, True),
+    Impl("tokamax.mosaic", ops.GP, True),
+    Impl("torch._grouped_mm", ops.GP, True, "torch"),
+    Impl("pallas_triton", ops.SSD, False),
+    Impl("pallas_mosaic_tpu", ops.SSD, False),
+    Impl("xla", ops.SSD, False),
+    Impl("reference.ssd_chunked", ops.SSD, True),
+    Impl("mamba_ssm.triton", ops.SSD, True, "torch"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    backend: str  # jax.default_backend(): "cpu", "gpu", "tpu"
+    triton: bool
+    mosaic_gpu: bool
+
+    @property
+    def interpret(self) -> bool:
+        return self.backend == "cpu"
+
+
+def current_platform() -> Platform:
+    import jax
+
+    from pallasite.kernels import platform
+
+    return Platform(jax.default_backend(), platform.triton_runs(), platform.mosaic_gpu_runs())
+
+
+def unavailable(impl: Impl, plat: Platform, options: dict) -> str | None:
+    """Why `impl` cannot run here, or None."""
+    name = impl.name
+    if name == "pallas_mosaic_gpu" and not (plat.mosaic_gpu or plat.interpret):
+        return "Mosaic GPU needs a Hopper GPU (sm90)"
+    if name == "pallas_triton" and not (plat.triton or plat.interpret):
+        return "Pallas Triton needs a CUDA GPU from sm80"
+    if name == "pallas_mosaic_tpu" and plat.backend not in ("tpu", "cpu"):
+        return "Mosaic TPU needs a TPU (or the CPU interpreter)"
+    if impl.framework == "torch" and plat.backend != "gpu":
+        return f"{name} needs a CUDA GPU (torch/triton)"
+    if name == "tokamax.mosaic":
+        if plat.backend == "cpu":
+            return "tokamax's mosaic ragged_dot needs a GPU or TPU"
+        return peers.tokamax_missing()
+    if name == "torch._grouped_mm":
+        return peers.torch_missing("_grouped_mm")
+    if name == "mamba_ssm.triton":
+        return peers.mamba_missing(options.get("mamba_ssm_path"))
+    return None
+
+
+def parity_only(impl: Impl, plat: Platform) -> bool:
+    """Interpreter runs: checked for parity, not timed."""
+    return plat.interpret and impl.name in _INTERPRETABLE
+
+
+# --------------------------------------------------------------------- grouped_projection
+
+
+def _gp_forward(impl: Impl, plat: Platform, dtype, block_sizes) -> Callable:
+    import jax
+
+    if impl.name == "jax.lax.ragged_dot":
+        return lambda x, w, gs: jax.lax.ragged_dot(x, w, gs, preferred_element_type=dtype)
+    if impl.name == "tokamax.mosaic":
+        tokamax = peers.import_tokamax()
+        return lambda x, w, gs: tokamax.ragged_dot(
+            x, w, gs, preferred_element_type=dtype, implementation="mosaic")
+    from pallasite import kernels
+
+    return lambda x, w, gs: kernels.grouped_projection(
+        x, w, gs, dtype, plat.interpret, implementation=impl.name, block_sizes=block_sizes)
+
+
+def build_grouped_projection(impl, case, plat, block_sizes=None) -> Callable:
+    import jax
+
+    dtype = ops._dtype(case.dtype)
+    fwd = _gp_forward(impl, plat, dtype, block_sizes)
+    if case.direction == "fwd":
+        return jax.jit(lambda i: (fwd(i["x"], i["kernel"], i["group_sizes"]),))
+
+    def fwd_bwd(i):
+        y, vjp = jax.vjp(lambda x, w: fwd(x, w, i["group_sizes"]), i["x"], i["kernel"])
+        return (y, *vjp(i["dy"]))
+
+    return jax.jit(fwd_bwd)
+
+
+# ------------------------------------------------------------------------------ chunk_ssd
+
+
+def _chunked(t, chunk):
+    """[b, l, ...] -> [b, l/chunk, chunk, ...] (the kernels' layout)."""
+    return t.reshape(t.shape[0], t.shape[1] // chunk, chunk, *t.shape[2:])
+
+
+def _flat(t):
+    return t.reshape(t.shape[0], t.shape[1] * t.shape[2], *t.shape[3:])
+
+
+def _ssd_backend(impl, chunk, block_sizes) -> Callable:
+    """The backend module's forward/backward in the chunked layout, interpreted on CPU.
+
+    chunk_ssd has no interpreter switch, so parity on CPU calls the backend contract
+    (forward -> chunk_states -> backward) directly.
+    """
+    import importlib
+
+    mod = importlib.import_module(f"pallasite.kernels.ssd.{impl.name}")
+    interp = True
+    if impl.name == "pallas_mosaic_tpu":
+        from jax.experimental.pallas import tpu as pltpu
+
+        interp = pltpu.InterpretParams()
+
+    def run(i, with_grads):
+        xs, as_, bs, cs = (_chunked(i[k], chunk) for k in ("x", "a", "b", "c"))
+        y, final, states = mod.forward(xs, as_, bs, cs, i["initial_state"], interpret=interp,
+                                       block_sizes=block_sizes)
+        if not with_grads:
+            return _flat(y), final
+        grads = mod.backward(xs, as_, bs, cs, states, _chunked(i["dy"], chunk), i["dfinal"],
+                             interpret=interp, block_sizes=block_sizes)
+        dx, da, db, dc, dinit = grads
+        return (_flat(y), final, _flat(dx), _flat(da), _flat(db), _flat(dc), dinit)
+
+    return run
+
+
+def _ssd_forward(impl, plat, chunk, block_sizes) -> Callable:
+    if impl.name == "reference.ssd_chunked":
+        from pallasite.reference import ssd as ref_ssd
+
+        return lambda x, a, b, c, s: ref_ssd.ssd_chunked(
+            x, a, b, c, chunk_size=chunk, initial_state=s)
+    from pallasite import kernels
+
+    return lambda x, a, b, c, s: kernels.chunk_ssd(
+        x, a, b, c, chunk_size=chunk, initial_state=s, implementation=impl.name)
+
+
+def build_ssd(impl, case, plat, block_sizes=None) -> Callable:
+    import jax
+
+    chunk = case.d["chunk"]
+    if parity_only(impl, plat):
+        run = _ssd_backend(impl, chunk, block_sizes)
+        return jax.jit(lambda i: run(i, case.direction == "fwd_bwd"))
+    fwd = _ssd_forward(impl, plat, chunk, block_sizes)
+    names = ("x", "a", "b", "c", "initial_state")
+    if case.direction == "fwd":
+        return jax.jit(lambda i: tuple(fwd(*(i[k] for k in names))))
+
+    def fwd_bwd(i):
+        (y, final), vjp = jax.vjp(fwd, *(i[k] for k in names))
+        return (y, final, *vjp((i["dy"], i["dfinal"])))
+
+    return jax.jit(fwd_bwd)
+
+
+def ssd_grads_reference(case: ops.Case, inputs: dict) -> tuple | None:
+    """Gradients of the XLA implementation with every input in fp32 (None if it is absent)."""
+    import jax
+    import jax.numpy as jnp
+
+    try:
+        from pallasite import kernels
+
+        chunk_ssd = kernels.chunk_ssd
+    except (ImportError, AttributeError):
+        return None
+    names = ("x", "a", "b", "c", "initial_state")
+    args = [inputs[k].astype(jnp.float32) for k in names]
+    fn = lambda *a: chunk_ssd(*a, chunk_size=case.d["chunk"], implementation="xla")  # noqa
+    _, vjp = jax.vjp(fn, *args)
+    return vjp((inputs["dy"].astype(jnp.float32), inputs["dfinal"]))
+
+
+# --------------------------------------------------------------------------------- build
+
+
+def build(impl: Impl, case: ops.Case, plat: Platform, options: dict) -> Callable[[dict], Any]:
+    """A function from one input set to the outputs tuple (jitted for JAX impls).
+
+    Torch peers take the same dict (their `adapt` converts it once per set, outside the
+    timed region) and return JAX arrays through DLPack, so one check serves all.
+    """
+    block_sizes = options.get("block_sizes")
+    if impl.framework == "torch":
+        return peers.build_torch(impl.name, case, options)
+    if case.op == ops.GP:
+        return build_grouped_projection(impl, case, plat, block_sizes)
+    return build_ssd(impl, case, plat, block_sizes)
+
+
+def adapt(impl: Impl, case: ops.Case, inputs: dict, options: dict) -> Any:
+    """The input set in the form `build`'s function takes (torch tensors for torch peers)."""
+    if impl.framework == "torch":
+        return peers.adapt_torch(impl.name, case, inputs)
+    return inputs
+
+
+def select(op: str, patterns: list[str] | None) -> list[Impl]:
+    """The op's implementations whose name contains any of `patterns` (all if none)."""
+    chosen = [i for i in IMPLS if i.op == op]
+    if patterns:
+        chosen = [i for i in chosen if any(p in i.name for p in patterns)]
+    return chosen

@@ -1,0 +1,306 @@
+"""What each benchmarked operation is: its cases, flops, minimum bytes, inputs and checks.
+
+A `Case` is one (operation, direction, shape, dtype). Its flops and bytes are the
+operation's declared work, not what a kernel happens to do, so records of different
+implementations of one case share them and their TFLOP/s are directly comparable:
+
+- grouped_projection: forward 2*m*k*n (TARGETS.md), forward+backward 6*m*k*n (dx and
+  dkernel are each another m*k*n product). Minimum bytes: each product reads its operands
+  and writes its result once (forward x, kernel, y; dx pass dy, kernel, dx; dkernel pass
+  x, dy, dkernel), plus the group sizes.
+- chunk_ssd (chunk C, nc = l/C chunks): forward per chunk and head 2*C^2*p (masked scores
+  times x) + 2*C*p*n (chunk state) + 2*C*p*n (inter-chunk output) + 2*p*n (state passing),
+  and per chunk and *group* 2*C^2*n (the C.B scores, shared by the heads of a group);
+  forward+backward counts 3x forward, as for a matmul. Minimum bytes: inputs and outputs
+  once (x, a in fp32, b, c, the fp32 initial and final states, y); the backward reads
+  x, a, b, c, dy, dfinal again and writes dx, da, db, dc, dinitial. TARGETS.md's first SSD
+  row comes to 0.77 GB forward+backward (its "about 0.8 GB").
+
+Errors are measured against the definition, sampled so they cost little at any size:
+grouped_projection rows of y and dx and columns of a few groups' dkernel, each recomputed
+on the device with exact bf16 products summed in fp32 at HIGHEST precision; chunk_ssd's y
+and final state for a few (batch, head) pairs by a float64 numpy recurrence over the full
+sequence, and its gradients against the XLA implementation's in fp32 where that exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+GP = "grouped_projection"
+SSD = "chunk_ssd"
+DIRECTIONS = ("fwd", "fwd_bwd")
+
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One benchmarked point: an op, a direction, a named shape and an operand dtype."""
+
+    op: str  # GP or SSD
+    direction: str  # "fwd" or "fwd_bwd"
+    shape_name: str
+    dims: tuple[tuple[str, int], ...]  # ordered (name, size) pairs
+    dtype: str = "bfloat16"
+
+    @property
+    def kernel(self) -> str:
+        return f"{self.op}.{self.direction}"
+
+    @property
+    def d(self) -> dict[str, int]:
+        return dict(self.dims)
+
+    @property
+    def shape(self) -> str:
+        return self.shape_name + "[" + ",".join(f"{k}={v}" for k, v in self.dims) + "]"
+
+    @property
+    def flops(self) -> float:
+        return (gp_flops if self.op == GP else ssd_flops)(self.direction, **self.d)
+
+    @property
+    def bytes(self) -> float:
+        fn = gp_bytes if self.op == GP else ssd_bytes
+        return fn(self.direction, _ITEMSIZE[self.dtype], **self.d)
+
+
+def gp_case(name, m, k, n, g, direction="fwd", dtype="bfloat16") -> Case:
+    return Case(GP, direction, name, (("m", m), ("k", k), ("n", n), ("g", g)), dtype)
+
+
+def ssd_case(name, b, l, h, p, n, g, chunk=256, direction="fwd", dtype="bfloat16") -> Case:
+    dims = (("b", b), ("l", l), ("h", h), ("p", p), ("n", n), ("g", g), ("chunk", chunk))
+    return Case(SSD, direction, name, dims, dtype)
+
+
+# ------------------------------------------------------------------------ flops and bytes
+
+
+def gp_flops(direction: str, m: int, k: int, n: int, g: int) -> float:
+    """2*m*k*n forward; 6*m*k*n forward+backward (dx and dkernel products)."""
+    return float((2 if direction == "fwd" else 6) * m * k * n)
+
+
+def gp_bytes(direction: str, itemsize: int, m: int, k: int, n: int, g: int) -> float:
+    """Each product reads its two operands and writes its result once; group sizes int32."""
+    product = (m * k + g * k * n + m * n) * itemsize + 4 * g
+    return float(product if direction == "fwd" else 3 * product)
+
+
+def ssd_flops(direction: str, b: int, l: int, h: int, p: int, n: int, g: int,
+              chunk: int) -> float:
+    """The chunked algorithm's matrix work (see the module docstring); fwd_bwd = 3x fwd."""
+    nc = l // chunk
+    per_head = 2 * chunk * chunk * p + 4 * chunk * p * n + 2 * p * n
+    per_group = 2 * chunk * chunk * n
+    fwd = b * nc * (h * per_head + g * per_group)
+    return float(fwd if direction == "fwd" else 3 * fwd)
+
+
+def ssd_bytes(direction: str, itemsize: int, b: int, l: int, h: int, p: int, n: int, g: int,
+              chunk: int) -> float:
+    """Inputs and outputs once; the backward re-reads the inputs (module docstring)."""
+    x = b * l * h * p * itemsize
+    a = b * l * h * 4
+    bc = 2 * b * l * g * n * itemsize
+    state = b * h * p * n * 4
+    fwd = x + a + bc + state + x + state  # x, a, b, c, initial in; y, final out
+    if direction == "fwd":
+        return float(fwd)
+    bwd = (x + a + bc) + (x + state) + (x + a + bc + state)  # re-read; dy, dfinal; grads
+    return float(fwd + bwd)
+
+
+# ------------------------------------------------------------------------------- inputs
+
+
+def _dtype(name: str):
+    import jax.numpy as jnp
+
+    return jnp.dtype(name)
+
+
+def make_inputs(case: Case, seed: int) -> dict[str, Any]:
+    """One input set (never zeros) on the default device, drawn from `seed`.
+
+    grouped_projection: x, kernel, group_sizes (Dirichlet(4.0) split of m, the same for
+    every seed so all copies share one grouping), and dy for the backward. chunk_ssd: x, a,
+    b, c in [batch, length, ...] layout, a random fp32 initial state, and dy, dfinal.
+    """
+    import jax
+
+    from pallasite.reference import inputs as ref_inputs
+
+    d = case.d
+    key = jax.random.key(seed)
+    k_in, k_cot, k_state = jax.random.split(key, 3)
+    dt = _dtype(case.dtype)
+    if case.op == GP:
+        x, kernel, _ = ref_inputs.grouped_projection_inputs(
+            k_in, d["m"], d["k"], d["n"], d["g"], dt)
+        group_sizes = ref_inputs.random_group_sizes(jax.random.key(1234), d["m"], d["g"])
+        out = {"x": x, "kernel": kernel, "group_sizes": group_sizes}
+        if case.direction == "fwd_bwd":
+            out["dy"] = jax.random.normal(k_cot, (d["m"], d["n"]), dt)
+        return out
+    x, a, b, c = ref_inputs.ssd_inputs(k_in, d["b"], d["l"], d["h"], d["p"], d["n"], d["g"], dt)
+    init = ref_inputs.ssd_initial_state(k_state, d["b"], d["h"], d["p"], d["n"])
+    out = {"x": x, "a": a, "b": b, "c": c, "initial_state": init}
+    if case.direction == "fwd_bwd":
+        k_dy, k_df = jax.random.split(k_cot)
+        out["dy"] = jax.random.normal(k_dy, x.shape, dt)
+        out["dfinal"] = jax.random.normal(k_df, init.shape, init.dtype)
+    return out
+
+
+def input_bytes(inputs: dict[str, Any]) -> int:
+    return int(sum(v.size * v.dtype.itemsize for v in inputs.values()))
+
+
+# ------------------------------------------------------------------------------- checks
+
+
+@dataclasses.dataclass(frozen=True)
+class Error:
+    """The worst of each statistic over every compared output (parity.error_stats terms)."""
+
+    max_abs: float
+    mean_abs: float
+    rel_l2: float
+    scale: float  # max |expected| of the output with the worst rel_l2
+    reference: str  # what the outputs were compared with
+    ok: bool  # within parity.tolerance(dtype) on every output
+
+
+def _stats(actual, expected):
+    from pallasite.reference.parity import error_stats
+
+    return error_stats(actual, expected)
+
+
+def _combine(pairs, dtype: str, reference: str) -> Error:
+    from pallasite.reference.parity import tolerance
+
+    tol = tolerance(dtype)
+    stats = [_stats(a, e) for a, e in pairs]
+    worst = max(stats, key=lambda s: s.rel_l2 if np.isfinite(s.rel_l2) else np.inf)
+    return Error(
+        max_abs=max(s.max_abs for s in stats),
+        mean_abs=max(s.mean_abs for s in stats),
+        rel_l2=worst.rel_l2,
+        scale=worst.scale,
+        reference=reference,
+        ok=all(tol.admits(s) for s in stats),
+    )
+
+
+def _sample_rows(group_sizes: np.ndarray, count: int, seed: int = 7) -> np.ndarray:
+    """Up to `count` rows: each non-empty group's first and last row, then random ones."""
+    ends = np.cumsum(group_sizes)
+    starts = ends - group_sizes
+    rows = [r for s, e in zip(starts, ends) if e > s for r in (s, e - 1)]
+    total = int(ends[-1]) if len(ends) else 0
+    rng = np.random.default_rng(seed)
+    rows = list(dict.fromkeys(int(r) for r in rows))[:count]
+    if total and len(rows) < count:
+        rows += [int(r) for r in rng.integers(0, total, count - len(rows))]
+    return np.asarray(sorted(set(rows)), np.int32)
+
+
+def _group_of(rows: np.ndarray, group_sizes: np.ndarray) -> np.ndarray:
+    return np.searchsorted(np.cumsum(group_sizes), rows, side="right")
+
+
+def check_grouped_projection(case: Case, inputs: dict, outputs: tuple) -> Error:
+    """y (and dx, dkernel for fwd_bwd) on sampled rows/columns against exact products."""
+    import jax
+    import jax.numpy as jnp
+
+    gs = np.asarray(inputs["group_sizes"])
+    rows = _sample_rows(gs, 64)
+    groups = _group_of(rows, gs)
+    rows_j = jnp.asarray(rows)
+    dot = jax.jit(lambda a, w: jnp.dot(a, w, preferred_element_type=jnp.float32,
+                                       precision=jax.lax.Precision.HIGHEST))
+
+    def per_row(lhs_rows, weight_fn):
+        out = None
+        for g in np.unique(groups):
+            full = dot(lhs_rows, weight_fn(int(g)))
+            pick = jnp.asarray(groups == g)[:, None]
+            out = full if out is None else jnp.where(pick, full, out)
+        return out
+
+    x, kernel = inputs["x"], inputs["kernel"]
+    pairs = [(jnp.asarray(outputs[0])[rows_j], per_row(x[rows_j], lambda g: kernel[g]))]
+    if case.direction == "fwd_bwd":
+        dy = inputs["dy"]
+        pairs.append((jnp.asarray(outputs[1])[rows_j],
+                      per_row(dy[rows_j], lambda g: kernel[g].T)))
+        cols = np.linspace(0, case.d["n"] - 1, min(case.d["n"], 16)).astype(np.int32)
+        dy_cols = dy[:, jnp.asarray(cols)]
+        ends = np.cumsum(gs)
+        for g in _sample_groups(gs):
+            mask = (np.arange(case.d["m"]) >= ends[g] - gs[g]) & (np.arange(case.d["m"]) < ends[g])
+            xg = jnp.where(jnp.asarray(mask)[:, None], x, jnp.zeros_like(x))
+            pairs.append((jnp.asarray(outputs[2])[g][:, jnp.asarray(cols)], dot(xg.T, dy_cols)))
+    return _combine(pairs, case.dtype, "exact products, fp32 sums (sampled rows/columns)")
+
+
+def _sample_groups(gs: np.ndarray) -> list[int]:
+    """The largest group, the smallest non-empty one and the last one (dedup'd)."""
+    nonempty = [i for i in range(len(gs)) if gs[i] > 0]
+    if not nonempty:
+        return [0]
+    picks = [int(np.argmax(gs)), min(nonempty, key=lambda i: gs[i]), len(gs) - 1]
+    return list(dict.fromkeys(picks))
+
+
+def ssd_numpy(x, a, b, c, init, block: int = 64):
+    """The SSD recurrence for one (batch, head) in float64: x [l,p], a [l], b, c [l,n].
+
+    Chunks of `block` steps in the closed form (decays exp(acs_i - acs_j), fine in float64),
+    the state carried exactly between them. Returns (y [l,p], final state [p,n]).
+    """
+    state = np.array(init, np.float64)
+    ys = []
+    for s in range(0, x.shape[0], block):
+        xs, as_, bs, cs = x[s:s + block], a[s:s + block], b[s:s + block], c[s:s + block]
+        acs = np.cumsum(as_)
+        decay = np.tril(np.exp(acs[:, None] - acs[None, :]))
+        ys.append((decay * (cs @ bs.T)) @ xs + np.exp(acs)[:, None] * (cs @ state.T))
+        weights = np.exp(acs[-1] - acs)
+        state = np.exp(acs[-1]) * state + (xs * weights[:, None]).T @ bs
+    return np.concatenate(ys), state
+
+
+def check_ssd_forward(case: Case, inputs: dict, outputs: tuple) -> list[tuple]:
+    """(actual, expected) pairs of y and final state for three (batch, head) pairs."""
+    d = case.d
+    per_group = d["h"] // d["g"]
+    picks = list(dict.fromkeys([(0, 0), (d["b"] - 1, d["h"] - 1), (d["b"] // 2, d["h"] // 2)]))
+    f64 = lambda t: np.asarray(t, np.float64)  # noqa: E731
+    pairs = []
+    for bi, hi in picks:
+        gi = hi // per_group
+        y, final = ssd_numpy(f64(inputs["x"][bi, :, hi]), f64(inputs["a"][bi, :, hi]),
+                             f64(inputs["b"][bi, :, gi]), f64(inputs["c"][bi, :, gi]),
+                             f64(inputs["initial_state"][bi, hi]))
+        pairs.append((np.asarray(outputs[0][bi, :, hi], np.float64), y))
+        pairs.append((np.asarray(outputs[1][bi, hi], np.float64), final))
+    return pairs
+
+
+def check_ssd(case: Case, inputs: dict, outputs: tuple, grads_ref=None) -> Error:
+    """Forward outputs against float64 numpy; gradients against `grads_ref` when given."""
+    pairs = check_ssd_forward(case, inputs, outputs)
+    ref = "float64 recurrence (3 batch/head pairs)"
+    if case.direction == "fwd_bwd" and grads_ref is not None and len(outputs) > 2:
+        pairs += list(zip(outputs[2:], grads_ref))
+        ref += "; gradients vs xla fp32"
+    return _combine(pairs, case.dtype, ref)

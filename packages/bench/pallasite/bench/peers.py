@@ -1,0 +1,176 @@
+"""Peers outside JAX's core: tokamax, torch._grouped_mm and mamba_ssm's Triton SSD.
+
+Each is optional: `*_missing` returns why it cannot run (the record says "unsupported" with
+that reason) and nothing here is imported until a peer is asked for.
+
+- tokamax (pip wheel, see docs/benchmarks.md): `tokamax.ragged_dot(..., implementation=
+  "mosaic")`. tokamax 0.0.17 imports xprof at import time for its own profiler; the wheel
+  is carried with the others.
+- torch._grouped_mm(x[m,k], w[g,k,n], offs=cumsum(group_sizes)) -> [m,n] bf16.
+- mamba_ssm's `mamba_chunk_scan_combined` (Triton) from a source checkout given by
+  --mamba-ssm-path, $PALLASITE_PEERS or /work/main/.peers (the folder holding `mamba_ssm/`
+  or a `mamba/` checkout). It takes (x, dt, A, B, C) and forms x*dt and A*dt itself;
+  pallasite's inputs are x already scaled by dt and a = A*dt, so it gets dt = -a,
+  A = -1 per head and x / dt: the same products, one bf16 rounding of x apart.
+
+Inputs cross from JAX to torch by DLPack once per input set, outside the timed region,
+and outputs come back the same way so one check serves every implementation.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Any
+
+from pallasite.bench import ops
+
+DEFAULT_PEERS = "/work/main/.peers"
+
+
+def _importable(name: str) -> str | None:
+    try:
+        importlib.import_module(name)
+    except Exception as e:  # noqa: BLE001 - any import failure means "not here"
+        return f"{name} not importable: {type(e).__name__}: {str(e)[:200]}"
+    return None
+
+
+def tokamax_missing() -> str | None:
+    return _importable("tokamax")
+
+
+def import_tokamax():
+    return importlib.import_module("tokamax")
+
+
+def torch_missing(attr: str) -> str | None:
+    why = _importable("torch")
+    if why:
+        return why
+    import torch
+
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    if not hasattr(torch, attr):
+        return f"torch {torch.__version__} has no torch.{attr}"
+    return None
+
+
+def peers_path(explicit: str | None = None) -> str:
+    return explicit or os.environ.get("PALLASITE_PEERS") or DEFAULT_PEERS
+
+
+def _add_mamba_path(explicit: str | None) -> None:
+    root = peers_path(explicit)
+    for cand in (root, os.path.join(root, "mamba"), os.path.join(root, "mamba_ssm")):
+        if os.path.isdir(os.path.join(cand, "mamba_ssm")) and cand not in sys.path:
+            sys.path.insert(0, cand)
+            return
+
+
+def mamba_missing(explicit: str | None) -> str | None:
+    why = torch_missing("cuda")
+    if why:
+        return why
+    _add_mamba_path(explicit)
+    why = _importable("mamba_ssm.ops.triton.ssd_combined")
+    if why:
+        return f"{why} (looked under {peers_path(explicit)})"
+    return None
+
+
+# ------------------------------------------------------------------------------- adapters
+
+
+def _to_torch(x):
+    import torch
+
+    return torch.from_dlpack(x)
+
+
+def _to_jax(t):
+    import jax.numpy as jnp
+
+    return jnp.from_dlpack(t.contiguous())
+
+
+def adapt_torch(name: str, case: ops.Case, inputs: dict) -> dict:
+    import torch
+
+    t = {k: _to_torch(v) for k, v in inputs.items()}
+    if name == "torch._grouped_mm":
+        t["offs"] = torch.cumsum(t["group_sizes"], 0).to(torch.int32)
+        return t
+    # mamba_ssm: dt = -a (> 0), A = -1, x / dt so that x*dt is pallasite's x.
+    dt = (-t["a"]).float().clamp_min(1e-30)
+    t["mamba_x"] = (t["x"].float() / dt[..., None]).to(t["x"].dtype)
+    t["dt"] = dt
+    t["A"] = -torch.ones(case.d["h"], device=dt.device, dtype=torch.float32)
+    return t
+
+
+def build_torch(name: str, case: ops.Case, options: dict):
+    if name == "torch._grouped_mm":
+        return _grouped_mm(case)
+    _add_mamba_path(options.get("mamba_ssm_path"))
+    return _mamba(case)
+
+
+def _grouped_mm(case: ops.Case):
+    import torch
+
+    def fwd(t):
+        return torch._grouped_mm(t["x"], t["kernel"], offs=t["offs"], out_dtype=t["x"].dtype)
+
+    if case.direction == "fwd":
+        return lambda t: (_to_jax(fwd(t)),)
+
+    def fwd_bwd(t):
+        x = t["x"].detach().requires_grad_(True)
+        w = t["kernel"].detach().requires_grad_(True)
+        y = torch._grouped_mm(x, w, offs=t["offs"], out_dtype=x.dtype)
+        dx, dw = torch.autograd.grad(y, (x, w), t["dy"])
+        return tuple(_to_jax(v) for v in (y.detach(), dx, dw))
+
+    return fwd_bwd
+
+
+def _mamba(case: ops.Case):
+    import torch
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+    chunk = case.d["chunk"]
+
+    def run(t, grads):
+        args = [t["mamba_x"], t["dt"], t["A"], t["b"], t["c"]]
+        init = t["initial_state"]
+        if grads:
+            args = [a.detach().requires_grad_(True) for a in args]
+            init = init.detach().requires_grad_(True)
+        y, final = mamba_chunk_scan_combined(*args, chunk, initial_states=init,
+                                             return_final_states=True)
+        if not grads:
+            return (_to_jax(y), _to_jax(final))
+        torch.autograd.backward((y, final), (t["dy"], t["dfinal"]))
+        # Gradients are w.r.t. mamba's (x, dt, A) parametrisation: time them, compare only y.
+        return (_to_jax(y.detach()), _to_jax(final.detach()))
+
+    return lambda t: run(t, case.direction == "fwd_bwd")
+
+
+def torch_sync() -> None:
+    import torch
+
+    torch.cuda.synchronize()
+
+
+def versions() -> dict[str, Any]:
+    """Versions of the peer stacks that are importable (for backend_env)."""
+    out = {}
+    for name in ("torch", "triton", "tokamax"):
+        mod = sys.modules.get(name)
+        if mod is not None:
+            out[name] = getattr(mod, "__version__", "?")
+    return out

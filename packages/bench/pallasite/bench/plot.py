@@ -1,0 +1,60 @@
+"""Roofline plot (PNG, matplotlib Agg): every timed record as a labelled point.
+
+x: arithmetic intensity (flops / minimum bytes), y: achieved TFLOP/s, both log scale; the
+ceilings are the memory slope (bandwidth x intensity) and the flat compute peak of the
+records' dtype. A point's label is "<implementation> <shape name> <direction>".
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from pallasite.bench.records import Record
+from pallasite.bench.roofline import Roofline
+
+
+def _label(r: Record) -> str:
+    return f"{r.implementation} {r.shape.split('[')[0]} {r.kernel.split('.')[-1]}"
+
+
+def roofline_png(records: Sequence[Record], roof: Roofline, path: str,
+                 dtype: str = "bfloat16") -> str | None:
+    """Write the plot to `path`; return it (None when no record was timed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    timed = [r for r in records if r.tflops and r.bytes]
+    if not timed:
+        return None
+    intensity = np.array([r.flops / r.bytes for r in timed])
+    lo, hi = intensity.min() / 4, intensity.max() * 4
+    peak = roof.peak_tflops(dtype)
+    hi = max(hi, 4 * peak / roof.tbps)
+    xs = np.geomspace(lo, hi, 200)
+    fig, ax = plt.subplots(figsize=(11, 7), dpi=110)
+    ax.plot(xs, np.minimum(peak, roof.tbps * xs), "k-", lw=1.5,
+            label=f"{roof.name}: {peak:.0f} TFLOP/s, {roof.tbps:.2f} TB/s")
+    markers = {"grouped_projection": "o", "chunk_ssd": "s"}
+    for r, x in zip(timed, intensity):
+        op = r.kernel.split(".")[0]
+        color = "tab:gray" if r.peer else ("tab:red" if r.status != "ok" else "tab:blue")
+        ax.scatter([x], [r.tflops], marker=markers.get(op, "^"), color=color, zorder=3)
+        ax.annotate(_label(r), (x, r.tflops), fontsize=7, xytext=(4, 3),
+                    textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (flop / minimum byte)")
+    ax.set_ylabel("achieved TFLOP/s")
+    ax.set_title(f"pallasite roofline on {timed[0].device_kind} ({timed[0].backend}); "
+                 "blue pallasite, gray peers, red wrong")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,69 @@
+"""Benchmark suites: TARGETS.md shapes, --quick shapes, the CPU parity shapes, filters.
+
+- "targets": every shape of ../shared/TARGETS.md (grouped_projection: mixtral, dsv3, qwen3,
+  olmoe; chunk_ssd: its three Mamba-2 rows, chunk 256), forward and forward+backward.
+- "quick": one small shape per op a GPU runs in seconds (still TARGETS-like proportions).
+- "cpu": tiny shapes the Pallas interpreters get through in seconds on two cores; the default
+  on a machine without an accelerator whatever else was asked.
+- "smoke": the first shape of "cpu", forward only (the CLI test).
+"""
+
+from __future__ import annotations
+
+from pallasite.bench import ops
+from pallasite.bench.ops import gp_case, ssd_case
+
+_TARGET_GP = (
+    ("mixtral", 32768, 4096, 14336, 8),
+    ("dsv3", 65536, 7168, 2048, 256),
+    ("qwen3", 65536, 2048, 768, 128),
+    ("olmoe", 32768, 2048, 1024, 64),
+)
+_TARGET_SSD = (  # name, b, l, h, p, n, g
+    ("mamba2_b8_l4k", 8, 4096, 32, 64, 128, 1),
+    ("mamba2_b4_l8k_g8", 4, 8192, 64, 64, 128, 8),
+    ("mamba2_b2_l16k", 2, 16384, 80, 64, 128, 1),
+)
+
+_QUICK_GP = (("quick", 8192, 1024, 1024, 16),)
+_QUICK_SSD = (("quick", 2, 2048, 16, 64, 64, 1),)
+
+_CPU_GP = (("tiny", 96, 64, 128, 4), ("tiny_manygroups", 64, 32, 64, 8))
+_CPU_SSD = (("tiny", 1, 128, 4, 16, 16, 2), ("tiny_g1", 2, 64, 2, 16, 16, 1))
+_CPU_SSD_CHUNK = 32
+
+
+def _cases(gp_shapes, ssd_shapes, directions, chunk=256) -> list[ops.Case]:
+    out = []
+    for direction in directions:
+        out += [gp_case(*s, direction=direction) for s in gp_shapes]
+        out += [ssd_case(*s, chunk=chunk, direction=direction) for s in ssd_shapes]
+    return out
+
+
+def suite(name: str) -> list[ops.Case]:
+    if name == "targets":
+        return _cases(_TARGET_GP, _TARGET_SSD, ops.DIRECTIONS)
+    if name == "quick":
+        return _cases(_QUICK_GP, _QUICK_SSD, ops.DIRECTIONS)
+    if name == "cpu":
+        return _cases(_CPU_GP, _CPU_SSD, ops.DIRECTIONS, chunk=_CPU_SSD_CHUNK)
+    if name == "smoke":
+        return _cases(_CPU_GP[:1], _CPU_SSD[:1], ("fwd",), chunk=_CPU_SSD_CHUNK)
+    raise ValueError(f"unknown suite {name!r}; known: targets, quick, cpu, smoke")
+
+
+def filter_cases(cases: list[ops.Case], *, ops_: list[str] | None = None,
+                 shapes: list[str] | None = None,
+                 directions: list[str] | None = None) -> list[ops.Case]:
+    """Keep cases whose op / shape name / direction matches (substring; None keeps all)."""
+    def hit(value, patterns):
+        return not patterns or any(p in value for p in patterns)
+
+    return [c for c in cases if hit(c.op, ops_) and hit(c.shape_name, shapes)
+            and (not directions or c.direction in directions)]
+
+
+def shape_names() -> list[str]:
+    names = [s[0] for s in _TARGET_GP + _TARGET_SSD + _QUICK_GP + _CPU_GP + _CPU_SSD]
+    return list(dict.fromkeys(names))
