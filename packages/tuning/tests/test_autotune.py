@@ -77,22 +77,30 @@ def test_max_error_treats_nan_and_shape_mismatch_as_infinite():
     assert max_error({"y": np.ones(4), "s": np.zeros(2)}, ref)[0] == np.inf
 
 
-def test_jax_benchmark_runs_while_the_caller_is_being_traced():
-    """Kernels resolve block sizes at trace time: tuning must run real computations then."""
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 16)), jnp.float32)
+def test_pallas_benchmark_runs_while_the_caller_is_being_traced():
+    """Kernels resolve block sizes at trace time: tuning must compile and run real kernels then."""
+    from jax.experimental import pallas as pl
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 16)), jnp.float32)
 
     def build(cfg):
-        f = jax.jit(lambda a: jnp.sum(a.reshape(-1, cfg.block // 8), axis=1))
+        def kernel(x_ref, o_ref):  # program_id: an input-free primitive (see autotune's doc)
+            o_ref[...] = x_ref[...] * cfg.warps + pl.program_id(0).astype(jnp.float32)
+
+        f = jax.jit(lambda a: pl.pallas_call(
+            kernel, out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype), grid=(4,),
+            in_specs=[pl.BlockSpec((1, 16), lambda i: (i, 0))],
+            out_specs=pl.BlockSpec((1, 16), lambda i: (i, 0)), interpret=True)(a))
         return lambda: f(x)
 
-    b = Benchmark(build=build, reference=lambda: jnp.sum(x.reshape(-1, 8), axis=1), atol=1e-5, rtol=1e-5)
+    b = Benchmark(build=build, reference=lambda: x * 4 + jnp.arange(4.0)[:, None], atol=1e-5, rtol=1e-5)
     seen = []
 
     @jax.jit
     def traced(a):
-        seen.append(autotune([Cfg(64), Cfg(128)], b))
+        seen.append(autotune([Cfg(64, 4), Cfg(64, 2)], b))
         return a + 1
 
     traced(jnp.ones(2))
     (r,) = seen
-    assert [t.status for t in r.trials] == [OK, WRONG_RESULT] and r.best == Cfg(64)
+    assert [t.status for t in r.trials] == [OK, WRONG_RESULT] and r.best == Cfg(64, 4)

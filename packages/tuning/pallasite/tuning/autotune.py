@@ -19,12 +19,18 @@ Every candidate leaves a Trial whose status says what happened:
 The kernel side supplies a Benchmark: `build(config)` returns a zero-argument function that
 runs the kernel with that config on fixed synthetic inputs of the real shapes and dtypes;
 `reference()` gives the expected output on the same inputs. The tuner never sees arrays'
-meaning, only pytrees it compares in float64. It runs under `jax.ensure_compile_time_eval()`
-so it also works when a kernel resolves its block sizes while being traced under jit.
+meaning, only pytrees it compares in float64.
+
+Kernels resolve block sizes while being traced under jit, where every jax operation is
+staged into the caller's trace instead of run. The tuner therefore runs in a worker thread:
+JAX's trace state is per thread, so there the candidates compile and run as plain calls.
+(`jax.ensure_compile_time_eval()` is no substitute: it also folds input-free primitives such
+as `pl.program_id` while Pallas traces a kernel body, and the kernel fails to build.)
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import re
 import statistics
@@ -140,6 +146,24 @@ def _run_one(config: Any, bench: Benchmark, ref: Any, deadline: float,
     return Trial(config, OK, time_s=statistics.median(times))
 
 
+def _trials(configs: list[Any], bench: Benchmark, fits: Callable[[Any], bool] | None,
+            budget_s: float, clock: Callable[[], float]) -> list[Trial]:
+    deadline = clock() + budget_s
+    trials: list[Trial] = []
+    ref = None
+    for config in configs:
+        if fits is not None and not fits(config):
+            trials.append(Trial(config, DOES_NOT_FIT))
+            continue
+        if clock() > deadline:
+            trials.append(Trial(config, SKIPPED_BUDGET))
+            continue
+        if ref is None:
+            ref = jax.block_until_ready(bench.reference())
+        trials.append(_run_one(config, bench, ref, deadline, clock))
+    return trials
+
+
 def autotune(
     candidates: Sequence[Any],
     bench: Benchmark,
@@ -151,20 +175,8 @@ def autotune(
 ) -> TuneResult:
     """Try candidates in order (duplicates dropped) within the budget; fastest correct wins."""
     unique = list(dict.fromkeys(candidates))[:max_candidates]
-    deadline = clock() + budget_s
-    trials: list[Trial] = []
-    with jax.ensure_compile_time_eval():
-        ref = None
-        for config in unique:
-            if fits is not None and not fits(config):
-                trials.append(Trial(config, DOES_NOT_FIT))
-                continue
-            if clock() > deadline:
-                trials.append(Trial(config, SKIPPED_BUDGET))
-                continue
-            if ref is None:
-                ref = jax.block_until_ready(bench.reference())
-            trials.append(_run_one(config, bench, ref, deadline, clock))
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pallasite-autotune") as pool:
+        trials = pool.submit(_trials, unique, bench, fits, budget_s, clock).result()
     ok = [t for t in trials if t.status == OK]
     if not ok:
         return TuneResult(None, None, tuple(trials))
