@@ -56,8 +56,7 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 # form. 1 GiB is what the first TARGETS.md row (b=8, l=4096, h=32, C=256) needs
 # (b*nc*h*C*C*4 bytes), so every TARGETS row up to that size runs plain; beyond it the
 # blockwise form holds 1/nc of the tiles at a time, paying a sequential scan over chunks
-# (autodiff keeps the tiles of every chunk as residuals either way, so this bounds the
-# forward's peak, not the backward's).
+# (its scan body is rematerialised, so reverse mode too keeps only the carried states).
 PLAIN_TILE_BYTES = 1 << 30
 
 
@@ -295,8 +294,13 @@ def _plain(x, a, b, c, s0):
 
 
 def _blockwise(x, a, b, c, s0):
-    """A scan over chunks holding one chunk's [C, C] tiles at a time."""
+    """A scan over chunks holding one chunk's [C, C] tiles at a time.
 
+    The body is under jax.checkpoint: without it, reverse mode would save every chunk's
+    tiles as residuals and rebuild the plain form's footprint.
+    """
+
+    @jax.checkpoint
     def step(state, inputs):
         x_z, a_z, b_z, c_z = inputs
         tiles, acs = _decays(a_z)
