@@ -144,25 +144,31 @@ def _gp_bench(module, product: str, dims: dict, interpret: bool = False) -> tune
     return tuner.Benchmark(build=build, reference=reference, atol=0.0, rtol=1e-2, warmup=1, reps=5)
 
 
-def _gp_impls(interpret: bool = False) -> list[Impl]:
+def _shape_default(module, product: str, dims: dict):
+    """The backend's own default for this shape, never a table entry (what tuning must beat)."""
+    kw = dict(product=product, m=dims["m"], k=dims["k"], n=dims["n"], g=dims["g"])
+    if hasattr(module, "default_block_sizes"):
+        return module.default_block_sizes(**kw)
+    return module.resolve_block_sizes(None, **kw)
+
+
+def _gp_impls(interpret: bool = False, everything: bool = False) -> list[Impl]:
     from pallasite.kernels import platform
 
     out = []
-    if platform.triton_runs() or interpret:
+    if platform.triton_runs() or interpret or everything:
         mod = _try_import("pallasite.kernels.grouped_projection.pallas_triton")
         cfg = _try_import("pallasite.kernels.grouped_projection.config")
         if mod is not None and cfg is not None:
             for product in ("forward", "dx", "dkernel"):
                 out.append(Impl(f"pallas_triton:{product}", cfg.TritonBlockSizes, mod.DEFAULT,
                                 lambda d, p=product: _gp_bench(mod, p, d, interpret)))
-    if platform.mosaic_gpu_runs() and not interpret:
+    if (platform.mosaic_gpu_runs() and not interpret) or everything:
         mod = _try_import("pallasite.kernels.grouped_projection.pallas_mosaic_gpu")
         if mod is not None:
-            for product, op in (("forward", "gmm"), ("dkernel", "tgmm")):
-                # The backend's own default for the shape (it depends on m / g).
-                def default_for(d, op=op):
-                    return mod.resolve_block_sizes(op, d["m"], d["k"], d["n"], d["g"], None)
-                out.append(Impl(f"pallas_mosaic_gpu:{op}", mod.MosaicGpuBlockSizes, default_for,
+            for product in ("forward", "dx", "dkernel"):
+                out.append(Impl(f"pallas_mosaic_gpu:{product}", mod.MosaicGpuBlockSizes,
+                                lambda d, p=product: _shape_default(mod, p, d),
                                 lambda d, p=product: _gp_bench(mod, p, d)))
     return out
 
@@ -219,11 +225,11 @@ def _ssd_bench(module, dims: dict, interpret: bool = False) -> tuner.Benchmark:
     return tuner.Benchmark(build=build, reference=reference, atol=0.0, rtol=2e-2, warmup=1, reps=5)
 
 
-def _ssd_impls(interpret: bool = False) -> list[Impl]:
+def _ssd_impls(interpret: bool = False, everything: bool = False) -> list[Impl]:
     from pallasite.kernels import platform
 
     out = []
-    if platform.triton_runs() or interpret:
+    if platform.triton_runs() or interpret or everything:
         mod = _try_import("pallasite.kernels.ssd.pallas_triton")
         if mod is not None:
             out.append(Impl("pallas_triton:forward", mod.BlockSizes, mod.DEFAULT_BLOCK_SIZES,
@@ -317,8 +323,12 @@ def table_dir(args) -> Path:
 def _print_summary(records: list[dict]) -> None:
     print(f"{'implementation':26} {'shape':18} {'default ms':>10} {'tuned ms':>9} {'speedup':>7}  tuned config / status")
     for r in records:
+        if "candidates" in r:
+            print(f"{r['implementation']:26} {r['shape_name']:18} dry run: bucket {r['bucket']}, "
+                  f"default {r['default']}, {len(r['candidates'])} candidates")
+            continue
         if "error" in r or "trials" not in r:
-            print(f"{r['implementation']:26} {r['shape_name']:18} {'-':>10} {'-':>9} {'-':>7}  {r.get('error', 'dry run')}")
+            print(f"{r['implementation']:26} {r['shape_name']:18} {'-':>10} {'-':>9} {'-':>7}  {r.get('error')}")
             continue
         counts: dict[str, int] = {}
         for t in r["trials"]:
@@ -357,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     table = tables.load_table(args.op, path.parent)
     if table is None:
         parser.error(f"no table at {path}: it declares the buckets and candidates")
-    impls = _gp_impls(args.interpret) if args.op == GP else _ssd_impls(args.interpret)
+    # A dry run lists every implementation, whether or not this device runs it.
+    impls = (_gp_impls if args.op == GP else _ssd_impls)(args.interpret, args.dry_run)
     if args.implementation:
         impls = [i for i in impls if i.name in args.implementation]
     if not impls:
@@ -375,7 +386,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             record = tune_key(args.op, impl, table, name, dims, args)
             records.append(record)
-            print(json.dumps({k: record.get(k) for k in ("implementation", "shape_name", "default_ms", "tuned_ms", "speedup")}), flush=True)
+            if not args.dry_run:
+                print(json.dumps({k: record.get(k) for k in ("implementation", "shape_name", "default_ms",
+                                                             "tuned_ms", "speedup")}), flush=True)
             if args.results:
                 with open(args.results, "a", encoding="utf-8") as f:
                     f.write(json.dumps(record, default=str) + "\n")
