@@ -1,0 +1,224 @@
+"""H200 benchmark of the SSD Pallas Triton kernels (issue 8), with its peers in-process.
+
+Run on the device from the repo root (mamba_ssm's public source copied into .peers/,
+carried, not vendored):
+
+    PYTHONUNBUFFERED=1 python3 tools/device/ssd_pallas_triton_bench.py [--sweep] [--stages]
+
+For each TARGETS row (bf16, chunk 256): forward and forward+backward of the Pallas Triton
+backend, the XLA path (pallasite.kernels.ssd.xla) and mamba_ssm's
+mamba_chunk_scan_combined, medians of timed runs after warm-up; the kernel's error against
+the XLA path; bytes moved and the fraction of the 4.3 TB/s copy rate. Writes JSON lines
+to $OUT/ssd_bench.jsonl when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+for sub in ("packages/reference", "packages/kernels", "packages/tuning", "packages/bench", ".peers"):
+    sys.path.insert(0, os.path.join(ROOT, sub))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallasite.kernels.ssd import pallas_triton as pt  # noqa: E402
+from pallasite.kernels.ssd import xla as sx  # noqa: E402
+from pallasite.reference.inputs import ssd_inputs  # noqa: E402
+
+ROWS = [(8, 4096, 32, 64, 128, 1), (4, 8192, 64, 64, 128, 8), (2, 16384, 80, 64, 128, 1)]
+CHUNK = 256
+COPY_RATE = 4.3e12
+OUT = os.environ.get("OUT")
+
+
+def emit(rec):
+    print(json.dumps(rec), flush=True)
+    if OUT:
+        with open(os.path.join(OUT, "ssd_bench.jsonl"), "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
+def time_jax(fn, args, warmup=3, iters=25):
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def nbytes(*arrays):
+    return int(sum(a.size * a.dtype.itemsize for a in arrays))
+
+
+def inputs(row):
+    bsz, length, h, p, n, g = row
+    x, a, b, c = ssd_inputs(jax.random.key(0), bsz, length, h, p, n, g, jnp.bfloat16)
+    ch = lambda t: t.reshape(t.shape[0], length // CHUNK, CHUNK, *t.shape[2:])
+    s0 = jnp.zeros((bsz, h, p, n), jnp.float32)
+    dy = jax.random.normal(jax.random.key(1), x.shape, jnp.float32).astype(jnp.bfloat16)
+    dfin = jax.random.normal(jax.random.key(2), s0.shape, jnp.float32)
+    return ch(x), ch(a), ch(b), ch(c), s0, ch(dy), dfin
+
+
+def jax_fns(mod, bs=None):
+    kw = {} if bs is None else {"block_sizes": bs}
+    fwd = jax.jit(lambda x, a, b, c, s0: mod.forward(x, a, b, c, s0, **kw))
+
+    def step(x, a, b, c, s0, dy, dfin):
+        y, fin, states = mod.forward(x, a, b, c, s0, **kw)
+        return (y, fin) + tuple(mod.backward(x, a, b, c, states, dy, dfin, **kw))
+
+    return fwd, jax.jit(step)
+
+
+def rel(u, v):
+    u = np.asarray(u.astype(jnp.float32), np.float64)
+    v = np.asarray(v.astype(jnp.float32), np.float64)
+    return float(np.max(np.abs(u - v)) / (np.max(np.abs(v)) + 1e-30))
+
+
+def mamba_times(row):
+    try:
+        import torch
+        import triton
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except Exception as e:  # noqa: BLE001
+        return {"mamba_error": repr(e)}
+    bsz, length, h, p, n, g = row
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dev = "cuda"
+    x = torch.randn(bsz, length, h, p, device=dev, generator=gen).to(torch.bfloat16)
+    dt = torch.nn.functional.softplus(torch.randn(bsz, length, h, device=dev, generator=gen) - 4)
+    A = -torch.exp(torch.rand(h, device=dev, generator=gen))
+    B = torch.randn(bsz, length, g, n, device=dev, generator=gen).to(torch.bfloat16)
+    C = torch.randn(bsz, length, g, n, device=dev, generator=gen).to(torch.bfloat16)
+    dy = torch.randn_like(x)
+    out = {}
+    with torch.no_grad():
+        f = lambda: mamba_chunk_scan_combined(x, dt, A, B, C, CHUNK)
+        out["mamba_fwd_ms"] = triton.testing.do_bench(f, warmup=50, rep=200, return_mode="median")
+    leaves = [t.detach().requires_grad_() for t in (x, dt, A, B, C)]
+
+    def fb():
+        y = mamba_chunk_scan_combined(*leaves, CHUNK)
+        y.backward(dy)
+
+    out["mamba_fwdbwd_ms"] = triton.testing.do_bench(
+        fb, warmup=50, rep=200, grad_to_none=leaves, return_mode="median"
+    )
+    del x, dt, A, B, C, dy, leaves
+    torch.cuda.empty_cache()
+    return out
+
+
+def bench_row(row, bs=None, peers=True):
+    args = inputs(row)
+    x, a, b, c, s0, dy, dfin = args
+    rec = {"row": row, "chunk": CHUNK, "device": str(jax.devices()[0].device_kind)}
+    if bs is not None:
+        rec["block_sizes"] = [bs.block_m, bs.block_t, bs.num_warps, bs.num_stages]
+    kf, kfb = jax_fns(pt, bs)
+    t0 = time.perf_counter()
+    outs_k = jax.block_until_ready(kfb(*args))
+    rec["compile_s"] = round(time.perf_counter() - t0, 2)
+    rec["pallas_fwd_ms"] = time_jax(kf, args[:5])
+    rec["pallas_fwdbwd_ms"] = time_jax(kfb, args)
+    y, fin, states = jax.block_until_ready(kf(*args[:5]))
+    rec["bytes_fwd"] = nbytes(x, a, b, c, y, fin, states)
+    rec["bytes_fwdbwd"] = rec["bytes_fwd"] + nbytes(x, a, b, c, states, dy, dfin, x, a, b, c, s0)
+    rec["copy_frac_fwd"] = rec["bytes_fwd"] / COPY_RATE / (rec["pallas_fwd_ms"] * 1e-3)
+    rec["copy_frac_fwdbwd"] = rec["bytes_fwdbwd"] / COPY_RATE / (rec["pallas_fwdbwd_ms"] * 1e-3)
+    if peers:
+        xf, xfb = jax_fns(sx)
+        outs_x = jax.block_until_ready(xfb(*args))
+        names = ("y", "final", "dx", "da", "db", "dc", "dinitial")
+        rec["err_vs_xla"] = {k: rel(u, v) for k, u, v in zip(names, outs_k, outs_x)}
+        del outs_x
+        rec["xla_fwd_ms"] = time_jax(xf, args[:5])
+        rec["xla_fwdbwd_ms"] = time_jax(xfb, args)
+        rec["speedup_fwd"] = rec["xla_fwd_ms"] / rec["pallas_fwd_ms"]
+        rec["speedup_fwdbwd"] = rec["xla_fwdbwd_ms"] / rec["pallas_fwdbwd_ms"]
+    del outs_k, y, fin, states, args
+    emit(rec)
+    return rec
+
+
+def stages(row, bs=None):
+    """Each pallas_call of the default config alone (ms)."""
+    x, a, b, c, s0, dy, dfin = inputs(row)
+    bs = pt.resolve_block_sizes(bs, CHUNK)
+    acs = jnp.cumsum(a, axis=2)
+    last = acs[:, :, -1, :]
+    w = jnp.exp(last[:, :, None, :] - acs)
+    local = pt._chunk_state(x, b, w, bs, False)
+    states, _ = pt._state_pass(local, jnp.exp(last), s0, bs, False)
+    grads, _, _ = pt._state_pass_reverse(local, jnp.exp(last), states, dfin, bs, False)
+    e = jnp.exp(last)
+    fns = {
+        "chunk_state": (lambda x, b, w: pt._chunk_state(x, b, w, bs, False), (x, b, w)),
+        "state_pass": (lambda l, e, s0: pt._state_pass(l, e, s0, bs, False), (local, e, s0)),
+        "chunk_output": (
+            lambda x, b, c, acs, st: pt._chunk_output(x, b, c, acs, st, bs, False),
+            (x, b, c, acs, states),
+        ),
+        "state_pass_reverse": (
+            lambda l, e, st, d: pt._state_pass_reverse(l, e, st, d, bs, False),
+            (local, e, states, dfin),
+        ),
+        "bwd_rows_j": (
+            lambda *t: pt._bwd_rows_j(*t, bs, False), (x, dy, b, c, acs, grads)
+        ),
+        "bwd_rows_i": (
+            lambda *t: pt._bwd_rows_i(*t, bs, False), (x, dy, b, c, acs, states)
+        ),
+    }
+    rec = {"row": row, "stages_ms": {k: time_jax(jax.jit(f), t) for k, (f, t) in fns.items()}}
+    emit(rec)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--stages", action="store_true")
+    ap.add_argument("--rows", default="0,1,2")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpreter (CPU)")
+    opts = ap.parse_args()
+    if opts.smoke:
+        global CHUNK, ROWS
+        import functools
+        CHUNK, ROWS = 32, [(2, 64, 4, 16, 16, 1), (1, 64, 4, 16, 16, 2), (1, 64, 2, 16, 16, 1)]
+        pt.forward = functools.partial(pt.forward, interpret=True)
+        pt.backward = functools.partial(pt.backward, interpret=True)
+        real_call = pt.pl.pallas_call
+        pt.pl.pallas_call = lambda *a, **k: real_call(*a, **{**k, "interpret": True})
+    emit({"jax": jax.__version__, "devices": [str(d) for d in jax.devices()],
+          "date": time.strftime("%Y-%m-%d %H:%M:%S")})
+    if opts.stages:
+        stages(ROWS[0])
+    if opts.sweep:
+        for cfg in [(64, 64, 8, 2), (128, 64, 8, 2), (32, 64, 4, 2)]:
+            try:
+                bench_row(ROWS[0], pt.BlockSizes(*cfg), peers=False)
+            except Exception as e:  # noqa: BLE001
+                emit({"block_sizes": cfg, "error": repr(e)[:500]})
+    rows = [ROWS[i] for i in map(int, opts.rows.split(","))]
+    for row in rows:
+        bench_row(row)
+    # mamba_ssm last: its autotuning compiles many configs on first use.
+    for row in rows:
+        emit({"row": row, **mamba_times(row)})
+
+
+if __name__ == "__main__":
+    main()
