@@ -148,3 +148,22 @@ def test_op_without_table_keys_the_cache_by_exact_shape():
     assert sel.source == "autotune"
     (path,) = cache.cache_dir().glob("toy.impl.*.json")
     assert '"=700"' in path.read_text()
+
+
+def test_registered_benchmark_factory_enables_autotune_without_measure():
+    from pallasite.tuning import register_benchmark
+    seen = []
+
+    def factory(shape, dtypes):
+        seen.append((shape, dtypes))
+        return bench(times={DEFAULT: 0.003})
+
+    register_benchmark("toy", "impl", factory)
+    try:
+        sel = select()
+        assert sel.source == "autotune" and seen == [(SHAPE, ("bfloat16",))]
+        assert select().source == "cache" and len(seen) == 1
+    finally:
+        register_benchmark("toy", "impl", None)
+    assert select(shape={"m": 600, "n": 300}).source == "cache"  # same bucket, still cached
+    assert select(shape={"m": 10, "n": 300}).source == "default"  # no factory: no autotune

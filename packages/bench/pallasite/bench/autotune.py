@@ -40,7 +40,8 @@ GP = "grouped_projection"
 SSD = "ssd"
 BF16 = "bfloat16"
 
-# TARGETS.md shapes. grouped_projection: (m, k, n, g); ssd: (b, l, h, p, n, g, chunk).
+# TARGETS.md shapes. grouped_projection: (m, k, n, g); ssd: SSD_DIMS.
+SSD_DIMS = ("batch", "length", "heads", "head_dim", "state", "groups", "chunk")
 GP_TARGETS = {
     "mixtral": (32768, 4096, 14336, 8),
     "dsv3": (65536, 7168, 2048, 256),
@@ -61,21 +62,21 @@ class Impl:
     name: str  # the table's implementation key, e.g. "pallas_triton:forward"
     config_type: type
     default: Any
-    make_bench: Callable[[dict], tuner.Benchmark]  # target dims -> Benchmark
+    make_bench: Callable[[dict, str], tuner.Benchmark]  # (dims, dtype name) -> Benchmark
 
 
 # ------------------------------------------------------------------ grouped_projection
 
 
-def _gp_inputs(dims: dict, seed: int = 0):
+def _gp_inputs(dims: dict, dtype: str, seed: int = 0):
     import jax
     import jax.numpy as jnp
 
     from pallasite.reference import inputs as ref_inputs
 
     m, k, n, g = dims["m"], dims["k"], dims["n"], dims["g"]
-    x, kernel, group_sizes = ref_inputs.grouped_projection_inputs(jax.random.key(seed), m, k, n, g, jnp.bfloat16)
-    dy = jax.random.normal(jax.random.key(seed + 1), (m, n), jnp.bfloat16)
+    x, kernel, group_sizes = ref_inputs.grouped_projection_inputs(jax.random.key(seed), m, k, n, g, dtype)
+    dy = jax.random.normal(jax.random.key(seed + 1), (m, n), dtype)
     return x, kernel, group_sizes, dy
 
 
@@ -104,11 +105,11 @@ def _exact_rows(lhs, weight_of, rows: np.ndarray, group_sizes: np.ndarray):
     return out
 
 
-def _gp_bench(module, product: str, dims: dict, interpret: bool = False) -> tuner.Benchmark:
+def _gp_bench(module, product: str, dims: dict, dtype: str = BF16, interpret: bool = False) -> tuner.Benchmark:
     import jax
     import jax.numpy as jnp
 
-    x, kernel, gs, dy = _gp_inputs(dims)
+    x, kernel, gs, dy = _gp_inputs(dims, dtype)
     gs_np = np.asarray(gs)
     rows = _sample_rows(gs_np)
     rows_j = jnp.asarray(rows)
@@ -118,7 +119,7 @@ def _gp_bench(module, product: str, dims: dict, interpret: bool = False) -> tune
         picks = sorted({int(np.argmax(gs_np)), int(np.argmin(np.where(gs_np > 0, gs_np, ends[-1] + 1)))})
 
         def build(cfg):
-            f = jax.jit(lambda a, b, s: module.tgmm(a, b, s, num_groups=g, out_dtype=jnp.bfloat16,
+            f = jax.jit(lambda a, b, s: module.tgmm(a, b, s, num_groups=g, out_dtype=dtype,
                                                     block_sizes=cfg, interpret=interpret)[jnp.asarray(picks)])
             return lambda: f(x, dy, gs)
 
@@ -133,7 +134,7 @@ def _gp_bench(module, product: str, dims: dict, interpret: bool = False) -> tune
         rhs = kernel
 
         def build(cfg):
-            f = jax.jit(lambda a, w, s: module.gmm(a, w, s, transpose_rhs=transpose, out_dtype=jnp.bfloat16,
+            f = jax.jit(lambda a, w, s: module.gmm(a, w, s, transpose_rhs=transpose, out_dtype=dtype,
                                                    block_sizes=cfg, interpret=interpret)[rows_j])
             return lambda: f(lhs, rhs, gs)
 
@@ -162,14 +163,14 @@ def _gp_impls(interpret: bool = False, everything: bool = False) -> list[Impl]:
         if mod is not None and cfg is not None:
             for product in ("forward", "dx", "dkernel"):
                 out.append(Impl(f"pallas_triton:{product}", cfg.TritonBlockSizes, mod.DEFAULT,
-                                lambda d, p=product: _gp_bench(mod, p, d, interpret)))
+                                lambda d, t=BF16, p=product: _gp_bench(mod, p, d, t, interpret)))
     if (platform.mosaic_gpu_runs() and not interpret) or everything:
         mod = _try_import("pallasite.kernels.grouped_projection.pallas_mosaic_gpu")
         if mod is not None:
             for product in ("forward", "dx", "dkernel"):
                 out.append(Impl(f"pallas_mosaic_gpu:{product}", mod.MosaicGpuBlockSizes,
                                 lambda d, p=product: _shape_default(mod, p, d),
-                                lambda d, p=product: _gp_bench(mod, p, d)))
+                                lambda d, t=BF16, p=product: _gp_bench(mod, p, d, t)))
     return out
 
 
@@ -189,14 +190,14 @@ def _ssd_numpy(x, a, b, c, init):
     return np.concatenate(ys), state
 
 
-def _ssd_bench(module, dims: dict, interpret: bool = False) -> tuner.Benchmark:
+def _ssd_bench(module, dims: dict, dtype: str = BF16, interpret: bool = False) -> tuner.Benchmark:
     import jax
     import jax.numpy as jnp
 
     from pallasite.reference import inputs as ref_inputs
 
-    bsz, l, h, p, n, g, chunk = (dims[k] for k in ("b", "length", "heads", "head_dim", "state", "groups", "chunk"))
-    x, a, b, c = ref_inputs.ssd_inputs(jax.random.key(0), bsz, l, h, p, n, g, jnp.bfloat16)
+    bsz, l, h, p, n, g, chunk = (dims[k] for k in SSD_DIMS)
+    x, a, b, c = ref_inputs.ssd_inputs(jax.random.key(0), bsz, l, h, p, n, g, dtype)
     init = ref_inputs.ssd_initial_state(jax.random.key(1), bsz, h, p, n)
     nc = l // chunk
     chunked = [t.reshape(bsz, nc, chunk, *t.shape[2:]) for t in (x, a, b, c)]
@@ -233,7 +234,7 @@ def _ssd_impls(interpret: bool = False, everything: bool = False) -> list[Impl]:
         mod = _try_import("pallasite.kernels.ssd.pallas_triton")
         if mod is not None:
             out.append(Impl("pallas_triton:forward", mod.BlockSizes, mod.DEFAULT_BLOCK_SIZES,
-                            lambda d: _ssd_bench(mod, d, interpret)))
+                            lambda d, t=BF16: _ssd_bench(mod, d, t, interpret)))
     return out
 
 
@@ -248,11 +249,28 @@ def _try_import(name: str):
         return None
 
 
+def enable_autotune_on_miss() -> list[str]:
+    """Register this module's benchmarks with pallasite.tuning for the backends that run here.
+
+    After this, a kernel call whose block sizes miss the table and the cache autotunes
+    (bounded; PALLASITE_AUTOTUNE=0 still turns it off) and caches the result. Off by default:
+    a first call that spends seconds tuning is the user's choice. Returns the keys registered.
+    """
+    from pallasite.tuning import register_benchmark
+
+    keys = []
+    for op, impls in ((GP, _gp_impls()), (SSD, _ssd_impls())):
+        for impl in impls:
+            register_benchmark(op, impl.name, lambda shape, dtypes, i=impl: i.make_bench(dict(shape), dtypes[0]))
+            keys.append(f"{op}/{impl.name}")
+    return keys
+
+
 def targets(op: str) -> dict[str, dict]:
     """Table dims plus what the benchmark needs, per TARGETS.md shape name."""
     if op == GP:
         return {name: dict(zip("mkng", v)) for name, v in GP_TARGETS.items()}
-    return {name: dict(zip(("b", "length", "heads", "head_dim", "state", "groups", "chunk"), v))
+    return {name: dict(zip(SSD_DIMS, v))
             for name, v in SSD_TARGETS.items()}
 
 
@@ -274,7 +292,7 @@ def tune_key(op: str, impl: Impl, table: tables.Table, name: str, dims: dict, ar
         return record
     start = time.perf_counter()
     try:
-        bench = impl.make_bench(dims)
+        bench = impl.make_bench(dims, BF16)
         result = tuner.autotune(cands, bench, budget_s=args.budget_s, max_candidates=args.max_candidates)
     except Exception as err:  # noqa: BLE001 - inputs or reference failed: report, go on
         record["error"] = f"{type(err).__name__}: {err}"[:400]

@@ -13,8 +13,8 @@ Order (DESIGN.md "Tuning"), first that applies wins:
   3. the on-disk cache entry for the same key, under the same conditions; a cached
      "no viable candidate" skips step 4;
   4. a bounded autotune, only when the caller gave a `measure` (a Benchmark or a
-     zero-argument function returning one, built only on a miss) and PALLASITE_AUTOTUNE is
-     not 0; the default is always among the candidates, so a tuned config is never one the
+     zero-argument function returning one, built only on a miss) or a benchmark factory is
+     registered for (op, implementation), and PALLASITE_AUTOTUNE is not 0; the default is always among the candidates, so a tuned config is never one the
      tuner measured slower than the default; the outcome (winner or no-viable) is cached;
   5. `default`.
 With no table entry, no cache entry and no `measure`, the result is `default`: wiring a
@@ -24,6 +24,7 @@ kernel through here changes nothing until an entry exists for its key.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any, Callable, Mapping, Sequence
 
@@ -41,6 +42,9 @@ AUTOTUNE = "autotune"
 DEFAULT = "default"
 
 _UNSET: Any = object()
+# (op, implementation) -> factory(shape, dtypes) -> Benchmark, for callers that pass no
+# `measure`: how autotune-on-miss is switched on for kernels without changing their code.
+_benchmarks: dict[tuple[str, str], Callable[[Mapping[str, int], tuple[str, ...]], Any]] = {}
 # Autotune results whose cache write failed (unwritable directory): kept for this process
 # so a kernel traced many times is tuned once.
 _memo: dict[_cache.CacheKey, Any] = {}
@@ -141,6 +145,9 @@ def select_block_sizes(
             notes.append("cached: no viable candidate")
             return Selection(default, DEFAULT, "; ".join(notes))
 
+    factory = _benchmarks.get((op, implementation))
+    if measure is None and factory is not None:
+        measure = functools.partial(factory, dict(shape), dtypes)
     if measure is not None and _cache.autotune_enabled():
         bench = measure if isinstance(measure, _autotune.Benchmark) else measure()
         result = _autotune.autotune(
@@ -154,6 +161,20 @@ def select_block_sizes(
     if measure is not None:
         notes.append(f"autotune off ({_cache.ENV_AUTOTUNE}=0)")
     return Selection(default, DEFAULT, "; ".join(notes))
+
+
+def register_benchmark(op: str, implementation: str,
+                       factory: Callable[[Mapping[str, int], tuple[str, ...]], Any] | None) -> None:
+    """Autotune (op, implementation) on a miss with `factory(shape, dtypes) -> Benchmark`.
+
+    For kernels that pass no `measure` of their own; the factory runs only on a miss. None
+    removes the registration. pallasite.bench.autotune.enable_autotune_on_miss() registers
+    the factories for the backends present on this device.
+    """
+    if factory is None:
+        _benchmarks.pop((op, implementation), None)
+    else:
+        _benchmarks[(op, implementation)] = factory
 
 
 def _store(key: _cache.CacheKey, result: _autotune.TuneResult, fields: tuple[str, ...],
