@@ -47,6 +47,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Int, Shaped
 
+from pallasite.kernels.grouped_projection import config
+
 # H200 SXM has 132 SMs; used when the default device does not report its core count.
 _DEFAULT_NUM_SMS = 132
 # Programs in interpret mode (CPU tests): few, so the interpreter's threads stay cheap.
@@ -98,18 +100,24 @@ TGMM_DEFAULT = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=
 
 
 def resolve_block_sizes(
-    op: str, m: int, k: int, n: int, num_groups: int, block_sizes: Any
+    block_sizes: Any, *, product: str, m: int, k: int, n: int, g: int
 ) -> MosaicGpuBlockSizes:
-    """The one place block sizes are chosen: the caller's, else the default for the shape."""
-    if block_sizes is not None:
-        if not isinstance(block_sizes, MosaicGpuBlockSizes):
+    """The one place this backend picks its blocks: the caller's, else the shape's default.
+
+    block_sizes: None, a MosaicGpuBlockSizes (every product), or a
+    config.GroupedProjectionBlockSizes naming one per product ('forward', 'dx', 'dkernel').
+    """
+    del k, n
+    chosen = config.for_product(block_sizes, product)
+    if chosen is not None:
+        if not isinstance(chosen, MosaicGpuBlockSizes):
             raise TypeError(
-                f"block_sizes must be MosaicGpuBlockSizes or None, got {type(block_sizes).__name__}"
+                f"block_sizes for pallas_mosaic_gpu must be MosaicGpuBlockSizes, got {chosen!r}"
             )
-        return block_sizes
-    if op == "tgmm":
+        return chosen
+    if product == "dkernel":
         return TGMM_DEFAULT
-    return GMM_LARGE_GROUPS if m >= 1024 * max(num_groups, 1) else GMM_SMALL_GROUPS
+    return GMM_LARGE_GROUPS if m >= 1024 * max(g, 1) else GMM_SMALL_GROUPS
 
 
 # --------------------------------------------------------------------------- helpers
@@ -122,7 +130,9 @@ def _num_programs(interpret: bool) -> int:
 
 
 def _interpret_params(interpret: bool):
-    return plgpu.InterpretGPUParams() if interpret else False
+    # TMA zero-fills reads past the array end (the last group's last tgmm step); the
+    # interpreter fills them with NaN instead, which the row masks must then remove.
+    return plgpu.InterpretGPUParams(out_of_bounds_reads="uninitialized_value") if interpret else False
 
 
 def _compiler_params():
@@ -175,6 +185,8 @@ def _row_tile_table(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.A
     clamped to m - block_m so no load leaves the array.
     T = (m + (g+1)(block_m+7)) // block_m + 1 bounds sum_s ceil((size_s + 7) / block_m).
     """
+    if m % 8 or m < block_m:
+        raise ValueError(f"_row_tile_table needs m % 8 == 0 and m >= block_m; got {m=}, {block_m=}")
     g = group_sizes.shape[0]
     starts, sizes = _group_bounds(group_sizes, m)
     total = starts[-1] + sizes[-1]
@@ -198,12 +210,13 @@ def _row_tile_table(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.A
 def _shard_map(fn, *args):
     """Run fn under an explicit shard_map, operands replicated (the ragged dim stays local).
 
-    Uses the ambient mesh when one is set; otherwise a one-axis mesh over the devices.
-    Replicated specs mean no collective is inserted: each device computes the product.
+    Uses the ambient mesh when one is set (replicated specs: each device computes the
+    whole product and no collective is inserted); otherwise a one-device mesh, as ops.py
+    does for the backends it wraps itself (ops lists this backend as self-sharded).
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-        mesh = jax.sharding.Mesh(np.array(jax.devices()), ("grouped_projection",))
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("grouped_projection",))
     specs = tuple(P() for _ in args)
     return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(*args)
 
@@ -352,7 +365,8 @@ def gmm(
     m, k = lhs.shape
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    bs = resolve_block_sizes("gmm", m, k, n, g, block_sizes)
+    product = "dx" if transpose_rhs else "forward"
+    bs = resolve_block_sizes(block_sizes, product=product, m=m, k=k, n=n, g=g)
     bs = dataclasses.replace(bs, block_n=_fit_block(n, bs.block_n))
     if m == 0 or n == 0:
         return jnp.zeros((m, n), out_dtype)
@@ -504,7 +518,7 @@ def tgmm(
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     m, k = lhs.shape
     n = rhs.shape[1]
-    bs = resolve_block_sizes("tgmm", m, k, n, g, block_sizes)
+    bs = resolve_block_sizes(block_sizes, product="dkernel", m=m, k=k, n=n, g=g)
     bs = dataclasses.replace(bs, block_m=_fit_block(k, bs.block_m), block_n=_fit_block(n, bs.block_n))
     if g == 0 or k == 0 or n == 0:
         return jnp.zeros((g, k, n), out_dtype)

@@ -1,0 +1,293 @@
+"""Mosaic GPU (Hopper) grouped projection: gmm / tgmm parity, metadata, config, lowering.
+
+CPU (no mark): config validation, argument errors, the row-tile table's invariants, the
+kernels through the Mosaic GPU interpreter on tiny shapes (uninitialised memory and
+out-of-bounds reads are NaN there, so an unwritten row or an unmasked row fails), the
+CUDA lowering (exported from the CPU under an abstract H200 mesh: layout inference and
+the TMA/wgmma lowering run, nothing executes), and the shard_map in the lowered HLO.
+GPU (-m gpu, an H200): the parity grid against the fp32 reference, total < m, empty and
+skewed groups, and gradients through the public API.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from pallasite.kernels.grouped_projection import pallas_mosaic_gpu as mgpu
+from pallasite.reference.grouped_projection import gmm_reference, tgmm_reference
+from pallasite.reference.inputs import one_group_sizes, random_group_sizes, skewed_group_sizes
+from pallasite.reference.parity import EXACT_FP32, assert_close
+
+BF16 = jnp.bfloat16
+SMALL = mgpu.MosaicGpuBlockSizes(block_m=64, block_n=64, block_k=64, stages=2, grid_block_n=2)
+
+
+def _operands(key, m, k, n, g, dtype=BF16):
+    kx, kw, kd = jax.random.split(key, 3)
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(dtype)
+    w = (jax.random.normal(kw, (g, k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
+    dy = jax.random.normal(kd, (m, n), jnp.float32).astype(dtype)
+    return x, w, dy
+
+
+def _f32(*xs):
+    return [x.astype(jnp.float32) for x in xs]
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_block_sizes_validation():
+    with pytest.raises(ValueError, match="block_m"):
+        mgpu.MosaicGpuBlockSizes(block_m=96)
+    with pytest.raises(ValueError, match="stages"):
+        mgpu.MosaicGpuBlockSizes(stages=0)
+    with pytest.raises(ValueError, match="registers"):
+        mgpu.MosaicGpuBlockSizes(block_m=256, block_n=256)
+    with pytest.raises(ValueError, match="grid_block_n"):
+        mgpu.MosaicGpuBlockSizes(grid_block_n=True)
+    bs = mgpu.MosaicGpuBlockSizes()
+    with pytest.raises(dataclasses_error()):
+        bs.block_m = 64  # frozen
+
+
+def dataclasses_error():
+    import dataclasses
+
+    return dataclasses.FrozenInstanceError
+
+
+def test_resolve_block_sizes():
+    from pallasite.kernels.grouped_projection import config
+
+    pick = mgpu.resolve_block_sizes
+    assert pick(None, product="forward", m=32768, k=4096, n=14336, g=8) == mgpu.GMM_LARGE_GROUPS
+    assert pick(None, product="dx", m=65536, k=2048, n=768, g=128) == mgpu.GMM_SMALL_GROUPS
+    assert pick(None, product="dkernel", m=65536, k=2048, n=768, g=128) == mgpu.TGMM_DEFAULT
+    assert pick(SMALL, product="dx", m=1, k=1, n=1, g=1) is SMALL
+    per = config.GroupedProjectionBlockSizes(dx=SMALL)
+    assert pick(per, product="dx", m=1, k=1, n=1, g=1) is SMALL
+    assert pick(per, product="forward", m=64, k=1, n=1, g=1) == mgpu.GMM_SMALL_GROUPS
+    with pytest.raises(TypeError, match="MosaicGpuBlockSizes"):
+        pick(config.TritonBlockSizes(), product="forward", m=1, k=1, n=1, g=1)
+
+
+def test_bad_inputs_fail_before_any_kernel():
+    x, w, dy = _operands(jax.random.key(0), 64, 64, 64, 2)
+    gs = jnp.array([30, 34], jnp.int32)
+    with pytest.raises(ValueError, match="lhs"):
+        mgpu.gmm(x[0], w, gs)
+    with pytest.raises(ValueError, match="k mismatch"):
+        mgpu.gmm(x[:, :32], w, gs)
+    with pytest.raises(ValueError, match="group_sizes"):
+        mgpu.gmm(x, w, gs[:1])
+    with pytest.raises(TypeError, match="int32"):
+        mgpu.gmm(x, w, gs.astype(jnp.float32))
+    with pytest.raises(TypeError, match="16-bit"):
+        mgpu.gmm(x.astype(jnp.float32), w.astype(jnp.float32), gs)
+    with pytest.raises(TypeError, match="compute dtype"):
+        mgpu.gmm(x, w.astype(jnp.float16), gs)
+    with pytest.raises(ValueError, match="share m"):
+        mgpu.tgmm(x, dy[:32], gs)
+    with pytest.raises(ValueError, match="group_sizes"):
+        mgpu.tgmm(x, dy, gs, num_groups=3)
+
+
+# ----------------------------------------------------------------------------- tile table
+
+
+@pytest.mark.parametrize("sizes,m,bm", [
+    ([70, 0, 100], 200, 64),
+    ([0, 0, 0], 128, 64),
+    ([128, 64, 1, 7, 9], 256, 64),
+    ([3, 5, 0, 250, 2], 304, 128),
+    ([1000], 1000, 192),
+])
+def test_row_tile_table_covers_each_row_once(sizes, m, bm):
+    table, count = mgpu._row_tile_table(jnp.array(sizes, jnp.int32), m, bm)
+    seg, load, first, rows = np.asarray(table)
+    count = int(count[0])
+    g = len(sizes)
+    assert count <= table.shape[1]
+    owner = np.repeat(np.arange(g + 1), list(sizes) + [m - sum(sizes)])
+    seen = np.zeros(m, np.int32)
+    for t in range(count):
+        r = np.arange(first[t], first[t] + rows[t])
+        seen[r] += 1
+        assert (owner[r] == seg[t]).all(), f"tile {t} straddles segments"
+        assert load[t] % 8 == 0 and 0 <= load[t] <= m - bm
+        assert load[t] <= first[t] and first[t] + rows[t] <= load[t] + bm
+    assert (seen == 1).all()
+
+
+# ----------------------------------------------------------------------------- interpreter
+
+# (m, k, n, group sizes): skewed, empty groups, total < m, m not a multiple of 8,
+# m < block_m, one group holding everything, every group empty.
+INTERPRET_CASES = [
+    (200, 128, 128, [70, 0, 100]),
+    (131, 64, 64, [3, 60, 1, 0, 57]),
+    (40, 64, 128, [17, 0, 20]),
+    (128, 64, 64, [0, 128, 0]),
+    (96, 64, 64, [0, 0, 0]),
+]
+
+
+@pytest.mark.parametrize("m,k,n,sizes", INTERPRET_CASES)
+def test_interpret_gmm_and_dx(m, k, n, sizes):
+    gs = jnp.array(sizes, jnp.int32)
+    x, w, dy = _operands(jax.random.key(m), m, k, n, len(sizes))
+    out = mgpu.gmm(x, w, gs, out_dtype=jnp.float32, block_sizes=SMALL, interpret=True)
+    assert_close(out, gmm_reference(*_f32(x, w), gs), dtype=jnp.float32, tol=EXACT_FP32,
+                 what="gmm")
+    dx = mgpu.gmm(dy, w, gs, transpose_rhs=True, out_dtype=jnp.float32, block_sizes=SMALL,
+                  interpret=True)
+    assert_close(dx, gmm_reference(*_f32(dy, w), gs, transpose_rhs=True), dtype=jnp.float32,
+                 tol=EXACT_FP32, what="dx")
+    total = sum(sizes)
+    assert (np.asarray(dx)[total:] == 0).all() and (np.asarray(out)[total:] == 0).all()
+
+
+@pytest.mark.parametrize("m,k,n,sizes", INTERPRET_CASES[:3] + INTERPRET_CASES[4:])
+def test_interpret_tgmm(m, k, n, sizes):
+    gs = jnp.array(sizes, jnp.int32)
+    x, _, dy = _operands(jax.random.key(m + 1), m, k, n, len(sizes))
+    total = sum(sizes)
+    # NaN in the rows past the total: a 0*NaN from an unmasked row would show.
+    x = x.at[total:].set(jnp.nan)
+    dy = dy.at[total:].set(jnp.nan)
+    dk = mgpu.tgmm(x, dy, gs, num_groups=len(sizes), out_dtype=jnp.float32, block_sizes=SMALL,
+                   interpret=True)
+    ref = tgmm_reference(*_f32(x[:total], dy[:total]), gs, len(sizes))
+    assert_close(dk, ref, dtype=jnp.float32, tol=EXACT_FP32, what="tgmm")
+    empty = [i for i, s in enumerate(sizes) if s == 0]
+    assert (np.asarray(dk)[empty] == 0).all()
+
+
+def test_interpret_bf16_output_rounds_once():
+    gs = jnp.array([50, 78], jnp.int32)
+    x, w, _ = _operands(jax.random.key(7), 128, 128, 64, 2)
+    out = mgpu.gmm(x, w, gs, block_sizes=SMALL, interpret=True)
+    assert out.dtype == BF16
+    ref = gmm_reference(*_f32(x, w), gs).astype(BF16)
+    # fp32 sums differ only in order; after one rounding most entries agree exactly.
+    same = np.mean(np.asarray(out, np.float32) == np.asarray(ref, np.float32))
+    assert same > 0.95, same
+
+
+# ----------------------------------------------------------------------------- lowering
+
+
+def _h200_mesh():
+    return AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
+
+
+@pytest.mark.parametrize("product", ["forward", "dx", "dkernel"])
+def test_lowers_for_cuda_from_cpu(product, monkeypatch):
+    """Layout inference and the wgmma/TMA lowering run for every product and both tiles."""
+    monkeypatch.setattr(mgpu, "_num_programs", lambda interpret: 132)
+    m, k, n, g = 4096, 512, 1024, 8
+    s = jax.ShapeDtypeStruct
+    gs = s((g,), jnp.int32)
+    if product == "forward":
+        f, args = (lambda a, b, c: mgpu.gmm(a, b, c)), (s((m, k), BF16), s((g, k, n), BF16), gs)
+    elif product == "dx":
+        f = lambda a, b, c: mgpu.gmm(a, b, c, transpose_rhs=True, out_dtype=jnp.float32)  # noqa
+        args = (s((m, n), BF16), s((g, k, n), BF16), gs)
+    else:
+        f = lambda a, b, c: mgpu.tgmm(a, b, c, num_groups=g)  # noqa: E731
+        args = (s((m, k), BF16), s((m, n), BF16), gs)
+    with jax.sharding.use_abstract_mesh(_h200_mesh()):
+        text = export.export(jax.jit(f), platforms=["cuda"])(*args).mlir_module()
+    assert "mosaic_gpu" in text
+    assert "shard_map" in text or "sdy.manual_computation" in text
+
+
+def test_shard_map_in_hlo_and_no_all_gather():
+    """On the 8 forced CPU devices with an ambient mesh: the kernel sits in a shard_map
+    with replicated operands, and no all-gather is inserted."""
+    mesh = jax.make_mesh((8,), ("data",))
+    x, w, _ = _operands(jax.random.key(3), 64, 64, 64, 2)
+    gs = jnp.array([30, 20], jnp.int32)
+    f = jax.jit(lambda a, b, c: mgpu.gmm(a, b, c, block_sizes=SMALL, interpret=True))
+    with jax.set_mesh(mesh):
+        hlo = f.lower(x, w, gs).as_text()
+    assert "shard_map" in hlo or "manual_computation" in hlo
+    assert "all-gather" not in hlo and "all_gather" not in hlo
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+def _gpu_cases():
+    key = jax.random.key(11)
+    ks = jax.random.split(key, 4)
+    return [
+        ("dirichlet", 4096, 512, 768, 8, random_group_sizes(ks[0], 4096, 8)),
+        ("many_small", 8192, 256, 512, 64, random_group_sizes(ks[1], 8192, 64)),
+        ("skewed", 4096, 512, 512, 16, skewed_group_sizes(ks[2], 4096, 16)),
+        ("total_lt_m", 4096, 256, 384, 8, random_group_sizes(ks[3], 4096, 8, total=3001,
+                                                            empty=(2, 5))),
+        ("one_group", 2048, 256, 256, 4, one_group_sizes(2048, 4, index=3)),
+        ("all_empty", 1024, 128, 256, 4, jnp.zeros((4,), jnp.int32)),
+        ("odd_m", 1000, 192, 320, 5, jnp.array([1, 300, 0, 7, 600], jnp.int32)),
+    ]
+
+
+_SMALL_GPU = mgpu.MosaicGpuBlockSizes(block_m=64, block_n=64, stages=3, grid_block_n=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "case,blocks",
+    [(c, None) for c in _gpu_cases()]
+    + [(c, _SMALL_GPU) for c in _gpu_cases() if c[0] in ("many_small", "odd_m")],
+    ids=lambda v: v[0] if isinstance(v, tuple) else ("default" if v is None else "small"),
+)
+def test_gpu_parity(case, blocks):
+    _, m, k, n, g, gs = case
+    x, w, dy = _operands(jax.random.key(m + k), m, k, n, g)
+    total = int(np.sum(np.asarray(gs)))
+    out = jax.jit(lambda a, b, c: mgpu.gmm(a, b, c, block_sizes=blocks,
+                                           out_dtype=jnp.float32))(x, w, gs)
+    assert_close(out, gmm_reference(*_f32(x, w), gs), dtype=BF16, what="gmm")
+    assert (np.asarray(out)[total:] == 0).all()
+    dx = jax.jit(lambda a, b, c: mgpu.gmm(a, b, c, transpose_rhs=True, block_sizes=blocks))(
+        dy, w, gs)
+    assert dx.dtype == BF16
+    assert_close(dx, gmm_reference(*_f32(dy, w), gs, transpose_rhs=True), dtype=BF16, what="dx")
+    assert (np.asarray(dx, np.float32)[total:] == 0).all()
+    dk = jax.jit(lambda a, b, c: mgpu.tgmm(a, b, c, num_groups=g, block_sizes=blocks,
+                                           out_dtype=jnp.float32))(x, dy, gs)
+    assert_close(dk, tgmm_reference(*_f32(x, dy), gs, g), dtype=BF16, what="tgmm")
+    empty = np.flatnonzero(np.asarray(gs) == 0)
+    assert (np.asarray(dk)[empty] == 0).all()
+
+
+@pytest.mark.gpu
+def test_gpu_gradients_through_public_api():
+    from pallasite.kernels.grouped_projection.api import grouped_projection
+    from pallasite.reference.grouped_projection import grouped_projection as reference
+
+    m, k, n, g = 2048, 256, 512, 8
+    x, w, dy = _operands(jax.random.key(5), m, k, n, g)
+    gs = random_group_sizes(jax.random.key(6), m, g, total=1900, empty=(3,))
+
+    def loss(f):
+        return lambda a, b: jnp.sum(f(a, b).astype(jnp.float32) * dy.astype(jnp.float32))
+
+    ours = jax.jit(jax.value_and_grad(
+        loss(lambda a, b: grouped_projection(a, b, gs, BF16, implementation="pallas_mosaic_gpu")),
+        argnums=(0, 1)))(x, w)
+    ref = jax.jit(jax.value_and_grad(
+        loss(lambda a, b: reference(a.astype(jnp.float32), b.astype(jnp.float32), gs,
+                                    jnp.float32, precision=jax.lax.Precision.HIGHEST)),
+        argnums=(0, 1)))(x, w)
+    assert_close(ours[1][0], ref[1][0], dtype=BF16, what="dx")
+    assert_close(ours[1][1], ref[1][1], dtype=BF16, what="dkernel")
+    assert (np.asarray(ours[1][1], np.float32)[3] == 0).all()

@@ -1,0 +1,263 @@
+"""H200 check + benchmark of the Mosaic GPU grouped projection (issue 7), one process.
+
+For each TARGETS shape (bf16, Dirichlet(4.0) group sizes, seeded) and a few extra cases:
+  1. correctness of gmm / dx / tgmm against fp32 dots on sampled groups and rows
+     (the full fp32 reference does not fit for dsv3), incl. rows past the total;
+  2. forward, dx and dkernel times for the configs in --configs, best kept;
+  3. forward and forward+backward through the public API for pallas_mosaic_gpu,
+     pallas_triton, jax.lax.ragged_dot (XLA) and tokamax mosaic (when importable).
+Times: median over 3 repetitions of back-to-back calls (~50 ms each), after a warm-up
+call; results stream to $OUT/results.jsonl so a timeout still leaves them.
+
+  python3 tools/device/grouped_projection_mosaic_gpu.py [--budget-s 200] [--shapes ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+for pkg in ("reference", "kernels", "tuning", "bench"):
+    sys.path.insert(0, os.path.join(ROOT, "packages", pkg))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallasite.kernels.grouped_projection import pallas_mosaic_gpu as M  # noqa: E402
+from pallasite.reference.inputs import random_group_sizes, skewed_group_sizes  # noqa: E402
+
+PEAK_TFLOPS = 989.4  # H200 SXM dense bf16, datasheet (pallasite.bench.roofline)
+PEAK_TBPS = 4.8
+OUT = os.environ.get("OUT", "/tmp/gp_mgpu_out")
+START = time.time()
+
+SHAPES = {
+    "mixtral": (32768, 4096, 14336, 8),
+    "dsv3": (65536, 7168, 2048, 256),
+    "qwen3": (65536, 2048, 768, 128),
+    "olmoe": (32768, 2048, 1024, 64),
+    "qwen3_skewed": (65536, 2048, 768, 128),
+    "small_m": (4096, 2048, 768, 128),
+}
+
+B = M.MosaicGpuBlockSizes
+CONFIGS = {
+    "fwd": [B(192, 128, 64, 4, 8), B(128, 128, 64, 4, 8), B(128, 128, 64, 5, 4)],
+    "dx": [B(192, 128, 64, 4, 8), B(128, 128, 64, 4, 8)],
+    "dk": [B(128, 128, 64, 4, 8), B(128, 128, 128, 3, 8), B(128, 128, 64, 6, 16)],
+}
+
+
+def emit(rec):
+    rec["elapsed_s"] = round(time.time() - START, 1)
+    print(json.dumps(rec), flush=True)
+    with open(os.path.join(OUT, "results.jsonl"), "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def timed(fn, *args, target_s=0.05):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    one = max(time.perf_counter() - t0, 1e-5)
+    n = int(min(max(target_s / one, 2), 50))
+    reps = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        reps.append((time.perf_counter() - t0) / n)
+    return float(np.median(reps)), first
+
+
+def err(actual, expected):
+    a = np.asarray(actual, np.float64)
+    e = np.asarray(expected, np.float64)
+    d = np.abs(a - e)
+    scale = float(np.abs(e).max()) or 1.0
+    rel = float(np.linalg.norm(d) / (np.linalg.norm(e) or 1.0))
+    return {"rel_l2": rel, "max_abs_over_scale": float(d.max()) / scale if d.size else 0.0,
+            "finite": bool(np.isfinite(a).all())}
+
+
+def inputs(name, m, k, n, g, seed=0):
+    kx, kw, kd, kg = jax.random.split(jax.random.key(seed), 4)
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (g, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    dy = jax.random.normal(kd, (m, n), jnp.float32).astype(jnp.bfloat16)
+    if name == "qwen3_skewed":
+        gs = skewed_group_sizes(kg, m, g, hot=g // 2, hot_fraction=0.5)
+    else:
+        gs = random_group_sizes(kg, m, g)
+    return x, w, dy, gs
+
+
+def sampled_checks(x, w, dy, gs, out, dx, dk, total):
+    """fp32 dots on 3 groups (first non-empty, middle, last non-empty) and their row edges."""
+    sizes = np.asarray(gs)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    nz = np.flatnonzero(sizes)
+    pick = sorted({int(nz[0]), int(nz[len(nz) // 2]), int(nz[-1])})
+    hi = jax.lax.Precision.HIGHEST
+    res = {"gmm": [], "dx": [], "tgmm": []}
+    for i in pick:
+        s, z = int(starts[i]), int(sizes[i])
+        rows = np.unique(np.concatenate([np.arange(s, min(s + 96, s + z)),
+                                         np.arange(max(s, s + z - 96), s + z)]))
+        xi, dyi = x[rows].astype(jnp.float32), dy[rows].astype(jnp.float32)
+        wi = w[i].astype(jnp.float32)
+        res["gmm"].append(err(out[rows], jnp.dot(xi, wi, precision=hi)))
+        res["dx"].append(err(dx[rows], jnp.dot(dyi, wi.T, precision=hi)))
+        if z <= 8192:
+            full = slice(s, s + z)
+            ref = jnp.dot(x[full].astype(jnp.float32).T, dy[full].astype(jnp.float32), precision=hi)
+            res["tgmm"].append(err(dk[i], ref))
+    worst = {k: max((r["rel_l2"] for r in v), default=0.0) for k, v in res.items()}
+    worst_max = {k: max((r["max_abs_over_scale"] for r in v), default=0.0) for k, v in res.items()}
+    finite = all(r["finite"] for v in res.values() for r in v)
+    tail_zero = bool(total >= x.shape[0] or (np.asarray(out[total:]) == 0).all())
+    return {"groups": pick, "rel_l2": worst, "max_over_scale": worst_max, "finite": finite,
+            "tail_zero": tail_zero}
+
+
+def roofline(flops, nbytes, t):
+    tflops = flops / t / 1e12
+    ceiling = min(PEAK_TFLOPS, flops / nbytes * PEAK_TBPS)
+    return round(tflops, 1), round(tflops / ceiling, 3)
+
+
+def bench_products(name, x, w, dy, gs, budget_s):
+    m, k = x.shape
+    g, _, n = w.shape
+    flops = 2 * m * k * n
+    total = int(np.asarray(gs).sum())
+    prods = {
+        "fwd": (lambda bs: jax.jit(lambda a, b, c: M.gmm(a, b, c, block_sizes=bs)), (x, w, gs),
+                m * k * 2 + g * k * n * 2 + m * n * 2),
+        "dx": (lambda bs: jax.jit(lambda a, b, c: M.gmm(a, b, c, transpose_rhs=True,
+                                                         block_sizes=bs)), (dy, w, gs),
+               m * k * 2 + g * k * n * 2 + m * n * 2),
+        "dk": (lambda bs: jax.jit(lambda a, b, c: M.tgmm(a, b, c, num_groups=g, block_sizes=bs)),
+               (x, dy, gs), m * k * 2 + g * k * n * 2 + m * n * 2),
+    }
+    outs = {}
+    best = {}
+    for prod, (make, args, nbytes) in prods.items():
+        for i, bs in enumerate(CONFIGS[prod]):
+            if i > 0 and time.time() - START > budget_s:
+                emit({"shape": name, "product": prod, "config": str(bs), "skipped": "budget"})
+                continue
+            try:
+                fn = make(bs)
+                t, first = timed(fn, *args)
+                tf, frac = roofline(flops, nbytes, t)
+                emit({"shape": name, "product": prod, "impl": "pallas_mosaic_gpu",
+                      "config": str(bs), "ms": round(t * 1e3, 4), "tflops": tf,
+                      "roofline_frac": frac, "first_call_s": round(first, 2)})
+                if prod not in best or t < best[prod][0]:
+                    best[prod] = (t, bs)
+                    outs[prod] = fn(*args)
+            except Exception as e:  # noqa: BLE001
+                emit({"shape": name, "product": prod, "config": str(bs),
+                      "error": f"{type(e).__name__}: {str(e)[:800]}"})
+    if len(outs) == 3:
+        chk = sampled_checks(x, w, dy, gs, outs["fwd"], outs["dx"], outs["dk"], total)
+        emit({"shape": name, "check": chk})
+    return best
+
+
+def peers(name, x, w, dy, gs, best, with_peers):
+    from pallasite.kernels.grouped_projection.api import grouped_projection
+    from pallasite.kernels.grouped_projection import config
+
+    m, k = x.shape
+    g, _, n = w.shape
+    flops = 2 * m * k * n
+    bf16 = jnp.bfloat16
+    ours_bs = None
+    if len(best) == 3:
+        ours_bs = config.GroupedProjectionBlockSizes(
+            forward=best["fwd"][1], dx=best["dx"][1], dkernel=best["dk"][1])
+
+    def api(impl, bs=None):
+        return lambda a, b: grouped_projection(a, b, gs, bf16, implementation=impl, block_sizes=bs)
+
+    impls = {"pallas_mosaic_gpu": api("pallas_mosaic_gpu", ours_bs)}
+    if with_peers:
+        impls["pallas_triton"] = api("pallas_triton")
+        if name != "dsv3":  # XLA's ragged_dot asks for 224 GiB here (TARGETS.md)
+            impls["xla_ragged_dot"] = lambda a, b: jax.lax.ragged_dot(
+                a, b, gs, preferred_element_type=jnp.float32).astype(bf16)
+        try:
+            import tokamax
+
+            impls["tokamax_mosaic"] = lambda a, b: tokamax.ragged_dot(
+                a, b, gs, implementation="mosaic")
+        except Exception as e:  # noqa: BLE001
+            emit({"shape": name, "impl": "tokamax_mosaic", "error": f"import: {e}"[:400]})
+    for impl, f in impls.items():
+        for mode in ("fwd", "fwd_bwd"):
+            try:
+                if mode == "fwd":
+                    fn = jax.jit(f)
+                    args = (x, w)
+                    fl = flops
+                else:
+                    def fb(a, b, c, f=f):
+                        out, vjp = jax.vjp(f, a, b)
+                        return out, vjp(c)
+                    fn = jax.jit(fb)
+                    args = (x, w, dy)
+                    fl = 3 * flops
+                t, first = timed(fn, *args)
+                emit({"shape": name, "mode": mode, "impl": impl, "ms": round(t * 1e3, 4),
+                      "tflops": round(fl / t / 1e12, 1), "first_call_s": round(first, 2)})
+            except Exception as e:  # noqa: BLE001
+                emit({"shape": name, "mode": mode, "impl": impl,
+                      "error": f"{type(e).__name__}: {str(e)[:600]}"})
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--budget-s", type=float, default=200.0)
+    p.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    p.add_argument("--no-peers", action="store_true")
+    p.add_argument("--peer-shapes", nargs="*", default=["mixtral", "dsv3", "qwen3", "olmoe"])
+    p.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes, interpreter")
+    args = p.parse_args()
+    if args.dry_run:  # exercise this script's plumbing on a CPU
+        import functools
+        SHAPES.update({s: (256, 64, 128, 4) for s in SHAPES})
+        for prod in CONFIGS:
+            CONFIGS[prod] = [B(64, 64, 64, 2, 2)]
+        M.gmm = functools.partial(M.gmm, interpret=True)
+        M.tgmm = functools.partial(M.tgmm, interpret=True)
+    os.makedirs(OUT, exist_ok=True)
+    dev = jax.devices()[0]
+    emit({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+          "device": dev.device_kind, "sms": getattr(dev, "core_count", None),
+          "jax": jax.__version__, "command": " ".join(sys.argv)})
+    for name in args.shapes:
+        m, k, n, g = SHAPES[name]
+        try:
+            x, w, dy, gs = inputs(name, m, k, n, g)
+            best = bench_products(name, x, w, dy, gs, args.budget_s)
+            peers(name, x, w, dy, gs, best,
+                  with_peers=not args.no_peers and name in args.peer_shapes)
+            del x, w, dy
+        except Exception:  # noqa: BLE001
+            emit({"shape": name, "error": traceback.format_exc()[-1500:]})
+
+
+if __name__ == "__main__":
+    main()
