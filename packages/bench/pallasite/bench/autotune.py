@@ -297,7 +297,11 @@ def tune_key(op: str, impl: Impl, table: tables.Table, name: str, dims: dict, ar
     except Exception as err:  # noqa: BLE001 - inputs or reference failed: report, go on
         record["error"] = f"{type(err).__name__}: {err}"[:400]
         return record
+    import jax
+
     record["seconds"] = round(time.perf_counter() - start, 1)
+    record["date"] = datetime.date.today().isoformat()
+    record["jax"] = jax.__version__
     record["trials"] = [t.as_json(config_to_dict) for t in result.trials]
     default_s = result.time_of(default)
     record["default_ms"] = None if default_s is None else default_s * 1e3
@@ -309,8 +313,6 @@ def tune_key(op: str, impl: Impl, table: tables.Table, name: str, dims: dict, ar
 
 
 def _entry(record: dict, device_kind: str) -> tables.Entry:
-    import jax
-
     trials = record["trials"]
     return tables.Entry(
         implementation=record["implementation"], device_kind=device_kind, dtypes=(BF16,),
@@ -320,7 +322,7 @@ def _entry(record: dict, device_kind: str) -> tables.Entry:
             "default_ms": round(record["default_ms"], 4), "tuned_ms": round(record["tuned_ms"], 4),
             "speedup": round(record["speedup"], 3),
             "candidates": len(trials), "ok": sum(t["status"] == tuner.OK for t in trials),
-            "date": datetime.date.today().isoformat(), "jax": jax.__version__,
+            "date": record.get("date"), "jax": record.get("jax"),
         })
 
 
@@ -357,10 +359,29 @@ def _print_summary(records: list[dict]) -> None:
         print(f"{r['implementation']:26} {r['shape_name']:18} {d:>10} {t:>9} {s:>7}  {r['tuned']} {counts}")
 
 
+def _earns_entry(record: dict, min_speedup: float) -> bool:
+    return record.get("speedup", 0) >= min_speedup and bool(record.get("bucket")) and bool(record.get("tuned"))
+
+
+def _from_results(args, table: tables.Table, path: Path) -> int:
+    """Entries from a results file measured elsewhere (the device run writes JSON lines)."""
+    records = [json.loads(line) for line in Path(args.from_results).read_text().splitlines() if line.strip()]
+    records = [r for r in records if r.get("op") == args.op]
+    for record in records:
+        if _earns_entry(record, args.min_speedup):
+            table = tables.with_entry(table, _entry(record, record.get("device_kind") or args.device_kind))
+    _print_summary(records)
+    if not args.no_write:
+        write_table(table, path)
+        print(f"autotune: wrote {path} ({len(table.entries)} entries)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--op", required=True, choices=(GP, SSD))
-    parser.add_argument("--device-kind", required=True, help="the table key; must be this device's kind")
+    parser.add_argument("--device-kind", required=True,
+                        help="the table key; must be this device's kind ('auto': this device's)")
     parser.add_argument("--implementation", action="append", help="only these keys (repeatable)")
     parser.add_argument("--shape", action="append", help="only these TARGETS shape names (repeatable)")
     parser.add_argument("--budget-s", type=float, default=20.0, help="time budget per (implementation, shape)")
@@ -374,17 +395,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the Triton kernels in interpret mode (a CPU smoke test of this tool)")
     parser.add_argument("--custom-shape", help="tune this shape instead, e.g. m=256,k=128,n=128,g=4")
     parser.add_argument("--no-write", action="store_true", help="measure and print, leave the table")
+    parser.add_argument("--from-results", help="measure nothing: add the entries a --results file earns")
     args = parser.parse_args(argv)
 
-    import jax
-
-    actual = jax.devices()[0].device_kind
-    if not (args.dry_run or args.interpret) and tables.normalize_device_kind(actual) != tables.normalize_device_kind(args.device_kind):
-        parser.error(f"--device-kind {args.device_kind!r} but this device is {actual!r}")
     path = tables.table_path(args.op, table_dir(args))
     table = tables.load_table(args.op, path.parent)
     if table is None:
         parser.error(f"no table at {path}: it declares the buckets and candidates")
+    if args.from_results:
+        return _from_results(args, table, path)
+
+    import jax
+
+    actual = jax.devices()[0].device_kind
+    if args.device_kind == "auto":
+        args.device_kind = actual
+    if not (args.dry_run or args.interpret) and tables.normalize_device_kind(actual) != tables.normalize_device_kind(args.device_kind):
+        parser.error(f"--device-kind {args.device_kind!r} but this device is {actual!r}")
     # A dry run lists every implementation, whether or not this device runs it.
     impls = (_gp_impls if args.op == GP else _ssd_impls)(args.interpret, args.dry_run)
     if args.implementation:
@@ -403,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
                 records.append({"implementation": impl.name, "shape_name": name, "error": "deadline"})
                 continue
             record = tune_key(args.op, impl, table, name, dims, args)
+            record["device_kind"] = args.device_kind
             records.append(record)
             if not args.dry_run:
                 print(json.dumps({k: record.get(k) for k in ("implementation", "shape_name", "default_ms",
@@ -410,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.results:
                 with open(args.results, "a", encoding="utf-8") as f:
                     f.write(json.dumps(record, default=str) + "\n")
-            if record.get("speedup", 0) >= args.min_speedup and record.get("bucket") and not args.dry_run:
+            if _earns_entry(record, args.min_speedup) and not args.dry_run:
                 table = tables.with_entry(table, _entry(record, args.device_kind))
     _print_summary(records)
     if not (args.dry_run or args.no_write):
