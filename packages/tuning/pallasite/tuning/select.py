@@ -113,29 +113,18 @@ def select_block_sizes(
         return Selection(caller, CALLER)
     table = load_table(op) if table is _UNSET else table
     dtypes = normalize_dtypes(dtypes)
-    notes = []
+    notes: list[str] = []
 
-    bucket = None
-    if table is not None:
-        found = table.lookup(implementation=implementation, device_kind=device_kind,
-                             dtypes=dtypes, shape=shape)
-        bucket = found.bucket
-        if found.matched:
-            config, why = _usable(config_type, found.entry.config, fits, shape)
-            if config is not None:
-                return Selection(config, TABLE)
-            notes.append(f"table entry passed over ({why})")
-    if bucket is None:
-        bucket = exact_bucket(shape, table.dims if table is not None else None)
-
+    config, bucket = _from_table(table, implementation, device_kind, dtypes, shape, config_type, fits, notes)
+    if config is not None:
+        return Selection(config, TABLE)
     key = _cache.CacheKey(op, implementation, device_kind, dtypes, bucket)
     cands = _candidate_configs(config_type, default, candidates, table, implementation)
     digest = _cache.candidates_digest([config_to_dict(c) for c in cands])
-    fields = config_fields(config_type)
     if key in _memo:
         return Selection(_memo[key], CACHE, "in-process memo")
     entry = _cache.read(key, cache_directory)
-    if entry is not None and entry.config_fields == fields:
+    if entry is not None and entry.config_fields == config_fields(config_type):
         if entry.status == _cache.OK:
             config, why = _usable(config_type, entry.config, fits, shape)
             if config is not None:
@@ -148,19 +137,35 @@ def select_block_sizes(
     factory = _benchmarks.get((op, implementation))
     if measure is None and factory is not None:
         measure = functools.partial(factory, dict(shape), dtypes)
-    if measure is not None and _cache.autotune_enabled():
-        bench = measure if isinstance(measure, _autotune.Benchmark) else measure()
-        result = _autotune.autotune(
-            cands, bench, fits=None if fits is None else (lambda c: fits(c, shape)),
-            budget_s=budget_s, max_candidates=max_candidates)
-        _store(key, result, fields, digest, cache_directory)
-        if result.best is not None:
-            return Selection(result.best, AUTOTUNE, "; ".join(notes), tune=result)
-        notes.append("autotune: no viable candidate")
-        return Selection(default, DEFAULT, "; ".join(notes), tune=result)
-    if measure is not None:
+    if measure is None:
+        return Selection(default, DEFAULT, "; ".join(notes))
+    if not _cache.autotune_enabled():
         notes.append(f"autotune off ({_cache.ENV_AUTOTUNE}=0)")
-    return Selection(default, DEFAULT, "; ".join(notes))
+        return Selection(default, DEFAULT, "; ".join(notes))
+    bench = measure if isinstance(measure, _autotune.Benchmark) else measure()
+    result = _autotune.autotune(cands, bench, fits=None if fits is None else (lambda c: fits(c, shape)),
+                                budget_s=budget_s, max_candidates=max_candidates)
+    _store(key, result, config_fields(config_type), digest, cache_directory)
+    if result.best is not None:
+        return Selection(result.best, AUTOTUNE, "; ".join(notes), tune=result)
+    notes.append("autotune: no viable candidate")
+    return Selection(default, DEFAULT, "; ".join(notes), tune=result)
+
+
+def _from_table(table: Table | None, implementation: str, device_kind: str, dtypes: tuple[str, ...],
+                shape: Mapping[str, int], config_type: type, fits: Callable | None,
+                notes: list[str]) -> tuple[Any, tuple[tuple[str, str], ...]]:
+    """(the table's usable config or None, the shape's bucket: the table's, else exact sizes)."""
+    if table is None:
+        return None, exact_bucket(shape)
+    found = table.lookup(implementation=implementation, device_kind=device_kind, dtypes=dtypes, shape=shape)
+    bucket = found.bucket if found.bucket is not None else exact_bucket(shape, table.dims)
+    if not found.matched:
+        return None, bucket
+    config, why = _usable(config_type, found.entry.config, fits, shape)
+    if config is None:
+        notes.append(f"table entry passed over ({why})")
+    return config, bucket
 
 
 def register_benchmark(op: str, implementation: str,
