@@ -61,6 +61,27 @@ def cost_estimate(m: int, k: int, n: int, operands, out_bytes: int) -> pl.CostEs
     )
 
 
+def _in_range(offset, size: int, limit: int):
+    """Mask of `offset + arange(size) < limit`, or None when the tiling divides `limit`
+    statically (every block is full): a mask Triton cannot prove true costs
+    vectorisation along that axis."""
+    if limit % size == 0:
+        return None
+    return (offset + jnp.arange(size, dtype=jnp.int32)) < limit
+
+
+def _and(*masks):
+    """The 2-D conjunction of per-axis masks ([rows] or None, [cols] or None)."""
+    rows, cols = masks
+    if rows is None and cols is None:
+        return None
+    if rows is None:
+        return cols[None, :]
+    if cols is None:
+        return rows[:, None]
+    return rows[:, None] & cols[None, :]
+
+
 def _swizzle(pid, num_tiles: int, num_col_tiles: int, group_m: int):
     """Program id -> (row tile, column tile), group_m row tiles per sweep of columns so
     the weight tiles a sweep reads stay in L2 (rows of one group are adjacent tiles)."""
@@ -79,8 +100,8 @@ def _gmm_kernel(group_ref, start_ref, end_ref, lhs_ref, rhs_ref, out_ref, *, bs,
     rows = pl.ds(start, bm)
     row_ok = (start + jnp.arange(bm, dtype=jnp.int32)) < end
     cols = pl.ds(col * bn, bn)
-    col_ok = (col * bn + jnp.arange(bn, dtype=jnp.int32)) < n
-    store_ok = row_ok[:, None] & col_ok[None, :]
+    col_ok = _in_range(col * bn, bn, n)
+    store_ok = _and(row_ok, col_ok)
 
     @pl.when((group < num_groups) & (end > start))
     def _compute():
@@ -88,13 +109,13 @@ def _gmm_kernel(group_ref, start_ref, end_ref, lhs_ref, rhs_ref, out_ref, *, bs,
 
         def step(i, acc):
             ks = pl.ds(i * bk, bk)
-            k_ok = (i * bk + jnp.arange(bk, dtype=jnp.int32)) < k
-            a = plgpu.load(lhs_ref.at[rows, ks], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            k_ok = _in_range(i * bk, bk, k)
+            a = plgpu.load(lhs_ref.at[rows, ks], mask=_and(row_ok, k_ok), other=0.0)
             if transpose_rhs:  # rhs[g] is [n, k]: a [bn, bk] block, contracted on axis 1
-                b = plgpu.load(rhs_ref.at[gi, cols, ks], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                b = _load(rhs_ref.at[gi, cols, ks], _and(col_ok, k_ok))
                 dims = (((1,), (1,)), ((), ()))
             else:
-                b = plgpu.load(rhs_ref.at[gi, ks, cols], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                b = _load(rhs_ref.at[gi, ks, cols], _and(k_ok, col_ok))
                 dims = (((1,), (0,)), ((), ()))
             return acc + jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
@@ -104,6 +125,10 @@ def _gmm_kernel(group_ref, start_ref, end_ref, lhs_ref, rhs_ref, out_ref, *, bs,
     @pl.when(group == num_groups)  # rows past the total: zeros, per the contract
     def _zeros():
         plgpu.store(out_ref.at[rows, cols], jnp.zeros((bm, bn), out_ref.dtype), mask=store_ok)
+
+
+def _load(ref, mask):
+    return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0.0)
 
 
 def _params(bs: config.TritonBlockSizes):
@@ -143,23 +168,20 @@ def _tgmm_kernel(offsets_ref, lhs_ref, rhs_ref, out_ref, *, bs, k, n):
     group, kt, nt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, end = offsets_ref[group], offsets_ref[group + 1]
     ks, cols = pl.ds(kt * bk, bk), pl.ds(nt * bn, bn)
-    k_ok = (kt * bk + jnp.arange(bk, dtype=jnp.int32)) < k
-    col_ok = (nt * bn + jnp.arange(bn, dtype=jnp.int32)) < n
+    k_ok = _in_range(kt * bk, bk, k)
+    col_ok = _in_range(nt * bn, bn, n)
 
     def step(i, acc):
         row0 = start + i * bm
         row_ok = (row0 + jnp.arange(bm, dtype=jnp.int32)) < end
-        a = plgpu.load(lhs_ref.at[pl.ds(row0, bm), ks], mask=row_ok[:, None] & k_ok[None, :],
-                       other=0.0)
-        b = plgpu.load(rhs_ref.at[pl.ds(row0, bm), cols], mask=row_ok[:, None] & col_ok[None, :],
-                       other=0.0)
+        a = plgpu.load(lhs_ref.at[pl.ds(row0, bm), ks], mask=_and(row_ok, k_ok), other=0.0)
+        b = plgpu.load(rhs_ref.at[pl.ds(row0, bm), cols], mask=_and(row_ok, col_ok), other=0.0)
         dims = (((0,), (0,)), ((), ()))  # a^T b: contract the rows
         return acc + jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
     trips = (end - start + bm - 1) // bm
     acc = jax.lax.fori_loop(0, trips, step, jnp.zeros((bk, bn), jnp.float32))
-    plgpu.store(out_ref.at[group, ks, cols], acc.astype(out_ref.dtype),
-                mask=k_ok[:, None] & col_ok[None, :])
+    plgpu.store(out_ref.at[group, ks, cols], acc.astype(out_ref.dtype), mask=_and(k_ok, col_ok))
 
 
 def tgmm(lhs, rhs, group_sizes, *, num_groups=None, out_dtype=None, block_sizes=None,

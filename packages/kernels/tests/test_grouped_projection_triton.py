@@ -1,0 +1,77 @@
+"""grouped_projection through the Pallas Triton kernels: the interpreter on CPU (small
+blocks, so the grid has many tiles per group) and the real kernels on a GPU (gpu mark)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grouped_projection_testlib import CPU_CASES, Case, check_case
+from pallasite.kernels.grouped_projection import TritonBlockSizes, grouped_projection
+from pallasite.kernels.grouped_projection import group_metadata, pallas_triton
+
+SMALL = TritonBlockSizes(block_m=16, block_n=16, block_k=16, group_m=2)
+
+
+def _project(compute, implementation="pallas_triton", block_sizes=SMALL, interpret=True):
+    return lambda x, kernel, sizes: grouped_projection(
+        x, kernel, sizes, jnp.dtype(compute), interpret,
+        implementation=implementation, block_sizes=block_sizes)
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=str)
+def test_interpret_parity(case):
+    check_case(case, _project(case.compute))
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+def test_group_metadata_covers_each_row_once(aligned):
+    sizes = jnp.array([5, 0, 17, 9, 0, 1], jnp.int32)
+    m, tile = 40, 8
+    md = group_metadata.make_group_metadata(sizes, m, tile, aligned=aligned, include_tail=True)
+    assert md.group.shape == (group_metadata.num_visits(m, 6, tile),)
+    owner = np.full(m, -1)
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    for grp, start, end, tile_id in zip(*map(np.asarray, md[1:])):
+        assert end - start <= tile
+        if end > start:
+            assert (owner[start:end] == -1).all(), "row visited twice"
+            owner[start:end] = grp
+            if aligned:
+                assert start // tile == tile_id == (end - 1) // tile
+    expect = np.searchsorted(offsets[1:], np.arange(m), side="right")  # tail -> 6
+    np.testing.assert_array_equal(owner, expect)
+
+
+def test_block_sizes_rejected():
+    with pytest.raises(ValueError, match="block_m"):
+        TritonBlockSizes(block_m=48)
+    with pytest.raises(TypeError, match="TritonBlockSizes"):
+        pallas_triton.resolve_block_sizes(object(), product="forward", m=1, k=1, n=1, g=1,
+                                          dtype=jnp.bfloat16)
+
+
+GPU_CASES = CPU_CASES + [
+    Case("g64_medium_bf16", 4100, 520, 392, 64, total=4000, empty=(1, 40)),
+    Case("g8_medium_fp32", 2000, 264, 200, 8, compute="float32"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+def test_gpu_parity(case):
+    check_case(case, _project(case.compute, block_sizes=None, interpret=False), platform="gpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES[1:3], ids=str)
+def test_gpu_parity_small_blocks(case):
+    check_case(case, _project(case.compute, block_sizes=SMALL, interpret=False), platform="gpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES[:3], ids=str)
+def test_gpu_default_order(case):
+    check_case(case, _project(case.compute, implementation=None, block_sizes=None,
+                              interpret=False), platform="gpu")
