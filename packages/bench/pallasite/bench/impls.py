@@ -211,7 +211,11 @@ def ssd_grads_reference(case: ops.Case, inputs: dict) -> tuple | None:
         return None
     names = ("x", "a", "b", "c", "initial_state")
     args = [inputs[k].astype(jnp.float32) for k in names]
-    fn = lambda *a: chunk_ssd(*a, chunk_size=case.d["chunk"], implementation="xla")  # noqa
+
+    def fn(x, a, b, c, s):
+        return chunk_ssd(x, a, b, c, chunk_size=case.d["chunk"], initial_state=s,
+                         implementation="xla")
+
     _, vjp = jax.vjp(fn, *args)
     return vjp((inputs["dy"].astype(jnp.float32), inputs["dfinal"]))
 

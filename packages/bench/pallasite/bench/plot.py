@@ -2,7 +2,7 @@
 
 x: arithmetic intensity (flops / minimum bytes), y: achieved TFLOP/s, both log scale; the
 ceilings are the memory slope (bandwidth x intensity) and the flat compute peak of the
-records' dtype. A point's label is "<implementation> <shape name> <direction>".
+records' dtype. A point's label is "<implementation> <gp|ssd> <shape name> <direction>".
 """
 
 from __future__ import annotations
@@ -14,8 +14,12 @@ from pallasite.bench.records import Record
 from pallasite.bench.roofline import Roofline
 
 
+_SHORT = {"grouped_projection": "gp", "chunk_ssd": "ssd"}
+
+
 def _label(r: Record) -> str:
-    return f"{r.implementation} {r.shape.split('[')[0]} {r.kernel.split('.')[-1]}"
+    op, _, direction = r.kernel.partition(".")
+    return f"{r.implementation} {_SHORT.get(op, op)} {r.shape.split('[')[0]} {direction}"
 
 
 def roofline_png(records: Sequence[Record], roof: Roofline, path: str,
@@ -37,7 +41,7 @@ def roofline_png(records: Sequence[Record], roof: Roofline, path: str,
     xs = np.geomspace(lo, hi, 200)
     fig, ax = plt.subplots(figsize=(11, 7), dpi=110)
     ax.plot(xs, np.minimum(peak, roof.tbps * xs), "k-", lw=1.5,
-            label=f"{roof.name}: {peak:.0f} TFLOP/s, {roof.tbps:.2f} TB/s")
+            label=f"{roof.name}: {peak:.3g} TFLOP/s, {roof.tbps:.3g} TB/s")
     markers = {"grouped_projection": "o", "chunk_ssd": "s"}
     for r, x in zip(timed, intensity):
         op = r.kernel.split(".")[0]

@@ -1,0 +1,75 @@
+"""The main job end to end on the smallest subset; the plot file; the GPU path."""
+
+import json
+import os
+
+import pytest
+
+from pallasite.bench import cli, plot, records, roofline
+
+
+def _run(tmp_path, *extra):
+    folder = str(tmp_path / "results")
+    code = cli.main(["--smoke", "--results", folder, "--samples", "3", "--warmup", "1",
+                     "--budget-s", "1", *extra])
+    return code, folder
+
+
+def test_cli_smoke(tmp_path, capsys):
+    code, folder = _run(tmp_path, "--implementation", "xla", "--implementation", "ragged_dot",
+                        "--implementation", "pallas_triton", "--implementation", "tokamax")
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "kernel timings need a GPU" in out
+    assert "grouped_projection.fwd" in out and "chunk_ssd.fwd" in out
+    recs = records.load(folder)
+    by = {(r.kernel, r.implementation): r for r in recs}
+    assert by[("grouped_projection.fwd", "xla")].status == "ok"
+    assert by[("grouped_projection.fwd", "xla")].steady_state_time > 0
+    assert by[("grouped_projection.fwd", "jax.lax.ragged_dot")].peer
+    assert by[("grouped_projection.fwd", "tokamax.mosaic")].status == "unsupported"
+    triton = by[("grouped_projection.fwd", "pallas_triton")]
+    assert triton.status == "ok" and triton.timing.startswith("parity only")
+    assert triton.error_rel_l2 < 2e-2 and triton.steady_state_time is None
+    assert by[("chunk_ssd.fwd", "xla")].status == "ok"
+    for r in recs:
+        records.validate(r)
+    assert len(recs) == len(records.unique(recs))
+    png = os.path.join(folder, "roofline.png")
+    assert os.path.getsize(png) > 1000 and open(png, "rb").read(4) == b"\x89PNG"
+    # Running again replaces, not duplicates.
+    _run(tmp_path, "--implementation", "xla", "--op", "grouped_projection")
+    again = records.load(folder)
+    assert len(again) == len(recs)
+
+
+def test_cli_list(capsys):
+    assert cli.main(["--suite", "targets", "--list", "--shape", "dsv3",
+                     "--direction", "fwd", "--no-peers"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines and all("dsv3" in line and "fwd" in line for line in lines)
+    assert not any("ragged_dot" in line for line in lines)
+
+
+def test_plot_labels_every_point(tmp_path):
+    recs = [records.Record(kernel=f"chunk_ssd.{d}", implementation=i, shape="s[b=1]",
+                           dtype="bfloat16", backend="gpu", device_kind="NVIDIA H200",
+                           device_count=1, block_sizes="", status="ok", peer=i != "xla",
+                           flops=1e12, bytes=1e9 * (1 + n), tflops=100.0 + n)
+            for n, (d, i) in enumerate([("fwd", "xla"), ("fwd_bwd", "mamba_ssm.triton")])]
+    path = plot.roofline_png(recs, roofline.lookup("sm90", "NVIDIA H200"),
+                             str(tmp_path / "r.png"))
+    assert os.path.getsize(path) > 1000
+    assert plot._label(recs[1]) == "mamba_ssm.triton ssd s fwd_bwd"
+    assert plot.roofline_png(recs[:0], roofline.cpu_roofline(), str(tmp_path / "n.png")) is None
+
+
+@pytest.mark.gpu
+def test_cli_gpu_times_on_the_device(tmp_path):
+    folder = str(tmp_path / "results")
+    cli.main(["--quick", "--results", folder, "--op", "grouped_projection", "--direction",
+              "fwd", "--implementation", "ragged_dot", "--implementation", "triton"])
+    recs = {r.implementation: r for r in records.load(folder)}
+    rd = recs["jax.lax.ragged_dot"]
+    assert rd.status == "ok" and rd.timing == "device" and rd.tflops > 0
+    assert json.loads(rd.backend_env)["jax"]

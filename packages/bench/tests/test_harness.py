@@ -1,0 +1,47 @@
+"""Input rotation sizing and the steady-state loop (with a fake device)."""
+
+import pytest
+
+from pallasite.bench import harness
+
+
+def test_rotation_copies_exceed_the_cache():
+    l2 = 60 << 20
+    assert harness.rotation_copies(4 << 20, l2, 16 << 30) == 32  # capped at `most`
+    n = harness.rotation_copies(40 << 20, l2, 16 << 30)
+    assert n * (40 << 20) >= 3 * l2 and n == 5
+    assert harness.rotation_copies(8 << 30, l2, 16 << 30) == 2  # at least two
+    assert harness.rotation_copies(12 << 30, l2, 16 << 30) == 1  # what fits
+
+
+def test_steady_state_rotates_and_reports_spread():
+    seen, syncs = [], []
+
+    def call(x):
+        seen.append(x)
+        return x
+
+    t = harness.steady_state(call, [0, 1, 2], syncs.append, compile_s=0.5, warmup=2,
+                             samples=5, sample_s=1e-9)
+    assert t.compile_s == 0.5 and t.samples == 5 and t.calls_per_sample == 1
+    assert seen[:2] == [0, 1]  # warm-up
+    assert seen[2:] == [0, 1, 2, 0, 1]  # every input set in turn
+    assert t.p10_s <= t.median_s <= t.p90_s and t.min_s <= t.p10_s
+    assert len(syncs) == 2 + 5
+
+
+def test_steady_state_batches_short_calls():
+    t = harness.steady_state(lambda x: x, [0], lambda o: None, compile_s=0.0,
+                             warmup=1, samples=3, sample_s=1.0, max_calls=7)
+    assert t.calls_per_sample == 7
+
+
+def test_compile_jax_times_ahead_of_time():
+    import jax
+    import jax.numpy as jnp
+
+    compiled, seconds = harness.compile_jax(jax.jit(lambda d: d["a"] * 2), {"a": jnp.ones(3)})
+    assert seconds > 0
+    assert compiled({"a": jnp.ones(3)}).tolist() == [2.0, 2.0, 2.0]
+    with pytest.raises(Exception):
+        compiled({"a": jnp.ones(4)})  # compiled for one shape only

@@ -1,0 +1,92 @@
+"""Flop and byte formulas on known shapes; the float64 SSD recurrence; error sampling."""
+
+import numpy as np
+import pytest
+
+from pallasite.bench import ops, suites
+
+
+def test_grouped_projection_flops_and_bytes():
+    fwd = ops.gp_case("mixtral", 32768, 4096, 14336, 8)
+    assert fwd.flops == 2 * 32768 * 4096 * 14336
+    assert fwd.bytes == (32768 * 4096 + 8 * 4096 * 14336 + 32768 * 14336) * 2 + 4 * 8
+    both = ops.gp_case("mixtral", 32768, 4096, 14336, 8, direction="fwd_bwd")
+    assert both.flops == 3 * fwd.flops
+    assert both.bytes == 3 * fwd.bytes
+    small = ops.gp_case("s", 4, 3, 5, 2, dtype="float32")
+    assert small.flops == 120 and small.bytes == (12 + 30 + 20) * 4 + 8
+
+
+def test_ssd_flops_and_bytes():
+    # One chunk, one head, one group: 2C^2p + 4Cpn + 2pn + 2C^2n.
+    c = ops.ssd_case("s", 1, 4, 1, 2, 3, 1, chunk=4)
+    assert c.flops == 2 * 16 * 2 + 4 * 4 * 2 * 3 + 2 * 2 * 3 + 2 * 16 * 3
+    x, a, bc, st = 4 * 2 * 2, 4 * 4, 2 * 4 * 3 * 2, 2 * 3 * 4
+    assert c.bytes == 2 * x + a + bc + 2 * st
+    # TARGETS.md first Mamba-2 row: "reads and writes about 0.8 GB" forward+backward.
+    row = ops.ssd_case("r", 8, 4096, 32, 64, 128, 1, direction="fwd_bwd")
+    assert row.bytes == pytest.approx(0.77e9, rel=0.02)
+    fwd = ops.ssd_case("r", 8, 4096, 32, 64, 128, 1)
+    assert row.flops == 3 * fwd.flops
+    assert fwd.flops == pytest.approx(70.7e9, rel=0.01)
+
+
+def test_case_names_and_keys():
+    c = ops.gp_case("olmoe", 32768, 2048, 1024, 64, direction="fwd_bwd")
+    assert c.kernel == "grouped_projection.fwd_bwd"
+    assert c.shape == "olmoe[m=32768,k=2048,n=1024,g=64]"
+
+
+def test_suites_cover_targets_and_filters():
+    targets = suites.suite("targets")
+    names = {c.shape_name for c in targets}
+    assert {"mixtral", "dsv3", "qwen3", "olmoe"} <= names
+    assert {c.direction for c in targets} == {"fwd", "fwd_bwd"}
+    assert len([c for c in targets if c.op == ops.SSD]) == 6
+    only = suites.filter_cases(targets, ops_=[ops.GP], shapes=["qwen"], directions=["fwd"])
+    assert [c.shape_name for c in only] == ["qwen3"]
+    smoke = suites.suite("smoke")
+    assert {c.op for c in smoke} == {ops.GP, ops.SSD} and len(smoke) == 2
+
+
+def _sequential(x, a, b, c, s):
+    ys = []
+    for t in range(x.shape[0]):
+        s = np.exp(a[t]) * s + np.outer(x[t], b[t])
+        ys.append(s @ c[t])
+    return np.array(ys), s
+
+
+def test_ssd_numpy_matches_the_step_recurrence():
+    rng = np.random.default_rng(0)
+    l, p, n = 40, 3, 5
+    x, b, c = rng.normal(size=(l, p)), rng.normal(size=(l, n)), rng.normal(size=(l, n))
+    a = -rng.uniform(0.01, 0.5, size=l)
+    s0 = rng.normal(size=(p, n))
+    y, s = ops.ssd_numpy(x, a, b, c, s0, block=16)  # 16 does not divide 40: a short block
+    y_ref, s_ref = _sequential(x, a, b, c, s0)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(s, s_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_sample_rows_hit_every_group_boundary():
+    gs = np.array([3, 0, 5, 1], np.int32)
+    rows = ops._sample_rows(gs, 64)
+    assert {0, 2, 3, 7, 8} <= set(rows.tolist())
+    assert rows.max() < gs.sum()
+    np.testing.assert_array_equal(ops._group_of(np.array([0, 2, 3, 8]), gs), [0, 0, 2, 3])
+
+
+def test_check_grouped_projection_flags_a_wrong_row():
+    import jax.numpy as jnp
+
+    case = ops.gp_case("t", 24, 16, 8, 3, dtype="float32")
+    inputs = ops.make_inputs(case, seed=0)
+    x, w, gs = (np.asarray(inputs[k], np.float64) for k in ("x", "kernel", "group_sizes"))
+    owner = ops._group_of(np.arange(24), gs.astype(np.int64))
+    y = np.einsum("mk,mkn->mn", x, w[owner])
+    good = ops.check_grouped_projection(case, inputs, (jnp.asarray(y, jnp.float32),))
+    assert good.ok and good.rel_l2 < 1e-5
+    y[int(gs[0])] += 1.0  # the first row of group 1
+    bad = ops.check_grouped_projection(case, inputs, (jnp.asarray(y, jnp.float32),))
+    assert not bad.ok

@@ -1,0 +1,75 @@
+"""Record schema, validation, uniqueness on the key, JSON lines and CSV files."""
+
+import csv
+import dataclasses
+import json
+import os
+
+import pytest
+
+from pallasite.bench import records
+from pallasite.bench.records import Record
+
+# The fields DESIGN.md "Benchmarks" names, as record attributes.
+DESIGN_FIELDS = {"kernel", "implementation", "shape", "dtype", "backend", "device_kind",
+                 "device_count", "block_sizes", "compile_time", "steady_state_time", "flops",
+                 "bytes", "tflops", "tbps", "roofline_fraction", "error_rel_l2",
+                 "error_max_abs", "git_sha", "xla_flags", "backend_env", "status"}
+
+
+def _record(**kw):
+    base = dict(kernel="grouped_projection.fwd", implementation="xla", shape="t[m=4]",
+                dtype="bfloat16", backend="cpu", device_kind="cpu", device_count=1,
+                block_sizes="", status="ok", flops=10.0, bytes=20.0)
+    base.update(kw)
+    return Record(**base)
+
+
+def test_schema_has_the_design_fields():
+    assert DESIGN_FIELDS <= set(records.FIELDS)
+    assert set(records.KEY) <= set(records.FIELDS)
+
+
+def test_validate():
+    records.validate(_record())
+    with pytest.raises(ValueError, match="status"):
+        records.validate(_record(status="fine"))
+    with pytest.raises(ValueError, match="device_count"):
+        records.validate(_record(device_count="1"))
+    records.validate(_record(status="unsupported", flops=0.0, reason="needs a GPU"))
+
+
+def test_unique_keeps_the_last_per_key():
+    a, b = _record(steady_state_time=1.0), _record(steady_state_time=2.0)
+    other = _record(implementation="pallas_triton")
+    out = records.unique([a, other, b])
+    assert len(out) == 2
+    assert [r.steady_state_time for r in out if r.implementation == "xla"] == [2.0]
+    # Every key field separates records.
+    for field, value in [("shape", "u[m=4]"), ("dtype", "float32"), ("backend", "gpu"),
+                         ("device_count", 2), ("block_sizes", '{"tm": 64}'),
+                         ("kernel", "grouped_projection.fwd_bwd")]:
+        assert len(records.unique([a, _record(**{field: value})])) == 2
+
+
+def test_write_merges_and_replaces(tmp_path):
+    folder = str(tmp_path / "results")
+    records.write([_record(steady_state_time=1.0), _record(implementation="b")], folder)
+    merged = records.write([_record(steady_state_time=3.0)], folder)
+    assert len(merged) == 2
+    lines = open(os.path.join(folder, records.JSONL)).read().splitlines()
+    assert len(lines) == 2
+    rows = [json.loads(line) for line in lines]
+    assert {r["implementation"] for r in rows} == {"xla", "b"}
+    assert [r["steady_state_time"] for r in rows if r["implementation"] == "xla"] == [3.0]
+    with open(os.path.join(folder, records.CSV)) as f:
+        table = list(csv.DictReader(f))
+    assert len(table) == 2 and list(table[0]) == list(records.FIELDS)
+    loaded = records.load(folder)
+    assert [dataclasses.asdict(r) for r in loaded] == [dataclasses.asdict(r) for r in merged]
+
+
+def test_environment_fields():
+    env = records.environment()
+    assert set(env) == {"git_sha", "xla_flags", "backend_env", "timestamp"}
+    assert "jax" in json.loads(env["backend_env"])
