@@ -7,6 +7,9 @@ are compiled):
         pallas_triton (triton_runs: sm80+), then xla;
   tpu:  pallas_mosaic_tpu, then xla;
   else: xla, or pallas_triton through the interpreter when interpret_on_cpu=True.
+A multi-platform export cannot hold the kernels yet: JAX 0.11.2 lowers every branch of
+a platform_dependent for every platform (cond lowering), and a Triton or Mosaic
+pallas_call has no lowering elsewhere; export once per platform instead (tested).
 Kernels are admitted only where ragged_dot_runs says they compute what was asked (16-bit
 compute, or fp32 at default precision, no x64). On the H200 the Triton path is 3-30x
 jax.lax.ragged_dot and fits dsv3 where XLA runs out of memory (docs/performance.md).

@@ -1,0 +1,310 @@
+"""grouped_projection's public API: selection, fallbacks, errors, predicates, sharding,
+and lowering for CUDA (Triton) and TPU (Mosaic) from this CPU host."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.export import DisabledSafetyCheck
+from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from grouped_projection_testlib import CPU_CASES, check_case, draw
+from pallasite.kernels import platform
+from pallasite.kernels.grouped_projection import (
+    TritonBlockSizes,
+    api,
+    grouped_projection,
+    ops,
+    pallas_triton,
+    ragged_dot_runs,
+)
+from pallasite.reference.grouped_projection import grouped_projection as reference
+
+SMALL = TritonBlockSizes(block_m=16, block_n=16, block_k=16, group_m=2)
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def _inputs(m=40, k=24, n=20, g=4, total=33):
+    key = jax.random.key(1)
+    x = jax.random.normal(key, (m, k), jnp.float32)
+    kernel = jax.random.normal(jax.random.fold_in(key, 1), (g, k, n), jnp.float32)
+    sizes = np.full(g, total // g, np.int32)
+    sizes[0] += total - sizes.sum()
+    return x, kernel, jnp.asarray(sizes)
+
+
+# ------------------------------------------------------------------- ragged_dot_runs
+
+
+@pytest.mark.parametrize("compute", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("precision", [None, jax.lax.Precision.DEFAULT, jax.lax.Precision.HIGHEST])
+def test_ragged_dot_runs_16bit_any_precision(compute, precision):
+    assert ragged_dot_runs(compute, (jnp.zeros(2, jnp.float32),), precision)
+
+
+def test_ragged_dot_runs_fp32_default_only():
+    ops_ = (jnp.zeros(2, jnp.float32),)
+    assert ragged_dot_runs(jnp.float32, ops_, None)
+    assert ragged_dot_runs(jnp.float32, ops_, jax.lax.Precision.DEFAULT)
+    assert not ragged_dot_runs(jnp.float32, ops_, jax.lax.Precision.HIGHEST)
+    assert not ragged_dot_runs(jnp.float32, ops_, jax.lax.Precision.HIGH)
+    with jax.default_matmul_precision("highest"):
+        assert not ragged_dot_runs(jnp.float32, ops_, None)
+    with jax.default_matmul_precision("tensorfloat32"):
+        assert ragged_dot_runs(jnp.float32, ops_, None)
+
+
+def test_ragged_dot_runs_refuses_wide_operands_and_x64():
+    assert not ragged_dot_runs(jnp.bfloat16, (np.zeros(2, np.float64),), None)
+    assert not ragged_dot_runs(jnp.float64, (), None)
+    with jax.enable_x64(True):
+        assert not ragged_dot_runs(jnp.bfloat16, (jnp.zeros(2, jnp.float32),), None)
+
+
+# ------------------------------------------------------------------------ bad input
+
+
+@pytest.fixture
+def no_kernel(monkeypatch):
+    """Fail loudly if anything reaches a backend."""
+
+    def boom(*a, **k):
+        raise AssertionError("a kernel was built before validation")
+
+    monkeypatch.setattr(ops, "project", boom)
+
+
+@pytest.mark.parametrize(
+    "x_shape, k_shape, gs, compute, error, match",
+    [
+        ((4, 8, 1), (2, 8, 3), np.array([2, 2], np.int32), jnp.bfloat16, ValueError, "x must be rank 2"),
+        ((4, 8), (8, 3), np.array([2, 2], np.int32), jnp.bfloat16, ValueError, "kernel must be rank 3"),
+        ((4, 8), (2, 7, 3), np.array([2, 2], np.int32), jnp.bfloat16, ValueError, "disagree on k"),
+        ((4, 8), (2, 8, 3), np.array([2, 1, 1], np.int32), jnp.bfloat16, ValueError, "length g=2"),
+        ((4, 8), (2, 8, 3), np.array([[2, 2]], np.int32), jnp.bfloat16, ValueError, "rank 1"),
+        ((4, 8), (2, 8, 3), np.array([2, 2], np.int64), jnp.bfloat16, TypeError, "int32"),
+        ((4, 8), (2, 8, 3), np.array([2, 2], np.int32), jnp.int32, TypeError, "compute"),
+        ((4, 8), (2, 8, 3), np.array([3, 2], np.int32), jnp.bfloat16, ValueError, "more than"),
+    ],
+)
+def test_bad_input(no_kernel, x_shape, k_shape, gs, compute, error, match):
+    x, kernel = jnp.ones(x_shape, jnp.float32), jnp.ones(k_shape, jnp.float32)
+    with pytest.raises(error, match=match):
+        grouped_projection(x, kernel, jnp.asarray(gs) if gs.dtype == np.int32 else gs, compute)
+
+
+def test_bad_implementation_and_block_sizes(no_kernel):
+    x, kernel, sizes = _inputs()
+    with pytest.raises(ValueError, match="not one of"):
+        grouped_projection(x, kernel, sizes, jnp.bfloat16, implementation="cublas")
+    with pytest.raises(ValueError, match="need names"):
+        grouped_projection(x, kernel, sizes, jnp.bfloat16, implementation=["xla", "nope"])
+    with pytest.raises(TypeError, match="block_sizes"):
+        grouped_projection(x, kernel, sizes, jnp.bfloat16, block_sizes=(128, 128, 128))
+
+
+# ------------------------------------------------------------ selection and fallback
+
+
+def _expected(x, kernel, sizes, compute=jnp.bfloat16):
+    return np.asarray(reference(x, kernel, sizes, compute), np.float32)
+
+
+def _jaxpr_has_pallas(fn, *args) -> bool:
+    return "pallas_call" in str(jax.make_jaxpr(fn)(*args))
+
+
+def test_default_on_cpu_is_xla_and_interpret_runs_the_kernel():
+    x, kernel, sizes = _inputs()
+    plain = lambda x, w: grouped_projection(x, w, sizes, jnp.bfloat16)  # noqa: E731
+    interp = lambda x, w: grouped_projection(x, w, sizes, jnp.bfloat16, True,  # noqa: E731
+                                             block_sizes=SMALL)
+    low = jax.jit(plain).lower(x, kernel).as_text()
+    assert TRITON_CALL not in low and "pallas" not in low.lower()
+    assert _jaxpr_has_pallas(interp, x, kernel)
+    want = _expected(x, kernel, sizes)
+    for fn in (plain, interp):
+        np.testing.assert_array_equal(np.asarray(fn(x, kernel), np.float32), want)
+
+
+def test_single_name_fails_fast():
+    x, kernel, sizes = _inputs()
+    with pytest.raises(RuntimeError, match="sm80"):
+        grouped_projection(x, kernel, sizes, jnp.bfloat16, implementation="pallas_triton")
+
+
+def test_sequence_falls_back_and_logs(caplog):
+    x, kernel, sizes = _inputs()
+    with caplog.at_level(logging.WARNING, logger=api.__name__):
+        out = grouped_projection(x, kernel, sizes, jnp.bfloat16,
+                                 implementation=["pallas_triton", "pallas_mosaic_tpu", "xla"])
+    np.testing.assert_array_equal(np.asarray(out, np.float32), _expected(x, kernel, sizes))
+    text = caplog.text
+    assert "pallas_triton failed" in text and "sm80" in text
+    assert "pallas_mosaic_tpu failed" in text and "needs a TPU" in text
+
+
+def test_trace_error_falls_back(monkeypatch, caplog):
+    x, kernel, sizes = _inputs()
+
+    def broken(*a, **k):
+        raise NotImplementedError("no such lowering")
+
+    monkeypatch.setattr(pallas_triton, "gmm", broken)
+    with caplog.at_level(logging.WARNING, logger=api.__name__):
+        out = grouped_projection(x, kernel, sizes, jnp.bfloat16, True,
+                                 implementation=["pallas_triton", "xla"])
+    np.testing.assert_array_equal(np.asarray(out, np.float32), _expected(x, kernel, sizes))
+    assert "NotImplementedError: no such lowering" in caplog.text
+
+
+def test_refused_by_ragged_dot_runs_falls_back(caplog):
+    x, kernel, sizes = _inputs()
+    with jax.default_matmul_precision("highest"), caplog.at_level(logging.WARNING, api.__name__):
+        grouped_projection(x, kernel, sizes, jnp.float32, True,
+                           implementation=["pallas_triton", "xla"])
+    assert "ragged_dot_runs refuses" in caplog.text
+
+
+def test_all_fail_raises_every_reason():
+    x, kernel, sizes = _inputs()
+    with pytest.raises(ExceptionGroup) as info:
+        grouped_projection(x, kernel, sizes, jnp.bfloat16,
+                           implementation=["pallas_triton", "pallas_mosaic_tpu"])
+    messages = [str(e) for e in info.value.exceptions]
+    assert len(messages) == 2 and "sm80" in messages[0] and "TPU" in messages[1]
+
+
+def test_mosaic_gpu_left_out_when_it_does_not_import(monkeypatch):
+    real = api._importable
+    monkeypatch.setattr(api, "_importable", lambda n: "gone" if n == "pallas_mosaic_gpu" else real(n))
+    x, kernel, sizes = _inputs()
+    with pytest.raises(ExceptionGroup, match="every implementation"):
+        grouped_projection(x, kernel, sizes, jnp.bfloat16, implementation=["pallas_mosaic_gpu"])
+
+
+# ------------------------------------------------- lowering for CUDA and TPU from CPU
+
+
+def _export(fn, platforms, *args):
+    checks = [DisabledSafetyCheck.custom_call(TRITON_CALL)]
+    return jax.export.export(jax.jit(fn), platforms=platforms, disabled_checks=checks)(*args)
+
+
+def _loss(implementation=None, compute=jnp.bfloat16):
+    def loss(x, kernel, sizes):
+        y = grouped_projection(x, kernel, sizes, compute, implementation=implementation)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    return jax.value_and_grad(loss, argnums=(0, 1))
+
+
+def _specs(m=300, k=200, n=96, g=6):
+    return (jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+            jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16),
+            jax.ShapeDtypeStruct((g,), jnp.int32))
+
+
+def _cuda_mesh():
+    return jax.sharding.use_abstract_mesh(
+        AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda")))
+
+
+@pytest.fixture
+def fake_sm80(monkeypatch):
+    """The CUDA branch keys on the local device; pretend it is an sm80+ GPU without
+    Hopper, so the default order lands on pallas_triton."""
+    monkeypatch.setattr(platform, "triton_runs", lambda device=None: True)
+    monkeypatch.setattr(platform, "mosaic_gpu_runs", lambda device=None: False)
+
+
+def test_cuda_default_lowers_to_triton(fake_sm80):
+    with _cuda_mesh():
+        text = _export(_loss(), ["cuda"], *_specs()).mlir_module()
+    assert text.count(TRITON_CALL) == 3  # forward, dx, dkernel
+
+
+def test_cuda_fp32_highest_lowers_to_xla(fake_sm80):
+    specs = [jax.ShapeDtypeStruct(s.shape, jnp.float32 if i < 2 else s.dtype)
+             for i, s in enumerate(_specs())]
+    with _cuda_mesh(), jax.default_matmul_precision("highest"):
+        text = _export(_loss(compute=jnp.float32), ["cuda"], *specs).mlir_module()
+    assert TRITON_CALL not in text
+
+
+def test_cuda_without_a_gpu_lowers_to_xla():
+    with _cuda_mesh():
+        text = _export(_loss(), ["cuda"], *_specs()).mlir_module()
+    assert TRITON_CALL not in text
+
+
+def test_tpu_default_lowers_to_mosaic():
+    text = _export(_loss(), ["tpu"], *_specs(m=256, k=256, n=128, g=4)).mlir_module()
+    assert text.count("tpu_custom_call") == 3
+
+
+def test_one_function_exports_for_each_platform(fake_sm80):
+    """The same function, exported once per platform, picks each platform's backend.
+    (A single multi-platform export cannot hold the kernels: JAX 0.11.2 lowers every
+    branch of a platform_dependent for every platform, and a Triton or Mosaic pallas_call
+    has no lowering on the others; the test below pins that, so we notice when it lifts.)"""
+    specs, loss = _specs(m=256, k=256, n=128, g=4), _loss()
+    with _cuda_mesh():
+        cuda = _export(loss, ["cuda"], *specs).mlir_module()
+    tpu = _export(loss, ["tpu"], *specs).mlir_module()
+    cpu = _export(loss, ["cpu"], *specs).mlir_module()
+    assert TRITON_CALL in cuda and "tpu_custom_call" not in cuda
+    assert "tpu_custom_call" in tpu and TRITON_CALL not in tpu
+    assert TRITON_CALL not in cpu and "tpu_custom_call" not in cpu
+
+
+def test_multi_platform_export_with_kernels_is_refused_by_jax():
+    with pytest.raises(ValueError, match="Only interpret mode"):
+        _export(_loss(), ["cpu", "tpu"], *_specs(m=256, k=256, n=128, g=4))
+
+
+# ------------------------------------------------------------------- shard_map, HLO
+
+
+def test_shard_map_on_eight_devices_no_all_gather():
+    """n of the kernel split over `model`: the lowered program holds the shard_map, the
+    compiled one gathers neither x nor the kernel (dx's partial sums are reduced), and
+    values and gradients match the reference."""
+    mesh = jax.make_mesh((8,), ("model",))
+    x, kernel, sizes = _inputs(m=40, k=24, n=32, g=4, total=37)
+    kernel_s = jax.device_put(kernel, NamedSharding(mesh, P(None, None, "model")))
+    x_s = jax.device_put(x, NamedSharding(mesh, P()))
+
+    def loss(x, kernel):
+        y = grouped_projection(x, kernel, sizes, jnp.bfloat16, True, block_sizes=SMALL,
+                               implementation="pallas_triton")
+        return jnp.sum(y.astype(jnp.float32) * jnp.arange(y.shape[1], dtype=jnp.float32))
+
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    with jax.set_mesh(mesh):
+        lowered = fn.lower(x_s, kernel_s)
+        text = lowered.as_text()
+        assert "sdy.manual_computation" in text or "SPMDFullToShardShape" in text
+        assert "model" in text
+        hlo = lowered.compile().as_text()
+        assert "all-gather" not in hlo, "an operand was gathered"
+        value, (dx, dk) = fn(x_s, kernel_s)
+    want_value, (want_dx, want_dk) = jax.value_and_grad(
+        lambda x, k: jnp.sum(reference(x, k, sizes, jnp.bfloat16).astype(jnp.float32)
+                             * jnp.arange(32, dtype=jnp.float32)), argnums=(0, 1))(x, kernel)
+    np.testing.assert_allclose(value, want_value, rtol=1e-5)
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dk, want_dk, rtol=1e-5, atol=1e-5)
+
+
+def test_default_path_value_and_gradient_parity():
+    """The XLA path under the same contract (through the default order on CPU)."""
+    case = CPU_CASES[1]
+    check_case(case, lambda x, w, s: grouped_projection(x, w, s, jnp.dtype(case.compute)))
+    x, *_ = draw(case)
+    assert x.dtype == jnp.float32
