@@ -118,18 +118,43 @@ def build_torch(name: str, case: ops.Case, options: dict):
     return _mamba(case)
 
 
+def _row_major_ok() -> bool:
+    """Whether this torch takes the [g,k,n] operand row-major (a tiny probe call)."""
+    import torch
+
+    x = torch.randn(32, 16, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2, 16, 16, device="cuda", dtype=torch.bfloat16)
+    offs = torch.tensor([16, 32], device="cuda", dtype=torch.int32)
+    try:
+        torch._grouped_mm(x, w, offs=offs, out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
+
+
 def _grouped_mm(case: ops.Case):
     import torch
 
+    row_major = _row_major_ok()
+    copies: dict[int, Any] = {}  # column-major copy per input set where torch wants one
+
+    def weight(w):
+        if row_major:
+            return w
+        if w.data_ptr() not in copies:
+            copies[w.data_ptr()] = w.transpose(-2, -1).contiguous().transpose(-2, -1)
+        return copies[w.data_ptr()]
+
     def fwd(t):
-        return torch._grouped_mm(t["x"], t["kernel"], offs=t["offs"], out_dtype=t["x"].dtype)
+        return torch._grouped_mm(t["x"], weight(t["kernel"]), offs=t["offs"],
+                                 out_dtype=t["x"].dtype)
 
     if case.direction == "fwd":
         return lambda t: (_to_jax(fwd(t)),)
 
     def fwd_bwd(t):
         x = t["x"].detach().requires_grad_(True)
-        w = t["kernel"].detach().requires_grad_(True)
+        w = weight(t["kernel"]).detach().requires_grad_(True)
         y = torch._grouped_mm(x, w, offs=t["offs"], out_dtype=x.dtype)
         dx, dw = torch.autograd.grad(y, (x, w), t["dy"])
         return tuple(_to_jax(v) for v in (y.detach(), dx, dw))
