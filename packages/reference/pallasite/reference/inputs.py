@@ -4,10 +4,19 @@ Same key, same inputs, on every machine: the benchmark's error column and a fail
 can be reproduced from the seed alone. Nothing drawn here is zero (normal draws and
 softplus/exp of them), so an unwritten output row or a dropped term shows up as an error
 instead of hiding behind a zero input.
+
+Cheap to compile: every array of an input set comes from ONE threefry draw of a flat
+buffer whose length is bucketed (a power of two up to 2^24, then multiples of 2^24), so
+nearby shapes share a compiled draw. On this 2-core CPU one jitted threefry normal costs
+~0.8 s of compile and separate draws per array cost 2-3 s per SSD input set (a test
+suite with a dozen shapes spent most of its time there). The Dirichlet split of the group
+sizes uses numpy's PCG64 seeded from the key's data: g numbers, no compile, and just as
+deterministic.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -44,6 +53,30 @@ def _total(m: int, total: int | None) -> int:
     return total
 
 
+def _bucket(size: int) -> int:
+    if size <= 1 << 24:
+        return max(1 << 10, 1 << (size - 1).bit_length())
+    return -(-size // (1 << 24)) * (1 << 24)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _flat_normal(key, size):
+    return jax.random.normal(key, (size,), jnp.float32)
+
+
+def _normals(key: jax.Array, *shapes: tuple[int, ...]) -> list[Array]:
+    """fp32 N(0, 1) arrays of `shapes`, all cut from one bucketed flat draw."""
+    sizes = [int(np.prod(shape)) for shape in shapes]
+    flat = _flat_normal(key, _bucket(sum(sizes)))
+    offsets = np.cumsum([0] + sizes)
+    return [flat[o:o + n].reshape(shape) for o, n, shape in zip(offsets, sizes, shapes)]
+
+
+def _dirichlet(key: jax.Array, g: int, alpha: float) -> np.ndarray:
+    seed = np.asarray(jax.random.key_data(key)).ravel().tolist()
+    return np.random.default_rng(seed).dirichlet(np.full((g,), alpha))
+
+
 def random_group_sizes(
     key: jax.Array,
     m: int,
@@ -59,7 +92,7 @@ def random_group_sizes(
     `empty` get zero rows and the others share the total. Sums to `total` exactly.
     """
     total = _total(m, total)
-    weights = np.asarray(jax.random.dirichlet(key, jnp.full((g,), alpha, jnp.float32)))
+    weights = np.asarray(_dirichlet(key, g, float(alpha)))
     weights = np.maximum(weights.astype(np.float64), 1e-12)
     weights[list(empty)] = 0.0
     if weights.sum() == 0:  # every group listed as empty
@@ -111,9 +144,9 @@ def grouped_projection_inputs(
     x ~ N(0, 1); kernel ~ N(0, 1/k) so outputs are O(1) at every k (bf16 tolerances are
     relative, but fp16 would overflow on unscaled products at k=7168).
     """
-    kx, kk, kg = jax.random.split(key, 3)
-    x = jax.random.normal(kx, (m, k), jnp.float32).astype(dtype)
-    kernel = (jax.random.normal(kk, (g, k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
+    kd, kg = jax.random.split(key)
+    x, kernel = _normals(kd, (m, k), (g, k, n))
+    x, kernel = x.astype(dtype), (kernel * (1.0 / np.sqrt(k))).astype(dtype)
     return x, kernel, random_group_sizes(kg, m, g, total=total, alpha=alpha)
 
 
@@ -135,22 +168,27 @@ def ssd_inputs(
     """(x, a, b, c) in [batch, length, heads, ...] layout, as TARGETS.md draws them.
 
     dt = softplus(randn - 4) per step and head (mean ~0.02, Mamba-2's dt range),
-    A = -exp(uniform[0, 1)) per head, a = A*dt <= 0, x = randn * dt (x arrives scaled by
-    dt), B and C ~ N(0, 1) per group. x, b, c are in `dtype`; a in fp32 (float64 when
+    A = -exp(uniform[0, 1)) per head (the uniform is Phi(randn), from the same draw),
+    a = A*dt <= 0, x = randn * dt (x arrives scaled by dt), B and C ~ N(0, 1) per group. x, b, c are in `dtype`; a in fp32 (float64 when
     dtype is float64), as Mamba keeps dt and A in fp32.
     """
-    kx, kdt, ka, kb, kc = jax.random.split(key, 5)
-    wide = jnp.float64 if np.dtype(dtype) == np.float64 else jnp.float32
-    dt = jax.nn.softplus(jax.random.normal(kdt, (batch, length, heads), wide) - 4.0)
-    big_a = -jnp.exp(jax.random.uniform(ka, (heads,), wide))
-    x = jax.random.normal(kx, (batch, length, heads, head_dim), wide) * dt[..., None]
-    b = jax.random.normal(kb, (batch, length, groups, state), wide)
-    c = jax.random.normal(kc, (batch, length, groups, state), wide)
-    return x.astype(dtype), (big_a * dt).astype(wide), b.astype(dtype), c.astype(dtype)
+    shapes = ((batch, length, heads, head_dim), (batch, length, heads), (heads,),
+              (batch, length, groups, state), (batch, length, groups, state))
+    return _ssd_finish(*_normals(key, *shapes), np.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=5)
+def _ssd_finish(zx, zdt, za, zb, zc, dtype):
+    wide = jnp.float64 if dtype == np.float64 else jnp.float32
+    dt = jax.nn.softplus(zdt.astype(wide) - 4.0)
+    big_a = -jnp.exp(jax.scipy.special.ndtr(za.astype(wide)))
+    x = zx.astype(wide) * dt[..., None]
+    return x.astype(dtype), (big_a * dt).astype(wide), zb.astype(dtype), zc.astype(dtype)
 
 
 def ssd_initial_state(
     key: jax.Array, batch: int, heads: int, head_dim: int, state: int, dtype=jnp.float32
 ) -> Float[Array, "batch heads head_dim state"]:
     """A random (nonzero) initial state [batch, heads, head_dim, state], fp32 by default."""
-    return jax.random.normal(key, (batch, heads, head_dim, state), dtype)
+    (state0,) = _normals(key, (batch, heads, head_dim, state))
+    return state0.astype(dtype)
