@@ -34,19 +34,38 @@ from pallasite.kernels.grouped_projection.group_metadata import (
     num_visits,
 )
 
-DEFAULT = config.TritonBlockSizes()
+# Defaults measured on the H200 (tools/device/bench_grouped_projection.py, 2026-11-30,
+# bf16, TARGETS shapes; docs/performance.md has every config tried):
+# gmm (forward and dx): 128x256x64, 8 warps, 3 stages: 611/448/229/197 TFLOP/s forward on
+#   mixtral/dsv3/qwen3/olmoe; 128x128x64 gave 467/360/219/180, 64x256x64 462/403/198/223.
+# tgmm: 64 rows x 128 x 128, 4 warps: 424/237/206/260; 64x256x128 (8 warps) reaches 537 on
+#   mixtral, whose groups hold ~4096 rows, but loses on qwen3/olmoe (148/236, ~512 rows).
+GMM_16BIT = config.TritonBlockSizes(128, 256, 64, group_m=8, num_warps=8, num_stages=3)
+TGMM_16BIT = config.TritonBlockSizes(64, 128, 128, group_m=1, num_warps=4, num_stages=3)
+TGMM_16BIT_LONG_GROUPS = config.TritonBlockSizes(64, 256, 128, group_m=1, num_warps=8,
+                                                 num_stages=3)
+# fp32 operands take twice the shared memory per stage: the 16-bit tiles ask 256 KiB where
+# sm90 has 227 KiB (seen failing on the H200). Smaller tiles, not yet tuned.
+GMM_32BIT = config.TritonBlockSizes(64, 128, 32, group_m=8, num_warps=4, num_stages=3)
+TGMM_32BIT = config.TritonBlockSizes(32, 128, 64, group_m=1, num_warps=4, num_stages=3)
+DEFAULT = GMM_16BIT
 
 
 def resolve_block_sizes(block_sizes, *, product: str, m: int, k: int, n: int, g: int,
                         dtype) -> config.TritonBlockSizes:
-    """The one place this backend picks its blocks: the caller's, else the default."""
-    del m, k, n, g, dtype
+    """The one place this backend picks its blocks: the caller's, else the measured
+    default for the product and operand width (see above)."""
     chosen = config.for_product(block_sizes, product)
-    if chosen is None:
-        return DEFAULT
-    if not isinstance(chosen, config.TritonBlockSizes):
-        raise TypeError(f"block_sizes for pallas_triton must be TritonBlockSizes, got {chosen!r}")
-    return chosen
+    if chosen is not None:
+        if not isinstance(chosen, config.TritonBlockSizes):
+            raise TypeError(f"block_sizes for pallas_triton must be TritonBlockSizes, got {chosen!r}")
+        return chosen
+    wide = jnp.dtype(dtype).itemsize > 2
+    if product != "dkernel":
+        return GMM_32BIT if wide else GMM_16BIT
+    if wide:
+        return TGMM_32BIT
+    return TGMM_16BIT_LONG_GROUPS if m >= 2048 * g else TGMM_16BIT
 
 
 def cost_estimate(m: int, k: int, n: int, operands, out_bytes: int) -> pl.CostEstimate:
