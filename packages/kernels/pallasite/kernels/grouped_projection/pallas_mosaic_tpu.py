@@ -23,6 +23,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -99,8 +100,16 @@ def _gmm_kernel(group_ref, start_ref, end_ref, tile_ref, lhs_ref, rhs_ref, out_r
         out_ref[...] = jnp.where(mask, acc_ref[...], old).astype(out_ref.dtype)
 
 
-def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None, block_sizes=None,
-        interpret=False):
+def gmm(
+    lhs: Float[Array, "m k"],
+    rhs: Float[Array, "g k n"] | Float[Array, "g n k"],
+    group_sizes: Int[Array, "g"],
+    *,
+    transpose_rhs: bool = False,
+    out_dtype=None,
+    block_sizes=None,
+    interpret: bool = False,
+) -> Float[Array, "m n"]:
     """[m, k] x [g, k, n] (or [g, n, k] with transpose_rhs) -> [m, n] out_dtype."""
     m, k = lhs.shape
     g = rhs.shape[0]
@@ -171,8 +180,16 @@ def _tgmm_kernel(group_ref, start_ref, end_ref, tile_ref, lhs_ref, rhs_ref, out_
         out_ref[...] = acc_ref[...].astype(out_ref.dtype)
 
 
-def tgmm(lhs, rhs, group_sizes, *, num_groups=None, out_dtype=None, block_sizes=None,
-         interpret=False):
+def tgmm(
+    lhs: Float[Array, "m k"],
+    rhs: Float[Array, "m n"],
+    group_sizes: Int[Array, "g"],
+    *,
+    num_groups: int | None = None,
+    out_dtype=None,
+    block_sizes=None,
+    interpret: bool = False,
+) -> Float[Array, "g k n"]:
     """[m, k], [m, n] -> [g, k, n]: per group lhs_g^T @ rhs_g; empty groups zeros."""
     m, k = lhs.shape
     n = rhs.shape[1]

@@ -23,6 +23,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -154,8 +155,16 @@ def _params(bs: config.TritonBlockSizes):
     return plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
 
 
-def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None, block_sizes=None,
-        interpret=False):
+def gmm(
+    lhs: Float[Array, "m k"],
+    rhs: Float[Array, "g k n"] | Float[Array, "g n k"],
+    group_sizes: Int[Array, "g"],
+    *,
+    transpose_rhs: bool = False,
+    out_dtype=None,
+    block_sizes=None,
+    interpret: bool = False,
+) -> Float[Array, "m n"]:
     """[m, k] x [g, k, n] (or [g, n, k] with transpose_rhs) -> [m, n] out_dtype."""
     m, k = lhs.shape
     g = rhs.shape[0]
@@ -203,8 +212,16 @@ def _tgmm_kernel(offsets_ref, lhs_ref, rhs_ref, out_ref, *, bs, k, n):
     plgpu.store(out_ref.at[group, ks, cols], acc.astype(out_ref.dtype), mask=_and(k_ok, col_ok))
 
 
-def tgmm(lhs, rhs, group_sizes, *, num_groups=None, out_dtype=None, block_sizes=None,
-         interpret=False):
+def tgmm(
+    lhs: Float[Array, "m k"],
+    rhs: Float[Array, "m n"],
+    group_sizes: Int[Array, "g"],
+    *,
+    num_groups: int | None = None,
+    out_dtype=None,
+    block_sizes=None,
+    interpret: bool = False,
+) -> Float[Array, "g k n"]:
     """[m, k], [m, n] -> [g, k, n]: per group lhs_g^T @ rhs_g; empty groups zeros.
     Rows past the total belong to no group and are never read."""
     m, k = lhs.shape

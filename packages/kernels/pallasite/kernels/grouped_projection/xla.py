@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Int
+from jaxtyping import Array, Float, Int
 
 _DIMS = jax.lax.RaggedDotDimensionNumbers
 
@@ -20,8 +20,16 @@ def _row_mask(m: int, group_sizes: Int[Array, "g"]) -> jax.Array:
     return (jnp.arange(m, dtype=jnp.int32) < total)[:, None]
 
 
-def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None, block_sizes=None,
-        interpret=False):
+def gmm(
+    lhs: Float[Array, "m k"],
+    rhs: Float[Array, "g k n"] | Float[Array, "g n k"],
+    group_sizes: Int[Array, "g"],
+    *,
+    transpose_rhs: bool = False,
+    out_dtype=None,
+    block_sizes=None,
+    interpret: bool = False,
+) -> Float[Array, "m n"]:
     """[m, k] x [g, k, n] (or [g, n, k] with transpose_rhs) -> [m, n], per group of rows."""
     del block_sizes, interpret
     out_dtype = out_dtype or lhs.dtype
@@ -37,8 +45,16 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None, block_siz
     return jnp.where(_row_mask(lhs.shape[0], group_sizes), out, 0).astype(out_dtype)
 
 
-def tgmm(lhs, rhs, group_sizes, *, num_groups=None, out_dtype=None, block_sizes=None,
-         interpret=False):
+def tgmm(
+    lhs: Float[Array, "m k"],
+    rhs: Float[Array, "m n"],
+    group_sizes: Int[Array, "g"],
+    *,
+    num_groups: int | None = None,
+    out_dtype=None,
+    block_sizes=None,
+    interpret: bool = False,
+) -> Float[Array, "g k n"]:
     """[m, k], [m, n] -> [g, k, n]: per group, lhs_g^T @ rhs_g (zeros for empty groups)."""
     del block_sizes, interpret
     num_groups = num_groups or group_sizes.shape[0]
