@@ -72,8 +72,8 @@ def test_chunk_states_are_the_states_each_chunk_entered_with():
                 parity.assert_close(states[:, z], want, dtype=F64, what=f"{form} chunk {z}")
 
 
-@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[2]], ids=_ids)
-def test_gradients_of_chunked_and_sequential_agree_in_float64(config):
+def test_gradients_of_chunked_and_sequential_agree_in_float64():
+    config = (2, 12, 4, 2, 3, 2, 4)  # batch 2, three chunks, two heads per group
     chunk = config[-1]
     with jax.enable_x64(True):
         x, a, b, c, s0 = _draw(config, F64, seed=5)
@@ -129,8 +129,9 @@ def test_segsum_stable_form_is_more_accurate():
         dt = jax.nn.softplus(jax.random.normal(kx, (32, 128)) - 4.0) * dt_scale
         a = -jnp.exp(jax.random.uniform(ka, (32, 1))) * dt
         exact = np.exp(_exact_segsum(a))
-        stable = np.abs(np.exp(np.asarray(ssd.segsum(a), np.float64)) - exact).max()
-        diff = np.abs(np.exp(np.asarray(ssd.segsum_cumsum_difference(a), np.float64)) - exact).max()
+        stable = np.abs(np.exp(np.asarray(jax.jit(ssd.segsum)(a), np.float64)) - exact).max()
+        diff = np.abs(np.exp(np.asarray(jax.jit(ssd.segsum_cumsum_difference)(a), np.float64))
+                      - exact).max()
         assert stable < 3e-7, stable
         assert stable * 5 < diff, (dt_scale, stable, diff)
 
@@ -138,13 +139,13 @@ def test_segsum_stable_form_is_more_accurate():
 def test_segsum_forms_agree_in_float64_and_mask_above_diagonal():
     with jax.enable_x64(True):
         a = -jnp.abs(jax.random.normal(jax.random.key(9), (3, 16), F64))
-        s = ssd.segsum(a)
+        s = jax.jit(ssd.segsum)(a)
         np.testing.assert_allclose(np.asarray(s), _exact_segsum(a), rtol=1e-13, atol=1e-13)
-        np.testing.assert_allclose(np.asarray(ssd.segsum_cumsum_difference(a)), np.asarray(s),
+        np.testing.assert_allclose(np.asarray(jax.jit(ssd.segsum_cumsum_difference)(a)), np.asarray(s),
                                    rtol=1e-12, atol=1e-12)
         assert np.all(np.isneginf(np.asarray(s)[..., np.triu_indices(16, 1)[0],
                                                 np.triu_indices(16, 1)[1]]))
-        grad = jax.grad(lambda a: jnp.sum(jnp.exp(ssd.segsum(a))))(a)
+        grad = jax.jit(jax.grad(lambda a: jnp.sum(jnp.exp(ssd.segsum(a)))))(a)
         assert np.all(np.isfinite(np.asarray(grad)))
 
 
@@ -181,11 +182,11 @@ def test_blockwise_never_builds_every_chunks_tiles():
 def test_auto_form_switches_to_blockwise_above_the_tile_budget(monkeypatch):
     config = (1, 16, 2, 2, 3, 1, 4)
     x, a, b, c, s0 = _draw(config, jnp.float32)
-    plain = ssd.ssd_chunked(x, a, b, c, 4, s0, form="plain")
+    plain = _chunked(x, a, b, c, 4, s0, form="plain")
     monkeypatch.setattr(ssd, "PLAIN_TILE_BYTES", 0)
     auto = jax.make_jaxpr(lambda *t: ssd.ssd_chunked(*t, 4, s0))(x, a, b, c)
     assert "checkpoint" in str(auto) or "remat" in str(auto)
-    got = ssd.ssd_chunked(x, a, b, c, 4, s0)
+    got = jax.jit(lambda *t: ssd.ssd_chunked(*t, 4, s0))(x, a, b, c)  # a fresh trace
     for g, w in zip(got, plain):
         parity.assert_close(g, w, dtype=jnp.float32, tol=parity.EXACT_FP32)
 
