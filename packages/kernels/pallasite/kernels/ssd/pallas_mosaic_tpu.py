@@ -19,6 +19,10 @@ exp (so growth above the diagonal never reaches inf * 0); inside one chunk the d
 form is within eps * |acs_last| of the masked-sum form in the exponent (see docs/ssd.md for
 the measured effect).
 
+The chunk count reaches the kernels as a Python constant, not pl.num_programs: jax 0.11.2's
+TPU interpreter reused a kernel traced for 2 chunks when called with 1 and never wrote
+the final state (NaN poison), seen in tests/test_ssd_api.py.
+
 The backward runs the chunks in reverse (index map nc - 1 - k), carrying dS, the cotangent
 of the state, in scratch; each chunk recomputes its own [C, C] matrices from its inputs
 and its entry state (the forward's chunk_states, the only residual).
@@ -83,7 +87,7 @@ def _load(ref):
 
 
 def _forward_kernel(x_ref, b_ref, c_ref, row_ref, col_ref, init_ref,
-                    y_ref, final_ref, states_ref, state_scr):
+                    y_ref, final_ref, states_ref, state_scr, *, num_chunks):
     k = pl.program_id(2)
 
     @pl.when(k == 0)
@@ -101,13 +105,13 @@ def _forward_kernel(x_ref, b_ref, c_ref, row_ref, col_ref, init_ref,
     new = jnp.exp(last) * state + _tn(x * jnp.exp(last - acs_col), bm)
     state_scr[...] = new
 
-    @pl.when(k == pl.num_programs(2) - 1)
+    @pl.when(k == num_chunks - 1)
     def _():
         final_ref[...] = new
 
 
 def _backward_kernel(x_ref, b_ref, c_ref, row_ref, col_ref, states_ref, dy_ref, dfinal_ref,
-                     dx_ref, db_ref, dc_ref, dacs_ref, dinit_ref, carry_scr):
+                     dx_ref, db_ref, dc_ref, dacs_ref, dinit_ref, carry_scr, *, num_chunks):
     k = pl.program_id(2)
 
     @pl.when(k == 0)
@@ -142,7 +146,7 @@ def _backward_kernel(x_ref, b_ref, c_ref, row_ref, col_ref, states_ref, dy_ref, 
     new = jnp.exp(last) * dexit + _tn(dy * e, cm)
     carry_scr[...] = new
 
-    @pl.when(k == pl.num_programs(2) - 1)
+    @pl.when(k == num_chunks - 1)
     def _():
         dinit_ref[...] = new
 
@@ -242,7 +246,7 @@ def forward(x, a, b, c, initial_state, *, interpret=False, block_sizes=None):
     specs = _specs(x.shape, groups)
     row, col = _cumsums(a)
     y, final, states = pl.pallas_call(
-        _forward_kernel,
+        functools.partial(_forward_kernel, num_chunks=nc),
         grid=(bsz, h, nc),
         in_specs=[specs["x"](False, p), specs["bc"](False, n), specs["bc"](False, n),
                   specs["row"](False), specs["col"](False), specs["state"](n)],
@@ -268,7 +272,7 @@ def backward(x, a, b, c, chunk_states, dy, dfinal_state, *, interpret=False, blo
     row, col = _cumsums(a)
     per_head = jax.ShapeDtypeStruct((bsz, h, nc, size, n), _F32)
     dx, db, dc, dacs, dinit = pl.pallas_call(
-        _backward_kernel,
+        functools.partial(_backward_kernel, num_chunks=nc),
         grid=(bsz, h, nc),
         in_specs=[specs["x"](True, p), specs["bc"](True, n), specs["bc"](True, n),
                   specs["row"](True), specs["col"](True), specs["chunk_state"](True, n),

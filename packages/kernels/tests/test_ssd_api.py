@@ -1,0 +1,286 @@
+"""chunk_ssd and ssd_chunk_scan's public behaviour: padding, implementation choice,
+bad input, positive a, the geometry predicates, and the shard_map on 8 CPU devices."""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pallasite.kernels import chunk_ssd, ssd_chunk_scan, ssd_kernel_platform, ssd_kernel_runs
+from pallasite.kernels.ssd import predicates
+from pallasite.reference import parity
+from pallasite.reference.inputs import ssd_initial_state, ssd_inputs
+from pallasite.reference.ssd import ssd_sequential
+
+
+def _inputs(key=0, b=1, length=40, h=2, p=8, n=8, g=1, dtype=jnp.float32):
+    x, a, bm, c = ssd_inputs(jax.random.key(key), b, length, h, p, n, g, dtype)
+    s0 = ssd_initial_state(jax.random.key(key + 1), b, h, p, n)
+    return x, a, bm, c, s0
+
+
+# ---------------------------------------------------------------------------- padding
+
+
+def test_padding_changes_neither_y_nor_final_state():
+    """length 40, chunk 16: 8 padded steps (a = 0, x = B = C = 0) leave the state as it
+    was and their outputs are cut; values and gradients equal the unpadded definition."""
+    x, a, b, c, s0 = _inputs(length=40)
+
+    def loss(fn):
+        def f(x, a, b, c, s0):
+            y, final = fn(x, a, b, c, s0)
+            return jnp.sum(y * jnp.cos(y)) + jnp.sum(final * jnp.sin(final)), (y, final)
+        return f
+
+    run = lambda *t: chunk_ssd(*t[:4], chunk_size=16, initial_state=t[4], implementation="xla")
+    (_, (y, final)), grads = jax.value_and_grad(loss(run), (0, 1, 2, 3, 4), has_aux=True)(
+        x, a, b, c, s0)
+    (_, (y_ref, final_ref)), grads_ref = jax.value_and_grad(
+        loss(ssd_sequential), (0, 1, 2, 3, 4), has_aux=True)(x, a, b, c, s0)
+    assert y.shape == x.shape
+    parity.assert_close(y, y_ref, dtype=jnp.float32, tol=parity.EXACT_FP32, what="y")
+    parity.assert_close(final, final_ref, dtype=jnp.float32, tol=parity.EXACT_FP32,
+                        what="final")
+    for what, got, want in zip(("dx", "da", "db", "dc", "ds0"), grads, grads_ref):
+        parity.assert_close(got, want, dtype=jnp.float32, tol=parity.EXACT_FP32, what=what)
+
+
+def test_padding_through_the_tpu_kernel():
+    x, a, b, c, s0 = _inputs(length=72, p=8, n=8)
+    y, final = chunk_ssd(x, a, b, c, chunk_size=64, initial_state=s0,
+                         implementation="pallas_mosaic_tpu")
+    y_ref, final_ref = ssd_sequential(x, a, b, c, s0)
+    parity.assert_close(y, y_ref, dtype=jnp.float32, tol=parity.EXACT_FP32, what="y")
+    parity.assert_close(final, final_ref, dtype=jnp.float32, tol=parity.EXACT_FP32,
+                        what="final")
+
+
+def test_default_initial_state_is_zero():
+    x, a, b, c, s0 = _inputs(length=32)
+    y, final = chunk_ssd(x, a, b, c, chunk_size=16)
+    y_ref, final_ref = ssd_sequential(x, a, b, c)
+    parity.assert_close(y, y_ref, dtype=jnp.float32, tol=parity.EXACT_FP32)
+    parity.assert_close(final, final_ref, dtype=jnp.float32, tol=parity.EXACT_FP32)
+
+
+# ------------------------------------------------------------------- implementation=
+
+
+def test_default_on_cpu_is_xla(caplog):
+    predicates._log_once.cache_clear()
+    x, a, b, c, _ = _inputs(length=16)
+    with caplog.at_level(logging.INFO, logger="pallasite.ssd"):
+        chunk_ssd(x, a, b, c, chunk_size=16)
+    assert "chunk=16 head_dim=8 state=8 -> xla" in caplog.text
+    assert ssd_kernel_platform(16, 8, 8) is None
+
+
+def test_unknown_implementation():
+    x, a, b, c, _ = _inputs(length=16)
+    with pytest.raises(ValueError, match="unknown SSD implementation 'cuda_magic'"):
+        chunk_ssd(x, a, b, c, chunk_size=16, implementation="cuda_magic")
+    with pytest.raises(ValueError, match="empty"):
+        chunk_ssd(x, a, b, c, chunk_size=16, implementation=())
+
+
+def test_named_kernel_fails_fast_on_refused_geometry():
+    x, a, b, c, _ = _inputs(length=32)
+    with pytest.raises(ValueError, match="chunk_size=16 < 64"):
+        chunk_ssd(x, a, b, c, chunk_size=16, implementation="pallas_mosaic_tpu")
+
+
+def test_sequence_falls_back_and_logs(caplog):
+    x, a, b, c, s0 = _inputs(length=32)
+    with caplog.at_level(logging.WARNING, logger="pallasite.ssd"):
+        y, final = chunk_ssd(x, a, b, c, chunk_size=16, initial_state=s0,
+                             implementation=("pallas_mosaic_tpu", "xla"))
+    assert "pallas_mosaic_tpu failed" in caplog.text and "chunk_size=16 < 64" in caplog.text
+    y_ref, _ = ssd_sequential(x, a, b, c, s0)
+    parity.assert_close(y, y_ref, dtype=jnp.float32, tol=parity.EXACT_FP32)
+
+
+def test_sequence_raises_all_failures_together():
+    x, a, b, c, _ = _inputs(length=32, p=12)
+    with pytest.raises(ValueError) as info:
+        chunk_ssd(x, a, b, c, chunk_size=16,
+                  implementation=("pallas_mosaic_tpu", "pallas_triton"))
+    text = str(info.value)
+    assert "pallas_mosaic_tpu: head_dim=12 is not a power of two" in text
+    assert "pallas_triton: head_dim=12" in text
+
+
+def test_kernel_not_for_this_device():
+    x, a, b, c, _ = _inputs(length=64)
+    fake = types.SimpleNamespace(default_backend=lambda: "gpu")
+    from pallasite.kernels.ssd import api
+
+    real = api.jax
+    api.jax = types.SimpleNamespace(**{k: getattr(real, k) for k in ("numpy",)},
+                                    default_backend=fake.default_backend)
+    try:
+        reason = api._refusal("pallas_mosaic_tpu", 64, 8, 8)
+    finally:
+        api.jax = real
+    assert reason and "does not run on gpu" in reason
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        (lambda t: {**t, "x": t["x"][0]}, ValueError, r"x has shape \(40, 2, 8\)"),
+        (lambda t: {**t, "a": t["a"][:, :-1]}, ValueError, r"a has shape \(1, 39, 2\)"),
+        (lambda t: {**t, "b": t["b"][:1, :20]}, ValueError, r"b has shape \(1, 20, 1, 8\)"),
+        (lambda t: {**t, "c": t["c"][..., :4]}, ValueError, r"b has shape .* but c has"),
+        (lambda t: {**t, "x": jnp.concatenate([t["x"]] * 2, 0)}, ValueError,
+         r"a has shape \(1, 40, 2\); expected \[batch, length, heads\] = \(2, 40, 2\)"),
+        (lambda t: {**t, "a": t["a"][..., :1]}, ValueError, r"a has shape \(1, 40, 1\)"),
+        (lambda t: {**t, "x": t["x"].astype(jnp.int32)}, TypeError, "x has dtype int32"),
+        (lambda t: {**t, "initial_state": t["initial_state"][:, :1]}, ValueError,
+         "initial_state has shape"),
+    ],
+)
+def test_bad_input(change, error, message):
+    x, a, b, c, s0 = _inputs(length=40)
+    args = change(dict(x=x, a=a, b=b, c=c, initial_state=s0))
+    with pytest.raises(error, match=message):
+        chunk_ssd(args["x"], args["a"], args["b"], args["c"], chunk_size=16,
+                  initial_state=args["initial_state"])
+
+
+def test_heads_not_divisible_by_groups():
+    x, a, b, c, _ = _inputs(length=16, h=3, g=1)
+    b2 = jnp.concatenate([b, b], axis=2)
+    with pytest.raises(ValueError, match="heads=3 is not divisible by groups=2"):
+        chunk_ssd(x, a, b2, b2, chunk_size=16)
+
+
+@pytest.mark.parametrize("chunk_size, error", [(0, ValueError), (-4, ValueError),
+                                               (16.0, TypeError), (True, TypeError)])
+def test_bad_chunk_size(chunk_size, error):
+    x, a, b, c, _ = _inputs(length=16)
+    with pytest.raises(error, match="chunk_size"):
+        chunk_ssd(x, a, b, c, chunk_size=chunk_size)
+
+
+def test_chunked_layout_checked_by_ssd_chunk_scan():
+    x, a, b, c, s0 = _inputs(length=32)
+    chunked = [t.reshape(1, 2, 16, *t.shape[2:]) for t in (x, a, b, c)]
+    with pytest.raises(ValueError, match=r"a has shape \(1, 2, 16, 1\)"):
+        ssd_chunk_scan(chunked[0], chunked[1][..., :1], chunked[2], chunked[3], s0, "xla")
+    with pytest.raises(ValueError, match="initial_state has shape"):
+        ssd_chunk_scan(*chunked, s0[..., :4], "xla")
+
+
+# ---------------------------------------------------------------------------- positive a
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_mosaic_tpu"])
+def test_positive_a_is_growth_and_accepted(implementation):
+    """a > 0 (growth) is accepted, not checked (a is traced): it matches the definition."""
+    x, a, b, c, s0 = _inputs(length=64)
+    grow = jnp.abs(a)  # the same magnitudes, growing: exp(sum a) ~ e^2 over 64 steps
+    y, final = chunk_ssd(x, grow, b, c, chunk_size=64, initial_state=s0,
+                         implementation=implementation)
+    y_ref, final_ref = ssd_sequential(x, grow, b, c, s0)
+    assert np.isfinite(np.asarray(y)).all()
+    parity.assert_close(y, y_ref, dtype=jnp.float32, tol=parity.EXACT_FP32, what="y")
+    parity.assert_close(final, final_ref, dtype=jnp.float32, tol=parity.EXACT_FP32,
+                        what="final")
+
+
+# ---------------------------------------------------------------------------- predicates
+
+
+@pytest.mark.parametrize(
+    "geometry, backend, message",
+    [
+        ((64, 48, 64), "pallas_mosaic_tpu", "head_dim=48 is not a power of two"),
+        ((64, 64, 4), "pallas_mosaic_tpu", "state_size=4 is not a power of two >= 8"),
+        ((96, 64, 64), "pallas_mosaic_tpu", "chunk_size=96 is not a power of two"),
+        ((32, 64, 64), "pallas_mosaic_tpu", "chunk_size=32 < 64: too short"),
+        ((1024, 64, 64), "pallas_mosaic_tpu", "chunk_size=1024 > 512"),
+        ((512, 512, 512), "pallas_mosaic_tpu", "bytes > pallas_mosaic_tpu budget"),
+        ((256, 64, 128), "pallas_triton", "bytes > pallas_triton budget"),
+        ((64, 64, 64), "cuda_magic", "unknown SSD backend"),
+    ],
+)
+def test_each_refusal(geometry, backend, message):
+    assert not ssd_kernel_runs(*geometry, backend)
+    assert message in predicates.ssd_kernel_reason(*geometry, backend)
+
+
+@pytest.mark.parametrize("geometry", [(64, 64, 64), (128, 128, 64), (256, 64, 128),
+                                      (256, 128, 128)])
+def test_issue_geometries_run_on_tpu(geometry):
+    assert ssd_kernel_runs(*geometry, "pallas_mosaic_tpu")
+
+
+def _device(platform, kind="", cc=None):
+    return types.SimpleNamespace(platform=platform, device_kind=kind, compute_capability=cc)
+
+
+def test_platform_choice_and_logging_once(caplog, monkeypatch):
+    tpu = _device("tpu", "TPU v5 lite")
+    predicates._log_once.cache_clear()
+    with caplog.at_level(logging.INFO, logger="pallasite.ssd"):
+        assert ssd_kernel_platform(256, 64, 128, tpu) is None  # not admitted yet
+        assert ssd_kernel_platform(256, 64, 128, tpu) is None
+        assert ssd_kernel_platform(32, 64, 128, tpu) is None  # refused
+        assert ssd_kernel_platform(256, 64, 128, _device("cpu")) is None
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("chunk=256 head_dim=64 state=128 -> xla (pallas_mosaic_tpu not admitted"
+               in line for line in lines) == 1
+    assert any("pallas_mosaic_tpu refused: chunk_size=32 < 64" in line for line in lines)
+    assert any("no SSD kernel for cpu" in line for line in lines)
+    monkeypatch.setitem(predicates.ADMITTED, "pallas_mosaic_tpu", (True, "measured"))
+    assert ssd_kernel_platform(256, 64, 128, tpu) == "pallas_mosaic_tpu"
+    monkeypatch.setitem(predicates.ADMITTED, "pallas_triton", (True, "measured"))
+    assert ssd_kernel_platform(128, 64, 64, _device("gpu", "H200", "9.0")) == "pallas_triton"
+    assert ssd_kernel_platform(128, 64, 64, _device("gpu", "T4", "7.5")) is None
+
+
+# ---------------------------------------------------------------------------- shard_map
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_shard_map_on_8_devices_no_all_gather(groups):
+    """batch over 'data' (2), heads over 'model' (4), chunks local: the lowered program
+    holds the shard_map, the compiled one no all-gather (values and gradients)."""
+    assert jax.device_count() >= 8
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    x, a, b, c, s0 = _inputs(b=2, length=64, h=4, p=8, n=8, g=groups)
+    shard = lambda spec: NamedSharding(mesh, spec)
+    x = jax.device_put(x, shard(P("data", None, "model", None)))
+    a = jax.device_put(a, shard(P("data", None, "model")))
+    group_spec = P("data", None, "model" if groups > 1 else None, None)
+    b, c = (jax.device_put(t, shard(group_spec)) for t in (b, c))
+    s0 = jax.device_put(s0, shard(P("data", "model", None, None)))
+
+    def loss(x, a, b, c, s0):
+        y, final = chunk_ssd(x, a, b, c, chunk_size=64, initial_state=s0,
+                             implementation="pallas_mosaic_tpu")
+        return jnp.sum(y ** 2) + jnp.sum(final ** 2)
+
+    with jax.set_mesh(mesh):
+        fn = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3, 4)))
+        lowered = fn.lower(x, a, b, c, s0)
+        assert "manual_computation" in lowered.as_text() or "shard_map" in lowered.as_text()
+        compiled = lowered.compile().as_text()
+        assert "all-gather" not in compiled
+        value, grads = fn(x, a, b, c, s0)
+    _, grads_ref = jax.value_and_grad(
+        lambda *t: jnp.sum(ssd_sequential(*t)[0] ** 2) + jnp.sum(ssd_sequential(*t)[1] ** 2),
+        (0, 1, 2, 3, 4))(*(jax.device_get(t) for t in (x, a, b, c, s0)))
+    for what, got, want in zip(("dx", "da", "db", "dc", "ds0"), grads, grads_ref):
+        parity.assert_close(got, want, dtype=jnp.float32, tol=parity.EXACT_FP32, what=what)
