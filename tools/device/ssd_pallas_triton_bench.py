@@ -127,7 +127,7 @@ def bench_row(row, bs=None, peers=True):
     x, a, b, c, s0, dy, dfin = args
     rec = {"row": row, "chunk": CHUNK, "device": str(jax.devices()[0].device_kind)}
     if bs is not None:
-        rec["block_sizes"] = [bs.block_m, bs.block_t, bs.num_warps, bs.num_stages]
+        rec["block_sizes"] = pt.dataclasses.asdict(bs)
     kf, kfb = jax_fns(pt, bs)
     t0 = time.perf_counter()
     outs_k = jax.block_until_ready(kfb(*args))
@@ -145,8 +145,8 @@ def bench_row(row, bs=None, peers=True):
         names = ("y", "final", "dx", "da", "db", "dc", "dinitial")
         rec["err_vs_xla"] = {k: rel(u, v) for k, u, v in zip(names, outs_k, outs_x)}
         del outs_x
-        rec["xla_fwd_ms"] = time_jax(xf, args[:5])
-        rec["xla_fwdbwd_ms"] = time_jax(xfb, args)
+        rec["xla_fwd_ms"] = time_jax(xf, args[:5], warmup=2, iters=10)
+        rec["xla_fwdbwd_ms"] = time_jax(xfb, args, warmup=2, iters=10)
         rec["speedup_fwd"] = rec["xla_fwd_ms"] / rec["pallas_fwd_ms"]
         rec["speedup_fwdbwd"] = rec["xla_fwdbwd_ms"] / rec["pallas_fwdbwd_ms"]
     del outs_k, y, fin, states, args
@@ -164,23 +164,25 @@ def stages(row, bs=None):
     local = pt._chunk_state(x, b, w, bs, False)
     states, _ = pt._state_pass(local, jnp.exp(last), s0, bs, False)
     grads, _, _ = pt._state_pass_reverse(local, jnp.exp(last), states, dfin, bs, False)
+    cb = pt._chunk_cb(b, c, bs, False)
     e = jnp.exp(last)
     fns = {
         "chunk_state": (lambda x, b, w: pt._chunk_state(x, b, w, bs, False), (x, b, w)),
         "state_pass": (lambda l, e, s0: pt._state_pass(l, e, s0, bs, False), (local, e, s0)),
+        "chunk_cb": (lambda b, c: pt._chunk_cb(b, c, bs, False), (b, c)),
         "chunk_output": (
-            lambda x, b, c, acs, st: pt._chunk_output(x, b, c, acs, st, bs, False),
-            (x, b, c, acs, states),
+            lambda x, cb, c, acs, st: pt._chunk_output(x, cb, c, acs, st, bs, False),
+            (x, cb, c, acs, states),
         ),
         "state_pass_reverse": (
             lambda l, e, st, d: pt._state_pass_reverse(l, e, st, d, bs, False),
             (local, e, states, dfin),
         ),
         "bwd_rows_j": (
-            lambda *t: pt._bwd_rows_j(*t, bs, False), (x, dy, b, c, acs, grads)
+            lambda *t: pt._bwd_rows_j(*t, bs, False), (x, dy, b, c, cb, acs, grads)
         ),
         "bwd_rows_i": (
-            lambda *t: pt._bwd_rows_i(*t, bs, False), (x, dy, b, c, acs, states)
+            lambda *t: pt._bwd_rows_i(*t, bs, False), (x, dy, b, c, cb, acs, states)
         ),
     }
     rec = {"row": row, "stages_ms": {k: time_jax(jax.jit(f), t) for k, (f, t) in fns.items()}}
@@ -204,20 +206,26 @@ def main():
         pt.pl.pallas_call = lambda *a, **k: real_call(*a, **{**k, "interpret": True})
     emit({"jax": jax.__version__, "devices": [str(d) for d in jax.devices()],
           "date": time.strftime("%Y-%m-%d %H:%M:%S")})
-    if opts.stages:
-        stages(ROWS[0])
-    if opts.sweep:
-        for cfg in [(64, 64, 8, 2), (128, 64, 8, 2), (32, 64, 4, 2)]:
-            try:
-                bench_row(ROWS[0], pt.BlockSizes(*cfg), peers=False)
-            except Exception as e:  # noqa: BLE001
-                emit({"block_sizes": cfg, "error": repr(e)[:500]})
     rows = [ROWS[i] for i in map(int, opts.rows.split(","))]
     for row in rows:
         bench_row(row)
     # mamba_ssm last: its autotuning compiles many configs on first use.
     for row in rows:
         emit({"row": row, **mamba_times(row)})
+    if opts.stages:
+        stages(ROWS[0])
+    if opts.sweep:
+        sweep = [
+            dict(block_m=128), dict(block_m=128, num_warps=8), dict(block_t=128),
+            dict(block_p=16), dict(block_m_bwd=64, num_warps_bwd=8),
+            dict(block_m_bwd=128, num_warps_bwd=8), dict(block_m_bwd=32),
+        ]
+        for i in (0,):
+            for cfg in sweep:
+                try:
+                    bench_row(ROWS[i], pt.BlockSizes(**cfg), peers=False)
+                except Exception as e:  # noqa: BLE001
+                    emit({"row": ROWS[i], "block_sizes": cfg, "error": repr(e)[:500]})
 
 
 if __name__ == "__main__":

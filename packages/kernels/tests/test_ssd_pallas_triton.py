@@ -95,7 +95,7 @@ def _check(shape, dtype, chunk, tol, *, interpret, block_sizes=None, seed=0):
     ],
 )
 def test_interpret_matches_oracle(shape, dtype, chunk, bm, tol):
-    bs = pt.BlockSizes(block_m=bm, block_t=bm)
+    bs = pt.BlockSizes(block_m=bm, block_t=bm, block_p=16, block_m_bwd=max(bm // 2, 16))
     _check(shape, dtype, chunk, tol, interpret=True, block_sizes=bs)
 
 
