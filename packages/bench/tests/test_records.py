@@ -73,3 +73,15 @@ def test_environment_fields():
     env = records.environment()
     assert set(env) == {"git_sha", "xla_flags", "backend_env", "timestamp"}
     assert "jax" in json.loads(env["backend_env"])
+
+
+def test_refusals_are_unsupported_and_raises_are_crashed():
+    from pallasite.bench import runner
+
+    refused = ValueError("chunk_ssd: no implementation ran:\n  pallas_triton: one program "
+                         "needs 425984 bytes > pallas_triton budget 232448")
+    raised = ValueError("chunk_ssd: no implementation ran:\n  pallas_triton: TypeError: bad")
+    assert runner._unsupported_message(refused)
+    assert not runner._unsupported_message(raised)
+    assert runner._unsupported_message(NotImplementedError("x"))
+    assert not runner._unsupported_message(RuntimeError("CUDA error"))

@@ -80,7 +80,7 @@ def table(recs: list[records.Record]) -> str:
     for r in recs:
         spread = ("-" if r.time_p10 is None else
                   f"{r.time_p10 * 1e3:.3g}-{r.time_p90 * 1e3:.3g}")
-        note = r.reason or r.timing
+        note = " ".join((r.reason or r.timing).split())  # one line per record
         rows.append((r.kernel, r.shape.split("[")[0], r.implementation + ("*" if r.peer else ""),
                      r.status, _fmt(r.compile_time, ".2f"), _fmt(r.steady_state_time, ".4g", 1e3),
                      spread, _fmt(r.tflops, ".3g"), _fmt(r.tbps, ".3g"), r.bound,

@@ -8,10 +8,13 @@ implementations of one case share them and their TFLOP/s are directly comparable
   dkernel are each another m*k*n product). Minimum bytes: each product reads its operands
   and writes its result once (forward x, kernel, y; dx pass dy, kernel, dx; dkernel pass
   x, dy, dkernel), plus the group sizes.
-- chunk_ssd (chunk C, nc = l/C chunks): forward per chunk and head 2*C^2*p (masked scores
-  times x) + 2*C*p*n (chunk state) + 2*C*p*n (inter-chunk output) + 2*p*n (state passing),
-  and per chunk and *group* 2*C^2*n (the C.B scores, shared by the heads of a group);
-  forward+backward counts 3x forward, as for a matmul. Minimum bytes: inputs and outputs
+- chunk_ssd (chunk C, nc = l/C chunks, T = C(C+1)/2 causal pairs): forward per chunk and
+  head 2*T*p (masked scores times x) + 2*C*p*n (chunk state) + 2*C*p*n (inter-chunk output)
+  + 2*p*n (state passing), and per chunk and *group* 2*T*n (the C.B scores, shared by the
+  heads of a group). Only the lower triangle counts: the causal mask's upper half is not
+  work, whatever a kernel spends on it. Forward+backward counts 3x forward, as for a matmul.
+  TARGETS.md's first row: 52.8 GFLOP forward against 0.31 GB, 172 flop/byte, below the
+  H200's ridge (206): memory bound. Minimum bytes: inputs and outputs
   once (x, a in fp32, b, c, the fp32 initial and final states, y); the backward reads
   x, a, b, c, dy, dfinal again and writes dx, da, db, dc, dinitial. TARGETS.md's first SSD
   row comes to 0.77 GB forward+backward (its "about 0.8 GB").
@@ -96,8 +99,9 @@ def ssd_flops(direction: str, b: int, l: int, h: int, p: int, n: int, g: int,
               chunk: int) -> float:
     """The chunked algorithm's matrix work (see the module docstring); fwd_bwd = 3x fwd."""
     nc = l // chunk
-    per_head = 2 * chunk * chunk * p + 4 * chunk * p * n + 2 * p * n
-    per_group = 2 * chunk * chunk * n
+    pairs = chunk * (chunk + 1) // 2
+    per_head = 2 * pairs * p + 4 * chunk * p * n + 2 * p * n
+    per_group = 2 * pairs * n
     fwd = b * nc * (h * per_head + g * per_group)
     return float(fwd if direction == "fwd" else 3 * fwd)
 

@@ -22,6 +22,17 @@ def _label(r: Record) -> str:
     return f"{r.implementation} {_SHORT.get(op, op)} {r.shape.split('[')[0]} {direction}"
 
 
+def _free_offset(ax, x: float, y: float, placed: list, step: float = 9.0) -> float:
+    """A vertical label offset (points) that keeps this label off the ones placed so far."""
+    px, py = ax.transData.transform((x, y))
+    offset = 0.0
+    while any(abs(px - qx) < 260 and abs(py + offset * 1.4 - qy) < step * 1.3
+              for qx, qy in placed):
+        offset -= step
+    placed.append((px, py + offset * 1.4))
+    return offset
+
+
 def roofline_png(records: Sequence[Record], roof: Roofline, path: str,
                  dtype: str = "bfloat16") -> str | None:
     """Write the plot to `path`; return it (None when no record was timed)."""
@@ -43,14 +54,18 @@ def roofline_png(records: Sequence[Record], roof: Roofline, path: str,
     ax.plot(xs, np.minimum(peak, roof.tbps * xs), "k-", lw=1.5,
             label=f"{roof.name}: {peak:.3g} TFLOP/s, {roof.tbps:.3g} TB/s")
     markers = {"grouped_projection": "o", "chunk_ssd": "s"}
-    for r, x in zip(timed, intensity):
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(min(r.tflops for r in timed) / 2, peak * 1.5)
+    placed: list[tuple[float, float]] = []  # label anchors in display pixels
+    for r, x in sorted(zip(timed, intensity), key=lambda p: (p[1], -p[0].tflops)):
         op = r.kernel.split(".")[0]
         color = "tab:gray" if r.peer else ("tab:red" if r.status != "ok" else "tab:blue")
         ax.scatter([x], [r.tflops], marker=markers.get(op, "^"), color=color, zorder=3)
-        ax.annotate(_label(r), (x, r.tflops), fontsize=7, xytext=(4, 3),
-                    textcoords="offset points")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+        ax.annotate(_label(r), (x, r.tflops), fontsize=7, textcoords="offset points",
+                    xytext=(6, _free_offset(ax, x, r.tflops, placed)), color=color,
+                    arrowprops={"arrowstyle": "-", "color": color, "lw": 0.4})
     ax.set_xlabel("arithmetic intensity (flop / minimum byte)")
     ax.set_ylabel("achieved TFLOP/s")
     ax.set_title(f"pallasite roofline on {timed[0].device_kind} ({timed[0].backend}); "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import traceback
 
 from pallasite.bench import harness, impls, ops, peers, roofline
@@ -12,9 +13,16 @@ from pallasite.bench.records import Record
 _UNSUPPORTED = (NotImplementedError, ImportError, ModuleNotFoundError)
 
 
+# chunk_ssd's refusal of a geometry: "no implementation ran:\n  <name>: <predicate reason>";
+# a backend that raised shows "<name>: SomeError: ..." there instead, and stays "crashed".
+_REFUSED = re.compile(r"no implementation ran:\n\s*[\w.]+: (?![A-Z]\w*(Error|Exception)\b)")
+
+
 def _unsupported_message(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return isinstance(exc, _UNSUPPORTED) or "not supported" in text or "unsupported" in text
+    text = str(exc)
+    lower = text.lower()
+    return (isinstance(exc, _UNSUPPORTED) or "not supported" in lower
+            or "unsupported" in lower or bool(_REFUSED.search(text)))
 
 
 class Context:
