@@ -53,7 +53,8 @@ def _shape(a) -> tuple[int, ...]:
 
 
 def _dtype(a) -> np.dtype:
-    return np.dtype(getattr(a, "dtype", None) or np.asarray(a).dtype)
+    dtype = getattr(a, "dtype", None)
+    return np.dtype(dtype if dtype is not None else np.asarray(a).dtype)
 
 
 def _static_values(a) -> np.ndarray | None:

@@ -257,18 +257,23 @@ def _decays(a):
 def _intra_chunk(x, b, c, tiles):
     """sum_{j<=i} (C_i . B_j) exp(segsum_ij) x_j: scores per group, decays per head."""
     scores = jnp.einsum("...ign,...jgn->...gij", c, b, precision=_HIGHEST)
-    return jnp.einsum("...gij,...grij,...jgrp->...igrp", scores, tiles, x, precision=_HIGHEST)
+    # Two explicit steps: a three-operand einsum may pair scores with x first and build a
+    # [g, C, C, r, p] intermediate, p times the tiles.
+    weights = scores[..., :, None, :, :] * tiles  # [..., g, r, C, C]
+    return jnp.einsum("...grij,...jgrp->...igrp", weights, x, precision=_HIGHEST)
 
 
 def _chunk_contribution(x, b, tiles):
     """The state one chunk adds from zero: sum_j exp(segsum_{last,j}) x_j B_j^T."""
     to_end = tiles[..., -1, :]  # [..., g, r, C]: row `last` of the segment-sum tiles
-    return jnp.einsum("...grj,...jgrp,...jgn->...grpn", to_end, x, b, precision=_HIGHEST)
+    decayed = jnp.moveaxis(to_end, -1, -3)[..., None] * x  # [..., C, g, r, p]
+    return jnp.einsum("...jgrp,...jgn->...grpn", decayed, b, precision=_HIGHEST)
 
 
 def _state_output(c, acs, state):
     """exp(acs_i) S C_i: what the state entering the chunk adds to each step's output."""
-    return jnp.einsum("...ign,...grpn,...igr->...igrp", c, state, jnp.exp(acs), precision=_HIGHEST)
+    out = jnp.einsum("...ign,...grpn->...igrp", c, state, precision=_HIGHEST)
+    return jnp.exp(acs)[..., None] * out
 
 
 def _pass_states(s0, contributions, chunk_decay):
