@@ -29,7 +29,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Integer
+from jaxtyping import Array, Float, Integer, Shaped
 
 __all__ = [
     "validate_grouped_projection",
@@ -67,7 +67,12 @@ def _static_values(a) -> np.ndarray | None:
         return None
 
 
-def validate_grouped_projection(x, kernel, group_sizes, compute) -> None:
+def validate_grouped_projection(
+    x: Shaped[Array, "..."],
+    kernel: Shaped[Array, "..."],
+    group_sizes: Shaped[Array, "..."],
+    compute,
+) -> None:
     """Refuse bad input with a ValueError/TypeError naming the argument and its shape.
 
     Checks: x rank 2 and floating; kernel rank 3 `[g, k, n]` with g >= 1, floating, and k

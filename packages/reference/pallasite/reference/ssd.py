@@ -34,7 +34,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Shaped
 
 __all__ = [
     "segsum",
@@ -144,7 +144,7 @@ def _check_common(x, a, b, c, initial_state, lead: int) -> None:
     _check_floating(x=x, a=a, b=b, c=c, initial_state=initial_state)
 
 
-def validate_chunk_size(length: int, chunk_size) -> None:
+def validate_chunk_size(length: int, chunk_size: int) -> None:
     """chunk_size must be a positive int dividing length."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)):
         raise TypeError(f"chunk_size must be an int; got {chunk_size!r}")
@@ -154,7 +154,15 @@ def validate_chunk_size(length: int, chunk_size) -> None:
         )
 
 
-def validate_ssd(x, a, b, c, initial_state=None, *, chunk_size=None) -> None:
+def validate_ssd(
+    x: Shaped[Array, "..."],
+    a: Shaped[Array, "..."],
+    b: Shaped[Array, "..."],
+    c: Shaped[Array, "..."],
+    initial_state: Shaped[Array, "..."] | None = None,
+    *,
+    chunk_size: int | None = None,
+) -> None:
     """Checks for [batch, length, heads, ...] inputs; a ValueError/TypeError names the argument.
 
     x [b, l, h, p], a [b, l, h], b and c [b, l, g, n] with h % g == 0, initial_state
@@ -168,7 +176,13 @@ def validate_ssd(x, a, b, c, initial_state=None, *, chunk_size=None) -> None:
         validate_chunk_size(_shape(x)[1], chunk_size)
 
 
-def validate_ssd_chunked(x, a, b, c, initial_state=None) -> None:
+def validate_ssd_chunked(
+    x: Shaped[Array, "..."],
+    a: Shaped[Array, "..."],
+    b: Shaped[Array, "..."],
+    c: Shaped[Array, "..."],
+    initial_state: Shaped[Array, "..."] | None = None,
+) -> None:
     """Checks for the chunked layout of the kernels' contract (see module docstring).
 
     x [b, nc, C, h, p], a [b, nc, C, h], b and c [b, nc, C, g, n] with h % g == 0,
