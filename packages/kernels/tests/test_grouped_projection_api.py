@@ -180,6 +180,26 @@ def test_all_fail_raises_every_reason():
     assert len(messages) == 2 and "sm80" in messages[0] and "TPU" in messages[1]
 
 
+def test_sequence_uses_the_first_that_works(caplog):
+    x, kernel, sizes = _inputs()
+    fn = lambda x, w: grouped_projection(x, w, sizes, jnp.bfloat16, True,  # noqa: E731
+                                         implementation=["pallas_triton", "xla"],
+                                         block_sizes=SMALL)
+    with caplog.at_level(logging.WARNING, logger=api.__name__):
+        assert _jaxpr_has_pallas(fn, x, kernel)
+    assert "failed" not in caplog.text
+
+
+def test_block_sizes_go_only_to_their_backend():
+    from pallasite.kernels.grouped_projection import GroupedProjectionBlockSizes, MosaicTpuBlockSizes
+    mixed = GroupedProjectionBlockSizes(forward=SMALL, dkernel=MosaicTpuBlockSizes())
+    assert api._blocks_for("pallas_triton", mixed) == GroupedProjectionBlockSizes(forward=SMALL)
+    assert api._blocks_for("pallas_mosaic_tpu", mixed) == GroupedProjectionBlockSizes(
+        dkernel=MosaicTpuBlockSizes())
+    assert api._blocks_for("xla", mixed) is None
+    assert api._blocks_for("pallas_mosaic_tpu", SMALL) is None
+
+
 def test_mosaic_gpu_left_out_when_it_does_not_import(monkeypatch):
     real = api._importable
     monkeypatch.setattr(api, "_importable", lambda n: "gone" if n == "pallas_mosaic_gpu" else real(n))

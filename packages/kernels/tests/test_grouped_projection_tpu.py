@@ -44,6 +44,20 @@ def test_lowers_for_tpu_with_scalar_prefetch():
     assert text.count("tpu_custom_call") == 3
 
 
+def test_cost_estimates():
+    """Each call carries flops 2*m*k*n of the padded problem it runs."""
+    lhs = jnp.zeros((200, 130), jnp.bfloat16)
+    rhs = jnp.zeros((3, 130, 120), jnp.bfloat16)
+    sizes = jnp.array([30, 0, 150], jnp.int32)
+    dy = jnp.zeros((200, 120), jnp.bfloat16)
+    for fn in (lambda: pallas_mosaic_tpu.gmm(lhs, rhs, sizes),
+               lambda: pallas_mosaic_tpu.gmm(dy, rhs, sizes, transpose_rhs=True),
+               lambda: pallas_mosaic_tpu.tgmm(lhs, dy, sizes)):
+        [eqn] = [e for e in jax.make_jaxpr(fn)().eqns if e.primitive.name == "pallas_call"]
+        cost = eqn.params["cost_estimate"]
+        assert cost.flops == 2 * 256 * 256 * 128 and cost.bytes_accessed > 256 * 256 * 2
+
+
 def test_block_sizes_rejected():
     with pytest.raises(ValueError, match="tk % 128"):
         MosaicTpuBlockSizes(tk=64)

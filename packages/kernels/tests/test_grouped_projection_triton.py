@@ -44,6 +44,29 @@ def test_group_metadata_covers_each_row_once(aligned):
     np.testing.assert_array_equal(owner, expect)
 
 
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_cost_estimates(transpose_rhs):
+    """flops 2*m*k*n; bytes = operands (metadata included) and result, once each."""
+    import jax
+
+    m, k, n, g = 100, 48, 40, 3
+    lhs = jnp.zeros((m, k), jnp.bfloat16)
+    rhs = jnp.zeros((g, n, k) if transpose_rhs else (g, k, n), jnp.bfloat16)
+    sizes = jnp.array([30, 0, 50], jnp.int32)
+    dy = jnp.zeros((m, n), jnp.bfloat16)
+    cases = [(lambda: pallas_triton.gmm(lhs, rhs, sizes, transpose_rhs=transpose_rhs,
+                                        block_sizes=SMALL, interpret=True),
+              3 * group_metadata.num_visits(m, g, SMALL.block_m) * 4 + (m * k + g * k * n + m * n) * 2),
+             (lambda: pallas_triton.tgmm(lhs, dy, sizes, block_sizes=SMALL, interpret=True),
+              (g + 1) * 4 + (m * k + m * n + g * k * n) * 2)]
+    for fn, want_bytes in cases:
+        eqns = [e for e in jax.make_jaxpr(fn)().eqns if e.primitive.name == "pallas_call"]
+        assert len(eqns) == 1
+        cost = eqns[0].params["cost_estimate"]
+        assert cost.flops == 2 * m * k * n and cost.transcendentals == 0
+        assert cost.bytes_accessed == want_bytes
+
+
 def test_block_sizes_rejected():
     with pytest.raises(ValueError, match="block_m"):
         TritonBlockSizes(block_m=48)

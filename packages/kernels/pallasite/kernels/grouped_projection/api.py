@@ -86,14 +86,26 @@ def _refusal(name: str, compute, operands, interpret: bool, check_device: bool =
     return None
 
 
-def _blocks_for(name: str, block_sizes):
-    if block_sizes is None or isinstance(block_sizes, config.GroupedProjectionBlockSizes):
-        return block_sizes
-    owner = _BLOCKS_OWNER.get(type(block_sizes).__name__)
+def _owner(blocks) -> str | None:
+    if blocks is None:
+        return None
+    owner = _BLOCKS_OWNER.get(type(blocks).__name__)
     if owner is None:
         raise TypeError(f"block_sizes must be a backend's BlockSizes or "
-                        f"GroupedProjectionBlockSizes; got {block_sizes!r}")
-    return block_sizes if owner == name else None
+                        f"GroupedProjectionBlockSizes; got {blocks!r}")
+    return owner
+
+
+def _blocks_for(name: str, block_sizes):
+    """The part of `block_sizes` that backend `name` can use: blocks of another backend's
+    class are dropped (that backend's default applies), so a fallback never receives
+    blocks it cannot read."""
+    if isinstance(block_sizes, config.GroupedProjectionBlockSizes):
+        kept = {p: b if _owner(b) == name else None
+                for p, b in (("forward", block_sizes.forward), ("dx", block_sizes.dx),
+                             ("dkernel", block_sizes.dkernel))}
+        return config.GroupedProjectionBlockSizes(**kept) if any(kept.values()) else None
+    return block_sizes if _owner(block_sizes) == name else None
 
 
 def _run(name, x, kernel, group_sizes, compute, block_sizes, interpret):
