@@ -37,10 +37,13 @@ def test_cli_smoke(tmp_path, capsys):
     assert len(recs) == len(records.unique(recs))
     png = os.path.join(folder, "roofline.png")
     assert os.path.getsize(png) > 1000 and open(png, "rb").read(4) == b"\x89PNG"
-    # Running again replaces, not duplicates.
-    _run(tmp_path, "--implementation", "xla", "--op", "grouped_projection")
+    # Running again replaces, not duplicates; measured ceilings are kept beside the records.
+    _run(tmp_path, "--implementation", "xla", "--op", "grouped_projection",
+         "--measure-ceilings")
     again = records.load(folder)
     assert len(again) == len(recs)
+    ceilings = json.load(open(os.path.join(folder, "ceilings.json")))
+    assert ceilings["source"].startswith("measured") and ceilings["tbps"] > 0
 
 
 def test_cli_list(capsys):

@@ -13,6 +13,7 @@ the XLA paths timed, and says that kernel timings need a GPU. Records go to
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -122,6 +123,11 @@ def main(argv=None) -> int:
                "verbose": args.verbose,
                "block_sizes": json.loads(args.block_sizes) if args.block_sizes else None}
     ctx = runner.Context(options, roof)
+    if roof is not None:  # keep the measured ceilings beside the records they judge
+        os.makedirs(args.results, exist_ok=True)
+        with open(os.path.join(args.results, "ceilings.json"), "w") as f:
+            json.dump({**dataclasses.asdict(roof), "device_kind": device.device_kind,
+                       **ctx.env}, f, indent=1)
     print(f"pallasite-bench: {device.device_kind} ({backend}), suite {suite_name!r}, "
           f"{len(pairs)} records; roofline {ctx.roof.name} ({ctx.roof.source})")
     if backend == "cpu":
