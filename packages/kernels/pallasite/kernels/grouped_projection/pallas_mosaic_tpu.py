@@ -37,17 +37,22 @@ from pallasite.kernels.grouped_projection.group_metadata import (
 DEFAULT = config.MosaicTpuBlockSizes()
 
 
+def default_block_sizes(*, product: str, m: int, k: int, n: int, g: int,
+                        dtype) -> config.MosaicTpuBlockSizes:
+    """128^3 (megablox's default, the MXU width on v5e); untuned: no TPU was available."""
+    del product, m, k, n, g, dtype
+    return DEFAULT
+
+
 def resolve_block_sizes(block_sizes, *, product: str, m: int, k: int, n: int, g: int,
                         dtype) -> config.MosaicTpuBlockSizes:
-    """The one place this backend picks its tiles: the caller's, else 128^3 (megablox's
-    default, the MXU width on v5e; a tuned table would go here)."""
-    del m, k, n, g, dtype
+    """The one place this backend picks its tiles: the caller's, else the default."""
     chosen = config.for_product(block_sizes, product)
-    if chosen is None:
-        return DEFAULT
-    if not isinstance(chosen, config.MosaicTpuBlockSizes):
-        raise TypeError(f"block_sizes for pallas_mosaic_tpu must be MosaicTpuBlockSizes, got {chosen!r}")
-    return chosen
+    if chosen is not None:
+        if not isinstance(chosen, config.MosaicTpuBlockSizes):
+            raise TypeError(f"block_sizes for pallas_mosaic_tpu must be MosaicTpuBlockSizes, got {chosen!r}")
+        return chosen
+    return default_block_sizes(product=product, m=m, k=k, n=n, g=g, dtype=dtype)
 
 
 def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:

@@ -52,21 +52,29 @@ TGMM_32BIT = config.TritonBlockSizes(32, 128, 64, group_m=1, num_warps=4, num_st
 DEFAULT = GMM_16BIT
 
 
-def resolve_block_sizes(block_sizes, *, product: str, m: int, k: int, n: int, g: int,
+def default_block_sizes(*, product: str, m: int, k: int, n: int, g: int,
                         dtype) -> config.TritonBlockSizes:
-    """The one place this backend picks its blocks: the caller's, else the measured
-    default for the product and operand width (see above)."""
-    chosen = config.for_product(block_sizes, product)
-    if chosen is not None:
-        if not isinstance(chosen, config.TritonBlockSizes):
-            raise TypeError(f"block_sizes for pallas_triton must be TritonBlockSizes, got {chosen!r}")
-        return chosen
+    """The measured default for one product and operand width (see above); what a tuned
+    table entry must beat."""
+    del k, n
     wide = jnp.dtype(dtype).itemsize > 2
     if product != "dkernel":
         return GMM_32BIT if wide else GMM_16BIT
     if wide:
         return TGMM_32BIT
     return TGMM_16BIT_LONG_GROUPS if m >= 2048 * g else TGMM_16BIT
+
+
+def resolve_block_sizes(block_sizes, *, product: str, m: int, k: int, n: int, g: int,
+                        dtype) -> config.TritonBlockSizes:
+    """The one place this backend picks its blocks: the caller's, else the default (the
+    tuning package's tables will slot in between)."""
+    chosen = config.for_product(block_sizes, product)
+    if chosen is not None:
+        if not isinstance(chosen, config.TritonBlockSizes):
+            raise TypeError(f"block_sizes for pallas_triton must be TritonBlockSizes, got {chosen!r}")
+        return chosen
+    return default_block_sizes(product=product, m=m, k=k, n=n, g=g, dtype=dtype)
 
 
 def cost_estimate(m: int, k: int, n: int, operands, out_bytes: int) -> pl.CostEstimate:
