@@ -100,7 +100,7 @@ CPU_CASES = [
     # many chunks, batch, groups, a tiny geometry: state passing forward and backward
     case(2, 3, 16, 4, 8, 8, 2, jnp.float32, tol=parity.EXACT_FP32),
     # the widths at the smallest programs that reach them
-    case(1, 2, 64, 2, 64, 64, 1, jnp.float32, tol=parity.EXACT_FP32),
+    # strong in-chunk decay (a x 20): where segment sums lose accuracy if done naively
     case(1, 2, 64, 2, 64, 64, 1, jnp.float32, a_scale=20.0, tol=parity.EXACT_FP32),
     case(1, 1, 128, 8, 128, 64, 8, jnp.float32, tol=parity.EXACT_FP32),
     case(1, 2, 256, 1, 64, 128, 1, jnp.bfloat16),

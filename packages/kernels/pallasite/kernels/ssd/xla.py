@@ -81,7 +81,7 @@ def _chunk_terms(x, a, b, c):
     decay = jnp.exp(segsum(ag))
     last = acs[..., -1]
     e = jnp.exp(acs)
-    w = jnp.exp(last[..., None] - acs)
+    w = decay[..., -1, :]  # exp(last - acs_j), from the stable segment sums
     return xg, acs, decay, e, w, last, b.astype(f), c.astype(f)
 
 
