@@ -44,12 +44,14 @@ def test_chunked_equals_sequential_in_float64(config):
     chunk = config[-1]
     # initial_state=None (zeros) is a separate compile: two configs cover it.
     initials = (True, False) if config in (CONFIGS[0], CONFIGS[4]) else (True,)
+    forms = jax.jit(lambda *t: (ssd.ssd_sequential(*t),
+                                ssd.ssd_chunked(*t[:4], chunk, t[4], form="plain"),
+                                ssd.ssd_chunked(*t[:4], chunk, t[4], form="blockwise")))
     with jax.enable_x64(True):
         for initial in initials:
             x, a, b, c, s0 = _draw(config, F64, seed=chunk, initial=initial)
-            y_seq, s_seq = _sequential(x, a, b, c, s0)
-            for form in ("plain", "blockwise"):
-                y_chk, s_chk = _chunked(x, a, b, c, chunk, s0, form=form)
+            (y_seq, s_seq), *chunked = forms(x, a, b, c, s0)
+            for form, (y_chk, s_chk) in zip(("plain", "blockwise"), chunked):
                 assert y_chk.dtype == s_chk.dtype == F64
                 what = f"{form} initial={initial}"
                 parity.assert_close(y_chk, y_seq, dtype=F64, what=f"y {what}")
