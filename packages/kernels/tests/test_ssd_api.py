@@ -284,3 +284,14 @@ def test_shard_map_on_8_devices_no_all_gather(groups):
         (0, 1, 2, 3, 4))(*(jax.device_get(t) for t in (x, a, b, c, s0)))
     for what, got, want in zip(("dx", "da", "db", "dc", "ds0"), grads, grads_ref):
         parity.assert_close(got, want, dtype=jnp.float32, tol=parity.EXACT_FP32, what=what)
+
+
+def test_dispatch_to_pallas_triton_by_name():
+    """ssd_chunk_scan imports the GPU backend lazily by name and does not nest shard_maps
+    around it (it shards itself); the Triton interpreter runs it on CPU."""
+    x, a, b, c, s0 = _inputs(b=2, length=64, h=2, p=16, n=16)
+    chunked = [t.reshape(2, 2, 32, *t.shape[2:]) for t in (x, a, b, c)]
+    y, final = ssd_chunk_scan(*chunked, s0, ("pallas_triton", True))
+    y_ref, final_ref = ssd_sequential(x, a, b, c, s0)
+    parity.assert_close(y.reshape(x.shape), y_ref, dtype=jnp.float32, tol=parity.EXACT_FP32)
+    parity.assert_close(final, final_ref, dtype=jnp.float32, tol=parity.EXACT_FP32)

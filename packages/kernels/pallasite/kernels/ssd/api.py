@@ -7,7 +7,8 @@ of the [C, C] work. `platform` names the backend ("xla", "pallas_mosaic_tpu",
 "pallas_triton"), or is a (name, interpret) pair; by default a Pallas backend interprets
 when JAX's default backend is the CPU.
 
-Every Pallas backend call runs inside an explicit jax.shard_map: batch over the mesh's
+Every Pallas backend call runs inside an explicit jax.shard_map (here, or inside the backend
+where it says SHARDS_ITSELF, as pallas_triton does): batch over the mesh's
 "data" axis, heads over its "model" axis, the sequence (chunks) local because the scan
 carries state across it. The mesh is the one in context (jax.set_mesh), else a one-device
 mesh. An axis is used only where it divides the dimension (and, for heads, where B/C's
@@ -141,11 +142,18 @@ def _axes(mesh_sizes, bsz, heads, groups):
     return batch_ax, head_ax, group_ax
 
 
+def _shards_itself(name, module) -> bool:
+    """XLA partitions itself; a backend that wraps its own shard_map says SHARDS_ITSELF
+    (pallas_triton shards the batch inside its forward/backward): no nested shard_map."""
+    return name == "xla" or getattr(module, "SHARDS_ITSELF", name == "pallas_triton")
+
+
 def _forward(platform, x, a, b, c, initial_state):
     name, interpret = _platform(platform)
     module = _backend(name)
-    if name == "xla":
-        return module.forward(x, a, b, c, initial_state)
+    if _shards_itself(name, module):
+        kwargs = {} if name == "xla" else {"interpret": interpret}
+        return module.forward(x, a, b, c, initial_state, **kwargs)
     mesh, *sizes = _mesh()
     bt, hd, gr = _axes(sizes, x.shape[0], x.shape[3], b.shape[3])
     xs, as_, bs, ss = P(bt, None, None, hd, None), P(bt, None, None, hd), \
@@ -162,8 +170,9 @@ def _forward(platform, x, a, b, c, initial_state):
 def _backward(platform, x, a, b, c, chunk_states, dy, dfinal):
     name, interpret = _platform(platform)
     module = _backend(name)
-    if name == "xla":
-        return module.backward(x, a, b, c, chunk_states, dy, dfinal)
+    if _shards_itself(name, module):
+        kwargs = {} if name == "xla" else {"interpret": interpret}
+        return module.backward(x, a, b, c, chunk_states, dy, dfinal, **kwargs)
     mesh, *sizes = _mesh()
     bt, hd, gr = _axes(sizes, x.shape[0], x.shape[3], b.shape[3])
     xs, as_, bs, ss = P(bt, None, None, hd, None), P(bt, None, None, hd), \
