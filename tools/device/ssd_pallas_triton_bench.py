@@ -164,25 +164,23 @@ def stages(row, bs=None):
     local = pt._chunk_state(x, b, w, bs, False)
     states, _ = pt._state_pass(local, jnp.exp(last), s0, bs, False)
     grads, _, _ = pt._state_pass_reverse(local, jnp.exp(last), states, dfin, bs, False)
-    cb = pt._chunk_cb(b, c, bs, False)
     e = jnp.exp(last)
     fns = {
         "chunk_state": (lambda x, b, w: pt._chunk_state(x, b, w, bs, False), (x, b, w)),
         "state_pass": (lambda l, e, s0: pt._state_pass(l, e, s0, bs, False), (local, e, s0)),
-        "chunk_cb": (lambda b, c: pt._chunk_cb(b, c, bs, False), (b, c)),
         "chunk_output": (
-            lambda x, cb, c, acs, st: pt._chunk_output(x, cb, c, acs, st, bs, False),
-            (x, cb, c, acs, states),
+            lambda x, b, c, acs, st: pt._chunk_output(x, b, c, acs, st, bs, False),
+            (x, b, c, acs, states),
         ),
         "state_pass_reverse": (
             lambda l, e, st, d: pt._state_pass_reverse(l, e, st, d, bs, False),
             (local, e, states, dfin),
         ),
         "bwd_rows_j": (
-            lambda *t: pt._bwd_rows_j(*t, bs, False), (x, dy, b, c, cb, acs, grads)
+            lambda *t: pt._bwd_rows_j(*t, bs, False), (x, dy, b, c, acs, grads)
         ),
         "bwd_rows_i": (
-            lambda *t: pt._bwd_rows_i(*t, bs, False), (x, dy, b, c, cb, acs, states)
+            lambda *t: pt._bwd_rows_i(*t, bs, False), (x, dy, b, c, acs, states)
         ),
     }
     rec = {"row": row, "stages_ms": {k: time_jax(jax.jit(f), t) for k, (f, t) in fns.items()}}
@@ -216,9 +214,8 @@ def main():
         stages(ROWS[0])
     if opts.sweep:
         sweep = [
-            dict(block_m=128), dict(block_m=128, num_warps=8), dict(block_t=128),
-            dict(block_p=16), dict(block_m_bwd=64, num_warps_bwd=8),
-            dict(block_m_bwd=128, num_warps_bwd=8), dict(block_m_bwd=32),
+            dict(block_m=64, num_warps=8), dict(block_m=128, num_warps=8),
+            dict(block_m=32), dict(block_t=128),
         ]
         for i in (0,):
             for cfg in sweep:

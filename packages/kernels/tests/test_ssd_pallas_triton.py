@@ -12,7 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import test_ssd_base as base
 from pallasite.kernels.ssd import pallas_triton as pt
+from pallasite.reference import parity
 from pallasite.reference.inputs import ssd_initial_state, ssd_inputs
 
 _HI = jax.lax.Precision.HIGHEST
@@ -95,8 +97,27 @@ def _check(shape, dtype, chunk, tol, *, interpret, block_sizes=None, seed=0):
     ],
 )
 def test_interpret_matches_oracle(shape, dtype, chunk, bm, tol):
-    bs = pt.BlockSizes(block_m=bm, block_t=bm, block_p=16, block_m_bwd=max(bm // 2, 16))
+    bs = pt.BlockSizes(block_m=bm, block_t=bm)
     _check(shape, dtype, chunk, tol, interpret=True, block_sizes=bs)
+
+
+# The shared SSD test base (the same comparisons every backend meets), at widths the
+# Triton dots take (>= 16): the backend contract directly, and through ssd.api's custom_vjp.
+_BASE_CASES = [
+    base.case(2, 2, 32, 4, 16, 32, 2, jnp.float32, tol=parity.EXACT_FP32),
+    base.case(1, 2, 64, 2, 16, 16, 1, jnp.float32, a_scale=20.0, tol=parity.EXACT_FP32),
+]
+
+
+@pytest.mark.parametrize("c", _BASE_CASES[:1], ids=lambda c: c.name)
+def test_backend_contract_interpret(c):
+    base.check_forward_contract(pt, jax.random.key(0), c.shape, c.dtype, interpret=True,
+                                tol=c.tol)
+
+
+def test_api_custom_vjp_parity_interpret():
+    rows = parity.check_parity(_BASE_CASES, base.run_case(("pallas_triton", True)))
+    assert all(r.ok for r in rows), parity.format_table(rows)
 
 
 def test_bad_input_names_argument():

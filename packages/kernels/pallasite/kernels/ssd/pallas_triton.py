@@ -54,23 +54,15 @@ F32 = jnp.float32
 class BlockSizes:
     """Tiling of the SSD Triton kernels.
 
-    block_m: rows (and columns) of the [C, C] tile one step handles in the forward's
-      C B^T and output kernels; the causal loop skips the tiles above the diagonal.
-      block_m_bwd, num_warps_bwd: the same for the backward's kernels. A pass computes
-      C B^T with the tile its consumers read, so only written tiles are ever read.
+    block_m: rows (and columns) of the [C, C] tile one step handles in the output and
+      backward kernels; the causal loop skips the tiles above the diagonal.
     block_t: time steps per matmul step in the chunk-state kernel.
-    block_p: rows of the state per program in the sequential state passes: the pass has
-      only batch * heads * (p / block_p) programs, and one program per (batch, head) left
-      most of an H200 idle (0.21 ms for 268 MB on the first TARGETS row at block_p = p).
     """
 
     block_m: int = 64
     block_t: int = 64
-    block_p: int = 32
     num_warps: int = 4
     num_stages: int = 2
-    block_m_bwd: int = 64
-    num_warps_bwd: int = 4
 
 
 DEFAULT_BLOCK_SIZES = BlockSizes()
@@ -80,18 +72,8 @@ def resolve_block_sizes(block_sizes: BlockSizes | None, chunk: int) -> BlockSize
     """The one place block sizes are chosen (the tuning package can route this later)."""
     bs = block_sizes or DEFAULT_BLOCK_SIZES
     return dataclasses.replace(
-        bs, block_m=min(bs.block_m, chunk), block_t=min(bs.block_t, chunk),
-        block_m_bwd=min(bs.block_m_bwd, chunk),
+        bs, block_m=min(bs.block_m, chunk), block_t=min(bs.block_t, chunk)
     )
-
-
-def _bwd_tiles(bs: BlockSizes) -> BlockSizes:
-    """The backward's kernels read block_m and num_warps: give them the backward's."""
-    return dataclasses.replace(bs, block_m=bs.block_m_bwd, num_warps=bs.num_warps_bwd)
-
-
-def _block_p(bs: BlockSizes, p: int) -> int:
-    return min(bs.block_p, p)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -135,6 +117,9 @@ def _batch_shards(fn, args, n_out: int):
     the batch. Chunks and the sequential state pass stay local to a shard."""
     batch = args[0].shape[0]
     mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and all(t == jax.sharding.AxisType.Manual for t in mesh.axis_types):
+        # Already inside the caller's shard_map (ssd.api): the operands are local.
+        return fn(*args)
     if mesh.empty:
         devices = jax.devices()
         ndev = max(d for d in range(1, len(devices) + 1) if batch % d == 0)
@@ -225,14 +210,13 @@ def _state_pass(local, decay, init, bs: BlockSizes, interpret: bool):
         jax.ShapeDtypeStruct(local.shape, F32),
         jax.ShapeDtypeStruct(init.shape, F32),
     )
-    bp = _block_p(bs, p)
-    seq = pl.BlockSpec((None, nc, None, bp, n), lambda i, k, q: (i, 0, k, q, 0))
-    one = pl.BlockSpec((None, None, bp, n), lambda i, k, q: (i, k, q, 0))
+    seq = pl.BlockSpec((None, nc, None, p, n), lambda i, k: (i, 0, k, 0, 0))
+    one = pl.BlockSpec((None, None, p, n), lambda i, k: (i, k, 0, 0))
     return pl.pallas_call(
         _state_pass_kernel,
         out_shape=shapes,
-        grid=(bsz, h, p // bp),
-        in_specs=[seq, pl.BlockSpec((None, nc, None), lambda i, k, q: (i, 0, k)), one],
+        grid=(bsz, h),
+        in_specs=[seq, pl.BlockSpec((None, nc, None), lambda i, k: (i, 0, k)), one],
         out_specs=[seq, one],
         compiler_params=_params(bs),
         interpret=interpret,
@@ -248,8 +232,7 @@ def _state_pass(local, decay, init, bs: BlockSizes, interpret: bool):
 def _state_pass_reverse_kernel(
     local_ref, decay_ref, states_ref, dfinal_ref, grads_ref, gs_ref, dinit_ref
 ):
-    """G_{nc-1} = dfinal; grads[c] = G_c; gs[c] = <G_c, S_c> over this program's rows of
-    the state; G_{c-1} = decay_c G_c + local_c."""
+    """G_{nc-1} = dfinal; grads[c] = G_c; gs[c] = <G_c, S_c>; G_{c-1} = decay_c G_c + local_c."""
     nc = local_ref.shape[0]
 
     def step(k, gr):
@@ -262,24 +245,21 @@ def _state_pass_reverse_kernel(
 
 
 def _state_pass_reverse(dlocal, decay, states, dfinal, bs: BlockSizes, interpret: bool):
-    """(grads [b,nc,h,p,n] = dS leaving each chunk, gs [b,nc,h] = <G_c, S_c>,
-    dinitial [b,h,p,n])."""
+    """(grads [b,nc,h,p,n] = dS leaving each chunk, gs [b,nc,h], dinitial [b,h,p,n])."""
     bsz, nc, h, p, n = dlocal.shape
-    bp = _block_p(bs, p)
     shapes = (
         jax.ShapeDtypeStruct(dlocal.shape, F32),
-        jax.ShapeDtypeStruct((bsz, nc, h, p // bp), F32),
+        jax.ShapeDtypeStruct((bsz, nc, h), F32),
         jax.ShapeDtypeStruct(dfinal.shape, F32),
     )
-    seq = pl.BlockSpec((None, nc, None, bp, n), lambda i, k, q: (i, 0, k, q, 0))
-    dec = pl.BlockSpec((None, nc, None), lambda i, k, q: (i, 0, k))
-    vec = pl.BlockSpec((None, nc, None, None), lambda i, k, q: (i, 0, k, q))
-    one = pl.BlockSpec((None, None, bp, n), lambda i, k, q: (i, k, q, 0))
-    grads, gs, dinit = pl.pallas_call(
+    seq = pl.BlockSpec((None, nc, None, p, n), lambda i, k: (i, 0, k, 0, 0))
+    vec = pl.BlockSpec((None, nc, None), lambda i, k: (i, 0, k))
+    one = pl.BlockSpec((None, None, p, n), lambda i, k: (i, k, 0, 0))
+    return pl.pallas_call(
         _state_pass_reverse_kernel,
         out_shape=shapes,
-        grid=(bsz, h, p // bp),
-        in_specs=[seq, dec, seq, one],
+        grid=(bsz, h),
+        in_specs=[seq, vec, seq, one],
         out_specs=[seq, vec, one],
         compiler_params=_params(bs),
         interpret=interpret,
@@ -290,49 +270,6 @@ def _state_pass_reverse(dlocal, decay, states, dfinal, bs: BlockSizes, interpret
         ),
         name="ssd_state_pass_reverse",
     )(dlocal, decay, states, dfinal.astype(F32))
-    return grads, jnp.sum(gs, axis=-1), dinit
-
-
-def _chunk_cb_kernel(b_ref, c_ref, cb_ref, *, bm):
-    """cb[i, j] = C_i . B_j for the tiles on and below the diagonal of one (batch, chunk,
-    group), row block r; the tiles above the diagonal are never written nor read."""
-    r = pl.program_id(3)
-    rows = pl.ds(pl.multiple_of(r * bm, bm), bm)
-    c_i = c_ref[rows, :]
-
-    def step(k, carry):
-        cols = pl.ds(pl.multiple_of(k * bm, bm), bm)
-        cb_ref[rows, cols] = plgpu.dot(c_i, b_ref[cols, :], trans_b=True)
-        return carry
-
-    jax.lax.fori_loop(0, r + 1, step, 0)
-
-
-def _chunk_cb(b, c, bs: BlockSizes, interpret: bool):
-    """[b, nc, g, C, C] fp32 = C B^T per (batch, chunk, group), lower tiles only.
-
-    Why in HBM: C B^T depends on the group, not the head, so every head of a group reads
-    one copy (from L2) where a fused stage would redo the n-deep product per head; with
-    Mamba-2's groups = 1 that product is 2n/(2n + 2p) = 2/3 of the output stage's flops."""
-    bsz, nc, chunk, g, n = b.shape
-    bm = bs.block_m
-    out_shape = jax.ShapeDtypeStruct((bsz, nc, g, chunk, chunk), F32)
-    grp = pl.BlockSpec((None, None, chunk, None, n), lambda i, j, k, r: (i, j, 0, k, 0))
-    tri = bsz * nc * g * (chunk * (chunk + bm) // 2)
-    return pl.pallas_call(
-        functools.partial(_chunk_cb_kernel, bm=bm),
-        out_shape=out_shape,
-        grid=(bsz, nc, g, chunk // bm),
-        in_specs=[grp, grp],
-        out_specs=pl.BlockSpec((None, None, None, chunk, chunk), lambda i, j, k, r: (i, j, k, 0, 0)),
-        compiler_params=_params(bs),
-        interpret=interpret,
-        cost_estimate=pl.CostEstimate(
-            flops=2 * tri * n, transcendentals=0,
-            bytes_accessed=_nbytes(b, c) + tri * 4,
-        ),
-        name="ssd_chunk_cb",
-    )(b, c)
 
 
 def _causal_decay(acs_rows, acs_cols, row0, col0, bm, bk, *, rows_later: bool):
@@ -348,7 +285,7 @@ def _causal_decay(acs_rows, acs_cols, row0, col0, bm, bk, *, rows_later: bool):
     return jnp.exp(jnp.where(keep, diff, -jnp.inf))
 
 
-def _chunk_output_kernel(x_ref, cb_ref, c_ref, acs_ref, s_ref, y_ref, *, bm):
+def _chunk_output_kernel(x_ref, b_ref, c_ref, acs_ref, s_ref, y_ref, *, bm):
     """y rows [r*bm, (r+1)*bm) of one (batch, chunk, head)."""
     r = pl.program_id(3)
     i0 = pl.multiple_of(r * bm, bm)
@@ -362,16 +299,17 @@ def _chunk_output_kernel(x_ref, cb_ref, c_ref, acs_ref, s_ref, y_ref, *, bm):
     def step(k, acc):
         j0 = pl.multiple_of(k * bm, bm)
         cols = pl.ds(j0, bm)
-        m = cb_ref[rows, cols] * _causal_decay(acs_i, acs_ref[cols], i0, j0, bm, bm, rows_later=True)
+        cb = plgpu.dot(c_i, b_ref[cols, :], trans_b=True)
+        m = cb * _causal_decay(acs_i, acs_ref[cols], i0, j0, bm, bm, rows_later=True)
         return acc + plgpu.dot(m.astype(cd), x_ref[cols, :])
 
     acc = jax.lax.fori_loop(0, r + 1, step, acc)
     y_ref[...] = acc.astype(y_ref.dtype)
 
 
-def _chunk_output(x, cb, c, acs, states, bs: BlockSizes, interpret: bool):
+def _chunk_output(x, b, c, acs, states, bs: BlockSizes, interpret: bool):
     bsz, nc, chunk, h, p = x.shape
-    g, n = c.shape[3], c.shape[4]
+    g, n = b.shape[3], b.shape[4]
     hpg, bm = h // g, bs.block_m
     out_shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
     grp = pl.BlockSpec((None, None, chunk, None, n), lambda i, j, k, r: (i, j, 0, k // hpg, 0))
@@ -382,9 +320,7 @@ def _chunk_output(x, cb, c, acs, states, bs: BlockSizes, interpret: bool):
         grid=(bsz, nc, h, chunk // bm),
         in_specs=[
             pl.BlockSpec((None, None, chunk, None, p), lambda i, j, k, r: (i, j, 0, k, 0)),
-            pl.BlockSpec(
-                (None, None, None, chunk, chunk), lambda i, j, k, r: (i, j, k // hpg, 0, 0)
-            ),
+            grp,
             grp,
             pl.BlockSpec((None, None, chunk, None), lambda i, j, k, r: (i, j, 0, k)),
             pl.BlockSpec((None, None, None, p, n), lambda i, j, k, r: (i, j, k, 0, 0)),
@@ -393,16 +329,16 @@ def _chunk_output(x, cb, c, acs, states, bs: BlockSizes, interpret: bool):
         compiler_params=_params(bs),
         interpret=interpret,
         cost_estimate=pl.CostEstimate(
-            flops=tri * 2 * p + 2 * bsz * nc * h * chunk * p * n,
+            flops=tri * 2 * (n + p) + 2 * bsz * nc * h * chunk * p * n,
             transcendentals=tri + bsz * nc * h * chunk,
-            bytes_accessed=_nbytes(x, cb, c, acs, states, out_shape),
+            bytes_accessed=_nbytes(x, b, c, acs, states, out_shape),
         ),
         name="ssd_chunk_output",
-    )(x, cb, c, acs, states)
+    )(x, b, c, acs, states)
 
 
 def _bwd_rows_j_kernel(
-    x_ref, dy_ref, b_ref, c_ref, cb_ref, acs_ref, g_ref, dx_ref, db_ref, dacs_ref, q_ref, *, bm
+    x_ref, dy_ref, b_ref, c_ref, acs_ref, g_ref, dx_ref, db_ref, dacs_ref, q_ref, *, bm
 ):
     """Rows j of one (batch, chunk, group): dx_j and dacs_j per head, dB_j summed over the
     group's heads.
@@ -435,7 +371,7 @@ def _bwd_rows_j_kernel(
             c_i = c_ref[cols, :]
             dy_i = dy_ref[cols, hh, :]
             lt = _causal_decay(acs_j, acs_ref[cols, hh], j0, i0, bm, bm, rows_later=False)
-            mt = cb_ref[cols, rows].T
+            mt = plgpu.dot(b_j, c_i, trans_b=True)
             dlt = plgpu.dot(x_j, dy_i, trans_b=True) * lt
             dx = dx + plgpu.dot((mt * lt).astype(cd), dy_i)
             db_acc = db_acc + plgpu.dot(dlt.astype(cd), c_i)
@@ -455,7 +391,7 @@ def _bwd_rows_j_kernel(
 
 
 def _bwd_rows_i_kernel(
-    x_ref, dy_ref, b_ref, c_ref, cb_ref, acs_ref, s_ref, dc_ref, dacs_ref, *, bm
+    x_ref, dy_ref, b_ref, c_ref, acs_ref, s_ref, dc_ref, dacs_ref, *, bm
 ):
     """Rows i of one (batch, chunk, group): dC_i summed over the group's heads, dacs_i per
     head.
@@ -484,7 +420,7 @@ def _bwd_rows_i_kernel(
             cols = pl.ds(j0, bm)
             b_j = b_ref[cols, :]
             lt = _causal_decay(acs_i, acs_ref[cols, hh], i0, j0, bm, bm, rows_later=True)
-            m = cb_ref[rows, cols]
+            m = plgpu.dot(c_i, b_j, trans_b=True)
             dl = plgpu.dot(dy_i, x_ref[cols, hh, :], trans_b=True) * lt
             dc_acc = dc_acc + plgpu.dot(dl.astype(cd), b_j)
             return dc_acc, row + jnp.sum(dl * m, axis=1)
@@ -504,13 +440,12 @@ def _group_specs(x, b, bm):
     hpg = h // g
     heads = pl.BlockSpec((None, None, chunk, hpg, p), lambda i, j, k, r: (i, j, 0, k, 0))
     grp = pl.BlockSpec((None, None, chunk, None, n), lambda i, j, k, r: (i, j, 0, k, 0))
-    cbs = pl.BlockSpec((None, None, None, chunk, chunk), lambda i, j, k, r: (i, j, k, 0, 0))
     acs = pl.BlockSpec((None, None, chunk, hpg), lambda i, j, k, r: (i, j, 0, k))
     st = pl.BlockSpec((None, None, hpg, p, n), lambda i, j, k, r: (i, j, k, 0, 0))
     rows_heads = pl.BlockSpec((None, None, bm, hpg, p), lambda i, j, k, r: (i, j, r, k, 0))
     rows_grp = pl.BlockSpec((None, None, bm, None, n), lambda i, j, k, r: (i, j, r, k, 0))
     rows_acs = pl.BlockSpec((None, None, bm, hpg), lambda i, j, k, r: (i, j, r, k))
-    return heads, grp, cbs, acs, st, rows_heads, rows_grp, rows_acs
+    return heads, grp, acs, st, rows_heads, rows_grp, rows_acs
 
 
 def _bwd_cost(x, b, bm, matmuls_per_tile: int, arrays):
@@ -524,11 +459,11 @@ def _bwd_cost(x, b, bm, matmuls_per_tile: int, arrays):
     )
 
 
-def _bwd_rows_j(x, dy, b, c, cb, acs, grads, bs: BlockSizes, interpret: bool):
+def _bwd_rows_j(x, dy, b, c, acs, grads, bs: BlockSizes, interpret: bool):
     bsz, nc, chunk, h, p = x.shape
     g = b.shape[3]
     bm = bs.block_m
-    heads, grp, cbs, acs_s, st, rows_heads, rows_grp, rows_acs = _group_specs(x, b, bm)
+    heads, grp, acs_s, st, rows_heads, rows_grp, rows_acs = _group_specs(x, b, bm)
     shapes = (
         jax.ShapeDtypeStruct(x.shape, x.dtype),
         jax.ShapeDtypeStruct(b.shape, b.dtype),
@@ -539,20 +474,20 @@ def _bwd_rows_j(x, dy, b, c, cb, acs, grads, bs: BlockSizes, interpret: bool):
         functools.partial(_bwd_rows_j_kernel, bm=bm),
         out_shape=shapes,
         grid=(bsz, nc, g, chunk // bm),
-        in_specs=[heads, heads, grp, grp, cbs, acs_s, st],
+        in_specs=[heads, heads, grp, grp, acs_s, st],
         out_specs=[rows_heads, rows_grp, rows_acs, rows_acs],
         compiler_params=_params(bs),
         interpret=interpret,
-        cost_estimate=_bwd_cost(x, b, bm, 3, (x, dy, b, c, cb, acs, grads, *shapes)),
+        cost_estimate=_bwd_cost(x, b, bm, 4, (x, dy, b, c, acs, grads, *shapes)),
         name="ssd_bwd_rows_j",
-    )(x, dy, b, c, cb, acs, grads)
+    )(x, dy, b, c, acs, grads)
 
 
-def _bwd_rows_i(x, dy, b, c, cb, acs, states, bs: BlockSizes, interpret: bool):
+def _bwd_rows_i(x, dy, b, c, acs, states, bs: BlockSizes, interpret: bool):
     bsz, nc, chunk, h, p = x.shape
     g = b.shape[3]
     bm = bs.block_m
-    heads, grp, cbs, acs_s, st, _, rows_grp, rows_acs = _group_specs(x, b, bm)
+    heads, grp, acs_s, st, _, rows_grp, rows_acs = _group_specs(x, b, bm)
     shapes = (
         jax.ShapeDtypeStruct(c.shape, c.dtype),
         jax.ShapeDtypeStruct(acs.shape, F32),
@@ -561,13 +496,13 @@ def _bwd_rows_i(x, dy, b, c, cb, acs, states, bs: BlockSizes, interpret: bool):
         functools.partial(_bwd_rows_i_kernel, bm=bm),
         out_shape=shapes,
         grid=(bsz, nc, g, chunk // bm),
-        in_specs=[heads, heads, grp, grp, cbs, acs_s, st],
+        in_specs=[heads, heads, grp, grp, acs_s, st],
         out_specs=[rows_grp, rows_acs],
         compiler_params=_params(bs),
         interpret=interpret,
-        cost_estimate=_bwd_cost(x, b, bm, 2, (x, dy, b, c, cb, acs, states, *shapes)),
+        cost_estimate=_bwd_cost(x, b, bm, 3, (x, dy, b, c, acs, states, *shapes)),
         name="ssd_bwd_rows_i",
-    )(x, dy, b, c, cb, acs, states)
+    )(x, dy, b, c, acs, states)
 
 
 # ----------------------------------------------------------------------------- stages
@@ -578,8 +513,7 @@ def _forward_local(x, a, b, c, initial_state, *, bs, interpret):
     last = acs[:, :, -1, :]
     local = _chunk_state(x, b, jnp.exp(last[:, :, None, :] - acs), bs, interpret)
     states, final = _state_pass(local, jnp.exp(last), initial_state, bs, interpret)
-    cb = _chunk_cb(b, c, bs, interpret)
-    y = _chunk_output(x, cb, c, acs, states, bs, interpret)
+    y = _chunk_output(x, b, c, acs, states, bs, interpret)
     return y, final, states
 
 
@@ -589,10 +523,8 @@ def _backward_local(x, a, b, c, states, dy, dfinal, *, bs, interpret):
     dy = dy.astype(x.dtype)
     dlocal = _chunk_state(dy, c, jnp.exp(acs), bs, interpret)
     grads, gs, dinit = _state_pass_reverse(dlocal, jnp.exp(last), states, dfinal, bs, interpret)
-    bt = _bwd_tiles(bs)
-    cb = _chunk_cb(b, c, bt, interpret)
-    dx, db, dacs_col, q = _bwd_rows_j(x, dy, b, c, cb, acs, grads, bt, interpret)
-    dc, dacs_row = _bwd_rows_i(x, dy, b, c, cb, acs, states, bt, interpret)
+    dx, db, dacs_col, q = _bwd_rows_j(x, dy, b, c, acs, grads, bs, interpret)
+    dc, dacs_row = _bwd_rows_i(x, dy, b, c, acs, states, bs, interpret)
     # acs_last also scales the entering state and every step's term of the leaving state:
     # d(acs_last) += exp(acs_last) <G, S_c> + sum_j q_j.
     dacs = (dacs_row + dacs_col).at[:, :, -1, :].add(jnp.sum(q, axis=2) + jnp.exp(last) * gs)
