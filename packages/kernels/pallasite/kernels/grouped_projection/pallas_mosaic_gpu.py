@@ -91,11 +91,14 @@ class MosaicGpuBlockSizes:
             )
 
 
-# Defaults measured on one H200 (docs/performance.md, issue 7). Many small groups
-# (mean group < 1024 rows) waste up to block_m-1 rows per group, so they take block_m 128;
-# few large groups take the 192-row tile that the sweep of JAX's example found best.
-GMM_LARGE_GROUPS = MosaicGpuBlockSizes(block_m=192, block_n=128, block_k=64, stages=4, grid_block_n=8)
-GMM_SMALL_GROUPS = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=4, grid_block_n=8)
+# Defaults measured on one H200, 2026-11-30 (docs/performance.md, issue 7): on mixtral
+# (8 groups of ~4096 rows) 128x128 tiles, 4 stages, snake width 8 gave forward 644 TFLOP/s
+# against 631 for 192x128 and 606 for 5 stages / width 4; on dsv3 (256 groups of ~256
+# rows) 5 stages / width 4 gave 480 against 450 for both 4-stage configs.
+GMM_LARGE_GROUPS = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=4, grid_block_n=8)
+GMM_SMALL_GROUPS = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=5, grid_block_n=4)
+# dkernel: 64-row steps, 4 stages, width 8 beat 128-row steps (mixtral 625 vs 578, dsv3
+# 269 vs 218 TFLOP/s) and 6 stages / width 16 (557, 264).
 TGMM_DEFAULT = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=4, grid_block_n=8)
 
 
