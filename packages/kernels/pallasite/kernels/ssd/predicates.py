@@ -10,9 +10,13 @@ Two questions, kept apart:
   geometry AND it is admitted: DESIGN.md admits a backend only where a benchmark in
   docs/performance.md shows it ahead of the XLA path.
 
-Admission today (see ADMITTED): neither kernel. The Mosaic TPU kernel is correct (interpret
-parity, TPU lowering) but no TPU has measured it here, so a TPU takes the XLA path unless
-the caller names the kernel. The GPU engineer sets "pallas_triton" from the H200 figures.
+Admission today (see ADMITTED): the Pallas Triton kernels on a GPU from sm80, for the
+geometries GEOMETRY["pallas_triton"] builds (chunk 64-256, head_dim and state >= 16, the
+shared-memory budget). Measured on an H200 at chunk 256, head_dim 64, state 128 (the three
+TARGETS rows): 4.4x to 5.6x ahead of the XLA path, forward and forward+backward; smaller
+chunks run the same kernels with fewer tiles per row and are not separately measured. The
+Mosaic TPU kernel is correct (interpret parity, TPU lowering) but no TPU has measured it
+here, so a TPU takes the XLA path unless the caller names the kernel.
 Each decision is logged once per (geometry, device) at INFO on logger "pallasite.ssd".
 """
 
@@ -33,7 +37,12 @@ BACKENDS = ("pallas_mosaic_tpu", "pallas_triton")
 ADMITTED: dict[str, tuple[bool, str]] = {
     "pallas_mosaic_tpu": (False, "no TPU benchmark yet (DESIGN: admitted only where measured "
                                  "ahead of XLA)"),
-    "pallas_triton": (False, "no GPU benchmark yet: issue 8 sets this from H200 figures"),
+    # Issue 8, H200, 2026-11-30 (docs/performance.md, tools/device/ssd_pallas_triton_bench.py,
+    # bf16, C=256, p=64, n=128, XLA path timed in the same process): forward 0.96 / 1.63 /
+    # 1.96 ms vs XLA 4.65 / 9.12 / 10.80 (4.9x / 5.6x / 5.5x), forward+backward 2.70 / 4.96 /
+    # 6.29 ms vs 11.89 / 23.88 / 28.47 (4.4x / 4.8x / 4.5x) on the three TARGETS rows.
+    "pallas_triton": (True, "H200: 4.4x-5.6x ahead of XLA on the TARGETS rows (C=256, p=64, "
+                            "n=128), fwd and fwd+bwd; docs/performance.md issue 8"),
 }
 
 
@@ -55,6 +64,7 @@ class Geometry:
     max_chunk: int
     budget_bytes: int
     program_bytes: object  # (chunk, head_dim, state) -> bytes one program holds
+    min_width: int = 8  # head_dim and state; Triton's tensor-core dots need 16
 
 
 def _mosaic_tpu_bytes(chunk: int, head_dim: int, state: int) -> int:
@@ -73,13 +83,24 @@ def _mosaic_tpu_bytes(chunk: int, head_dim: int, state: int) -> int:
 
 
 def _triton_bytes(chunk: int, head_dim: int, state: int) -> int:
-    """Shared memory of one program holding a chunk's x, B, C (bf16) and a [C, C] tile."""
-    return 2 * (chunk * head_dim + 2 * chunk * state) + 4 * chunk * chunk
+    """Shared memory of the largest Triton program (the backward's rows-j kernel, issue 8).
+
+    The kernels never hold a [C, C] tile: they walk it in 64 x 64 blocks, so the chunk
+    length sets the trip count, not the footprint. Per program (bf16 operands): the row
+    block of x and B [64, p + n], two pipeline stages of the streamed C and dy blocks
+    [64, n + p], two [64, 64] tiles staged for the dots, and one head's state [p, n].
+    At p=64, n=128: 104 KiB, below sm90's 227 KiB (it compiled and ran on the H200);
+    p = n = 256 would need 336 KiB and is refused.
+    """
+    del chunk
+    bm, stages, bf16 = 64, 2, 2
+    rows = bm * (head_dim + state) * bf16
+    return rows + stages * rows + 2 * bm * bm * bf16 + head_dim * state * bf16
 
 
 GEOMETRY: dict[str, Geometry] = {
     "pallas_mosaic_tpu": Geometry(64, 512, 16 * 1024 * 1024, _mosaic_tpu_bytes),
-    "pallas_triton": Geometry(64, 256, 227 * 1024, _triton_bytes),
+    "pallas_triton": Geometry(64, 256, 227 * 1024, _triton_bytes, min_width=16),
 }
 
 
@@ -96,6 +117,9 @@ def ssd_kernel_reason(chunk_size: int, head_dim: int, state_size: int, backend: 
                         ("state_size", state_size)):
         if not (_power_of_two(value) and value >= 8):
             return f"{name}={value} is not a power of two >= 8 (tiles are (8, 128)-aligned)"
+    for name, value in (("head_dim", head_dim), ("state_size", state_size)):
+        if value < geo.min_width:
+            return f"{name}={value} < {geo.min_width}: the {backend} dots need >= {geo.min_width}"
     if chunk_size < geo.min_chunk:
         return f"chunk_size={chunk_size} < {geo.min_chunk}: too short to pay for a program"
     if chunk_size > geo.max_chunk:
