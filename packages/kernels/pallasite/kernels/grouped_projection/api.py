@@ -38,8 +38,9 @@ from pallasite.reference.grouped_projection import validate_grouped_projection
 log = logging.getLogger(__name__)
 
 # The default order on CUDA. pallas_mosaic_gpu is held out of it (still selectable by
-# name) until its GPU parity grid passes: on the H200 its total < m / empty-group case did
-# not finish in two runs (docs/performance.md, issue 7); put it first again once it does.
+# name) until its whole GPU parity grid passes: its total < m / empty-group stall is fixed
+# and that case passes on the H200, but five cases of the grid are not re-run yet
+# (docs/performance.md, issue 7); put it first again once they pass.
 CUDA_ORDER = ["pallas_triton", "xla"]
 TPU_ORDER = ["pallas_mosaic_tpu", "xla"]
 IMPLEMENTATIONS = ops.BACKENDS

@@ -13,8 +13,9 @@ gmm (forward, and dx = gmm(dy, kernel, transpose_rhs=True): the transposed weigh
   row, valid rows) is built on the device by a few tiny XLA ops before the kernel; the
   kernel reads three scalars per tile instead of unrolling a search over all groups (JAX's
   example kernel does the latter, which costs it most of the gap on g=128/256 shapes, see
-  docs/performance.md). Rows past the total form one extra pseudo-group whose tiles skip
-  the matmul and store zeros, so every output row is written exactly once, by its owner.
+  docs/performance.md). Rows past the total form one extra pseudo-group whose tiles run the
+  same pipeline (against the last group's weights) and store zeros, so every output row is
+  written exactly once, by its owner, and no tile skips its pipeline.
   A persistent grid (one program per SM) walks (row tile, column tile) pairs in a planar
   snake of width grid_block_n column tiles, so concurrently running programs share weight
   and activation tiles in L2. Each tile runs a `stages`-deep TMA -> swizzled SMEM -> wgmma
@@ -27,16 +28,18 @@ gmm (forward, and dx = gmm(dy, kernel, transpose_rhs=True): the transposed weigh
 tgmm (dkernel): one output tile (block_m x block_n of [k, n]) per (group, tile) pair; the
   contraction runs over the group's rows in steps of block_k starting at the group's first
   row; the last step masks rows past the group's end in both operands (a select, so a NaN
-  in a neighbour's rows cannot leak in as 0*NaN). Empty groups skip the loop and store
-  zeros. On every TARGETS shape there are >= 28k output tiles for 132 SMs, so uneven
+  in a neighbour's rows cannot leak in as 0*NaN). An empty group runs one fully masked step
+  and stores zeros. On every TARGETS shape there are >= 28k output tiles for 132 SMs, so uneven
   groups average out across programs without split-k (see docs/performance.md).
 
 Measured on one H200 (2026-11-30, docs/performance.md issue 7), TFLOP/s: forward mixtral
 644, dsv3 480, qwen3 458, olmoe 451; dx 674 / 430 / 393 / 405; dkernel 625 / 269 / 381 /
 384; forward+backward through the API mixtral 611, qwen3 417 (tokamax 220 beside it).
-Sampled parity against fp32 dots: rel_l2 1.7e-3 on every product. Known issue: the GPU
-parity case with total < m and empty groups did not finish (stall, GPU only; the
-interpreter passes it), so api.CUDA_ORDER leaves this backend out of the default order.
+Sampled parity against fp32 dots: rel_l2 1.7e-3 on every product. A first version let tiles
+skip their pipeline (rows past the total, empty groups): on the GPU (only) the total < m
+case then stalled; with every tile running its pipeline the five stall suspects and the
+total < m parity case pass there. The rest of the GPU grid is not yet re-run, so
+api.CUDA_ORDER still leaves this backend out of the default order.
 What limits short-tile shapes: one warpgroup per program serialises pipeline fill, k loop
 and epilogue per tile (dsv3 dkernel: ~4 us per tile for ~1 us of wgmma).
 """
@@ -288,26 +291,27 @@ def _gmm_kernel(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_rhs: bool):
                     if not delay:
                         plgpu.wgmma_wait(0)
 
-                @pl.when(seg < g)
-                def _():
-                    rhs_spec = (
-                        plgpu.BlockSpec((bn, bk), lambda kk: (ni, kk), delay_release=delay)
-                        if transpose_rhs
-                        else plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni), delay_release=delay)
-                    )
-                    plgpu.emit_pipeline(
-                        mma,
-                        grid=(k // bk,),
-                        in_specs=[
-                            plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), delay_release=delay),
-                            rhs_spec,
-                        ],
-                        max_concurrent_steps=bs.stages,
-                    )(lhs_gmem.at[pl.ds(load0, bm)], rhs_gmem.at[seg])
-
+                # Every tile runs the same pipeline, the pseudo-group's too (against the
+                # last group's weights; its rows are zeroed below): a tile that skipped
+                # its pipeline is the suspect for the GPU-only stall with total < m.
+                rhs_spec = (
+                    plgpu.BlockSpec((bn, bk), lambda kk: (ni, kk), delay_release=delay)
+                    if transpose_rhs
+                    else plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni), delay_release=delay)
+                )
+                plgpu.emit_pipeline(
+                    mma,
+                    grid=(k // bk,),
+                    in_specs=[
+                        plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), delay_release=delay),
+                        rhs_spec,
+                    ],
+                    max_concurrent_steps=bs.stages,
+                )(lhs_gmem.at[pl.ds(load0, bm)], rhs_gmem.at[jnp.minimum(seg, g - 1)])
                 return acc_ref[...]
 
             acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
+            acc = _zero_rows_from(acc, jnp.where(seg < g, bm, 0))
             _store_rows(acc, out_gmem, row0, rows, row0 - load0, ni * bn, bm, bn)
 
     return body
@@ -399,6 +403,12 @@ def gmm(
 # --------------------------------------------------------------------------- tgmm
 
 
+def _zero_rows_from(acc, limit):
+    """The accumulator with rows >= limit (a dynamic scalar) set to zero (a select)."""
+    rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, acc.shape, 0), plgpu.Layout.WGMMA)
+    return jnp.where(rows < limit, acc, jnp.zeros_like(acc))
+
+
 def _mask_rows(ref, lo, hi, shape):
     """Zero the rows outside [lo, hi) of an SMEM tile in place (a select: NaN-safe)."""
     rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, shape, 0), plgpu.Layout.WGMMA)
@@ -442,27 +452,27 @@ def _tgmm_kernel(m, k, n, g, bs: MosaicGpuBlockSizes, dtype):
                 def row_block(r):
                     return pl.multiple_of(base + r * bk, 8)
 
-                @pl.when(size > 0)
-                def _():
-                    plgpu.emit_pipeline(
-                        step,
-                        grid=(steps,),
-                        in_specs=[
-                            plgpu.BlockSpec(
-                                (pl.Element(bk), bm),
-                                lambda r: (row_block(r), mi),
-                                delay_release=delay,
-                                transforms=transforms,
-                            ),
-                            plgpu.BlockSpec(
-                                (pl.Element(bk), bn),
-                                lambda r: (row_block(r), ni),
-                                delay_release=delay,
-                                transforms=transforms,
-                            ),
-                        ],
-                        max_concurrent_steps=bs.stages,
-                    )(lhs_gmem, rhs_gmem)
+                # An empty group runs one fully masked step (zeros) rather than skipping
+                # its pipeline: every tile takes the same path (see the gmm note).
+                plgpu.emit_pipeline(
+                    step,
+                    grid=(jnp.maximum(steps, 1),),
+                    in_specs=[
+                        plgpu.BlockSpec(
+                            (pl.Element(bk), bm),
+                            lambda r: (row_block(r), mi),
+                            delay_release=delay,
+                            transforms=transforms,
+                        ),
+                        plgpu.BlockSpec(
+                            (pl.Element(bk), bn),
+                            lambda r: (row_block(r), ni),
+                            delay_release=delay,
+                            transforms=transforms,
+                        ),
+                    ],
+                    max_concurrent_steps=bs.stages,
+                )(lhs_gmem, rhs_gmem)
 
                 return acc_ref[...]
 
