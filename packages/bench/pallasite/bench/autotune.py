@@ -372,6 +372,8 @@ def _entry(record: dict, device_kind: str) -> tables.Entry:
             "default_ms": round(record["default_ms"], 4), "tuned_ms": round(record["tuned_ms"], 4),
             "speedup": round(record["speedup"], 3),
             "candidates": len(trials), "ok": sum(t["status"] == tuner.OK for t in trials),
+            "timing": (f"median of {3 * 5} calls each, default and tuned interleaved"
+                       if record.get("confirmed") else "one median of 5 calls each"),
             "date": record.get("date"), "jax": record.get("jax"),
         })
 
