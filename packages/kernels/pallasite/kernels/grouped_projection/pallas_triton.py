@@ -27,6 +27,7 @@ from jaxtyping import Array, Float, Int
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallasite import tuning
 from pallasite.kernels.grouped_projection import config
 from pallasite.kernels.grouped_projection.group_metadata import (
     cdiv,
@@ -67,14 +68,18 @@ def default_block_sizes(*, product: str, m: int, k: int, n: int, g: int,
 
 def resolve_block_sizes(block_sizes, *, product: str, m: int, k: int, n: int, g: int,
                         dtype) -> config.TritonBlockSizes:
-    """The one place this backend picks its blocks: the caller's, else the default (the
-    tuning package's tables will slot in between)."""
+    """The one place this backend picks its blocks: the caller's, else pallasite.tuning's
+    tuned table / autotune cache entry for this device and shape bucket, else the
+    default (no entry for the key: exactly `default_block_sizes`)."""
     chosen = config.for_product(block_sizes, product)
-    if chosen is not None:
-        if not isinstance(chosen, config.TritonBlockSizes):
-            raise TypeError(f"block_sizes for pallas_triton must be TritonBlockSizes, got {chosen!r}")
-        return chosen
-    return default_block_sizes(product=product, m=m, k=k, n=n, g=g, dtype=dtype)
+    if chosen is not None and not isinstance(chosen, config.TritonBlockSizes):
+        raise TypeError(f"block_sizes for pallas_triton must be TritonBlockSizes, got {chosen!r}")
+    return tuning.select_block_sizes(
+        "grouped_projection", f"pallas_triton:{product}", device_kind=tuning.device_kind(),
+        dtypes=(dtype,), shape={"m": m, "k": k, "n": n, "g": g},
+        config_type=config.TritonBlockSizes, caller=chosen,
+        default=default_block_sizes(product=product, m=m, k=k, n=n, g=g, dtype=dtype),
+    ).config
 
 
 def cost_estimate(m: int, k: int, n: int, operands, out_bytes: int) -> pl.CostEstimate:
