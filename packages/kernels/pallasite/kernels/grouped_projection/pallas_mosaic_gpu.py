@@ -59,6 +59,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Int, Shaped
 
+from pallasite import tuning
 from pallasite.kernels.grouped_projection import config
 
 # H200 SXM has 132 SMs; used when the default device does not report its core count.
@@ -115,21 +116,31 @@ TGMM_DEFAULT = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=
 
 
 def resolve_block_sizes(
-    block_sizes: Any, *, product: str, m: int, k: int, n: int, g: int
+    block_sizes: Any, *, product: str, m: int, k: int, n: int, g: int, dtype: Any = jnp.bfloat16
 ) -> MosaicGpuBlockSizes:
-    """The one place this backend picks its blocks: the caller's, else the shape's default.
+    """The one place this backend picks its blocks: the caller's, else pallasite.tuning's
+    tuned table / autotune cache entry for this device and shape bucket, else the shape's
+    default (no entry for the key: exactly `default_block_sizes`).
 
     block_sizes: None, a MosaicGpuBlockSizes (every product), or a
     config.GroupedProjectionBlockSizes naming one per product ('forward', 'dx', 'dkernel').
     """
-    del k, n
     chosen = config.for_product(block_sizes, product)
-    if chosen is not None:
-        if not isinstance(chosen, MosaicGpuBlockSizes):
-            raise TypeError(
-                f"block_sizes for pallas_mosaic_gpu must be MosaicGpuBlockSizes, got {chosen!r}"
-            )
-        return chosen
+    if chosen is not None and not isinstance(chosen, MosaicGpuBlockSizes):
+        raise TypeError(
+            f"block_sizes for pallas_mosaic_gpu must be MosaicGpuBlockSizes, got {chosen!r}"
+        )
+    return tuning.select_block_sizes(
+        "grouped_projection", f"pallas_mosaic_gpu:{product}", device_kind=tuning.device_kind(),
+        dtypes=(dtype,), shape={"m": m, "k": k, "n": n, "g": g},
+        config_type=MosaicGpuBlockSizes, caller=chosen,
+        default=default_block_sizes(product=product, m=m, k=k, n=n, g=g),
+    ).config
+
+
+def default_block_sizes(*, product: str, m: int, k: int, n: int, g: int) -> MosaicGpuBlockSizes:
+    """The H200-measured default for the product and group sizes (see above)."""
+    del k, n
     if product == "dkernel":
         return TGMM_DEFAULT
     return GMM_LARGE_GROUPS if m >= 1024 * max(g, 1) else GMM_SMALL_GROUPS
@@ -382,7 +393,7 @@ def gmm(
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     product = "dx" if transpose_rhs else "forward"
-    bs = resolve_block_sizes(block_sizes, product=product, m=m, k=k, n=n, g=g)
+    bs = resolve_block_sizes(block_sizes, product=product, m=m, k=k, n=n, g=g, dtype=lhs.dtype)
     bs = dataclasses.replace(bs, block_n=_fit_block(n, bs.block_n))
     if m == 0 or n == 0:
         return jnp.zeros((m, n), out_dtype)
@@ -540,7 +551,7 @@ def tgmm(
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     m, k = lhs.shape
     n = rhs.shape[1]
-    bs = resolve_block_sizes(block_sizes, product="dkernel", m=m, k=k, n=n, g=g)
+    bs = resolve_block_sizes(block_sizes, product="dkernel", m=m, k=k, n=n, g=g, dtype=lhs.dtype)
     bs = dataclasses.replace(bs, block_m=_fit_block(k, bs.block_m), block_n=_fit_block(n, bs.block_n))
     if g == 0 or k == 0 or n == 0:
         return jnp.zeros((g, k, n), out_dtype)
