@@ -55,6 +55,8 @@ from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
+from pallasite import tuning
+
 F32 = jnp.float32
 
 
@@ -80,8 +82,20 @@ class BlockSizes:
 DEFAULT_BLOCK_SIZES = BlockSizes()
 
 
-def resolve_block_sizes(block_sizes: BlockSizes | None, chunk: int) -> BlockSizes:
-    """The one place block sizes are chosen (the tuning package can route this later)."""
+def resolve_block_sizes(block_sizes: BlockSizes | None, chunk: int, *, x=None, b=None,
+                        pass_name: str = "forward") -> BlockSizes:
+    """The one place block sizes are chosen: the caller's, else pallasite.tuning's tuned
+    table / autotune cache entry for this device and shape bucket (x [b, nc, C, h, p] and
+    b [b, nc, C, g, n] give the shape), else the default; then clamped to the chunk.
+    No entry for the key: exactly the default, as before."""
+    if block_sizes is None and x is not None:
+        bsz, nc, c, h, p = x.shape
+        shape = {"length": nc * c, "heads": h, "head_dim": p, "state": b.shape[4], "chunk": c,
+                 "batch": bsz, "groups": b.shape[3]}
+        block_sizes = tuning.select_block_sizes(
+            "ssd", f"pallas_triton:{pass_name}", device_kind=tuning.device_kind(),
+            dtypes=(x.dtype,), shape=shape, config_type=BlockSizes, default=DEFAULT_BLOCK_SIZES,
+        ).config
     bs = block_sizes or DEFAULT_BLOCK_SIZES
     return dataclasses.replace(
         bs, block_m=min(bs.block_m, chunk), block_t=min(bs.block_t, chunk)
@@ -557,7 +571,7 @@ def forward(
     """(y in x.dtype, final_state fp32, chunk_states fp32 = the state each chunk entered
     with). b and c are cast to x.dtype (the matmul operand dtype)."""
     _check_inputs(x, a, b, c, initial_state, "initial_state")
-    bs = resolve_block_sizes(block_sizes, x.shape[2])
+    bs = resolve_block_sizes(block_sizes, x.shape[2], x=x, b=b, pass_name="forward")
     fn = functools.partial(_forward_local, bs=bs, interpret=interpret)
     args = (x, a, b.astype(x.dtype), c.astype(x.dtype), initial_state.astype(F32))
     return _batch_shards(fn, args, 3)
@@ -591,7 +605,7 @@ def backward(
         )
     if dy.shape != x.shape:
         raise ValueError(f"dy must have x's shape {x.shape}, got shape {dy.shape}")
-    bs = resolve_block_sizes(block_sizes, x.shape[2])
+    bs = resolve_block_sizes(block_sizes, x.shape[2], x=x, b=b, pass_name="backward")
     fn = functools.partial(_backward_local, bs=bs, interpret=interpret)
     args = (
         x, a, b.astype(x.dtype), c.astype(x.dtype), chunk_states.astype(F32), dy,
