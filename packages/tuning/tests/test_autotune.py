@@ -104,3 +104,33 @@ def test_pallas_benchmark_runs_while_the_caller_is_being_traced():
     traced(jnp.ones(2))
     (r,) = seen
     assert [t.status for t in r.trials] == [OK, WRONG_RESULT] and r.best == Cfg(64, 4)
+
+
+def test_sweep_winner_is_retimed_against_the_baseline():
+    """A baseline that reads slow only while it is first (clocks ramping) is kept."""
+    import time as _time
+
+    calls = {DEFAULT: 0}
+    ref = np.arange(6, dtype=np.float32)
+
+    def build(cfg):
+        def run():
+            if cfg == DEFAULT:
+                calls[DEFAULT] += 1
+                spin = 0.004 if calls[DEFAULT] <= 3 else 0.0  # slow while the sweep times it
+            else:
+                spin = 0.002
+            end = _time.perf_counter() + spin
+            while _time.perf_counter() < end:
+                pass
+            return ref
+        return run
+
+    b = Benchmark(build=build, reference=lambda: ref, atol=0, rtol=0, warmup=0, reps=2)
+    r = autotune([DEFAULT, Cfg(32)], b)
+    assert r.time_of(DEFAULT) > r.time_of(Cfg(32))  # the sweep alone would pick Cfg(32)
+    assert r.best == DEFAULT and r.baseline_time_s == r.best_time_s < 0.002
+    calls[DEFAULT] = -100  # now the baseline is always slow: the winner stands
+    r = autotune([DEFAULT, Cfg(32)], b, confirm_rounds=2)
+    assert r.best == Cfg(32) and r.baseline_time_s > r.best_time_s
+    assert autotune([DEFAULT, Cfg(32)], b, confirm_rounds=0).baseline_time_s is None

@@ -311,16 +311,9 @@ def tune_key(op: str, impl: Impl, table: tables.Table, name: str, dims: dict, ar
         return record
     start = time.perf_counter()
     try:
-        plain = impl.make_bench(dims, BF16)
-        built: dict[Any, Callable[[], Any]] = {}  # keep each compiled candidate for _confirm
-
-        def build(cfg):
-            if cfg not in built:
-                built[cfg] = plain.build(cfg)
-            return built[cfg]
-
-        bench = dataclasses.replace(plain, build=build)
-        result = tuner.autotune(cands, bench, budget_s=args.budget_s, max_candidates=args.max_candidates)
+        bench = impl.make_bench(dims, BF16)
+        result = tuner.autotune(cands, bench, budget_s=args.budget_s, max_candidates=args.max_candidates,
+                                confirm_rounds=args.confirm_rounds)
     except Exception as err:  # noqa: BLE001 - inputs or reference failed: report, go on
         record["error"] = f"{type(err).__name__}: {err}"[:400]
         return record
@@ -330,36 +323,17 @@ def tune_key(op: str, impl: Impl, table: tables.Table, name: str, dims: dict, ar
     record["date"] = datetime.date.today().isoformat()
     record["jax"] = jax.__version__
     record["trials"] = [t.as_json(config_to_dict) for t in result.trials]
-    default_s = result.time_of(default)
-    if result.best is not None and default_s is not None and result.best != default:
-        # The sweep's times are one median each; sub-millisecond shapes vary 10-15% between
-        # runs. Time the winner and the default again, interleaved, before believing it.
-        default_s, best_s = _confirm(built, default, result.best, rounds=args.confirm_rounds)
-        result = dataclasses.replace(result, best_time_s=best_s)
-        record["confirmed"] = True
+    # When another config won the sweep, the tuner re-timed it against the default
+    # (interleaved): both times then come from that re-timing.
+    record["confirmed"] = result.baseline_time_s is not None
+    record["confirm_rounds"] = args.confirm_rounds
+    default_s = result.baseline_time_s if record["confirmed"] else result.time_of(default)
     record["default_ms"] = None if default_s is None else default_s * 1e3
     record["tuned_ms"] = None if result.best_time_s is None else result.best_time_s * 1e3
     record["tuned"] = None if result.best is None else config_to_dict(result.best)
     if default_s and result.best_time_s:
         record["speedup"] = default_s / result.best_time_s
     return record
-
-
-def _confirm(built: dict, default: Any, best: Any, *, rounds: int, reps: int = 5) -> tuple[float, float]:
-    """(default s, best s): medians over `rounds` interleaved batches of `reps` timed calls."""
-    import statistics
-
-    import jax
-
-    times: dict[Any, list[float]] = {default: [], best: []}
-    for _ in range(rounds):
-        for cfg in (default, best):
-            fn = built[cfg]
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn())
-                times[cfg].append(time.perf_counter() - t0)
-    return statistics.median(times[default]), statistics.median(times[best])
 
 
 def _entry(record: dict, device_kind: str) -> tables.Entry:
@@ -372,7 +346,7 @@ def _entry(record: dict, device_kind: str) -> tables.Entry:
             "default_ms": round(record["default_ms"], 4), "tuned_ms": round(record["tuned_ms"], 4),
             "speedup": round(record["speedup"], 3),
             "candidates": len(trials), "ok": sum(t["status"] == tuner.OK for t in trials),
-            "timing": (f"median of {3 * 5} calls each, default and tuned interleaved"
+            "timing": (f"median of {record.get('confirm_rounds', 3) * 5} calls each, default and tuned interleaved"
                        if record.get("confirmed") else "one median of 5 calls each"),
             "date": record.get("date"), "jax": record.get("jax"),
         })
