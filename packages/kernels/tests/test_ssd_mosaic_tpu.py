@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
@@ -96,3 +97,22 @@ def test_forward_contract_on_tpu():
     shape = dict(b=2, nc=4, C=256, h=8, p=64, n=128, g=8)
     base.check_forward_contract(kernel, jax.random.key(4), shape, jnp.bfloat16,
                                 interpret=False)
+
+
+def test_decay_from_double_float_cumsums():
+    """The kernel's segment sums: acs as hi + lo (error-free additions) gives exp(segsum)
+    to ~1e-7 of float64 even with 50x TARGETS' decay, where the plain fp32 difference of
+    cumulative sums is off by >1e-6 (docs/ssd.md: 2e-07 vs 4.4e-06 in y)."""
+    a = jax.random.uniform(jax.random.key(0), (1, 1, 256, 1), minval=-3.0, maxval=0.0)
+    row, col = kernel._cumsums(a)
+    decay, e, w, total = kernel._decays(col[0, 0, 0], row[0, 0, 0])
+    a64 = np.asarray(a[0, 0, :, 0], np.float64)
+    acs = np.cumsum(a64)
+    exact = np.tril(np.exp(np.minimum(acs[:, None] - acs[None, :], 0.0)))
+    naive_acs = np.cumsum(np.asarray(a[0, 0, :, 0], np.float32), dtype=np.float32)
+    naive = np.tril(np.exp((naive_acs[:, None] - naive_acs[None, :]).astype(np.float64)))
+    assert np.abs(np.asarray(decay) - exact).max() < 2e-7
+    assert np.abs(naive - exact).max() > 5 * np.abs(np.asarray(decay) - exact).max()
+    np.testing.assert_allclose(np.asarray(w)[:, 0], np.exp(acs[-1] - acs), rtol=2e-6,
+                               atol=1e-30)
+    np.testing.assert_allclose(np.asarray(e)[:, 0], np.exp(acs), rtol=2e-6, atol=1e-30)

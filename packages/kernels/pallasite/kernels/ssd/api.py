@@ -193,7 +193,14 @@ def _backward(platform, x, a, b, c, chunk_states, dy, dfinal):
 # ------------------------------------------------------------------------ custom_vjp
 
 
-def _scan(x, a, b, c, initial_state, platform):
+def _scan(
+    x: Float[Array, "b nc C h p"],
+    a: Float[Array, "b nc C h"],
+    b: Float[Array, "b nc C g n"],
+    c: Float[Array, "b nc C g n"],
+    initial_state: Float[Array, "b h p n"],
+    platform: str | tuple[str, bool],
+) -> tuple[Float[Array, "b nc C h p"], Float[Array, "b h p n"]]:
     check_chunked(x, a, b, c, initial_state)
     y, final, _ = _forward(platform, x, a, b, c, initial_state)
     return y, final

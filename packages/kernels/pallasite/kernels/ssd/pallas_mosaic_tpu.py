@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jaxtyping import Array, Float
 
 _F32 = jnp.float32
 _HI = jax.lax.Precision.HIGHEST
@@ -260,7 +261,16 @@ def backward_cost(shape_x, groups, n, x_bytes, bc_bytes) -> pl.CostEstimate:
     return pl.CostEstimate(flops=int(flops), transcendentals=int(exps), bytes_accessed=int(bytes_))
 
 
-def forward(x, a, b, c, initial_state, *, interpret=False, block_sizes=None):
+def forward(
+    x: Float[Array, "b nc C h p"],
+    a: Float[Array, "b nc C h"],
+    b: Float[Array, "b nc C g n"],
+    c: Float[Array, "b nc C g n"],
+    initial_state: Float[Array, "b h p n"],
+    *,
+    interpret=False,
+    block_sizes=None,
+) -> tuple[Float[Array, "b nc C h p"], Float[Array, "b h p n"], Float[Array, "b nc h p n"]]:
     """(y [b,nc,C,h,p] x.dtype, final_state [b,h,p,n] fp32, chunk_states [b,nc,h,p,n] fp32)."""
     block_sizes = resolve_block_sizes(block_sizes)
     bsz, nc, size, h, p = x.shape
@@ -285,7 +295,19 @@ def forward(x, a, b, c, initial_state, *, interpret=False, block_sizes=None):
     return _chunk_major(y), final, states
 
 
-def backward(x, a, b, c, chunk_states, dy, dfinal_state, *, interpret=False, block_sizes=None):
+def backward(
+    x: Float[Array, "b nc C h p"],
+    a: Float[Array, "b nc C h"],
+    b: Float[Array, "b nc C g n"],
+    c: Float[Array, "b nc C g n"],
+    chunk_states: Float[Array, "b nc h p n"],
+    dy: Float[Array, "b nc C h p"],
+    dfinal_state: Float[Array, "b h p n"],
+    *,
+    interpret=False,
+    block_sizes=None,
+) -> tuple[Float[Array, "b nc C h p"], Float[Array, "b nc C h"], Float[Array, "b nc C g n"],
+           Float[Array, "b nc C g n"], Float[Array, "b h p n"]]:
     """(dx, da, db, dc, d initial_state) in the primal dtypes (d initial_state fp32)."""
     block_sizes = resolve_block_sizes(block_sizes)
     bsz, nc, size, h, p = x.shape

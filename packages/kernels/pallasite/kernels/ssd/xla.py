@@ -35,6 +35,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Float
 
 _HI = jax.lax.Precision.HIGHEST
 _einsum = functools.partial(jnp.einsum, precision=_HI)
@@ -101,7 +102,16 @@ def _entry_states(local, last, initial_state):
     return jnp.moveaxis(entries, 0, 1), final
 
 
-def forward(x, a, b, c, initial_state, *, interpret=False, block_sizes=None):
+def forward(
+    x: Float[Array, "b nc C h p"],
+    a: Float[Array, "b nc C h"],
+    b: Float[Array, "b nc C g n"],
+    c: Float[Array, "b nc C g n"],
+    initial_state: Float[Array, "b h p n"],
+    *,
+    interpret=False,
+    block_sizes=None,
+) -> tuple[Float[Array, "b nc C h p"], Float[Array, "b h p n"], Float[Array, "b nc h p n"]]:
     """(y [b,nc,C,h,p] x.dtype, final_state [b,h,p,n] fp32, chunk_states [b,nc,h,p,n] fp32).
 
     `interpret` and `block_sizes` are accepted for the backend contract and ignored.
@@ -141,7 +151,19 @@ def _exit_cotangents(dy_g, e, cf, last, dfinal):
     return jnp.moveaxis(exits, 0, 1), dinit
 
 
-def backward(x, a, b, c, chunk_states, dy, dfinal_state, *, interpret=False, block_sizes=None):
+def backward(
+    x: Float[Array, "b nc C h p"],
+    a: Float[Array, "b nc C h"],
+    b: Float[Array, "b nc C g n"],
+    c: Float[Array, "b nc C g n"],
+    chunk_states: Float[Array, "b nc h p n"],
+    dy: Float[Array, "b nc C h p"],
+    dfinal_state: Float[Array, "b h p n"],
+    *,
+    interpret=False,
+    block_sizes=None,
+) -> tuple[Float[Array, "b nc C h p"], Float[Array, "b nc C h"], Float[Array, "b nc C g n"],
+           Float[Array, "b nc C g n"], Float[Array, "b h p n"]]:
     """(dx, da, db, dc, d initial_state) in the primal dtypes (d initial_state fp32)."""
     del interpret, block_sizes
     bsz, nc, size, h, p = x.shape
