@@ -81,7 +81,8 @@ def test_cost_estimates():
         *args[:4], states, args[0], args[4])
     (eqn,) = list(_pallas_eqns(bwd.jaxpr))
     cost = eqn.params["cost_estimate"]
-    assert cost.flops == programs * (C * C * (6 * n + 4 * p + 2) + 10 * C * n * p)
+    assert cost.flops == programs * (C * C * (6 * n + 4 * p + 16) + 10 * C * n * p
+                                     + 16 * C * (n + p))
     assert cost.bytes_accessed >= 4 * x_bytes
 
 

@@ -96,6 +96,19 @@ def _decays(col, row):
     return _decay(col, row), e, w, jnp.exp(hi_last + lo_last)
 
 
+def _row_weights(row):
+    """e = exp(acs) and w = exp(acs_last - acs) as rows [1, C]."""
+    hi_last, lo_last = row[0:1, -1:], row[1:2, -1:]
+    return (jnp.exp(row[0:1, :] + row[1:2, :]),
+            jnp.exp((hi_last - row[0:1, :]) + (lo_last - row[1:2, :])))
+
+
+def _rowsums_as_row(t):
+    """[C, K] -> [1, C]: sum over K of each row, laid out along lanes."""
+    ones = jnp.ones((8, t.shape[1]), _F32)
+    return _nt(ones, t)[0:1, :]
+
+
 def _load(ref):
     return ref[...].astype(_F32)
 
@@ -143,14 +156,16 @@ def _backward_kernel(x_ref, b_ref, c_ref, row_ref, col_ref, states_ref, dy_ref, 
     dc_ref[...] = _nn(dmix, bm) + e * _nn(dy, state)
     db_ref[...] = _tn(dmix, cm) + w * _nn(x, dexit)
 
+    # d acs as a row [1, C] (lanes): row sums become rows through an 8-row ones matmul
+    # (NT, MXU-shaped), column sums are sublane reductions; no vector transposes.
     pm = dmix * gram
-    ones = jnp.ones((size, 1), _F32)
-    wdw = w * jnp.sum(x * u, axis=1, keepdims=True)
-    dacs = jnp.sum(pm, axis=1, keepdims=True) - _tn(pm, ones) - wdw
-    dacs = dacs + e * jnp.sum(dy * _nt(cm, state), axis=1, keepdims=True)
+    e_row, w_row = _row_weights(row_ref[...])
+    wdw = w_row * _rowsums_as_row(x * u)
+    dacs = _rowsums_as_row(pm) - jnp.sum(pm, axis=0, keepdims=True) - wdw
+    dacs = dacs + e_row * _rowsums_as_row(dy * _nt(cm, state))
     to_last = jnp.sum(wdw, axis=(0, 1), keepdims=True) + total * jnp.sum(
         dexit * state, axis=(0, 1), keepdims=True)
-    is_last = jax.lax.broadcasted_iota(jnp.int32, (size, 1), 0) == size - 1
+    is_last = jax.lax.broadcasted_iota(jnp.int32, (1, size), 1) == size - 1
     dacs_ref[...] = dacs + jnp.where(is_last, to_last, 0.0)
 
     new = total * dexit + _tn(dy * e, cm)
@@ -202,7 +217,7 @@ def _specs(shape_x, groups):
                                      lambda i, j, k: (i, j, _chunk(k, nc, rev), 0, 0)),
         col=lambda rev: pl.BlockSpec((None, None, None, size, 2),
                                      lambda i, j, k: (i, j, _chunk(k, nc, rev), 0, 0)),
-        dacs=lambda rev: pl.BlockSpec((None, None, None, size, 1),
+        dacs=lambda rev: pl.BlockSpec((None, None, None, 1, size),
                                       lambda i, j, k: (i, j, _chunk(k, nc, rev), 0, 0)),
         state=lambda n: pl.BlockSpec((None, None, p, n), lambda i, j, k: (i, j, 0, 0)),
         chunk_state=lambda rev, n: pl.BlockSpec(
@@ -249,7 +264,8 @@ def backward_cost(shape_x, groups, n, x_bytes, bc_bytes) -> pl.CostEstimate:
     """Recomputed C B^T, dy x^T, B dS'^T, C S^T, and dx, dC, dB, dS, d acs matmuls."""
     bsz, nc, size, h, p = shape_x
     programs = bsz * h * nc
-    flops = programs * (size * size * (6 * n + 4 * p + 2) + 10 * size * n * p)
+    flops = programs * (size * size * (6 * n + 4 * p + 16) + 10 * size * n * p
+                        + 16 * size * (n + p))  # + the 8-row ones matmuls for d acs
     exps = programs * (size * size + 2 * size + 1)
     tokens = bsz * nc * size * h
     bytes_ = (4 * tokens * p * x_bytes  # x, dy in, dx out (dy counted at x's width)
@@ -324,7 +340,7 @@ def backward(
         out_specs=[specs["x"](True, p), specs["x"](True, n), specs["x"](True, n),
                    specs["dacs"](True), specs["state"](n)],
         out_shape=[jax.ShapeDtypeStruct((bsz, h, nc, size, p), x.dtype), per_head, per_head,
-                   jax.ShapeDtypeStruct((bsz, h, nc, size, 1), _F32),
+                   jax.ShapeDtypeStruct((bsz, h, nc, 1, size), _F32),
                    jax.ShapeDtypeStruct((bsz, h, p, n), _F32)],
         scratch_shapes=[pltpu.VMEM((p, n), _F32)],
         compiler_params=_params(block_sizes),
@@ -333,7 +349,7 @@ def backward(
         name="ssd_backward_mosaic_tpu",
     )(_head_major(x), _head_major(b), _head_major(c), row, col, chunk_states.astype(_F32),
       _head_major(dy.astype(x.dtype)), dfinal_state.astype(_F32))
-    da = jnp.flip(jnp.cumsum(jnp.flip(dacs[..., 0], -1), -1), -1)  # [b, h, nc, C]
+    da = jnp.flip(jnp.cumsum(jnp.flip(dacs[..., 0, :], -1), -1), -1)  # [b, h, nc, C]
     return (
         _chunk_major(dx),
         jnp.transpose(da, (0, 2, 3, 1)).astype(a.dtype),

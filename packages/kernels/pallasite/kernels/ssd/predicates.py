@@ -70,13 +70,13 @@ class Geometry:
 def _mosaic_tpu_bytes(chunk: int, head_dim: int, state: int) -> int:
     """VMEM of the backward program (the larger): double-buffered blocks + scratch + temps.
 
-    Blocks in fp32 width (bf16 halves them): x, dy, dx [C, p]; B, C, dB, dC [C, n]; acs
-    column and d acs [C, 1] padded to 128 lanes; acs row [1, C] padded to 8 sublanes;
-    state, d final, d initial [p, n]; one [p, n] scratch; about 8 live [C, C] fp32
-    temporaries and 6 [C, max(p, n)] ones.
+    Blocks in fp32 width (bf16 halves them): x, dy, dx [C, p]; B, C, dB, dC [C, n]; the
+    acs columns [C, 2] padded to 128 lanes; the acs rows [2, C] and d acs [1, C] padded to
+    8 sublanes each; state, d final, d initial [p, n]; one [p, n] scratch; about 8 live
+    [C, C] fp32 temporaries and 6 [C, max(p, n)] ones.
     """
     f32 = 4
-    blocks = (3 * chunk * head_dim + 4 * chunk * state + 2 * chunk * 128 + 8 * chunk
+    blocks = (3 * chunk * head_dim + 4 * chunk * state + chunk * 128 + 2 * 8 * chunk
               + 3 * head_dim * state) * f32
     temps = (8 * chunk * chunk + 6 * chunk * max(head_dim, state)) * f32
     return 2 * blocks + head_dim * state * f32 + temps
