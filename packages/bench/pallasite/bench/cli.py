@@ -19,7 +19,7 @@ import os
 import sys
 import time
 
-from pallasite.bench import impls, ops, records, suites
+from pallasite.bench import impls, ops, peers, records, suites
 
 CPU_NOTE = ("No GPU or TPU here: the Pallas kernels run through the interpreters on small "
             "shapes for parity only; the XLA paths are timed on the CPU. Kernel timings "
@@ -46,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="measure a large matmul and copy; use them as the roofline")
     p.add_argument("--mamba-ssm-path", default=None,
                    help="folder holding mamba_ssm (default $PALLASITE_PEERS or "
-                        "/work/main/.peers)")
+                        "./.peers)")
     p.add_argument("--block-sizes", default=None, help="JSON dict passed as block_sizes")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--samples", type=int, default=15)
@@ -101,9 +101,12 @@ def _progress(i: int, total: int, case: ops.Case, impl: impls.Impl, start: float
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    # `bazel run` starts in the runfiles tree: resolve ./results where the user ran it.
-    if not os.path.isabs(args.results) and os.environ.get("BUILD_WORKING_DIRECTORY"):
-        args.results = os.path.join(os.environ["BUILD_WORKING_DIRECTORY"], args.results)
+    # `bazel run` starts in the runfiles tree: resolve relative paths where the user ran it
+    # (os.path.join keeps an absolute second argument as it is).
+    if os.environ.get("BUILD_WORKING_DIRECTORY"):
+        start = os.environ["BUILD_WORKING_DIRECTORY"]
+        args.results = os.path.join(start, args.results)
+        args.mamba_ssm_path = os.path.join(start, peers.peers_path(args.mamba_ssm_path))
     import jax
 
     from pallasite.bench import roofline, runner

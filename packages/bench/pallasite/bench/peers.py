@@ -8,7 +8,7 @@ that reason) and nothing here is imported until a peer is asked for.
   is carried with the others.
 - torch._grouped_mm(x[m,k], w[g,k,n], offs=cumsum(group_sizes)) -> [m,n] bf16.
 - mamba_ssm's `mamba_chunk_scan_combined` (Triton) from a source checkout given by
-  --mamba-ssm-path, $PALLASITE_PEERS or /work/main/.peers (the folder holding `mamba_ssm/`
+  --mamba-ssm-path, $PALLASITE_PEERS or ./.peers (the folder holding `mamba_ssm/`
   or a `mamba/` checkout). It takes (x, dt, A, B, C) and forms x*dt and A*dt itself;
   pallasite's inputs are x already scaled by dt and a = A*dt, so it gets dt = -a,
   A = -1 per head and x / dt: the same products, one bf16 rounding of x apart.
@@ -26,7 +26,7 @@ from typing import Any
 
 from pallasite.bench import ops
 
-DEFAULT_PEERS = "/work/main/.peers"
+DEFAULT_PEERS = ".peers"  # relative to where the benchmark was started
 
 
 def _importable(name: str) -> str | None:
