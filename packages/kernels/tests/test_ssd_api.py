@@ -138,16 +138,16 @@ def test_kernel_not_for_this_device():
 @pytest.mark.parametrize(
     "change, error, message",
     [
-        (lambda t: {**t, "x": t["x"][0]}, ValueError, r"x has shape \(40, 2, 8\)"),
-        (lambda t: {**t, "a": t["a"][:, :-1]}, ValueError, r"a has shape \(1, 39, 2\)"),
-        (lambda t: {**t, "b": t["b"][:1, :20]}, ValueError, r"b has shape \(1, 20, 1, 8\)"),
-        (lambda t: {**t, "c": t["c"][..., :4]}, ValueError, r"b has shape .* but c has"),
+        (lambda t: {**t, "x": t["x"][0]}, ValueError, r"x must be rank 4 .*got shape \(40, 2, 8\)"),
+        (lambda t: {**t, "a": t["a"][:, :-1]}, ValueError, r"a must match x's batch, steps and heads: a shape \(1, 39, 2\)"),
+        (lambda t: {**t, "b": t["b"][:1, :20]}, ValueError, r"b must match x's batch and steps: b shape \(1, 20, 1, 8\)"),
+        (lambda t: {**t, "c": t["c"][..., :4]}, ValueError, r"c must have b's shape: c shape \(1, 40, 1, 4\)"),
         (lambda t: {**t, "x": jnp.concatenate([t["x"]] * 2, 0)}, ValueError,
-         r"a has shape \(1, 40, 2\); expected \[batch, length, heads\] = \(2, 40, 2\)"),
-        (lambda t: {**t, "a": t["a"][..., :1]}, ValueError, r"a has shape \(1, 40, 1\)"),
-        (lambda t: {**t, "x": t["x"].astype(jnp.int32)}, TypeError, "x has dtype int32"),
+         r"a must match x's batch, steps and heads: a shape \(1, 40, 2\), x shape \(2, 40, 2, 8\)"),
+        (lambda t: {**t, "a": t["a"][..., :1]}, ValueError, r"a must match x's batch, steps and heads: a shape \(1, 40, 1\)"),
+        (lambda t: {**t, "x": t["x"].astype(jnp.int32)}, TypeError, "x must be floating; got int32"),
         (lambda t: {**t, "initial_state": t["initial_state"][:, :1]}, ValueError,
-         "initial_state has shape"),
+         r"initial_state must be \[batch, heads, head_dim, state\] = \(1, 2, 8, 8\); got shape \(1, 1, 8, 8\)"),
     ],
 )
 def test_bad_input(change, error, message):
@@ -161,7 +161,7 @@ def test_bad_input(change, error, message):
 def test_heads_not_divisible_by_groups():
     x, a, b, c, _ = _inputs(length=16, h=3, g=1)
     b2 = jnp.concatenate([b, b], axis=2)
-    with pytest.raises(ValueError, match="heads=3 is not divisible by groups=2"):
+    with pytest.raises(ValueError, match=r"heads \(3, x shape .*\) must be a multiple of groups \(2, b shape"):
         chunk_ssd(x, a, b2, b2, chunk_size=16)
 
 
@@ -176,9 +176,9 @@ def test_bad_chunk_size(chunk_size, error):
 def test_chunked_layout_checked_by_ssd_chunk_scan():
     x, a, b, c, s0 = _inputs(length=32)
     chunked = [t.reshape(1, 2, 16, *t.shape[2:]) for t in (x, a, b, c)]
-    with pytest.raises(ValueError, match=r"a has shape \(1, 2, 16, 1\)"):
+    with pytest.raises(ValueError, match=r"a must match x's batch, steps and heads: a shape \(1, 2, 16, 1\)"):
         ssd_chunk_scan(chunked[0], chunked[1][..., :1], chunked[2], chunked[3], s0, "xla")
-    with pytest.raises(ValueError, match="initial_state has shape"):
+    with pytest.raises(ValueError, match=r"initial_state must be \[batch, heads, head_dim, state\] .*got shape"):
         ssd_chunk_scan(*chunked, s0[..., :4], "xla")
 
 

@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
 from pallasite.kernels.ssd import predicates
+from pallasite.reference.ssd import validate_ssd, validate_ssd_chunked
 
 _LOG = logging.getLogger("pallasite.ssd")
 
@@ -44,65 +45,28 @@ _FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
 # ------------------------------------------------------------------------- validation
 
 
-def _shape_error(name, array, expected):
-    return ValueError(f"{name} has shape {tuple(array.shape)}; expected {expected}")
-
-
-def _check_dtypes(**arrays):
-    for name, array in arrays.items():
-        if array.dtype not in [np.dtype(d) for d in _FLOATS]:
-            raise TypeError(f"{name} has dtype {array.dtype} (shape {tuple(array.shape)}); "
-                            "expected a floating dtype (bfloat16, float16, float32, float64)")
-
-
-def _check_groups(heads, b, c, what):
-    if b.shape != c.shape:
-        raise ValueError(f"b has shape {tuple(b.shape)} but c has {tuple(c.shape)}; "
-                         f"both must be {what}")
-    groups = b.shape[-2]
-    if groups < 1 or heads % groups:
-        raise ValueError(f"heads={heads} is not divisible by groups={groups} "
-                         f"(b and c have shape {tuple(b.shape)})")
-
-
 def check_chunked(x, a, b, c, initial_state) -> None:
-    """Shapes and dtypes of the chunked layout; ValueError/TypeError naming the argument."""
-    if x.ndim != 5:
-        raise _shape_error("x", x, "[batch, chunks, chunk, heads, head_dim]")
-    bsz, nc, size, h, p = x.shape
-    if a.shape != (bsz, nc, size, h):
-        raise _shape_error("a", a, f"[batch, chunks, chunk, heads] = {(bsz, nc, size, h)}")
-    if b.ndim != 5 or b.shape[:3] != (bsz, nc, size):
-        raise _shape_error("b", b, f"[batch, chunks, chunk, groups, state] with leading "
-                                   f"{(bsz, nc, size)}")
-    _check_groups(h, b, c, "[batch, chunks, chunk, groups, state]")
-    n = b.shape[-1]
-    if initial_state.shape != (bsz, h, p, n):
-        raise _shape_error("initial_state", initial_state,
-                           f"[batch, heads, head_dim, state] = {(bsz, h, p, n)}")
-    _check_dtypes(x=x, a=a, b=b, c=c, initial_state=initial_state)
+    """Shapes and dtypes of the chunked layout (the reference's checks, one set for both)."""
+    validate_ssd_chunked(x, a, b, c, initial_state)
+    _check_kernel_dtypes(x=x, a=a, b=b, c=c, initial_state=initial_state)
 
 
 def check_sequence(x, a, b, c, initial_state, chunk_size) -> None:
-    """Shapes and dtypes of chunk_ssd's [batch, length, heads, ...] layout."""
+    """chunk_ssd's [batch, length, heads, ...] layout; the length need not divide (padded)."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)):
         raise TypeError(f"chunk_size must be an int; got {type(chunk_size).__name__}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
-    if x.ndim != 4:
-        raise _shape_error("x", x, "[batch, length, heads, head_dim]")
-    bsz, length, h, p = x.shape
-    if a.shape != (bsz, length, h):
-        raise _shape_error("a", a, f"[batch, length, heads] = {(bsz, length, h)}")
-    if b.ndim != 4 or b.shape[:2] != (bsz, length):
-        raise _shape_error("b", b, f"[batch, length, groups, state] with leading "
-                                   f"{(bsz, length)}")
-    _check_groups(h, b, c, "[batch, length, groups, state]")
-    if initial_state is not None and initial_state.shape != (bsz, h, p, b.shape[-1]):
-        raise _shape_error("initial_state", initial_state,
-                           f"[batch, heads, head_dim, state] = {(bsz, h, p, b.shape[-1])}")
-    extra = {} if initial_state is None else {"initial_state": initial_state}
-    _check_dtypes(x=x, a=a, b=b, c=c, **extra)
+    validate_ssd(x, a, b, c, initial_state)
+    _check_kernel_dtypes(x=x, a=a, b=b, c=c, initial_state=initial_state)
+
+
+def _check_kernel_dtypes(**arrays):
+    """The reference takes any floating dtype; the backends only these four."""
+    for name, array in arrays.items():
+        if array is not None and array.dtype not in [np.dtype(d) for d in _FLOATS]:
+            raise TypeError(f"{name} has dtype {array.dtype} (shape {tuple(array.shape)}); "
+                            "expected bfloat16, float16, float32 or float64")
 
 
 # ---------------------------------------------------------------------- backends, mesh
