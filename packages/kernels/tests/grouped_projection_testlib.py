@@ -46,6 +46,12 @@ CPU_CASES = [
     Case("g8_fp32", 45, 28, 36, 8, compute="float32", total=44, empty=(5,)),
 ]
 
+# On real hardware (GPU, TPU) the same grid plus shapes that span several tiles per group.
+ACCELERATOR_CASES = CPU_CASES + [
+    Case("g64_medium_bf16", 4100, 520, 392, 64, total=4000, empty=(1, 40)),
+    Case("g8_medium_fp32", 2000, 264, 200, 8, compute="float32"),
+]
+
 
 def draw(case: Case, seed: int = 0):
     """(x, kernel, group_sizes, dy): x fp32, kernel fp32, so the casts are exercised."""

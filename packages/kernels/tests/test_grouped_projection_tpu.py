@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from grouped_projection_testlib import CPU_CASES, Case, check_case
+from grouped_projection_testlib import ACCELERATOR_CASES, CPU_CASES, check_case
 from pallasite.kernels.grouped_projection import MosaicTpuBlockSizes, grouped_projection
 from pallasite.kernels.grouped_projection import pallas_mosaic_tpu
 
@@ -63,20 +63,16 @@ def test_block_sizes_rejected():
         MosaicTpuBlockSizes(tk=64)
 
 
-TPU_CASES = CPU_CASES + [
-    Case("g64_medium_bf16", 4100, 520, 392, 64, total=4000, empty=(1, 40)),
-    Case("g8_medium_fp32", 2000, 264, 200, 8, compute="float32"),
-]
 
 
 @pytest.mark.tpu
-@pytest.mark.parametrize("case", TPU_CASES, ids=str)
+@pytest.mark.parametrize("case", ACCELERATOR_CASES, ids=str)
 def test_tpu_parity(case):
     check_case(case, _project(case.compute, interpret=False), platform="tpu")
 
 
 @pytest.mark.tpu
 def test_tpu_larger_tiles():
-    check_case(TPU_CASES[-2], _project("bfloat16", interpret=False,
+    check_case(ACCELERATOR_CASES[-2], _project("bfloat16", interpret=False,
                                        block_sizes=MosaicTpuBlockSizes(256, 256, 256)),
                platform="tpu")

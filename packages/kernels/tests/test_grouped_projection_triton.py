@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grouped_projection_testlib import CPU_CASES, Case, check_case
+from grouped_projection_testlib import ACCELERATOR_CASES, CPU_CASES, check_case
 from pallasite.kernels.grouped_projection import TritonBlockSizes, grouped_projection
 from pallasite.kernels.grouped_projection import group_metadata, pallas_triton
 
@@ -75,26 +75,22 @@ def test_block_sizes_rejected():
                                           dtype=jnp.bfloat16)
 
 
-GPU_CASES = CPU_CASES + [
-    Case("g64_medium_bf16", 4100, 520, 392, 64, total=4000, empty=(1, 40)),
-    Case("g8_medium_fp32", 2000, 264, 200, 8, compute="float32"),
-]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+@pytest.mark.parametrize("case", ACCELERATOR_CASES, ids=str)
 def test_gpu_parity(case):
     check_case(case, _project(case.compute, block_sizes=None, interpret=False), platform="gpu")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", GPU_CASES[1:3], ids=str)
+@pytest.mark.parametrize("case", ACCELERATOR_CASES[1:3], ids=str)
 def test_gpu_parity_small_blocks(case):
     check_case(case, _project(case.compute, block_sizes=SMALL, interpret=False), platform="gpu")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", GPU_CASES[:3], ids=str)
+@pytest.mark.parametrize("case", ACCELERATOR_CASES[:3], ids=str)
 def test_gpu_default_order(case):
     check_case(case, _project(case.compute, implementation=None, block_sizes=None,
                               interpret=False), platform="gpu")
