@@ -363,6 +363,10 @@ def _check_gmm(lhs, rhs, group_sizes, transpose_rhs):
             f"k mismatch: lhs {lhs.shape} vs rhs {rhs.shape} (transpose_rhs={transpose_rhs})"
         )
     _check_group_sizes(group_sizes, rhs.shape[0])
+    _check_operand_dtypes(lhs, rhs)
+
+
+def _check_operand_dtypes(lhs, rhs):
     if lhs.dtype != rhs.dtype:
         raise TypeError(f"lhs and rhs must share the compute dtype, got {lhs.dtype} and {rhs.dtype}")
     if jnp.dtype(lhs.dtype).itemsize != 2:
@@ -544,10 +548,7 @@ def tgmm(
         raise ValueError(f"lhs [m, k] and rhs [m, n] must share m, got {lhs.shape} and {rhs.shape}")
     g = group_sizes.shape[0] if num_groups is None else num_groups
     _check_group_sizes(group_sizes, g)
-    if lhs.dtype != rhs.dtype:
-        raise TypeError(f"lhs and rhs must share the compute dtype, got {lhs.dtype} and {rhs.dtype}")
-    if jnp.dtype(lhs.dtype).itemsize != 2:
-        raise TypeError(f"Mosaic GPU kernels take 16-bit operands (bf16/fp16), got {lhs.dtype}")
+    _check_operand_dtypes(lhs, rhs)
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     m, k = lhs.shape
     n = rhs.shape[1]
