@@ -40,9 +40,10 @@ def backend(name: str) -> ModuleType:
     return importlib.import_module(f"pallasite.kernels.grouped_projection.{name}")
 
 
-def _mesh():
+def ambient_mesh():
+    """The mesh in context, else a one-device mesh (so a shard_map is always explicit)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:  # no ambient mesh: a one-device mesh, so the shard_map is still explicit
+    if mesh.empty:
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("grouped_projection",))
     return mesh
 
@@ -56,13 +57,13 @@ def _model_axis(mesh, n: int) -> str | None:
 def _sharded(name: str, fn, in_specs, out_specs, *args):
     if name in _SELF_SHARDED:
         return fn(*args)
-    return jax.shard_map(fn, mesh=_mesh(), in_specs=in_specs, out_specs=out_specs,
+    return jax.shard_map(fn, mesh=ambient_mesh(), in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)(*args)
 
 
 def _forward(x, kernel, group_sizes, name, block_sizes, interpret):
     be, n = backend(name), kernel.shape[2]
-    ax = _model_axis(_mesh(), n) if name not in _SELF_SHARDED else None
+    ax = _model_axis(ambient_mesh(), n) if name not in _SELF_SHARDED else None
     local = functools.partial(be.gmm, transpose_rhs=False, out_dtype=x.dtype,
                               block_sizes=block_sizes, interpret=interpret)
     return _sharded(name, local, (P(), P(None, None, ax), P()), P(None, ax),
@@ -71,7 +72,7 @@ def _forward(x, kernel, group_sizes, name, block_sizes, interpret):
 
 def _dx(dy, kernel, group_sizes, out_dtype, name, block_sizes, interpret):
     be, n = backend(name), kernel.shape[2]
-    ax = _model_axis(_mesh(), n) if name not in _SELF_SHARDED else None
+    ax = _model_axis(ambient_mesh(), n) if name not in _SELF_SHARDED else None
 
     def local(dy, kernel, group_sizes):
         dx = be.gmm(dy, kernel, group_sizes, transpose_rhs=True,
@@ -85,7 +86,7 @@ def _dx(dy, kernel, group_sizes, out_dtype, name, block_sizes, interpret):
 
 def _dkernel(x, dy, group_sizes, num_groups, out_dtype, name, block_sizes, interpret):
     be = backend(name)
-    ax = _model_axis(_mesh(), dy.shape[1]) if name not in _SELF_SHARDED else None
+    ax = _model_axis(ambient_mesh(), dy.shape[1]) if name not in _SELF_SHARDED else None
     local = functools.partial(be.tgmm, num_groups=num_groups, out_dtype=out_dtype,
                               block_sizes=block_sizes, interpret=interpret)
     return _sharded(name, local, (P(), P(None, ax), P()), P(None, None, ax),

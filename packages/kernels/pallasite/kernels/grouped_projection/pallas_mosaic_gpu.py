@@ -60,7 +60,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Int, Shaped
 
 from pallasite import tuning
-from pallasite.kernels.grouped_projection import config
+from pallasite.kernels.grouped_projection import config, ops
 
 # H200 SXM has 132 SMs; used when the default device does not report its core count.
 _DEFAULT_NUM_SMS = 132
@@ -236,15 +236,12 @@ def _row_tile_table(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.A
 def _shard_map(fn, *args):
     """Run fn under an explicit shard_map, operands replicated (the ragged dim stays local).
 
-    Uses the ambient mesh when one is set (replicated specs: each device computes the
-    whole product and no collective is inserted); otherwise a one-device mesh, as ops.py
-    does for the backends it wraps itself (ops lists this backend as self-sharded).
+    The mesh is ops.ambient_mesh() (replicated specs: each device computes the whole
+    product and no collective is inserted); ops lists this backend as self-sharded.
     """
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("grouped_projection",))
     specs = tuple(P() for _ in args)
-    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(*args)
+    return jax.shard_map(fn, mesh=ops.ambient_mesh(), in_specs=specs, out_specs=P(),
+                         check_vma=False)(*args)
 
 
 # --------------------------------------------------------------------------- gmm
