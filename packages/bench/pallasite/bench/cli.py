@@ -31,7 +31,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="one small shape per op")
     p.add_argument("--smoke", action="store_true",
                    help="smallest subset (one tiny shape per op, forward): for tests")
-    p.add_argument("--suite", choices=("targets", "quick", "cpu", "smoke"),
+    p.add_argument("--suite", choices=suites.SUITES,
                    help="force a suite (default: targets on an accelerator, cpu without)")
     p.add_argument("--op", action="append", choices=(ops.GP, ops.SSD), dest="ops")
     p.add_argument("--shape", action="append", dest="shapes",
@@ -64,7 +64,7 @@ def choose_cases(args, backend: str) -> tuple[str, list[ops.Case]]:
     chosen = suites.filter_cases(cases, ops_=args.ops, shapes=args.shapes,
                                  directions=args.directions)
     if not chosen and args.shapes:  # a named shape from another suite
-        every = [c for s in ("targets", "quick", "cpu") for c in suites.suite(s)]
+        every = [c for s in ("targets", "extra", "quick", "cpu") for c in suites.suite(s)]
         chosen = suites.filter_cases(every, ops_=args.ops, shapes=args.shapes,
                                      directions=args.directions)
     return name, list(dict.fromkeys(chosen))

@@ -49,6 +49,7 @@ class Case:
     shape_name: str
     dims: tuple[tuple[str, int], ...]  # ordered (name, size) pairs
     dtype: str = "bfloat16"
+    grouping: str = "dirichlet"  # grouped_projection's group sizes: see GROUPINGS
 
     @property
     def kernel(self) -> str:
@@ -60,7 +61,10 @@ class Case:
 
     @property
     def shape(self) -> str:
-        return self.shape_name + "[" + ",".join(f"{k}={v}" for k, v in self.dims) + "]"
+        dims = [f"{k}={v}" for k, v in self.dims]
+        if self.grouping != "dirichlet":
+            dims.append(f"groups={self.grouping}")
+        return self.shape_name + "[" + ",".join(dims) + "]"
 
     @property
     def flops(self) -> float:
@@ -72,8 +76,17 @@ class Case:
         return fn(self.direction, _ITEMSIZE[self.dtype], **self.d)
 
 
-def gp_case(name, m, k, n, g, direction="fwd", dtype="bfloat16") -> Case:
-    return Case(GP, direction, name, (("m", m), ("k", k), ("n", n), ("g", g)), dtype)
+# How grouped_projection's rows are split over the groups (the same split for every seed):
+# "dirichlet" is TARGETS.md's Dirichlet(4.0) split; "skewed" puts 90% of the rows in one
+# group and splits the rest, the load imbalance a router produces early in training.
+GROUPINGS = ("dirichlet", "skewed")
+
+
+def gp_case(name, m, k, n, g, direction="fwd", dtype="bfloat16",
+            grouping="dirichlet") -> Case:
+    if grouping not in GROUPINGS:
+        raise ValueError(f"grouping must be one of {GROUPINGS}, got {grouping!r}")
+    return Case(GP, direction, name, (("m", m), ("k", k), ("n", n), ("g", g)), dtype, grouping)
 
 
 def ssd_case(name, b, l, h, p, n, g, chunk=256, direction="fwd", dtype="bfloat16") -> Case:
@@ -132,8 +145,8 @@ def _dtype(name: str):
 def make_inputs(case: Case, seed: int) -> dict[str, Any]:
     """One input set (never zeros) on the default device, drawn from `seed`.
 
-    grouped_projection: x, kernel, group_sizes (Dirichlet(4.0) split of m, the same for
-    every seed so all copies share one grouping), and dy for the backward. chunk_ssd: x, a,
+    grouped_projection: x, kernel, group_sizes (the case's grouping of m rows, the same
+    for every seed so all copies share one grouping), and dy for the backward. chunk_ssd: x, a,
     b, c in [batch, length, ...] layout, a random fp32 initial state, and dy, dfinal.
     """
     import jax
@@ -147,7 +160,9 @@ def make_inputs(case: Case, seed: int) -> dict[str, Any]:
     if case.op == GP:
         x, kernel, _ = ref_inputs.grouped_projection_inputs(
             k_in, d["m"], d["k"], d["n"], d["g"], dt)
-        group_sizes = ref_inputs.random_group_sizes(jax.random.key(1234), d["m"], d["g"])
+        split = (ref_inputs.skewed_group_sizes if case.grouping == "skewed"
+                 else ref_inputs.random_group_sizes)
+        group_sizes = split(jax.random.key(1234), d["m"], d["g"])
         out = {"x": x, "kernel": kernel, "group_sizes": group_sizes}
         if case.direction == "fwd_bwd":
             out["dy"] = jax.random.normal(k_cot, (d["m"], d["n"]), dt)

@@ -2,6 +2,9 @@
 
 - "targets": every shape of ../shared/TARGETS.md (grouped_projection: mixtral, dsv3, qwen3,
   olmoe; chunk_ssd: its three Mamba-2 rows, chunk 256), forward and forward+backward.
+- "extra": grouped_projection beyond TARGETS.md: the mixtral and dsv3 shapes with skewed
+  groups (90% of the rows in one group), and small-m (decode-like) mixtral and dsv3 shapes,
+  forward and forward+backward.
 - "quick": one small shape per op a GPU runs in seconds (still TARGETS-like proportions).
 - "cpu": tiny shapes the Pallas interpreters get through in seconds on two cores; the default
   on a machine without an accelerator whatever else was asked.
@@ -25,6 +28,15 @@ _TARGET_SSD = (  # name, b, l, h, p, n, g
     ("mamba2_b2_l16k", 2, 16384, 80, 64, 128, 1),
 )
 
+_EXTRA_GP_SKEWED = (
+    ("mixtral_skewed", 32768, 4096, 14336, 8),
+    ("dsv3_skewed", 65536, 7168, 2048, 256),
+)
+_EXTRA_GP_SMALL_M = (  # a few rows per group: a decode step's batch
+    ("mixtral_small_m", 1024, 4096, 14336, 8),
+    ("dsv3_small_m", 2048, 7168, 2048, 256),
+)
+
 _QUICK_GP = (("quick", 8192, 1024, 1024, 16),)
 _QUICK_SSD = (("quick", 2, 2048, 16, 64, 64, 1),)
 
@@ -46,13 +58,20 @@ def _cases(gp_shapes, ssd_shapes, directions, chunk=256) -> list[ops.Case]:
 def suite(name: str) -> list[ops.Case]:
     if name == "targets":
         return _cases(_TARGET_GP, _TARGET_SSD, ops.DIRECTIONS)
+    if name == "extra":
+        return [gp_case(*s, direction=d, grouping="skewed")
+                for d in ops.DIRECTIONS for s in _EXTRA_GP_SKEWED] + _cases(
+                    _EXTRA_GP_SMALL_M, (), ops.DIRECTIONS)
     if name == "quick":
         return _cases(_QUICK_GP, _QUICK_SSD, ops.DIRECTIONS)
     if name == "cpu":
         return _cases(_CPU_GP, _CPU_SSD, ops.DIRECTIONS, chunk=_CPU_SSD_CHUNK)
     if name == "smoke":
         return _cases(_CPU_GP[:1], _CPU_SSD[:1], ("fwd",), chunk=_CPU_SSD_CHUNK)
-    raise ValueError(f"unknown suite {name!r}; known: targets, quick, cpu, smoke")
+    raise ValueError(f"unknown suite {name!r}; known: {', '.join(SUITES)}")
+
+
+SUITES = ("targets", "extra", "quick", "cpu", "smoke")
 
 
 def filter_cases(cases: list[ops.Case], *, ops_: list[str] | None = None,
@@ -67,5 +86,6 @@ def filter_cases(cases: list[ops.Case], *, ops_: list[str] | None = None,
 
 
 def shape_names() -> list[str]:
-    names = [s[0] for s in _TARGET_GP + _TARGET_SSD + _QUICK_GP + _CPU_GP + _CPU_SSD]
+    names = [s[0] for s in _TARGET_GP + _TARGET_SSD + _EXTRA_GP_SKEWED + _EXTRA_GP_SMALL_M
+             + _QUICK_GP + _CPU_GP + _CPU_SSD]
     return list(dict.fromkeys(names))
