@@ -204,17 +204,25 @@ def _ssd_numpy(x, a, b, c, init):
     return np.concatenate(ys), state
 
 
-def _ssd_bench(module, dims: dict, dtype: str = BF16, interpret: bool = False) -> tuner.Benchmark:
+def _ssd_inputs(dims: dict, dtype: str):
+    """x, a, b, c as [b, l, ...] and chunked [b, nc, C, ...], and the fp32 initial state."""
     import jax
-    import jax.numpy as jnp
 
     from pallasite.reference import inputs as ref_inputs
 
     bsz, l, h, p, n, g, chunk = (dims[k] for k in SSD_DIMS)
-    x, a, b, c = ref_inputs.ssd_inputs(jax.random.key(0), bsz, l, h, p, n, g, dtype)
+    flat = ref_inputs.ssd_inputs(jax.random.key(0), bsz, l, h, p, n, g, dtype)
     init = ref_inputs.ssd_initial_state(jax.random.key(1), bsz, h, p, n)
-    nc = l // chunk
-    chunked = [t.reshape(bsz, nc, chunk, *t.shape[2:]) for t in (x, a, b, c)]
+    chunked = [t.reshape(bsz, l // chunk, chunk, *t.shape[2:]) for t in flat]
+    return flat, chunked, init
+
+
+def _ssd_bench(module, dims: dict, dtype: str = BF16, interpret: bool = False) -> tuner.Benchmark:
+    import jax
+    import jax.numpy as jnp
+
+    bsz, l, h, p, n, g, chunk = (dims[k] for k in SSD_DIMS)
+    (x, a, b, c), chunked, init = _ssd_inputs(dims, dtype)
     picks = sorted({(0, 0), (bsz - 1, h - 1)})
     bi = jnp.asarray([q[0] for q in picks])
     hi = jnp.asarray([q[1] for q in picks])
@@ -240,6 +248,34 @@ def _ssd_bench(module, dims: dict, dtype: str = BF16, interpret: bool = False) -
     return tuner.Benchmark(build=build, reference=reference, atol=0.0, rtol=2e-2, warmup=1, reps=5)
 
 
+def _ssd_backward_bench(module, dims: dict, dtype: str = BF16,
+                        interpret: bool = False) -> tuner.Benchmark:
+    """The backward pass alone (dx, da, db, dc, dinitial) under the candidate's blocks; the
+    chunk states come from one forward with the default blocks. Reference: the XLA
+    backend's forward and backward in fp32 on the same (rounded) inputs."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallasite.kernels.ssd import xla as ssd_xla
+
+    _, chunked, init = _ssd_inputs(dims, dtype)
+    dy = jax.random.normal(jax.random.key(2), chunked[0].shape, dtype)
+    dfinal = jax.random.normal(jax.random.key(3), init.shape, jnp.float32)
+    fwd = jax.jit(lambda *t: module.forward(*t, interpret=interpret)[2])
+    states = fwd(*chunked, init)
+
+    def build(cfg):
+        f = jax.jit(lambda *t: module.backward(*t, block_sizes=cfg, interpret=interpret))
+        return lambda: f(*chunked, states, dy, dfinal)
+
+    def reference():
+        f32 = [t.astype(jnp.float32) for t in chunked]
+        _, _, ref_states = ssd_xla.forward(*f32, init)
+        return ssd_xla.backward(*f32, ref_states, dy.astype(jnp.float32), dfinal)
+
+    return tuner.Benchmark(build=build, reference=reference, atol=0.0, rtol=2e-2, warmup=1, reps=5)
+
+
 def _ssd_default(module, dims: dict):
     fn = getattr(module, "default_block_sizes", None)
     return fn(chunk=dims["chunk"]) if fn else module.resolve_block_sizes(None, dims["chunk"])
@@ -254,6 +290,8 @@ def _ssd_impls(interpret: bool = False, everything: bool = False) -> list[Impl]:
         if mod is not None:
             out.append(Impl("pallas_triton:forward", mod.BlockSizes, lambda d: _ssd_default(mod, d),
                             lambda d, t=BF16: _ssd_bench(mod, d, t, interpret)))
+            out.append(Impl("pallas_triton:backward", mod.BlockSizes, lambda d: _ssd_default(mod, d),
+                            lambda d, t=BF16: _ssd_backward_bench(mod, d, t, interpret)))
     return out
 
 
