@@ -21,6 +21,7 @@ from pallasite.kernels.grouped_projection import (
     grouped_projection,
     ops,
     pallas_triton,
+    predicates,
     ragged_dot_runs,
 )
 from pallasite.reference.grouped_projection import grouped_projection as reference
@@ -261,6 +262,31 @@ def test_cuda_without_a_gpu_lowers_to_xla():
     with _cuda_mesh():
         text = _export(_loss(), ["cuda"], *_specs()).mlir_module()
     assert TRITON_CALL not in text
+
+
+@pytest.mark.parametrize("m,g,preferred", [(4096, 8, True), (65536, 128, True),
+                                            (65536, 256, False), (1024, 8, False),
+                                            (511, 1, False), (512, 1, True)])
+def test_mosaic_gpu_preferred_from_512_rows_per_group(m, g, preferred):
+    assert predicates.mosaic_gpu_preferred(m, g) is preferred
+
+
+@pytest.fixture
+def fake_hopper(monkeypatch):
+    from pallasite.kernels.grouped_projection import pallas_mosaic_gpu
+
+    monkeypatch.setattr(platform, "triton_runs", lambda device=None: True)
+    monkeypatch.setattr(platform, "mosaic_gpu_runs", lambda device=None: True)
+    monkeypatch.setattr(pallas_mosaic_gpu, "_num_programs", lambda interpret: 132)
+
+
+@pytest.mark.parametrize("m,expected", [(4096, "mosaic_gpu"), (2048, TRITON_CALL)])
+def test_cuda_default_on_hopper_picks_by_rows_per_group(fake_hopper, m, expected):
+    """512 rows per group or more: Mosaic GPU for all three products; fewer: Triton."""
+    with _cuda_mesh():
+        text = _export(_loss(), ["cuda"], *_specs(m=m, k=512, n=1024, g=8)).mlir_module()
+    other = TRITON_CALL if expected == "mosaic_gpu" else "mosaic_gpu"
+    assert expected in text and other not in text
 
 
 def test_tpu_default_lowers_to_mosaic():

@@ -3,8 +3,9 @@
 Default order per lowering platform (jax.lax.platform_dependent, so one jitted function
 exports for several platforms; each platform's branch is traced, only the lowered ones
 are compiled):
-  cuda: pallas_triton (triton_runs: sm80+), then xla (pallas_mosaic_gpu, Hopper, by name
-        only for now: see CUDA_ORDER);
+  cuda: pallas_mosaic_gpu (mosaic_gpu_runs: sm90, 16-bit compute, and
+        mosaic_gpu_preferred: at least 512 rows per group on average), then pallas_triton
+        (triton_runs: sm80+), then xla;
   tpu:  pallas_mosaic_tpu, then xla;
   else: xla, or pallas_triton through the interpreter when interpret_on_cpu=True.
 A multi-platform export cannot hold the kernels yet: JAX 0.11.2 lowers every branch of
@@ -12,7 +13,10 @@ a platform_dependent for every platform (cond lowering), and a Triton or Mosaic
 pallas_call has no lowering elsewhere; export once per platform instead (tested).
 Kernels are admitted only where ragged_dot_runs says they compute what was asked (16-bit
 compute, or fp32 at default precision, no x64). On the H200 the Triton path is 3-30x
-jax.lax.ragged_dot and fits dsv3 where XLA runs out of memory (docs/performance.md).
+jax.lax.ragged_dot and fits dsv3 where XLA runs out of memory; on Hopper the Mosaic GPU
+kernels are ahead of Triton where groups average 512 rows or more, behind below that
+(docs/performance.md, issue 7), hence mosaic_gpu_preferred. Naming a backend skips that
+preference (not the can-it-run predicates).
 
 `implementation=` a name: that backend or its error (fails fast); a sequence: tried in
 order, each fallback logged with its reason, all reasons raised together (an
@@ -32,16 +36,19 @@ from jaxtyping import Array, Float, Int
 
 from pallasite.kernels import platform
 from pallasite.kernels.grouped_projection import config, ops
-from pallasite.kernels.grouped_projection.predicates import ragged_dot_runs
+from pallasite.kernels.grouped_projection.predicates import (
+    MOSAIC_GPU_MIN_ROWS_PER_GROUP,
+    mosaic_gpu_preferred,
+    ragged_dot_runs,
+)
 from pallasite.reference.grouped_projection import validate_grouped_projection
 
 log = logging.getLogger(__name__)
 
-# The default order on CUDA. pallas_mosaic_gpu is held out of it (still selectable by
-# name) until its whole GPU parity grid passes: its total < m / empty-group stall is fixed
-# and that case passes on the H200, but five cases of the grid are not re-run yet
-# (docs/performance.md, issue 7); put it first again once they pass.
-CUDA_ORDER = ["pallas_triton", "xla"]
+# The default order on CUDA: each backend's predicate picks the first that runs (Mosaic GPU
+# on sm90 with 16-bit compute and long enough groups, Triton on sm80+, XLA anywhere). The
+# Mosaic GPU backend's whole GPU parity grid passes on the H200 (2026-11-30, issue 7).
+CUDA_ORDER = ["pallas_mosaic_gpu", "pallas_triton", "xla"]
 TPU_ORDER = ["pallas_mosaic_tpu", "xla"]
 IMPLEMENTATIONS = ops.BACKENDS
 
@@ -84,8 +91,21 @@ def _refusal(name: str, compute, operands, interpret: bool, check_device: bool =
         return f"pallas_triton needs a CUDA GPU from sm80; the device is {generation}"
     if name == "pallas_mosaic_gpu" and not platform.mosaic_gpu_runs():
         return f"pallas_mosaic_gpu needs a Hopper GPU (sm90); the device is {generation}"
+    if name == "pallas_mosaic_gpu" and np.dtype(compute).itemsize != 2:
+        return (f"pallas_mosaic_gpu takes 16-bit compute (bf16, fp16); "
+                f"compute={np.dtype(compute).name}")
     if name == "pallas_mosaic_tpu" and not generation.startswith(("v", "tpu")):
         return f"pallas_mosaic_tpu needs a TPU; the device is {generation}"
+    return None
+
+
+def _slower_here(name: str, x, kernel) -> str | None:
+    """Why the default order passes over backend `name` although it could run (None: it
+    does not): a measured preference, not a capability, so a named backend ignores it."""
+    m, g = x.shape[0], kernel.shape[0]
+    if name == "pallas_mosaic_gpu" and not mosaic_gpu_preferred(m, g):
+        return (f"pallas_mosaic_gpu: Triton is faster with m/g = {m}/{g} < "
+                f"{MOSAIC_GPU_MIN_ROWS_PER_GROUP} rows per group (mosaic_gpu_preferred)")
     return None
 
 
@@ -142,7 +162,8 @@ def _default(x, kernel, group_sizes, compute, block_sizes, interpret_on_cpu):
 
         def run(x, kernel, group_sizes):
             for name in names:  # the predicates pick; xla always accepts
-                why = _refusal(name, compute, (x, kernel), interpret, check_device)
+                why = (_refusal(name, compute, (x, kernel), interpret, check_device)
+                       or _slower_here(name, x, kernel))
                 if why is None:
                     return _try_in_order(names[names.index(name):], x, kernel, group_sizes,
                                          compute, block_sizes, interpret, strict=False,

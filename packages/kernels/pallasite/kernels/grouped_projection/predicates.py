@@ -55,3 +55,22 @@ def ragged_dot_runs(compute: Any, operands: Sequence[Any] = (), precision: Any =
     if compute == jnp.dtype(jnp.float32):
         return _is_default(precision)
     return False
+
+
+# Average rows per group (m / g) from which the default order puts the Mosaic GPU kernels
+# ahead of the Triton ones on Hopper. Measured on one H200 in one bench run (2026-11-30,
+# docs/performance.md, issue 7), bf16 TFLOP/s Mosaic GPU / Triton, forward and fwd+bwd:
+# m/g >= 512 Mosaic GPU is ahead: mixtral (4096) 603/580, 604/556; qwen3 (512) 428/373,
+# 396/340; olmoe (512) 433/417, 402/392. Below, Triton is: dsv3 (256) 463/476, 353/356;
+# dsv3 with 90% of rows in one group 388/430, 335/340; 8 rows per group 29/34, 21/26;
+# mixtral at m=1024 (128) 323/308 forward but 251/276 fwd+bwd. Short groups mean short
+# row tiles, where the Mosaic kernel's one warpgroup serialises pipeline fill, k loop and
+# epilogue per tile.
+MOSAIC_GPU_MIN_ROWS_PER_GROUP = 512
+
+
+def mosaic_gpu_preferred(m: int, g: int) -> bool:
+    """Whether the default order tries pallas_mosaic_gpu before pallas_triton for an
+    [m, k] x [g, k, n] projection: m / g >= MOSAIC_GPU_MIN_ROWS_PER_GROUP. The group sizes
+    themselves are traced values; only the static average is known when choosing."""
+    return m >= MOSAIC_GPU_MIN_ROWS_PER_GROUP * max(g, 1)
