@@ -36,7 +36,9 @@ exp(acs_i - acs_j) is off by at most 4.2e-6 relative (max |acs| 21); with a scal
 
 Measured (H200, 2026-11-30, docs/performance.md, bf16, C = 256, p = 64, n = 128): forward
 0.96 / 1.63 / 1.96 ms and forward+backward 2.70 / 4.96 / 6.29 ms on the three TARGETS
-rows, 4.4x to 5.6x ahead of the XLA path. Tried and reverted: C B^T once per (batch,
+rows, 4.4x to 5.6x ahead of the XLA path; in the bench harness beside mamba_ssm's Triton
+kernels (same process): forward 0.697 / 1.439 / 1.741 ms vs 1.082 / 1.274 / 1.438,
+forward+backward 2.336 / 4.649 ms vs 4.216 / 6.098 on rows 1-2. Tried and reverted: C B^T once per (batch,
 chunk, group) through HBM, shared by the group's heads: forward no faster (0.96 ms on row
 1), forward+backward 1.4x slower (3.76 ms; the backward reads that tile transposed).
 """
