@@ -291,3 +291,18 @@ def test_gpu_gradients_through_public_api():
     assert_close(ours[1][0], ref[1][0], dtype=BF16, what="dx")
     assert_close(ours[1][1], ref[1][1], dtype=BF16, what="dkernel")
     assert (np.asarray(ours[1][1], np.float32)[3] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,picked", [(4096, "mosaic_gpu"), (2048, "__gpu$xla.gpu.triton")])
+def test_gpu_default_order_by_rows_per_group(m, picked):
+    """With no implementation= on Hopper: Mosaic GPU at >= 512 rows per group on average
+    (mosaic_gpu_preferred), Triton below; either way the value matches the reference."""
+    from pallasite.kernels.grouped_projection.api import grouped_projection
+
+    k, n, g = 256, 512, 8
+    x, w, _ = _operands(jax.random.key(9), m, k, n, g)
+    gs = random_group_sizes(jax.random.key(10), m, g)
+    f = jax.jit(lambda a, b, c: grouped_projection(a, b, c, BF16))
+    assert picked in f.lower(x, w, gs).as_text()
+    assert_close(f(x, w, gs), gmm_reference(*_f32(x, w), gs), dtype=BF16, what="default")
