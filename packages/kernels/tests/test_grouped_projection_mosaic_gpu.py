@@ -6,7 +6,8 @@ out-of-bounds reads are NaN there, so an unwritten row or an unmasked row fails)
 CUDA lowering (exported from the CPU under an abstract H200 mesh: layout inference and
 the TMA/wgmma lowering run, nothing executes), and the shard_map in the lowered HLO.
 GPU (-m gpu, an H200): the parity grid against the fp32 reference, total < m, empty and
-skewed groups, and gradients through the public API.
+skewed groups, the warp-specialised gmm on three of them, gradients through the public
+API, and the default order by rows per group.
 """
 
 from __future__ import annotations
@@ -153,6 +154,62 @@ def test_interpret_gmm_and_dx(m, k, n, sizes):
     assert (np.asarray(dx)[total:] == 0).all() and (np.asarray(out)[total:] == 0).all()
 
 
+SMALL_WS = mgpu.MosaicGpuBlockSizes(block_m=64, block_n=64, block_k=64, stages=2,
+                                    grid_block_n=2, warp_specialized=True)
+# k and n multiples of 2 * 64, so both gmm and dx take the warp-specialised kernel.
+INTERPRET_WS_CASES = [
+    (200, 128, 256, [70, 0, 100]),
+    (131, 128, 128, [3, 60, 1, 0, 57]),
+    (96, 128, 128, [0, 0, 0]),
+]
+
+
+@pytest.mark.parametrize("m,k,n,sizes", INTERPRET_WS_CASES)
+def test_interpret_warp_specialized_gmm_and_dx(m, k, n, sizes, monkeypatch):
+    """The producer / two-consumer kernel: same values, zero rows past the total."""
+    built = []
+    real = mgpu._gmm_kernel_warp_specialized
+    monkeypatch.setattr(mgpu, "_gmm_kernel_warp_specialized",
+                        lambda *a: built.append(a) or real(*a))
+    gs = jnp.array(sizes, jnp.int32)
+    x, w, dy = _operands(jax.random.key(m), m, k, n, len(sizes))
+    out = mgpu.gmm(x, w, gs, out_dtype=jnp.float32, block_sizes=SMALL_WS, interpret=True)
+    dx = mgpu.gmm(dy, w, gs, transpose_rhs=True, out_dtype=jnp.float32, block_sizes=SMALL_WS,
+                  interpret=True)
+    assert len(built) == 2  # forward and dx both took it
+    assert_close(out, gmm_reference(*_f32(x, w), gs), dtype=jnp.float32, tol=EXACT_FP32,
+                 what="gmm")
+    assert_close(dx, gmm_reference(*_f32(dy, w), gs, transpose_rhs=True), dtype=jnp.float32,
+                 tol=EXACT_FP32, what="dx")
+    total = sum(sizes)
+    assert (np.asarray(dx)[total:] == 0).all() and (np.asarray(out)[total:] == 0).all()
+
+
+@pytest.mark.parametrize("n,in_bytes,out_bytes,ws,stages", [
+    (1024, 2, 2, True, 3),   # 3 x 48 KiB operands + 64 KiB output slots fit 227 KiB
+    (1024, 2, 4, True, 2),   # fp32 output slots leave room for 2 stages
+    (1024, 4, 4, False, 4),  # not even 2 stages: the one-warpgroup kernel
+    (384, 2, 2, False, 4),   # 384 columns do not split into 2 x 128
+])
+def test_fit_warp_specialized(n, in_bytes, out_bytes, ws, stages):
+    fitted = mgpu._fit_warp_specialized(_WS4, n, in_bytes, out_bytes)
+    assert (fitted.warp_specialized, fitted.stages) == (ws, stages)
+
+
+_WS4 = mgpu.MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=4,
+                                warp_specialized=True)
+
+
+def test_warp_specialized_falls_back_when_n_does_not_split(monkeypatch):
+    monkeypatch.setattr(mgpu, "_gmm_kernel_warp_specialized",
+                        lambda *a: pytest.fail("n = 64 cannot split over two consumers"))
+    x, w, _ = _operands(jax.random.key(2), 64, 64, 64, 2)
+    gs = jnp.array([30, 20], jnp.int32)
+    out = mgpu.gmm(x, w, gs, out_dtype=jnp.float32, block_sizes=SMALL_WS, interpret=True)
+    assert_close(out, gmm_reference(*_f32(x, w), gs), dtype=jnp.float32, tol=EXACT_FP32,
+                 what="gmm")
+
+
 @pytest.mark.parametrize("m,k,n,sizes", INTERPRET_CASES[:3] + INTERPRET_CASES[4:])
 def test_interpret_tgmm(m, k, n, sizes):
     gs = jnp.array(sizes, jnp.int32)
@@ -187,17 +244,26 @@ def _h200_mesh():
     return AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
 
 
-@pytest.mark.parametrize("product", ["forward", "dx", "dkernel"])
+_WS = mgpu.MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=3,
+                               warp_specialized=True)
+
+
+@pytest.mark.parametrize("product", ["forward", "dx", "dkernel", "forward_ws", "dx_ws"])
 def test_lowers_for_cuda_from_cpu(product, monkeypatch):
-    """Layout inference and the wgmma/TMA lowering run for every product and both tiles."""
+    """Layout inference and the wgmma/TMA lowering run for every product and both tiles,
+    and for the warp-specialised gmm (its shared memory fits at 3 stages of 128x256)."""
     monkeypatch.setattr(mgpu, "_num_programs", lambda interpret: 132)
     m, k, n, g = 4096, 512, 1024, 8
     s = jax.ShapeDtypeStruct
     gs = s((g,), jnp.int32)
+    blocks = _WS if product.endswith("_ws") else None
+    product = product.removesuffix("_ws")
     if product == "forward":
-        f, args = (lambda a, b, c: mgpu.gmm(a, b, c)), (s((m, k), BF16), s((g, k, n), BF16), gs)
+        f = lambda a, b, c: mgpu.gmm(a, b, c, block_sizes=blocks)  # noqa: E731
+        args = (s((m, k), BF16), s((g, k, n), BF16), gs)
     elif product == "dx":
-        f = lambda a, b, c: mgpu.gmm(a, b, c, transpose_rhs=True, out_dtype=jnp.float32)  # noqa
+        f = lambda a, b, c: mgpu.gmm(a, b, c, transpose_rhs=True, out_dtype=jnp.float32,  # noqa
+                                     block_sizes=blocks)
         args = (s((m, n), BF16), s((g, k, n), BF16), gs)
     else:
         f = lambda a, b, c: mgpu.tgmm(a, b, c, num_groups=g)  # noqa: E731
@@ -246,8 +312,10 @@ _SMALL_GPU = mgpu.MosaicGpuBlockSizes(block_m=64, block_n=64, stages=3, grid_blo
 @pytest.mark.parametrize(
     "case,blocks",
     [(c, None) for c in _gpu_cases()]
-    + [(c, _SMALL_GPU) for c in _gpu_cases() if c[0] in ("many_small", "odd_m")],
-    ids=lambda v: v[0] if isinstance(v, tuple) else ("default" if v is None else "small"),
+    + [(c, _SMALL_GPU) for c in _gpu_cases() if c[0] in ("many_small", "odd_m")]
+    + [(c, _WS) for c in _gpu_cases() if c[0] in ("dirichlet", "total_lt_m", "all_empty")],
+    ids=lambda v: v[0] if isinstance(v, tuple) else (
+        "default" if v is None else "ws" if v.warp_specialized else "small"),
 )
 def test_gpu_parity(case, blocks):
     _, m, k, n, g, gs = case

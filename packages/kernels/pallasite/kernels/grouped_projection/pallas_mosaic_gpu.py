@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from typing import Any
 
 import jax
@@ -63,7 +64,8 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Int, Shaped
 
 from pallasite import tuning
-from pallasite.kernels.grouped_projection import config, ops
+from pallasite.kernels import platform
+from pallasite.kernels.grouped_projection import config, ops, tuning_benchmarks
 
 # H200 SXM has 132 SMs; used when the default device does not report its core count.
 _DEFAULT_NUM_SMS = 132
@@ -81,6 +83,13 @@ class MosaicGpuBlockSizes:
     the output, block_k of the k contraction. For tgmm: block_m over k (lhs columns),
     block_n over n, block_k rows of the ragged contraction. stages is the number of TMA
     buffers in flight; grid_block_n the width (in column tiles) of the planar snake.
+
+    warp_specialized (gmm only; tgmm ignores it): a producer warpgroup issues the TMA loads
+    while two consumer warpgroups each own a block_m x block_n half of a block_m x
+    2*block_n tile, so one tile's epilogue overlaps the next tile's loads. Needs n to be a
+    multiple of 2*block_n (else the one-warpgroup kernel runs); stages are cut to what fits
+    shared memory. Not measured on a GPU yet, so no default or table entry uses it
+    (docs/performance.md, issue 7).
     """
 
     block_m: int = 128
@@ -88,12 +97,16 @@ class MosaicGpuBlockSizes:
     block_k: int = 64
     stages: int = 4
     grid_block_n: int = 8
+    warp_specialized: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k", "stages", "grid_block_n"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"MosaicGpuBlockSizes.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.warp_specialized, (bool, np.bool_)):
+            raise ValueError(f"MosaicGpuBlockSizes.warp_specialized must be a bool, "
+                             f"got {self.warp_specialized!r}")
         for name in ("block_m", "block_n", "block_k"):
             if getattr(self, name) % 64:
                 raise ValueError(
@@ -119,11 +132,15 @@ TGMM_DEFAULT = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=
 
 
 def resolve_block_sizes(
-    block_sizes: Any, *, product: str, m: int, k: int, n: int, g: int, dtype: Any = jnp.bfloat16
+    block_sizes: Any, *, product: str, m: int, k: int, n: int, g: int, dtype: Any = jnp.bfloat16,
+    interpret: bool = True,
 ) -> MosaicGpuBlockSizes:
     """The one place this backend picks its blocks: the caller's, else pallasite.tuning's
-    tuned table / autotune cache entry for this device and shape bucket, else the shape's
-    default (no entry for the key: exactly `default_block_sizes`).
+    tuned table / autotune cache entry for this device and shape bucket, else a bounded
+    autotune of this shape (only when the kernel will run compiled, not `interpret`, on a
+    Hopper GPU; PALLASITE_AUTOTUNE=0 turns it off), else the shape's default (exactly
+    `default_block_sizes`). `interpret` defaults to True, "do not tune", for callers that
+    only ask which blocks apply; gmm and tgmm pass theirs.
 
     block_sizes: None, a MosaicGpuBlockSizes (every product), or a
     config.GroupedProjectionBlockSizes naming one per product ('forward', 'dx', 'dkernel').
@@ -133,11 +150,14 @@ def resolve_block_sizes(
         raise TypeError(
             f"block_sizes for pallas_mosaic_gpu must be MosaicGpuBlockSizes, got {chosen!r}"
         )
+    dims = {"m": m, "k": k, "n": n, "g": g}
+    measure = None
+    if chosen is None and not interpret and platform.mosaic_gpu_runs():
+        measure = lambda: tuning_benchmarks.benchmark(sys.modules[__name__], product, dims, dtype)  # noqa: E731
     return tuning.select_block_sizes(
         "grouped_projection", f"pallas_mosaic_gpu:{product}", device_kind=tuning.device_kind(),
-        dtypes=(dtype,), shape={"m": m, "k": k, "n": n, "g": g},
-        config_type=MosaicGpuBlockSizes, caller=chosen,
-        default=default_block_sizes(product=product, m=m, k=k, n=n, g=g),
+        dtypes=(dtype,), shape=dims, config_type=MosaicGpuBlockSizes, caller=chosen,
+        default=default_block_sizes(product=product, m=m, k=k, n=n, g=g), measure=measure,
     ).config
 
 
@@ -262,22 +282,28 @@ def _store_rows(acc, out_gmem, row0, rows, smem_off, col0, block_m: int, block_n
 
     @functools.partial(pl.run_scoped, o_smem=o_type)
     def _(o_smem):
-        o_smem[...] = acc.astype(o_smem.dtype)
-        plgpu.commit_smem()
-        done = jnp.int32(0)
-        box = 1 << (block_m.bit_length() - 1)
-        while box:
-
-            @pl.when(rows & box != 0)
-            def _(box=box, done=done):
-                plgpu.copy_smem_to_gmem(
-                    o_smem.at[pl.ds(smem_off + done, box)],
-                    out_gmem.at[pl.ds(row0 + done, box), pl.ds(col0, block_n)],
-                )
-
-            done = done + (rows & box)
-            box //= 2
+        _store_rows_from(acc, o_smem, out_gmem, row0, rows, smem_off, col0, block_m, block_n)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _store_rows_from(acc, o_smem, out_gmem, row0, rows, smem_off, col0, block_m: int,
+                     block_n: int):
+    """Write acc to the SMEM tile o_smem, then issue (not wait for) the TMA row boxes."""
+    o_smem[...] = acc.astype(o_smem.dtype)
+    plgpu.commit_smem()
+    done = jnp.int32(0)
+    box = 1 << (block_m.bit_length() - 1)
+    while box:
+
+        @pl.when(rows & box != 0)
+        def _(box=box, done=done):
+            plgpu.copy_smem_to_gmem(
+                o_smem.at[pl.ds(smem_off + done, box)],
+                out_gmem.at[pl.ds(row0 + done, box), pl.ds(col0, block_n)],
+            )
+
+        done = done + (rows & box)
+        box //= 2
 
 
 def _gmm_kernel(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_rhs: bool):
@@ -328,6 +354,107 @@ def _gmm_kernel(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_rhs: bool):
     return body
 
 
+# sm90's shared memory per block (227 KiB), less room for the pipeline's barriers.
+_SMEM_BYTES = 232448 - 2048
+
+
+def _fit_warp_specialized(bs: MosaicGpuBlockSizes, n: int, in_bytes: int, out_bytes: int
+                          ) -> MosaicGpuBlockSizes:
+    """bs with as many stages as fit shared memory (at least 2), or the one-warpgroup
+    kernel when n does not split into 2*block_n columns or even 2 stages do not fit.
+    Shared memory: stages x (lhs block_m x block_k + rhs block_k x 2 block_n) operand
+    buffers plus one block_m x block_n output slot per consumer."""
+    if n % (2 * bs.block_n):
+        return dataclasses.replace(bs, warp_specialized=False)
+    per_stage = (bs.block_m * bs.block_k + bs.block_k * 2 * bs.block_n) * in_bytes
+    out_slots = 2 * bs.block_m * bs.block_n * out_bytes
+    stages = min(bs.stages, (_SMEM_BYTES - out_slots) // per_stage)
+    if stages < 2:
+        return dataclasses.replace(bs, warp_specialized=False)
+    return dataclasses.replace(bs, stages=int(stages))
+
+
+def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_rhs: bool):
+    """gmm with a TMA producer warpgroup and two wgmma consumer warpgroups per program.
+
+    The same row-tile table and snake as _gmm_kernel; a program's tile is block_m x
+    2*block_n, consumer w owning columns [w*block_n, (w+1)*block_n). Each consumer keeps its
+    accumulator in registers, writes it to its own SMEM slot and issues its own ragged TMA
+    row stores; it waits for its previous stores to leave SMEM only when it next needs the
+    slot, so the stores overlap the next tile's main loop while the producer is already
+    loading that tile's operands.
+    """
+    bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
+    cta_n = 2 * bn
+    grid_n = n // cta_n
+    rhs_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
+    rhs_index = (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0))
+
+    def pipeline(mma, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            mma,
+            grid=(k // bk,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), memory_space=plgpu.SMEM),
+                plgpu.BlockSpec(rhs_block, rhs_index, memory_space=plgpu.SMEM),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=bs.stages,
+            compute_context=compute_context,
+        )
+
+    def body(table_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem):
+        num_tiles = count_gmem[0]
+        wg = lax.axis_index("wg")
+        ignore = lambda *_, **__: None  # noqa: E731 - allocations do not depend on the body
+        allocs = pipeline(ignore, ignore).get_allocations(
+            lhs_gmem.at[pl.ds(0, bm)],
+            rhs_gmem.at[0, pl.ds(0, cta_n)] if transpose_rhs else rhs_gmem.at[0, :, pl.ds(0, cta_n)],
+        )
+        o_type = plgpu.SMEM((2, bm, bn), out_gmem.dtype,
+                            transforms=_swizzle_transforms(out_gmem.dtype, rows=1))
+
+        @functools.partial(pl.run_scoped, allocations=allocs, o_smem=o_type,
+                           collective_axes="wg")
+        def _(allocations, o_smem):
+            @plgpu.nd_loop((num_tiles * grid_n,), collective_axes="sm")
+            def _(info):
+                mi, ni = plgpu.planar_snake(info.index[0], (num_tiles, grid_n), 1,
+                                            bs.grid_block_n)
+                seg = table_gmem[0, mi]
+                load0 = pl.multiple_of(table_gmem[1, mi], 8)
+                row0 = table_gmem[2, mi]
+                rows = table_gmem[3, mi]
+                cols = pl.ds(wg * bn, bn)
+
+                def mma(_, a_smem, b_smem, acc_ref):
+                    b = b_smem.at[cols].transpose((1, 0)) if transpose_rhs else b_smem.at[:, cols]
+                    plgpu.wgmma(acc_ref, a_smem, b)
+                    plgpu.wgmma_wait(0)
+                    return acc_ref
+
+                def compute_context(run_pipeline):
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+                    def _(acc_ref):
+                        run_pipeline(acc_ref)
+                        acc = _zero_rows_from(acc_ref[...], jnp.where(seg < g, bm, 0))
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slot free again
+                        _store_rows_from(acc, o_smem.at[wg], out_gmem, row0, rows,
+                                         row0 - load0, ni * cta_n + wg * bn, bm, bn)
+
+                weights = rhs_gmem.at[jnp.minimum(seg, g - 1)]
+                weights = (weights.at[pl.ds(ni * cta_n, cta_n)] if transpose_rhs
+                           else weights.at[:, pl.ds(ni * cta_n, cta_n)])
+                pipeline(mma, compute_context)(
+                    lhs_gmem.at[pl.ds(load0, bm)], weights, allocations=allocations)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    return body
+
+
 def _gmm_local(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, bs, interpret):
     """gmm on one device's operands (already padded to the block multiples)."""
     m, k = lhs.shape
@@ -340,10 +467,17 @@ def _gmm_local(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, bs, interpret
         transcendentals=0,
         bytes_accessed=m * k * isz + g * k * n * isz + m * n * osz + table.size * 4 + 4,
     )
+    if bs.warp_specialized:  # one producer and two consumer warpgroups per program
+        kernel = _gmm_kernel_warp_specialized(m, k, n, g, bs, transpose_rhs)
+        mesh = plgpu.Mesh(grid=(_num_programs(interpret),), grid_names=("sm",),
+                          num_threads=3, thread_name="wg")
+    else:
+        kernel = _gmm_kernel(m, k, n, g, bs, transpose_rhs)
+        mesh = plgpu.Mesh(grid=(_num_programs(interpret),), grid_names=("sm",))
     call = pl.kernel(
-        _gmm_kernel(m, k, n, g, bs, transpose_rhs),
+        kernel,
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-        mesh=plgpu.Mesh(grid=(_num_programs(interpret),), grid_names=("sm",)),
+        mesh=mesh,
         compiler_params=_compiler_params(),
         interpret=_interpret_params(interpret),
         cost_estimate=cost,
@@ -397,8 +531,11 @@ def gmm(
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     product = "dx" if transpose_rhs else "forward"
-    bs = resolve_block_sizes(block_sizes, product=product, m=m, k=k, n=n, g=g, dtype=lhs.dtype)
+    bs = resolve_block_sizes(block_sizes, product=product, m=m, k=k, n=n, g=g, dtype=lhs.dtype,
+                             interpret=interpret)
     bs = dataclasses.replace(bs, block_n=_fit_block(n, bs.block_n))
+    if bs.warp_specialized:
+        bs = _fit_warp_specialized(bs, n, jnp.dtype(lhs.dtype).itemsize, out_dtype.itemsize)
     if m == 0 or n == 0:
         return jnp.zeros((m, n), out_dtype)
     # Pad only where a dimension is not a block multiple (none of the TARGETS shapes).
@@ -552,7 +689,8 @@ def tgmm(
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     m, k = lhs.shape
     n = rhs.shape[1]
-    bs = resolve_block_sizes(block_sizes, product="dkernel", m=m, k=k, n=n, g=g, dtype=lhs.dtype)
+    bs = resolve_block_sizes(block_sizes, product="dkernel", m=m, k=k, n=n, g=g, dtype=lhs.dtype,
+                             interpret=interpret)
     bs = dataclasses.replace(bs, block_m=_fit_block(k, bs.block_m), block_n=_fit_block(n, bs.block_n))
     if g == 0 or k == 0 or n == 0:
         return jnp.zeros((g, k, n), out_dtype)
