@@ -5,6 +5,7 @@
 - Eight host devices, so the shard_map tests can build an 8-way mesh on CPU; set before
   JAX initialises its backends.
 - Tests marked gpu/tpu skip, saying why, where that accelerator is absent.
+- Autotune-on-miss off (PALLASITE_AUTOTUNE=0) unless the environment says otherwise.
 """
 
 import os
@@ -20,6 +21,13 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
+
+# On a GPU a kernel call that misses the tuned table tunes itself (seconds per key) and
+# runs whichever config won: a GPU parity test would then check a config it did not name,
+# one that can differ from run to run and machine to machine, and would read and write the
+# user's autotune cache. With it off, tests run the configs they name or the table's and
+# defaults; tests of the tuning itself turn it on with monkeypatch.setenv.
+os.environ.setdefault("PALLASITE_AUTOTUNE", "0")
 
 import pytest  # noqa: E402
 

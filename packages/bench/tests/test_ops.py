@@ -1,4 +1,5 @@
-"""Flop and byte formulas on known shapes; the float64 SSD recurrence; error sampling."""
+"""Flop and byte formulas on known shapes; error sampling. (The float64 SSD recurrence the
+checks use is tested with the kernels: tests/test_autotune_on_miss.py.)"""
 
 import numpy as np
 import pytest
@@ -47,26 +48,6 @@ def test_suites_cover_targets_and_filters():
     assert [c.shape_name for c in only] == ["qwen3"]
     smoke = suites.suite("smoke")
     assert {c.op for c in smoke} == {ops.GP, ops.SSD} and len(smoke) == 2
-
-
-def _sequential(x, a, b, c, s):
-    ys = []
-    for t in range(x.shape[0]):
-        s = np.exp(a[t]) * s + np.outer(x[t], b[t])
-        ys.append(s @ c[t])
-    return np.array(ys), s
-
-
-def test_ssd_numpy_matches_the_step_recurrence():
-    rng = np.random.default_rng(0)
-    l, p, n = 40, 3, 5
-    x, b, c = rng.normal(size=(l, p)), rng.normal(size=(l, n)), rng.normal(size=(l, n))
-    a = -rng.uniform(0.01, 0.5, size=l)
-    s0 = rng.normal(size=(p, n))
-    y, s = ops.ssd_numpy(x, a, b, c, s0, block=16)  # 16 does not divide 40: a short block
-    y_ref, s_ref = _sequential(x, a, b, c, s0)
-    np.testing.assert_allclose(y, y_ref, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(s, s_ref, rtol=1e-12, atol=1e-12)
 
 
 def test_sample_rows_hit_every_group_boundary():

@@ -78,32 +78,50 @@ def test_max_error_treats_nan_and_shape_mismatch_as_infinite():
 
 
 def test_pallas_benchmark_runs_while_the_caller_is_being_traced():
-    """Kernels resolve block sizes at trace time: tuning must compile and run real kernels then."""
+    """Kernels resolve block sizes at trace time: tuning must build inputs, trace kernels for
+    compilation and run them then. The benchmark is a factory making its inputs on a miss."""
     from jax.experimental import pallas as pl
 
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 16)), jnp.float32)
-
-    def build(cfg):
+    def kernel_call(cfg, interpret):
         def kernel(x_ref, o_ref):  # program_id: an input-free primitive (see autotune's doc)
             o_ref[...] = x_ref[...] * cfg.warps + pl.program_id(0).astype(jnp.float32)
 
-        f = jax.jit(lambda a: pl.pallas_call(
+        return lambda a: pl.pallas_call(
             kernel, out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype), grid=(4,),
             in_specs=[pl.BlockSpec((1, 16), lambda i: (i, 0))],
-            out_specs=pl.BlockSpec((1, 16), lambda i: (i, 0)), interpret=True)(a))
-        return lambda: f(x)
+            out_specs=pl.BlockSpec((1, 16), lambda i: (i, 0)), interpret=interpret)(a)
 
-    b = Benchmark(build=build, reference=lambda: x * 4 + jnp.arange(4.0)[:, None], atol=1e-5, rtol=1e-5)
+    def make_bench():
+        x = jax.random.normal(jax.random.key(0), (4, 16), jnp.float32)  # a tracer on the caller's thread
+
+        def build(cfg):
+            # The kernel as a GPU would compile it, traced (not lowered: this is a CPU) the
+            # way compilation does. Under jax.ensure_compile_time_eval this raises
+            # "Evaluation rule for 'program_id' not implemented".
+            jax.make_jaxpr(kernel_call(cfg, interpret=False))(x)
+            f = jax.jit(kernel_call(cfg, interpret=True))
+            return lambda: f(x)
+
+        return Benchmark(build=build, reference=lambda: x * 4 + jnp.arange(4.0)[:, None], atol=1e-5, rtol=1e-5)
+
     seen = []
 
     @jax.jit
     def traced(a):
-        seen.append(autotune([Cfg(64, 4), Cfg(64, 2)], b))
+        seen.append(autotune([Cfg(64, 4), Cfg(64, 2)], make_bench))
         return a + 1
 
     traced(jnp.ones(2))
     (r,) = seen
     assert [t.status for t in r.trials] == [OK, WRONG_RESULT] and r.best == Cfg(64, 4)
+
+
+def test_benchmark_factory_errors_propagate():
+    def broken():
+        raise MemoryError("no room for the inputs")
+
+    with pytest.raises(MemoryError):
+        autotune(CANDS, broken)
 
 
 def test_sweep_winner_is_retimed_against_the_baseline():

@@ -18,6 +18,11 @@ def _entry(block=128, status=cache.OK):
                             trials=({"config": {"block": block}, "status": "ok", "time_s": 1e-3, "error": None},))
 
 
+@pytest.fixture(autouse=True)
+def _autotune_on(monkeypatch):
+    monkeypatch.setenv(cache.ENV_AUTOTUNE, "1")  # the root conftest turns it off for tests
+
+
 def test_round_trip(tmp_path):
     path = cache.write(_entry(), tmp_path)
     assert path.parent == tmp_path and path.name.startswith("toy.impl.")

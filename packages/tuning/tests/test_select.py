@@ -150,20 +150,108 @@ def test_op_without_table_keys_the_cache_by_exact_shape():
     assert '"=700"' in path.read_text()
 
 
-def test_registered_benchmark_factory_enables_autotune_without_measure():
-    from pallasite.tuning import register_benchmark
-    seen = []
+def test_failure_building_or_running_the_benchmark_logs_and_gives_the_default(monkeypatch, caplog):
+    from pallasite.tuning import Benchmark
+    from pallasite.tuning import select as select_module
 
-    def factory(shape, dtypes):
-        seen.append((shape, dtypes))
-        return bench(times={DEFAULT: 0.003})
+    monkeypatch.setattr(select_module, "_failed", {})
+    built = []
 
-    register_benchmark("toy", "impl", factory)
-    try:
-        sel = select()
-        assert sel.source == "autotune" and seen == [(SHAPE, ("bfloat16",))]
-        assert select().source == "cache" and len(seen) == 1
-    finally:
-        register_benchmark("toy", "impl", None)
-    assert select(shape={"m": 600, "n": 300}).source == "cache"  # same bucket, still cached
-    assert select(shape={"m": 10, "n": 300}).source == "default"  # no factory: no autotune
+    def factory():
+        built.append(1)
+        raise MemoryError("no room for the synthetic inputs")
+
+    with caplog.at_level("WARNING", logger="pallasite.tuning.select"):
+        sel = select(measure=factory)
+    assert (sel.source, sel.config) == ("default", DEFAULT) and "MemoryError" in sel.detail
+    assert "autotune of toy/impl" in caplog.text and "MemoryError" in caplog.text
+    # Not retried on every trace in this process, and nothing cached on disk.
+    again = select(measure=factory)
+    assert again.source == "default" and "failed earlier" in again.detail and built == [1]
+    assert not list(cache.cache_dir().glob("*.json"))
+
+    def bad_reference():
+        raise RuntimeError("reference failed")
+
+    b = Benchmark(build=bench().build, reference=bad_reference)
+    sel = select(shape={"m": 1000, "n": 10}, measure=b)  # another key
+    assert sel.source == "default" and "reference failed" in sel.detail
+
+
+def test_on_miss_bound_is_small_and_starts_with_the_default(monkeypatch):
+    from pallasite.tuning import select as select_module
+
+    many = [{"block": 2 ** i} for i in range(1, 13)]  # 12 candidates; the default (64) among them
+    sel = select(table(candidates=many), measure=bench())
+    assert sel.source == "autotune"
+    tried = [t.config for t in sel.tune.trials]
+    assert len(tried) == select_module.ON_MISS_MAX_CANDIDATES == 8 and tried[0] == DEFAULT
+    assert select_module.ON_MISS_BUDGET_S <= 10
+    # The budget: a first candidate that spends it leaves the rest skipped.
+    monkeypatch.setattr(select_module, "ON_MISS_BUDGET_S", 0.01)
+    sel = select(table(candidates=many), shape={"m": 1000, "n": 10}, measure=bench(times={DEFAULT: 0.02}))
+    assert sel.config == DEFAULT and {t.status for t in sel.tune.trials[1:]} == {"skipped_budget"}
+
+
+def _traced_bench(calls):
+    """A real benchmark: inputs made by jax on a miss, a jitted computation per config."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallasite.tuning import Benchmark
+
+    def make():
+        x = jax.random.normal(jax.random.key(0), (64, 256), jnp.float32)
+        ref = jnp.sum(x * x, axis=1)
+
+        def build(cfg):
+            calls.append(cfg)
+            f = jax.jit(lambda a: jnp.sum((a * a).reshape(64, -1, cfg.block), axis=(1, 2)))
+            return lambda: f(x)
+
+        return Benchmark(build=build, reference=lambda: ref, atol=1e-3, rtol=1e-4, warmup=1, reps=2)
+
+    return make
+
+
+def test_tunes_eagerly_while_jit_and_custom_vjp_trace_the_caller():
+    """Kernels resolve block sizes while their caller is traced: inputs, compiles and timing
+    must still run concretely there (the tuner's worker thread)."""
+    import jax
+    import jax.numpy as jnp
+
+    calls, seen = [], []
+    cands = [Cfg(32), Cfg(128)]
+
+    def resolve(shape):
+        sel = select(shape=shape, candidates=cands, measure=_traced_bench(calls))
+        seen.append(sel)
+        return sel.config
+
+    @jax.jit
+    def under_jit(a):
+        return a * resolve({"m": 1000, "n": 300}).block
+
+    assert float(under_jit(jnp.ones(())))  # a concrete result: the tuner left no tracer behind
+    sel = seen.pop()
+    assert sel.source == "autotune" and {t.status for t in sel.tune.trials} == {OK}
+    assert sorted(c.block for c in set(calls)) == [32, 64, 128]  # the default, then the rest
+    assert len(list(cache.cache_dir().glob("toy.impl.*.json"))) == 1
+
+    @jax.custom_vjp
+    def f(a):
+        return a * 2
+
+    def f_fwd(a):
+        resolve({"m": 300, "n": 300})  # another bucket: a fresh miss
+        return a * 2, None
+
+    f.defvjp(f_fwd, lambda _, g: (g * 2,))
+    grad = jax.jit(jax.grad(lambda a: f(a).sum()))(jnp.ones(3))
+    assert grad.tolist() == [2.0, 2.0, 2.0]
+    sel = seen.pop()
+    assert sel.source == "autotune" and {t.status for t in sel.tune.trials} == {OK}
+    assert len(list(cache.cache_dir().glob("toy.impl.*.json"))) == 2
+    # And the next trace reads the cache.
+    under_jit(jnp.ones((2,)))
+    assert seen.pop().source == "cache"

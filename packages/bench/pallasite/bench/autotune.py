@@ -34,6 +34,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from pallasite.kernels.grouped_projection import tuning_benchmarks as gp_benchmarks
+from pallasite.kernels.ssd import tuning_benchmarks as ssd_benchmarks
 from pallasite.tuning import autotune as tuner
 from pallasite.tuning import tables
 from pallasite.tuning.configs import config_from_dict, config_to_dict
@@ -43,7 +45,7 @@ SSD = "ssd"
 BF16 = "bfloat16"
 
 # TARGETS.md shapes. grouped_projection: (m, k, n, g); ssd: SSD_DIMS.
-SSD_DIMS = ("batch", "length", "heads", "head_dim", "state", "groups", "chunk")
+SSD_DIMS = ssd_benchmarks.DIMS
 GP_TARGETS = {
     "mixtral": (32768, 4096, 14336, 8),
     "dsv3": (65536, 7168, 2048, 256),
@@ -68,83 +70,6 @@ class Impl:
 
 
 # ------------------------------------------------------------------ grouped_projection
-
-
-def _gp_inputs(dims: dict, dtype: str, seed: int = 0):
-    import jax
-    import jax.numpy as jnp
-
-    from pallasite.reference import inputs as ref_inputs
-
-    m, k, n, g = dims["m"], dims["k"], dims["n"], dims["g"]
-    x, kernel, group_sizes = ref_inputs.grouped_projection_inputs(jax.random.key(seed), m, k, n, g, dtype)
-    dy = jax.random.normal(jax.random.key(seed + 1), (m, n), dtype)
-    return x, kernel, group_sizes, dy
-
-
-def _sample_rows(group_sizes: np.ndarray, count: int = 48) -> np.ndarray:
-    """Each of a few groups' first and last rows plus random rows: where tiles meet groups."""
-    ends = np.cumsum(group_sizes)
-    starts = ends - group_sizes
-    edges = [int(r) for s, e in zip(starts, ends) if e > s for r in (s, e - 1)][: count // 2]
-    rng = np.random.default_rng(7)
-    rand = rng.integers(0, max(int(ends[-1]), 1), count - len(edges)).tolist()
-    return np.asarray(sorted(set(edges + rand)), np.int32)
-
-
-def _exact_rows(lhs, weight_of, rows: np.ndarray, group_sizes: np.ndarray):
-    """out[r] = lhs[r] @ weight_of(group(r)) with exact bf16 products summed in fp32."""
-    import jax
-    import jax.numpy as jnp
-
-    groups = np.searchsorted(np.cumsum(group_sizes), rows, side="right")
-    picked = lhs[jnp.asarray(rows)]
-    out = None
-    for gi in np.unique(groups):
-        full = jnp.dot(picked, weight_of(int(gi)), preferred_element_type=jnp.float32,
-                       precision=jax.lax.Precision.HIGHEST)
-        out = full if out is None else jnp.where(jnp.asarray(groups == gi)[:, None], full, out)
-    return out
-
-
-def _gp_bench(module, product: str, dims: dict, dtype: str = BF16, interpret: bool = False) -> tuner.Benchmark:
-    import jax
-    import jax.numpy as jnp
-
-    x, kernel, gs, dy = _gp_inputs(dims, dtype)
-    gs_np = np.asarray(gs)
-    rows = _sample_rows(gs_np)
-    rows_j = jnp.asarray(rows)
-    g = dims["g"]
-    if product == "dkernel":
-        ends = np.cumsum(gs_np)
-        picks = sorted({int(np.argmax(gs_np)), int(np.argmin(np.where(gs_np > 0, gs_np, ends[-1] + 1)))})
-
-        def build(cfg):
-            f = jax.jit(lambda a, b, s: module.tgmm(a, b, s, num_groups=g, out_dtype=dtype,
-                                                    block_sizes=cfg, interpret=interpret)[jnp.asarray(picks)])
-            return lambda: f(x, dy, gs)
-
-        def reference():
-            return jnp.stack([
-                jnp.dot(x[ends[i] - gs_np[i]:ends[i]].T, dy[ends[i] - gs_np[i]:ends[i]],
-                        preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
-                for i in picks])
-    else:
-        transpose = product == "dx"
-        lhs = dy if transpose else x  # dx = gmm(dy, kernel, transpose_rhs=True): kernel is [g, k, n]
-        rhs = kernel
-
-        def build(cfg):
-            f = jax.jit(lambda a, w, s: module.gmm(a, w, s, transpose_rhs=transpose, out_dtype=dtype,
-                                                   block_sizes=cfg, interpret=interpret)[rows_j])
-            return lambda: f(lhs, rhs, gs)
-
-        def reference():
-            return _exact_rows(lhs, (lambda i: kernel[i].T) if transpose else (lambda i: kernel[i]), rows, gs_np)
-
-    # bf16 output against an fp32 reference: one rounding, 2^-8 relative, well inside 1e-2.
-    return tuner.Benchmark(build=build, reference=reference, atol=0.0, rtol=1e-2, warmup=1, reps=5)
 
 
 def _shape_default(module, product: str, dims: dict, dtype: str = BF16):
@@ -177,103 +102,18 @@ def _gp_impls(interpret: bool = False, everything: bool = False) -> list[Impl]:
             for product in ("forward", "dx", "dkernel"):
                 out.append(Impl(f"pallas_triton:{product}", cfg.TritonBlockSizes,
                                 lambda d, p=product, m=mod: _shape_default(m, p, d),
-                                lambda d, t=BF16, p=product, m=mod: _gp_bench(m, p, d, t, interpret)))
+                                lambda d, t=BF16, p=product, m=mod: gp_benchmarks.benchmark(m, p, d, t, interpret)))
     if (platform.mosaic_gpu_runs() and not interpret) or everything:
         mod = _try_import("pallasite.kernels.grouped_projection.pallas_mosaic_gpu")
         if mod is not None:
             for product in ("forward", "dx", "dkernel"):
                 out.append(Impl(f"pallas_mosaic_gpu:{product}", mod.MosaicGpuBlockSizes,
                                 lambda d, p=product, m=mod: _shape_default(m, p, d),
-                                lambda d, t=BF16, p=product, m=mod: _gp_bench(m, p, d, t)))
+                                lambda d, t=BF16, p=product, m=mod: gp_benchmarks.benchmark(m, p, d, t)))
     return out
 
 
 # ------------------------------------------------------------------------------- ssd
-
-
-def _ssd_numpy(x, a, b, c, init):
-    """One (batch, head) of the SSD recurrence in float64, 64-step closed-form blocks."""
-    state = np.array(init, np.float64)
-    ys = []
-    for s in range(0, x.shape[0], 64):
-        xs, as_, bs, cs = x[s:s + 64], a[s:s + 64], b[s:s + 64], c[s:s + 64]
-        acs = np.cumsum(as_)
-        decay = np.tril(np.exp(acs[:, None] - acs[None, :]))
-        ys.append((decay * (cs @ bs.T)) @ xs + np.exp(acs)[:, None] * (cs @ state.T))
-        state = np.exp(acs[-1]) * state + (xs * np.exp(acs[-1] - acs)[:, None]).T @ bs
-    return np.concatenate(ys), state
-
-
-def _ssd_inputs(dims: dict, dtype: str):
-    """x, a, b, c as [b, l, ...] and chunked [b, nc, C, ...], and the fp32 initial state."""
-    import jax
-
-    from pallasite.reference import inputs as ref_inputs
-
-    bsz, l, h, p, n, g, chunk = (dims[k] for k in SSD_DIMS)
-    flat = ref_inputs.ssd_inputs(jax.random.key(0), bsz, l, h, p, n, g, dtype)
-    init = ref_inputs.ssd_initial_state(jax.random.key(1), bsz, h, p, n)
-    chunked = [t.reshape(bsz, l // chunk, chunk, *t.shape[2:]) for t in flat]
-    return flat, chunked, init
-
-
-def _ssd_bench(module, dims: dict, dtype: str = BF16, interpret: bool = False) -> tuner.Benchmark:
-    import jax
-    import jax.numpy as jnp
-
-    bsz, l, h, p, n, g, chunk = (dims[k] for k in SSD_DIMS)
-    (x, a, b, c), chunked, init = _ssd_inputs(dims, dtype)
-    picks = sorted({(0, 0), (bsz - 1, h - 1)})
-    bi = jnp.asarray([q[0] for q in picks])
-    hi = jnp.asarray([q[1] for q in picks])
-
-    def build(cfg):
-        def run(xx, aa, bb, cc, s0):
-            y, final, _ = module.forward(xx, aa, bb, cc, s0, block_sizes=cfg, interpret=interpret)
-            return y.reshape(bsz, l, h, p)[bi, :, hi], final[bi, hi]
-        f = jax.jit(run)
-        return lambda: f(*chunked, init)
-
-    def reference():
-        f64 = lambda t: np.asarray(t, np.float64)  # noqa: E731
-        ys, finals = [], []
-        for bq, hq in picks:
-            gq = hq // (h // g)
-            y, final = _ssd_numpy(f64(x[bq, :, hq]), f64(a[bq, :, hq]), f64(b[bq, :, gq]),
-                                  f64(c[bq, :, gq]), f64(init[bq, hq]))
-            ys.append(y)
-            finals.append(final)
-        return np.stack(ys), np.stack(finals)
-
-    return tuner.Benchmark(build=build, reference=reference, atol=0.0, rtol=2e-2, warmup=1, reps=5)
-
-
-def _ssd_backward_bench(module, dims: dict, dtype: str = BF16,
-                        interpret: bool = False) -> tuner.Benchmark:
-    """The backward pass alone (dx, da, db, dc, dinitial) under the candidate's blocks; the
-    chunk states come from one forward with the default blocks. Reference: the XLA
-    backend's forward and backward in fp32 on the same (rounded) inputs."""
-    import jax
-    import jax.numpy as jnp
-
-    from pallasite.kernels.ssd import xla as ssd_xla
-
-    _, chunked, init = _ssd_inputs(dims, dtype)
-    dy = jax.random.normal(jax.random.key(2), chunked[0].shape, dtype)
-    dfinal = jax.random.normal(jax.random.key(3), init.shape, jnp.float32)
-    fwd = jax.jit(lambda *t: module.forward(*t, interpret=interpret)[2])
-    states = fwd(*chunked, init)
-
-    def build(cfg):
-        f = jax.jit(lambda *t: module.backward(*t, block_sizes=cfg, interpret=interpret))
-        return lambda: f(*chunked, states, dy, dfinal)
-
-    def reference():
-        f32 = [t.astype(jnp.float32) for t in chunked]
-        _, _, ref_states = ssd_xla.forward(*f32, init)
-        return ssd_xla.backward(*f32, ref_states, dy.astype(jnp.float32), dfinal)
-
-    return tuner.Benchmark(build=build, reference=reference, atol=0.0, rtol=2e-2, warmup=1, reps=5)
 
 
 def _ssd_default(module, dims: dict):
@@ -289,9 +129,9 @@ def _ssd_impls(interpret: bool = False, everything: bool = False) -> list[Impl]:
         mod = _try_import("pallasite.kernels.ssd.pallas_triton")
         if mod is not None:
             out.append(Impl("pallas_triton:forward", mod.BlockSizes, lambda d: _ssd_default(mod, d),
-                            lambda d, t=BF16: _ssd_bench(mod, d, t, interpret)))
+                            lambda d, t=BF16: ssd_benchmarks.forward_benchmark(mod, d, t, interpret)))
             out.append(Impl("pallas_triton:backward", mod.BlockSizes, lambda d: _ssd_default(mod, d),
-                            lambda d, t=BF16: _ssd_backward_bench(mod, d, t, interpret)))
+                            lambda d, t=BF16: ssd_benchmarks.backward_benchmark(mod, d, t, interpret)))
     return out
 
 
@@ -304,23 +144,6 @@ def _try_import(name: str):
     except Exception as err:  # noqa: BLE001 - a backend that does not import is not tuned
         print(f"autotune: skipping {name}: {type(err).__name__}: {err}", file=sys.stderr)
         return None
-
-
-def enable_autotune_on_miss() -> list[str]:
-    """Register this module's benchmarks with pallasite.tuning for the backends that run here.
-
-    After this, a kernel call whose block sizes miss the table and the cache autotunes
-    (bounded; PALLASITE_AUTOTUNE=0 still turns it off) and caches the result. Off by default:
-    a first call that spends seconds tuning is the user's choice. Returns the keys registered.
-    """
-    from pallasite.tuning import register_benchmark
-
-    keys = []
-    for op, impls in ((GP, _gp_impls()), (SSD, _ssd_impls())):
-        for impl in impls:
-            register_benchmark(op, impl.name, lambda shape, dtypes, i=impl: i.make_bench(dict(shape), dtypes[0]))
-            keys.append(f"{op}/{impl.name}")
-    return keys
 
 
 def targets(op: str) -> dict[str, dict]:

@@ -280,36 +280,17 @@ def _sample_groups(gs: np.ndarray) -> list[int]:
     return list(dict.fromkeys(picks))
 
 
-def ssd_numpy(x, a, b, c, init, block: int = 64):
-    """The SSD recurrence for one (batch, head) in float64: x [l,p], a [l], b, c [l,n].
-
-    Chunks of `block` steps in the closed form (decays exp(acs_i - acs_j), fine in float64),
-    the state carried exactly between them. Returns (y [l,p], final state [p,n]).
-    """
-    state = np.array(init, np.float64)
-    ys = []
-    for s in range(0, x.shape[0], block):
-        xs, as_, bs, cs = x[s:s + block], a[s:s + block], b[s:s + block], c[s:s + block]
-        acs = np.cumsum(as_)
-        decay = np.tril(np.exp(acs[:, None] - acs[None, :]))
-        ys.append((decay * (cs @ bs.T)) @ xs + np.exp(acs)[:, None] * (cs @ state.T))
-        weights = np.exp(acs[-1] - acs)
-        state = np.exp(acs[-1]) * state + (xs * weights[:, None]).T @ bs
-    return np.concatenate(ys), state
-
-
 def check_ssd_forward(case: Case, inputs: dict, outputs: tuple) -> list[tuple]:
-    """(actual, expected) pairs of y and final state for three (batch, head) pairs."""
+    """(actual, expected) pairs of y and final state for three (batch, head) pairs, expected
+    from the float64 recurrence the SSD autotune benchmark checks against."""
+    from pallasite.kernels.ssd.tuning_benchmarks import numpy_reference
+
     d = case.d
-    per_group = d["h"] // d["g"]
     picks = list(dict.fromkeys([(0, 0), (d["b"] - 1, d["h"] - 1), (d["b"] // 2, d["h"] // 2)]))
-    f64 = lambda t: np.asarray(t, np.float64)  # noqa: E731
+    expected = numpy_reference(inputs["x"], inputs["a"], inputs["b"], inputs["c"],
+                               inputs["initial_state"], picks)
     pairs = []
-    for bi, hi in picks:
-        gi = hi // per_group
-        y, final = ssd_numpy(f64(inputs["x"][bi, :, hi]), f64(inputs["a"][bi, :, hi]),
-                             f64(inputs["b"][bi, :, gi]), f64(inputs["c"][bi, :, gi]),
-                             f64(inputs["initial_state"][bi, hi]))
+    for (bi, hi), (y, final) in zip(picks, expected):
         pairs.append((np.asarray(outputs[0][bi, :, hi], np.float64), y))
         pairs.append((np.asarray(outputs[1][bi, hi], np.float64), final))
     return pairs

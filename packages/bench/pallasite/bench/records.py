@@ -162,7 +162,7 @@ def environment() -> dict[str, str]:
     env = {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
            "python": py_platform.python_version(), **peers.versions()}
     for name in ("CUDA_VISIBLE_DEVICES", "JAX_PLATFORMS", "XLA_PYTHON_CLIENT_MEM_FRACTION",
-                 "XLA_PYTHON_CLIENT_PREALLOCATE", "LIBTPU_INIT_ARGS"):
+                 "XLA_PYTHON_CLIENT_PREALLOCATE", "LIBTPU_INIT_ARGS", "PALLASITE_AUTOTUNE"):
         if os.environ.get(name):
             env[name] = os.environ[name]
     return {

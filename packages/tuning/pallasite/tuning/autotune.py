@@ -21,11 +21,15 @@ runs the kernel with that config on fixed synthetic inputs of the real shapes an
 `reference()` gives the expected output on the same inputs. The tuner never sees arrays'
 meaning, only pytrees it compares in float64.
 
-Kernels resolve block sizes while being traced under jit, where every jax operation is
-staged into the caller's trace instead of run. The tuner therefore runs in a worker thread:
-JAX's trace state is per thread, so there the candidates compile and run as plain calls.
-(`jax.ensure_compile_time_eval()` is no substitute: it also folds input-free primitives such
-as `pl.program_id` while Pallas traces a kernel body, and the kernel fails to build.)
+Kernels resolve block sizes while being traced (under jit, custom_vjp, shard_map), where
+every jax operation is staged into the caller's trace instead of run. The tuner therefore
+runs in a worker thread: JAX's trace state is per thread, so there the benchmark's inputs
+are built and the candidates compile and run as plain calls. `bench` may be a zero-argument
+function returning the Benchmark so that its synthetic inputs are made in that thread too:
+made on the tracing thread they would be the caller's tracers. (`jax.ensure_compile_time_eval()`
+is no substitute: it also evaluates input-free primitives such as `pl.program_id` while Pallas
+traces a kernel body for compilation, "Evaluation rule for 'program_id' not implemented", so
+every compiled candidate would fail to build; only the interpreter survives it.)
 """
 
 from __future__ import annotations
@@ -183,7 +187,7 @@ def _retime(fns: Sequence[Callable[[], Any]], rounds: int, reps: int) -> list[fl
 
 def autotune(
     candidates: Sequence[Any],
-    bench: Benchmark,
+    bench: Benchmark | Callable[[], Benchmark],
     *,
     fits: Callable[[Any], bool] | None = None,
     budget_s: float = DEFAULT_BUDGET_S,
@@ -198,10 +202,15 @@ def autotune(
     the baseline is kept unless the winner is still faster: on the H200 the first config a
     sweep times reads slow (qwen3 forward: default 0.99 ms in the sweep, 0.86 ms re-timed
     beside the winner's 0.84), so one median each would over-credit the rest.
+
+    `bench` is a Benchmark or a zero-argument function building one, called in the worker
+    thread (see the module doc); an exception from it propagates.
     """
     unique = list(dict.fromkeys(candidates))[:max_candidates]
     built: dict[Any, Callable[[], Any]] = {}
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pallasite-autotune") as pool:
+        if not isinstance(bench, Benchmark):
+            bench = pool.submit(bench).result()
         trials = pool.submit(_trials, unique, bench, fits, budget_s, clock, built).result()
         ok = [t for t in trials if t.status == OK]
         if not ok:

@@ -12,19 +12,22 @@ Order (DESIGN.md "Tuning"), first that applies wins:
      if it rebuilds into `config_type` and `fits` the shape;
   3. the on-disk cache entry for the same key, under the same conditions; a cached
      "no viable candidate" skips step 4;
-  4. a bounded autotune, only when the caller gave a `measure` (a Benchmark or a
-     zero-argument function returning one, built only on a miss) or a benchmark factory is
-     registered for (op, implementation), and PALLASITE_AUTOTUNE is not 0; the default is always among the candidates, so a tuned config is never one the
-     tuner measured slower than the default; the outcome (winner or no-viable) is cached;
+  4. a bounded autotune (ON_MISS_BUDGET_S, ON_MISS_MAX_CANDIDATES), only when the caller
+     gave a `measure` (a Benchmark or a zero-argument function returning one, built only on
+     a miss, in the tuner's worker thread) and PALLASITE_AUTOTUNE is not 0; the default is
+     always the first candidate, so a tuned config is never one the tuner measured slower
+     than the default; the outcome (winner or no-viable) is cached. Any exception while
+     building or running the benchmark is logged as a warning and gives the default (and is
+     not retried for that key in this process): tuning never fails the kernel call;
   5. `default`.
-With no table entry, no cache entry and no `measure`, the result is `default`: wiring a
-kernel through here changes nothing until an entry exists for its key.
+With no table entry, no cache entry and no `measure`, the result is `default`. The GPU
+kernels pass a `measure` only when they will run compiled on a GPU they support, never in
+interpret mode or for a caller's config (docs/tuning.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from typing import Any, Callable, Mapping, Sequence
 
@@ -42,12 +45,18 @@ AUTOTUNE = "autotune"
 DEFAULT = "default"
 
 _UNSET: Any = object()
-# (op, implementation) -> factory(shape, dtypes) -> Benchmark, for callers that pass no
-# `measure`: how autotune-on-miss is switched on for kernels without changing their code.
-_benchmarks: dict[tuple[str, str], Callable[[Mapping[str, int], tuple[str, ...]], Any]] = {}
+# The on-miss bound: a user's first call waits for this, unlike the offline
+# `bazel run //packages/bench:autotune`, which takes every table candidate and a longer
+# budget. The budget is checked before each candidate (one that starts in time may finish
+# past it; its first call compiles). Read at call time, so tests can lower them.
+ON_MISS_BUDGET_S = 10.0
+ON_MISS_MAX_CANDIDATES = 8
 # Autotune results whose cache write failed (unwritable directory): kept for this process
 # so a kernel traced many times is tuned once.
 _memo: dict[_cache.CacheKey, Any] = {}
+# Keys whose benchmark raised in this process (why): not retried on every trace. Not written
+# to disk: the cause (memory in use, a driver hiccup) may be gone in the next process.
+_failed: dict[_cache.CacheKey, str] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,14 +109,15 @@ def select_block_sizes(
     measure: Any = None,
     table: Any = _UNSET,
     cache_directory: Any = None,
-    budget_s: float = _autotune.DEFAULT_BUDGET_S,
-    max_candidates: int = _autotune.DEFAULT_MAX_CANDIDATES,
+    budget_s: float | None = None,
+    max_candidates: int | None = None,
 ) -> Selection:
     """Block sizes for one kernel call, and which source they came from (see module doc).
 
     `fits(config, shape)` is the kernel's rule for whether a config can run on this shape;
     `candidates` (configs or field dicts) defaults to the table's list for the
-    implementation; `table` defaults to the checked-in table for `op` (tests pass their own).
+    implementation; `table` defaults to the checked-in table for `op` (tests pass their own);
+    `budget_s` and `max_candidates` default to the on-miss bound above.
     """
     if caller is not None:
         return Selection(caller, CALLER)
@@ -134,18 +144,27 @@ def select_block_sizes(
             notes.append("cached: no viable candidate")
             return Selection(default, DEFAULT, "; ".join(notes))
 
-    factory = _benchmarks.get((op, implementation))
-    if measure is None and factory is not None:
-        measure = functools.partial(factory, dict(shape), dtypes)
     if measure is None:
         return Selection(default, DEFAULT, "; ".join(notes))
     if not _cache.autotune_enabled():
         notes.append(f"autotune off ({_cache.ENV_AUTOTUNE}=0)")
         return Selection(default, DEFAULT, "; ".join(notes))
-    bench = measure if isinstance(measure, _autotune.Benchmark) else measure()
-    result = _autotune.autotune(cands, bench, fits=None if fits is None else (lambda c: fits(c, shape)),
-                                budget_s=budget_s, max_candidates=max_candidates)
-    _store(key, result, config_fields(config_type), digest, cache_directory)
+    if key in _failed:
+        notes.append(f"autotune failed earlier in this process ({_failed[key]})")
+        return Selection(default, DEFAULT, "; ".join(notes))
+    try:
+        result = _autotune.autotune(
+            cands, measure, fits=None if fits is None else (lambda c: fits(c, shape)),
+            budget_s=ON_MISS_BUDGET_S if budget_s is None else budget_s,
+            max_candidates=ON_MISS_MAX_CANDIDATES if max_candidates is None else max_candidates)
+        _store(key, result, config_fields(config_type), digest, cache_directory)
+    except Exception as err:  # noqa: BLE001 - tuning must never fail the kernel call
+        why = f"{type(err).__name__}: {err}"[:400]
+        log.warning("tuning: autotune of %s/%s %s failed, using the default %s: %s",
+                    op, implementation, dict(shape), default, why)
+        _failed[key] = why
+        notes.append(f"autotune failed ({why})")
+        return Selection(default, DEFAULT, "; ".join(notes))
     if result.best is not None:
         return Selection(result.best, AUTOTUNE, "; ".join(notes), tune=result)
     notes.append("autotune: no viable candidate")
@@ -166,20 +185,6 @@ def _from_table(table: Table | None, implementation: str, device_kind: str, dtyp
     if config is None:
         notes.append(f"table entry passed over ({why})")
     return config, bucket
-
-
-def register_benchmark(op: str, implementation: str,
-                       factory: Callable[[Mapping[str, int], tuple[str, ...]], Any] | None) -> None:
-    """Autotune (op, implementation) on a miss with `factory(shape, dtypes) -> Benchmark`.
-
-    For kernels that pass no `measure` of their own; the factory runs only on a miss. None
-    removes the registration. pallasite.bench.autotune.enable_autotune_on_miss() registers
-    the factories for the backends present on this device.
-    """
-    if factory is None:
-        _benchmarks.pop((op, implementation), None)
-    else:
-        _benchmarks[(op, implementation)] = factory
 
 
 def _store(key: _cache.CacheKey, result: _autotune.TuneResult, fields: tuple[str, ...],

@@ -20,6 +20,7 @@ Accumulation is fp32 in registers; one rounding to out_dtype at the store.
 from __future__ import annotations
 
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +29,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallasite import tuning
-from pallasite.kernels.grouped_projection import config
+from pallasite.kernels import platform
+from pallasite.kernels.grouped_projection import config, tuning_benchmarks
 from pallasite.kernels.grouped_projection.group_metadata import (
     cdiv,
     group_offsets,
@@ -67,18 +69,25 @@ def default_block_sizes(*, product: str, m: int, k: int, n: int, g: int,
 
 
 def resolve_block_sizes(block_sizes, *, product: str, m: int, k: int, n: int, g: int,
-                        dtype) -> config.TritonBlockSizes:
+                        dtype, interpret: bool = True) -> config.TritonBlockSizes:
     """The one place this backend picks its blocks: the caller's, else pallasite.tuning's
-    tuned table / autotune cache entry for this device and shape bucket, else the
-    default (no entry for the key: exactly `default_block_sizes`)."""
+    tuned table / autotune cache entry for this device and shape bucket, else a bounded
+    autotune of this shape (only when the kernel will run compiled, not `interpret`, on a
+    GPU Triton runs on; PALLASITE_AUTOTUNE=0 turns it off), else the default (exactly
+    `default_block_sizes`). `interpret` defaults to True, "do not tune", for callers that
+    only ask which blocks apply; gmm and tgmm pass theirs."""
     chosen = config.for_product(block_sizes, product)
     if chosen is not None and not isinstance(chosen, config.TritonBlockSizes):
         raise TypeError(f"block_sizes for pallas_triton must be TritonBlockSizes, got {chosen!r}")
+    dims = {"m": m, "k": k, "n": n, "g": g}
+    measure = None
+    if chosen is None and not interpret and platform.triton_runs():
+        measure = lambda: tuning_benchmarks.benchmark(sys.modules[__name__], product, dims, dtype)  # noqa: E731
     return tuning.select_block_sizes(
         "grouped_projection", f"pallas_triton:{product}", device_kind=tuning.device_kind(),
-        dtypes=(dtype,), shape={"m": m, "k": k, "n": n, "g": g},
-        config_type=config.TritonBlockSizes, caller=chosen,
+        dtypes=(dtype,), shape=dims, config_type=config.TritonBlockSizes, caller=chosen,
         default=default_block_sizes(product=product, m=m, k=k, n=n, g=g, dtype=dtype),
+        measure=measure,
     ).config
 
 
@@ -184,7 +193,7 @@ def gmm(
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     bs = resolve_block_sizes(block_sizes, product="dx" if transpose_rhs else "forward",
-                             m=m, k=k, n=n, g=g, dtype=lhs.dtype)
+                             m=m, k=k, n=n, g=g, dtype=lhs.dtype, interpret=interpret)
     meta = make_group_metadata(group_sizes, m, bs.block_m, aligned=False, include_tail=True)
     num_tiles = num_visits(m, g, bs.block_m)
     kernel = functools.partial(
@@ -241,7 +250,8 @@ def tgmm(
     n = rhs.shape[1]
     g = num_groups or group_sizes.shape[0]
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
-    bs = resolve_block_sizes(block_sizes, product="dkernel", m=m, k=k, n=n, g=g, dtype=lhs.dtype)
+    bs = resolve_block_sizes(block_sizes, product="dkernel", m=m, k=k, n=n, g=g, dtype=lhs.dtype,
+                             interpret=interpret)
     offsets = group_offsets(group_sizes)
     offsets = jnp.minimum(offsets, m)  # a total past m (caller error) never reads past m
     kernel = functools.partial(_tgmm_kernel, bs=bs, k=k, n=n)

@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +59,8 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
 from pallasite import tuning
+from pallasite.kernels import platform
+from pallasite.kernels.ssd import tuning_benchmarks
 
 F32 = jnp.float32
 
@@ -85,18 +88,27 @@ DEFAULT_BLOCK_SIZES = BlockSizes()
 
 
 def resolve_block_sizes(block_sizes: BlockSizes | None, chunk: int, *, x=None, b=None,
-                        pass_name: str = "forward") -> BlockSizes:
+                        pass_name: str = "forward", interpret: bool = True) -> BlockSizes:
     """The one place block sizes are chosen: the caller's, else pallasite.tuning's tuned
     table / autotune cache entry for this device and shape bucket (x [b, nc, C, h, p] and
-    b [b, nc, C, g, n] give the shape), else the default; then clamped to the chunk.
-    No entry for the key: exactly the default, as before."""
+    b [b, nc, C, g, n] give the shape), else a bounded autotune of this shape (only when
+    the kernels will run compiled, not `interpret`, on a GPU Triton runs on;
+    PALLASITE_AUTOTUNE=0 turns it off), else the default; then clamped to the chunk.
+    `interpret` defaults to True, "do not tune"; forward and backward pass theirs."""
     if block_sizes is None and x is not None:
         bsz, nc, c, h, p = x.shape
         shape = {"length": nc * c, "heads": h, "head_dim": p, "state": b.shape[4], "chunk": c,
                  "batch": bsz, "groups": b.shape[3]}
+        measure = None
+        if not interpret and platform.triton_runs():
+            make = (tuning_benchmarks.forward_benchmark if pass_name == "forward"
+                    else tuning_benchmarks.backward_benchmark)
+            dtype = x.dtype  # not x: a tracer of the caller's trace
+            measure = lambda: make(sys.modules[__name__], shape, dtype)  # noqa: E731
         block_sizes = tuning.select_block_sizes(
             "ssd", f"pallas_triton:{pass_name}", device_kind=tuning.device_kind(),
             dtypes=(x.dtype,), shape=shape, config_type=BlockSizes, default=DEFAULT_BLOCK_SIZES,
+            measure=measure,
         ).config
     bs = block_sizes or DEFAULT_BLOCK_SIZES
     return dataclasses.replace(
@@ -573,7 +585,8 @@ def forward(
     """(y in x.dtype, final_state fp32, chunk_states fp32 = the state each chunk entered
     with). b and c are cast to x.dtype (the matmul operand dtype)."""
     _check_inputs(x, a, b, c, initial_state, "initial_state")
-    bs = resolve_block_sizes(block_sizes, x.shape[2], x=x, b=b, pass_name="forward")
+    bs = resolve_block_sizes(block_sizes, x.shape[2], x=x, b=b, pass_name="forward",
+                             interpret=interpret)
     fn = functools.partial(_forward_local, bs=bs, interpret=interpret)
     args = (x, a, b.astype(x.dtype), c.astype(x.dtype), initial_state.astype(F32))
     return _batch_shards(fn, args, 3)
@@ -607,7 +620,8 @@ def backward(
         )
     if dy.shape != x.shape:
         raise ValueError(f"dy must have x's shape {x.shape}, got shape {dy.shape}")
-    bs = resolve_block_sizes(block_sizes, x.shape[2], x=x, b=b, pass_name="backward")
+    bs = resolve_block_sizes(block_sizes, x.shape[2], x=x, b=b, pass_name="backward",
+                             interpret=interpret)
     fn = functools.partial(_backward_local, bs=bs, interpret=interpret)
     args = (
         x, a, b.astype(x.dtype), c.astype(x.dtype), chunk_states.astype(F32), dy,

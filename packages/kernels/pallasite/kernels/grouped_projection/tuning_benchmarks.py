@@ -1,0 +1,97 @@
+"""Autotune benchmarks for the grouped_projection GPU kernels: synthetic inputs, checked rows.
+
+Here, not in pallasite.bench, because a kernel call that misses the tuned table and the
+autotune cache tunes itself (each GPU backend's resolve_block_sizes passes one of these to
+pallasite.tuning.select_block_sizes), and the kernels cannot import the bench package.
+`bazel run //packages/bench:autotune` uses the same benchmarks offline.
+
+A Benchmark runs one product (forward gmm, dx gmm with transpose_rhs, dkernel tgmm) of one
+backend module with a candidate config on fixed synthetic inputs of the call's shape and
+dtype (pallasite.reference.inputs, seeded). A candidate may win only if its output matches
+exact products: sampled rows of gmm (group edges, where tiles meet groups, plus random
+rows), two groups' whole tgmm blocks, each recomputed at HIGHEST precision in fp32.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallasite.reference import inputs as ref_inputs
+from pallasite.tuning import Benchmark
+
+
+def synthetic_inputs(dims: Mapping[str, int], dtype, seed: int = 0):
+    """(x [m,k], kernel [g,k,n], group_sizes [g], dy [m,n]) for dims m, k, n, g."""
+    m, k, n, g = dims["m"], dims["k"], dims["n"], dims["g"]
+    x, kernel, group_sizes = ref_inputs.grouped_projection_inputs(jax.random.key(seed), m, k, n, g, dtype)
+    dy = jax.random.normal(jax.random.key(seed + 1), (m, n), dtype)
+    return x, kernel, group_sizes, dy
+
+
+def sample_rows(group_sizes: np.ndarray, count: int = 48) -> np.ndarray:
+    """Each of a few groups' first and last rows plus random rows: where tiles meet groups."""
+    ends = np.cumsum(group_sizes)
+    starts = ends - group_sizes
+    edges = [int(r) for s, e in zip(starts, ends) if e > s for r in (s, e - 1)][: count // 2]
+    rng = np.random.default_rng(7)
+    rand = rng.integers(0, max(int(ends[-1]), 1), count - len(edges)).tolist()
+    return np.asarray(sorted(set(edges + rand)), np.int32)
+
+
+def exact_rows(lhs, weight_of: Callable[[int], jax.Array], rows: np.ndarray, group_sizes: np.ndarray):
+    """out[r] = lhs[r] @ weight_of(group(r)) with exact bf16 products summed in fp32."""
+    groups = np.searchsorted(np.cumsum(group_sizes), rows, side="right")
+    picked = lhs[jnp.asarray(rows)]
+    out = None
+    for gi in np.unique(groups):
+        full = jnp.dot(picked, weight_of(int(gi)), preferred_element_type=jnp.float32,
+                       precision=jax.lax.Precision.HIGHEST)
+        out = full if out is None else jnp.where(jnp.asarray(groups == gi)[:, None], full, out)
+    return out
+
+
+def benchmark(backend: ModuleType, product: str, dims: Mapping[str, int], dtype="bfloat16",
+              interpret: bool = False) -> Benchmark:
+    """One product of `backend` (a module with gmm and tgmm taking block_sizes=), checked.
+
+    product: 'forward' (x @ kernel), 'dx' (dy @ kernel^T, gmm with transpose_rhs) or
+    'dkernel' (tgmm(x, dy), checked on the largest and the smallest non-empty group).
+    """
+    x, kernel, gs, dy = synthetic_inputs(dims, dtype)
+    gs_np = np.asarray(gs)
+    rows = sample_rows(gs_np)
+    rows_j = jnp.asarray(rows)
+    g = dims["g"]
+    if product == "dkernel":
+        ends = np.cumsum(gs_np)
+        picks = sorted({int(np.argmax(gs_np)), int(np.argmin(np.where(gs_np > 0, gs_np, ends[-1] + 1)))})
+
+        def build(cfg):
+            f = jax.jit(lambda a, b, s: backend.tgmm(a, b, s, num_groups=g, out_dtype=dtype,
+                                                     block_sizes=cfg, interpret=interpret)[jnp.asarray(picks)])
+            return lambda: f(x, dy, gs)
+
+        def reference():
+            return jnp.stack([
+                jnp.dot(x[ends[i] - gs_np[i]:ends[i]].T, dy[ends[i] - gs_np[i]:ends[i]],
+                        preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+                for i in picks])
+    else:
+        transpose = product == "dx"
+        lhs = dy if transpose else x  # dx = gmm(dy, kernel, transpose_rhs=True): kernel is [g, k, n]
+
+        def build(cfg):
+            f = jax.jit(lambda a, w, s: backend.gmm(a, w, s, transpose_rhs=transpose, out_dtype=dtype,
+                                                    block_sizes=cfg, interpret=interpret)[rows_j])
+            return lambda: f(lhs, kernel, gs)
+
+        def reference():
+            return exact_rows(lhs, (lambda i: kernel[i].T) if transpose else (lambda i: kernel[i]), rows, gs_np)
+
+    # bf16 output against an fp32 reference: one rounding, 2^-8 relative, well inside 1e-2.
+    return Benchmark(build=build, reference=reference, atol=0.0, rtol=1e-2, warmup=1, reps=5)

@@ -1,0 +1,208 @@
+"""Autotune-on-miss in the GPU backends, and the benchmarks it runs (tuning_benchmarks).
+
+A kernel whose block sizes miss the tuned table and the cache tunes itself while its
+caller is traced, but only when it will run compiled on a GPU it supports: never in
+interpret mode, never on a CPU or TPU, never for a caller's config. On this CPU the "GPU"
+is a monkeypatched platform predicate and the candidates run through the interpreter; the
+selection itself is the one a GPU would make.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallasite import tuning
+from pallasite.kernels import platform
+from pallasite.kernels.grouped_projection import TritonBlockSizes, grouped_projection
+from pallasite.kernels.grouped_projection import pallas_mosaic_gpu, pallas_triton
+from pallasite.kernels.grouped_projection import tuning_benchmarks as gp_benchmarks
+from pallasite.kernels.ssd import pallas_triton as ssd_triton
+from pallasite.kernels.ssd import tuning_benchmarks as ssd_benchmarks
+from pallasite.reference.inputs import grouped_projection_inputs
+from pallasite.tuning import autotune, cache
+from pallasite.tuning import select as select_module
+
+GP_DIMS = {"m": 48, "k": 32, "n": 32, "g": 3}
+SSD_DIMS = {"batch": 1, "length": 64, "heads": 2, "head_dim": 16, "state": 16, "groups": 1, "chunk": 32}
+SMALL = TritonBlockSizes(block_m=16, block_n=16, block_k=16, group_m=1, num_stages=1)
+
+
+@pytest.fixture
+def tuning_on(tmp_path, monkeypatch):
+    """Autotune on (the root conftest turns it off for tests), a fresh cache, a spy on the
+    selections the backends make. Returns the list of (implementation, measure, Selection)."""
+    monkeypatch.setenv(cache.ENV_AUTOTUNE, "1")
+    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(tmp_path / "cache"))
+    monkeypatch.setattr(select_module, "_memo", {})
+    monkeypatch.setattr(select_module, "_failed", {})
+    seen = []
+    real = tuning.select_block_sizes
+
+    def spy(op, implementation, **kw):
+        sel = real(op, implementation, **kw)
+        seen.append((implementation, kw.get("measure"), sel))
+        return sel
+
+    monkeypatch.setattr(tuning, "select_block_sizes", spy)
+    return seen
+
+
+def _cache_files(tmp_path):
+    return sorted((tmp_path / "cache").glob("*.json"))
+
+
+def _gp_operands(dtype=jnp.float32):
+    x, kernel, sizes = grouped_projection_inputs(jax.random.key(0), GP_DIMS["m"], GP_DIMS["k"],
+                                                 GP_DIMS["n"], GP_DIMS["g"], dtype)
+    return x, kernel, sizes
+
+
+# --------------------------------------------------------------------- the benchmarks
+
+
+def _sequential(x, a, b, c, s0):
+    s = np.array(s0, np.float64)
+    ys = []
+    for t in range(x.shape[0]):
+        s = np.exp(a[t]) * s + np.outer(x[t], b[t])
+        ys.append(s @ c[t])
+    return np.array(ys), s
+
+
+def test_ssd_numpy_matches_the_step_recurrence():
+    rng = np.random.default_rng(0)
+    l, p, n = 40, 3, 5
+    x, b, c = rng.normal(size=(l, p)), rng.normal(size=(l, n)), rng.normal(size=(l, n))
+    a = -rng.uniform(0.01, 0.5, size=l)
+    s0 = rng.normal(size=(p, n))
+    y, s = ssd_benchmarks.ssd_numpy(x, a, b, c, s0, block=16)  # 16 does not divide 40: a short block
+    y_ref, s_ref = _sequential(x, a, b, c, s0)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(s, s_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_sample_rows_take_group_edges():
+    gs = np.array([3, 0, 5, 1], np.int32)
+    rows = gp_benchmarks.sample_rows(gs, 16)
+    assert {0, 2, 3, 7, 8} <= set(rows.tolist()) and rows.max() < gs.sum()
+
+
+@pytest.mark.parametrize("product", ["forward", "dx", "dkernel"])
+def test_gp_benchmark_passes_a_good_config_and_fails_a_wrong_one(product):
+    bench = gp_benchmarks.benchmark(pallas_triton, product, GP_DIMS, "float32", interpret=True)
+    r = autotune.autotune([SMALL], bench, confirm_rounds=0)
+    assert [t.status for t in r.trials] == [autotune.OK], r.trials
+    wrong = autotune.Benchmark(build=lambda cfg: (lambda: jax.tree.map(lambda t: t + 1, bench.build(cfg)())),
+                               reference=bench.reference, atol=bench.atol, rtol=bench.rtol)
+    assert autotune.autotune([SMALL], wrong).trials[0].status == autotune.WRONG_RESULT
+
+
+@pytest.mark.parametrize("make", [ssd_benchmarks.forward_benchmark, ssd_benchmarks.backward_benchmark])
+def test_ssd_benchmarks_pass_the_default(make):
+    bench = make(ssd_triton, SSD_DIMS, "float32", interpret=True)
+    r = autotune.autotune([ssd_triton.BlockSizes(16, 16)], bench, confirm_rounds=0)
+    assert [t.status for t in r.trials] == [autotune.OK], r.trials
+
+
+# ------------------------------------------------------------------ when it tunes
+
+
+def test_triton_tunes_under_jit_custom_vjp_and_shard_map_when_compiled_on_a_gpu(
+        tuning_on, tmp_path, monkeypatch):
+    """The public function, named backend, not interpreted, on a 'GPU': the forward (under
+    jit, custom_vjp, shard_map) and dx, dkernel (the custom_vjp backward) each tune."""
+    monkeypatch.setattr(platform, "triton_runs", lambda device=None: True)
+    # Candidates run through the interpreter (this is a CPU); two per key: default + one.
+    monkeypatch.setattr(gp_benchmarks, "benchmark",
+                        functools.partial(gp_benchmarks.benchmark, interpret=True))
+    monkeypatch.setattr(select_module, "ON_MISS_MAX_CANDIDATES", 2)
+    x, kernel, sizes = _gp_operands()
+
+    def loss(x, kernel):
+        y = grouped_projection(x, kernel, sizes, jnp.float32, implementation="pallas_triton")
+        return jnp.sum(y * y)
+
+    # Traced (and the kernels traced for Triton), not lowered: Triton has no CPU lowering.
+    jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, kernel)
+    tuned = {impl: sel for impl, _, sel in tuning_on}
+    assert set(tuned) == {"pallas_triton:forward", "pallas_triton:dx", "pallas_triton:dkernel"}
+    for impl, sel in tuned.items():
+        assert sel.source == "autotune", (impl, sel)
+        assert [t.status for t in sel.tune.trials] == [autotune.OK, autotune.OK], (impl, sel.tune)
+    assert len(_cache_files(tmp_path)) == 3
+    # The next trace reads the cache: nothing is timed again.
+    tuning_on.clear()
+    jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, kernel)
+    assert {sel.source for _, _, sel in tuning_on} == {"cache"}
+
+
+def test_a_failing_benchmark_falls_back_to_the_default(tuning_on, monkeypatch, caplog):
+    monkeypatch.setattr(platform, "triton_runs", lambda device=None: True)
+
+    def broken(*args, **kw):
+        raise MemoryError("no room for the synthetic inputs")
+
+    monkeypatch.setattr(gp_benchmarks, "benchmark", broken)
+    x, kernel, sizes = _gp_operands()
+    with caplog.at_level("WARNING", logger="pallasite.tuning.select"):
+        jax.make_jaxpr(lambda x: pallas_triton.gmm(x, kernel, sizes))(x)
+    ((_, measure, sel),) = tuning_on
+    assert measure is not None and sel.source == "default" and "MemoryError" in sel.detail
+    assert sel.config == pallas_triton.default_block_sizes(product="forward", dtype=x.dtype, **GP_DIMS)
+    assert "MemoryError" in caplog.text
+
+
+def test_interpret_mode_never_tunes(tuning_on, tmp_path, monkeypatch):
+    """Even on a 'GPU' with tuning on: the interpreter's timings say nothing about a GPU."""
+    monkeypatch.setattr(platform, "triton_runs", lambda device=None: True)
+    x, kernel, sizes = _gp_operands()
+    y = jax.jit(lambda x: pallas_triton.gmm(x, kernel, sizes, interpret=True))(x)
+    assert np.isfinite(np.asarray(y)).all()
+    jax.jit(lambda x: pallas_triton.tgmm(x, x, sizes, interpret=True))(x)
+    assert {(impl, m, sel.source) for impl, m, sel in tuning_on} == {
+        ("pallas_triton:forward", None, "default"), ("pallas_triton:dkernel", None, "default")}
+    assert _cache_files(tmp_path) == []
+
+
+def test_no_tuning_off_a_gpu_or_for_a_callers_config(tuning_on, tmp_path, monkeypatch):
+    x, kernel, sizes = _gp_operands()
+    # This CPU: compiled kernels traced (never run), no measure.
+    jax.make_jaxpr(lambda x: pallas_triton.gmm(x, kernel, sizes))(x)
+    monkeypatch.setattr(platform, "triton_runs", lambda device=None: True)
+    jax.make_jaxpr(lambda x: pallas_triton.gmm(x, kernel, sizes, block_sizes=SMALL))(x)
+    assert [(m, sel.source) for _, m, sel in tuning_on] == [(None, "default"), (None, "caller")]
+    assert _cache_files(tmp_path) == []
+
+
+def test_mosaic_gpu_and_ssd_pass_a_measure_only_when_compiled_on_their_gpu(monkeypatch):
+    """Which calls would tune (the measure given to select_block_sizes), without tuning."""
+    seen = []
+
+    def record(op, implementation, **kw):
+        seen.append((implementation, kw["measure"] is not None))
+        return select_module.Selection(kw.get("caller") or kw["default"], "default")
+
+    monkeypatch.setattr(tuning, "select_block_sizes", record)
+    resolve = functools.partial(pallas_mosaic_gpu.resolve_block_sizes, None, product="forward",
+                                dtype=jnp.bfloat16, **GP_DIMS)
+    resolve(interpret=False)  # this CPU is not a Hopper GPU
+    monkeypatch.setattr(platform, "mosaic_gpu_runs", lambda device=None: True)
+    resolve(interpret=True)
+    resolve(interpret=False)
+    x = jnp.zeros((1, 2, 32, 2, 16), jnp.float32)
+    b = jnp.zeros((1, 2, 32, 1, 16), jnp.float32)
+    ssd = functools.partial(ssd_triton.resolve_block_sizes, None, 32, x=x, b=b)
+    ssd(pass_name="forward", interpret=False)  # no Triton GPU here
+    monkeypatch.setattr(platform, "triton_runs", lambda device=None: True)
+    ssd(pass_name="forward", interpret=True)
+    ssd(pass_name="forward", interpret=False)
+    ssd(pass_name="backward", interpret=False)
+    assert seen == [("pallas_mosaic_gpu:forward", False), ("pallas_mosaic_gpu:forward", False),
+                    ("pallas_mosaic_gpu:forward", True), ("pallas_triton:forward", False),
+                    ("pallas_triton:forward", False), ("pallas_triton:forward", True),
+                    ("pallas_triton:backward", True)]
