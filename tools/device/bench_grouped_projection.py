@@ -22,6 +22,8 @@ import sys
 import time
 import traceback
 
+# Time the configs named here (or the table/defaults), never an autotune on a miss.
+os.environ.setdefault("PALLASITE_AUTOTUNE", "0")
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 for _pkg in ("reference", "kernels", "tuning", "bench"):
     sys.path.insert(0, os.path.join(_ROOT, "packages", _pkg))

@@ -22,6 +22,9 @@ import sys
 import time
 import traceback
 
+# Time the configs named here (or the table/defaults), never an autotune on a miss.
+os.environ.setdefault("PALLASITE_AUTOTUNE", "0")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 for pkg in ("reference", "kernels", "tuning", "bench"):
     sys.path.insert(0, os.path.join(ROOT, "packages", pkg))

@@ -26,6 +26,8 @@ import subprocess
 import sys
 import tempfile
 
+# Time the configs named here (or the table/defaults), never an autotune on a miss.
+os.environ.setdefault("PALLASITE_AUTOTUNE", "0")
 DUMP = tempfile.mkdtemp(prefix="mgpu_dump_")
 os.environ.update(MOSAIC_GPU_DUMP_SASS="1", MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=DUMP)
 

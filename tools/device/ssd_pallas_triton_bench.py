@@ -21,6 +21,9 @@ import statistics
 import sys
 import time
 
+# Time the configs named here (or the table/defaults), never an autotune on a miss.
+os.environ.setdefault("PALLASITE_AUTOTUNE", "0")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 for sub in ("packages/reference", "packages/kernels", "packages/tuning", "packages/bench", ".peers"):
     sys.path.insert(0, os.path.join(ROOT, sub))
