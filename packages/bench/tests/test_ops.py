@@ -71,3 +71,18 @@ def test_check_grouped_projection_flags_a_wrong_row():
     y[int(gs[0])] += 1.0  # the first row of group 1
     bad = ops.check_grouped_projection(case, inputs, (jnp.asarray(y, jnp.float32),))
     assert not bad.ok
+
+
+def test_block_sizes_for_builds_the_kernels_class():
+    from pallasite.bench import impls
+    from pallasite.kernels.grouped_projection import TritonBlockSizes
+
+    triton = next(i for i in impls.IMPLS if i.op == ops.GP and i.name == "pallas_triton")
+    xla = next(i for i in impls.IMPLS if i.op == ops.GP and i.name == "xla")
+    assert impls.block_sizes_for(triton, None) is None
+    blocks = impls.block_sizes_for(triton, {"block_m": 16, "block_n": 16, "block_k": 16})
+    assert isinstance(blocks, TritonBlockSizes) and blocks.block_m == 16
+    with pytest.raises(ValueError, match="does not fit pallas_triton"):
+        impls.block_sizes_for(triton, {"tile": 3})
+    with pytest.raises(NotImplementedError, match="takes no block sizes"):
+        impls.block_sizes_for(xla, {"block_m": 16})

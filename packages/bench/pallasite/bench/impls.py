@@ -223,13 +223,45 @@ def ssd_grads_reference(case: ops.Case, inputs: dict) -> tuple | None:
 # --------------------------------------------------------------------------------- build
 
 
+# Which block-size class `--block-sizes` (a JSON dict) builds for each kernel.
+_BLOCK_SIZES = {
+    (ops.GP, "pallas_triton"): ("pallasite.kernels.grouped_projection.config", "TritonBlockSizes"),
+    (ops.GP, "pallas_mosaic_tpu"): ("pallasite.kernels.grouped_projection.config",
+                                    "MosaicTpuBlockSizes"),
+    (ops.GP, "pallas_mosaic_gpu"): ("pallasite.kernels.grouped_projection.pallas_mosaic_gpu",
+                                    "MosaicGpuBlockSizes"),
+    (ops.SSD, "pallas_triton"): ("pallasite.kernels.ssd.pallas_triton", "BlockSizes"),
+    (ops.SSD, "pallas_mosaic_tpu"): ("pallasite.kernels.ssd.pallas_mosaic_tpu", "BlockSizes"),
+}
+
+
+def block_sizes_for(impl: Impl, raw: dict | None) -> Any:
+    """`raw` (field -> value) as the kernel's block-size class; None stays None (the
+    kernel's tuned table or default). An implementation without block sizes cannot honour
+    them, so it is reported unsupported rather than timed under a config it ignores."""
+    import importlib
+
+    if raw is None:
+        return None
+    where = _BLOCK_SIZES.get((impl.op, impl.name))
+    if where is None:
+        raise NotImplementedError(f"{impl.name} takes no block sizes (--block-sizes)")
+    from pallasite.tuning import config_from_dict
+    from pallasite.tuning.configs import StaleConfig
+
+    try:
+        return config_from_dict(getattr(importlib.import_module(where[0]), where[1]), raw)
+    except StaleConfig as err:
+        raise ValueError(f"--block-sizes {raw} does not fit {impl.name}: {err}") from err
+
+
 def build(impl: Impl, case: ops.Case, plat: Platform, options: dict) -> Callable[[dict], Any]:
     """A function from one input set to the outputs tuple (jitted for JAX impls).
 
     Torch peers take the same dict (their `adapt` converts it once per set, outside the
     timed region) and return JAX arrays through DLPack, so one check serves all.
     """
-    block_sizes = options.get("block_sizes")
+    block_sizes = block_sizes_for(impl, options.get("block_sizes"))
     if impl.framework == "torch":
         return peers.build_torch(impl.name, case, options)
     if case.op == ops.GP:
