@@ -206,3 +206,39 @@ def test_mosaic_gpu_and_ssd_pass_a_measure_only_when_compiled_on_their_gpu(monke
                     ("pallas_mosaic_gpu:forward", True), ("pallas_triton:forward", False),
                     ("pallas_triton:forward", False), ("pallas_triton:forward", True),
                     ("pallas_triton:backward", True)]
+
+
+# ----------------------------------------------------------------------------- the GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,g", [(4096, 512, 1024, 8), (2048, 256, 384, 16)])
+def test_gpu_default_call_tunes_once_then_reads_the_cache(tuning_on, tmp_path, m, k, n, g):
+    """On a real GPU, no table entry for these shapes: the default call (Mosaic GPU at
+    >= 512 rows per group on Hopper, Triton otherwise) tunes forward, dx and dkernel once,
+    matches the reference, and the next trace reads the cache."""
+    from pallasite.reference.grouped_projection import grouped_projection as reference
+    from pallasite.reference.parity import assert_close
+
+    x, kernel, sizes = grouped_projection_inputs(jax.random.key(3), m, k, n, g, jnp.bfloat16)
+
+    def loss(f):
+        return lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) ** 2)
+
+    ours = jax.jit(jax.value_and_grad(
+        loss(lambda x, w: grouped_projection(x, w, sizes, jnp.bfloat16)), argnums=(0, 1)))
+    got = ours(x, kernel)
+    sources = {impl: sel.source for impl, _, sel in tuning_on}
+    # "autotune" also when the default won: it is the first candidate timed.
+    assert len(sources) == 3 and set(sources.values()) == {"autotune"}, sources
+    assert len(_cache_files(tmp_path)) == 3
+    ref = jax.jit(jax.value_and_grad(loss(lambda x, w: reference(
+        x.astype(jnp.float32), w.astype(jnp.float32), sizes, jnp.float32,
+        precision=jax.lax.Precision.HIGHEST)), argnums=(0, 1)))(x, kernel)
+    assert_close(got[1][0], ref[1][0], dtype=jnp.bfloat16, what="dx")
+    assert_close(got[1][1], ref[1][1], dtype=jnp.bfloat16, what="dkernel")
+    tuning_on.clear()
+    jax.jit(jax.value_and_grad(
+        loss(lambda x, w: grouped_projection(x, w, sizes, jnp.bfloat16)),
+        argnums=(0, 1))).trace(x, kernel)
+    assert {sel.source for _, _, sel in tuning_on} == {"cache"}
