@@ -88,8 +88,8 @@ class MosaicGpuBlockSizes:
     while two consumer warpgroups each own a block_m x block_n half of a block_m x
     2*block_n tile, so one tile's epilogue overlaps the next tile's loads. Needs n to be a
     multiple of 2*block_n (else the one-warpgroup kernel runs); stages are cut to what fits
-    shared memory. Not measured on a GPU yet, so no default or table entry uses it
-    (docs/performance.md, issue 7).
+    shared memory. Not run on a GPU yet, so no default, table entry or autotune candidate
+    uses it (docs/performance.md, issue 7).
     """
 
     block_m: int = 128
