@@ -63,9 +63,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Int, Shaped
 
-from pallasite import tuning
 from pallasite.kernels import platform
-from pallasite.kernels.grouped_projection import config, ops, tuning_benchmarks
+from pallasite.kernels.grouped_projection import ops, tuning_benchmarks
 
 # H200 SXM has 132 SMs; used when the default device does not report its core count.
 _DEFAULT_NUM_SMS = 132
@@ -145,20 +144,12 @@ def resolve_block_sizes(
     block_sizes: None, a MosaicGpuBlockSizes (every product), or a
     config.GroupedProjectionBlockSizes naming one per product ('forward', 'dx', 'dkernel').
     """
-    chosen = config.for_product(block_sizes, product)
-    if chosen is not None and not isinstance(chosen, MosaicGpuBlockSizes):
-        raise TypeError(
-            f"block_sizes for pallas_mosaic_gpu must be MosaicGpuBlockSizes, got {chosen!r}"
-        )
-    dims = {"m": m, "k": k, "n": n, "g": g}
-    measure = None
-    if chosen is None and not interpret and platform.mosaic_gpu_runs():
-        measure = lambda: tuning_benchmarks.benchmark(sys.modules[__name__], product, dims, dtype)  # noqa: E731
-    return tuning.select_block_sizes(
-        "grouped_projection", f"pallas_mosaic_gpu:{product}", device_kind=tuning.device_kind(),
-        dtypes=(dtype,), shape=dims, config_type=MosaicGpuBlockSizes, caller=chosen,
-        default=default_block_sizes(product=product, m=m, k=k, n=n, g=g), measure=measure,
-    ).config
+    return tuning_benchmarks.select_block_sizes(
+        sys.modules[__name__], "pallas_mosaic_gpu", MosaicGpuBlockSizes, block_sizes,
+        product=product, dims={"m": m, "k": k, "n": n, "g": g}, dtype=dtype,
+        default=default_block_sizes(product=product, m=m, k=k, n=n, g=g),
+        tune_here=not interpret and platform.mosaic_gpu_runs(),
+    )
 
 
 def default_block_sizes(*, product: str, m: int, k: int, n: int, g: int) -> MosaicGpuBlockSizes:

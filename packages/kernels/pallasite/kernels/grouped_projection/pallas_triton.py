@@ -28,7 +28,6 @@ from jaxtyping import Array, Float, Int
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallasite import tuning
 from pallasite.kernels import platform
 from pallasite.kernels.grouped_projection import config, tuning_benchmarks
 from pallasite.kernels.grouped_projection.group_metadata import (
@@ -76,19 +75,12 @@ def resolve_block_sizes(block_sizes, *, product: str, m: int, k: int, n: int, g:
     GPU Triton runs on; PALLASITE_AUTOTUNE=0 turns it off), else the default (exactly
     `default_block_sizes`). `interpret` defaults to True, "do not tune", for callers that
     only ask which blocks apply; gmm and tgmm pass theirs."""
-    chosen = config.for_product(block_sizes, product)
-    if chosen is not None and not isinstance(chosen, config.TritonBlockSizes):
-        raise TypeError(f"block_sizes for pallas_triton must be TritonBlockSizes, got {chosen!r}")
-    dims = {"m": m, "k": k, "n": n, "g": g}
-    measure = None
-    if chosen is None and not interpret and platform.triton_runs():
-        measure = lambda: tuning_benchmarks.benchmark(sys.modules[__name__], product, dims, dtype)  # noqa: E731
-    return tuning.select_block_sizes(
-        "grouped_projection", f"pallas_triton:{product}", device_kind=tuning.device_kind(),
-        dtypes=(dtype,), shape=dims, config_type=config.TritonBlockSizes, caller=chosen,
+    return tuning_benchmarks.select_block_sizes(
+        sys.modules[__name__], "pallas_triton", config.TritonBlockSizes, block_sizes,
+        product=product, dims={"m": m, "k": k, "n": n, "g": g}, dtype=dtype,
         default=default_block_sizes(product=product, m=m, k=k, n=n, g=g, dtype=dtype),
-        measure=measure,
-    ).config
+        tune_here=not interpret and platform.triton_runs(),
+    )
 
 
 def cost_estimate(m: int, k: int, n: int, operands, out_bytes: int) -> pl.CostEstimate:

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallasite import tuning
+from pallasite.kernels.grouped_projection import config
 from pallasite.reference import inputs as ref_inputs
 from pallasite.tuning import Benchmark
 
@@ -95,3 +97,23 @@ def benchmark(backend: ModuleType, product: str, dims: Mapping[str, int], dtype=
 
     # bf16 output against an fp32 reference: one rounding, 2^-8 relative, well inside 1e-2.
     return Benchmark(build=build, reference=reference, atol=0.0, rtol=1e-2, warmup=1, reps=5)
+
+
+def select_block_sizes(backend: ModuleType, name: str, config_type: type, block_sizes, *,
+                       product: str, dims: Mapping[str, int], dtype, default,
+                       tune_here: bool):
+    """The GPU backends' one way to pick a product's blocks (pallasite.tuning's order):
+    the caller's (which must be `config_type`), else the table / cache entry, else a
+    bounded autotune with `benchmark` when `tune_here` (the kernel runs compiled on the
+    backend's GPU) and the caller gave none, else `default`."""
+    chosen = config.for_product(block_sizes, product)
+    if chosen is not None and not isinstance(chosen, config_type):
+        raise TypeError(f"block_sizes for {name} must be {config_type.__name__}, got {chosen!r}")
+    measure = None
+    if chosen is None and tune_here:
+        measure = lambda: benchmark(backend, product, dims, dtype)  # noqa: E731
+    return tuning.select_block_sizes(
+        "grouped_projection", f"{name}:{product}", device_kind=tuning.device_kind(),
+        dtypes=(dtype,), shape=dims, config_type=config_type, caller=chosen, default=default,
+        measure=measure,
+    ).config
