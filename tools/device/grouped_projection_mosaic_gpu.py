@@ -52,12 +52,17 @@ SHAPES = {
 
 B = M.MosaicGpuBlockSizes
 # None = the backend's default for the shape (resolve_block_sizes).
+_WS = [B(128, 128, 64, 3, 8, True), B(128, 128, 64, 3, 16, True), B(64, 128, 64, 4, 8, True),
+       B(128, 64, 64, 6, 8, True)]
 CONFIGS = {
-    "fwd": [B(192, 128, 64, 4, 8), B(128, 128, 64, 4, 8), B(128, 128, 64, 5, 4),
-            B(128, 128, 64, 3, 8, True), B(128, 128, 64, 3, 4, True), B(64, 128, 64, 4, 8, True)],
-    "dx": [B(192, 128, 64, 4, 8), B(128, 128, 64, 4, 8), B(128, 128, 64, 3, 8, True)],
+    "fwd": [None] + _WS,
+    "dx": [None] + _WS,
     "dk": [B(128, 128, 64, 4, 8), B(128, 128, 128, 3, 8), B(128, 128, 64, 6, 16)],
 }
+# --ws-delay-release 0,1: time the warp-specialised configs once per value of the
+# kernel's wgmma delay (M._WS_DELAY_RELEASE), to choose the constant.
+WS_DELAYS = [None]
+PRODUCTS = ["fwd", "dx", "dk"]
 
 
 def emit(rec):
@@ -139,6 +144,32 @@ def sampled_checks(x, w, dy, gs, out, dx, dk, total):
             "tail_zero": tail_zero}
 
 
+def product_check(prod, out, x, w, dy, gs):
+    """fp32 dots on the sampled rows of 3 groups for one product's output."""
+    sizes = np.asarray(gs)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    nz = np.flatnonzero(sizes)
+    hi = jax.lax.Precision.HIGHEST
+    worst = {"rel_l2": 0.0, "max_abs_over_scale": 0.0, "finite": True}
+    for i in sorted({int(nz[0]), int(nz[len(nz) // 2]), int(nz[-1])}):
+        s, z = int(starts[i]), int(sizes[i])
+        rows = np.unique(np.concatenate([np.arange(s, min(s + 96, s + z)),
+                                         np.arange(max(s, s + z - 96), s + z)]))
+        wi = w[i].astype(jnp.float32)
+        if prod == "fwd":
+            e = err(out[rows], jnp.dot(x[rows].astype(jnp.float32), wi, precision=hi))
+        elif prod == "dx":
+            e = err(out[rows], jnp.dot(dy[rows].astype(jnp.float32), wi.T, precision=hi))
+        else:
+            return None
+        worst = {"rel_l2": max(worst["rel_l2"], e["rel_l2"]),
+                 "max_abs_over_scale": max(worst["max_abs_over_scale"], e["max_abs_over_scale"]),
+                 "finite": worst["finite"] and e["finite"]}
+    total = int(sizes.sum())
+    worst["tail_zero"] = bool(total >= out.shape[0] or (np.asarray(out[total:]) == 0).all())
+    return worst
+
+
 def roofline(flops, nbytes, t):
     tflops = flops / t / 1e12
     ceiling = min(PEAK_TFLOPS, flops / nbytes * PEAK_TBPS)
@@ -161,24 +192,30 @@ def bench_products(name, x, w, dy, gs, budget_s):
     }
     outs = {}
     best = {}
-    for prod, (make, args, nbytes) in prods.items():
-        for i, bs in enumerate(CONFIGS[prod]):
-            if i > 0 and time.time() - START > budget_s:
-                emit({"shape": name, "product": prod, "config": str(bs), "skipped": "budget"})
-                continue
-            try:
-                fn = make(bs)
-                t, first = timed(fn, *args)
-                tf, frac = roofline(flops, nbytes, t)
-                emit({"shape": name, "product": prod, "impl": "pallas_mosaic_gpu",
-                      "config": str(bs), "ms": round(t * 1e3, 4), "tflops": tf,
-                      "roofline_frac": frac, "first_call_s": round(first, 2)})
-                if prod not in best or t < best[prod][0]:
-                    best[prod] = (t, bs)
-                    outs[prod] = fn(*args)
-            except Exception as e:  # noqa: BLE001
-                emit({"shape": name, "product": prod, "config": str(bs),
-                      "error": f"{type(e).__name__}: {str(e)[:800]}"})
+    trials = [(prod, bs, d) for prod in PRODUCTS for bs in CONFIGS[prod]
+              for d in (WS_DELAYS if bs is not None and bs.warp_specialized else [None])]
+    for i, (prod, bs, delay) in enumerate(trials):
+        make, args, nbytes = prods[prod]
+        if i > 0 and time.time() - START > budget_s:
+            emit({"shape": name, "product": prod, "config": str(bs), "skipped": "budget"})
+            continue
+        try:
+            if delay is not None:
+                M._WS_DELAY_RELEASE = delay
+            fn = make(bs)
+            t, first = timed(fn, *args)
+            tf, frac = roofline(flops, nbytes, t)
+            emit({"shape": name, "product": prod, "impl": "pallas_mosaic_gpu",
+                  "config": str(bs), "ws_delay_release": delay,
+                  "ms": round(t * 1e3, 4), "tflops": tf,
+                  "roofline_frac": frac, "first_call_s": round(first, 2),
+                  "check": product_check(prod, fn(*args), x, w, dy, gs)})
+            if prod not in best or t < best[prod][0]:
+                best[prod] = (t, bs)
+                outs[prod] = fn(*args)
+        except Exception as e:  # noqa: BLE001
+            emit({"shape": name, "product": prod, "config": str(bs),
+                  "error": f"{type(e).__name__}: {str(e)[:800]}"})
     if len(outs) == 3:
         chk = sampled_checks(x, w, dy, gs, outs["fwd"], outs["dx"], outs["dk"], total)
         emit({"shape": name, "check": chk})
@@ -244,7 +281,12 @@ def main():
     p.add_argument("--peer-shapes", nargs="*", default=["mixtral", "dsv3", "qwen3", "olmoe"])
     p.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes, interpreter")
     p.add_argument("--default-only", action="store_true", help="one config per product")
+    p.add_argument("--products", nargs="*", default=["fwd", "dx", "dk"])
+    p.add_argument("--ws-delay-release", default=None, help="comma list, e.g. 0,1")
     args = p.parse_args()
+    PRODUCTS[:] = args.products
+    if args.ws_delay_release:
+        WS_DELAYS[:] = [int(v) for v in args.ws_delay_release.split(",")]
     if args.default_only:
         for prod in CONFIGS:
             CONFIGS[prod] = [None]
@@ -252,7 +294,7 @@ def main():
         import functools
         SHAPES.update({s: (256, 64, 128, 4) for s in SHAPES})
         for prod in CONFIGS:
-            CONFIGS[prod] = [B(64, 64, 64, 2, 2)]
+            CONFIGS[prod] = [B(64, 64, 64, 2, 2), B(64, 64, 64, 2, 2, True)]
         M.gmm = functools.partial(M.gmm, interpret=True)
         M.tgmm = functools.partial(M.tgmm, interpret=True)
     os.makedirs(OUT, exist_ok=True)

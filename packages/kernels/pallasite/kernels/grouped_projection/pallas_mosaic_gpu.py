@@ -365,6 +365,13 @@ def _fit_warp_specialized(bs: MosaicGpuBlockSizes, n: int, in_bytes: int, out_by
     return dataclasses.replace(bs, stages=int(stages))
 
 
+# wgmma groups a consumer leaves in flight when it releases a stage (0: wait for its own
+# wgmma before the producer may refill the buffer; 1: keep one in flight, buffers
+# released a step later; needs at least two k steps, a one-step pipeline with a delayed
+# release breaks the stage barriers' phases in the interpreter).
+_WS_DELAY_RELEASE = 0
+
+
 def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_rhs: bool):
     """gmm with a TMA producer warpgroup and two wgmma consumer warpgroups per program.
 
@@ -380,6 +387,7 @@ def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_
     grid_n = n // cta_n
     rhs_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
     rhs_index = (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0))
+    delay = _WS_DELAY_RELEASE if k // bk > 1 else 0
 
     def pipeline(mma, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -387,8 +395,10 @@ def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_
             grid=(k // bk,),
             memory_registers=40,
             in_specs=[
-                plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), memory_space=plgpu.SMEM),
-                plgpu.BlockSpec(rhs_block, rhs_index, memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), memory_space=plgpu.SMEM,
+                                delay_release=delay),
+                plgpu.BlockSpec(rhs_block, rhs_index, memory_space=plgpu.SMEM,
+                                delay_release=delay),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -423,7 +433,7 @@ def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_
                 def mma(_, a_smem, b_smem, acc_ref):
                     b = b_smem.at[cols].transpose((1, 0)) if transpose_rhs else b_smem.at[:, cols]
                     plgpu.wgmma(acc_ref, a_smem, b)
-                    plgpu.wgmma_wait(0)
+                    plgpu.wgmma_wait(delay)
                     return acc_ref
 
                 def compute_context(run_pipeline):
