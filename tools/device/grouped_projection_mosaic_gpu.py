@@ -15,6 +15,7 @@ call; results stream to $OUT/results.jsonl so a timeout still leaves them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -59,8 +60,8 @@ CONFIGS = {
     "dx": [None] + _WS,
     "dk": [B(128, 128, 64, 4, 8), B(128, 128, 128, 3, 8), B(128, 128, 64, 6, 16)],
 }
-# --ws-delay-release 0,1: time the warp-specialised configs once per value of the
-# kernel's wgmma delay (M._WS_DELAY_RELEASE), to choose the constant.
+# --ws-delay-release 0,1: time the warp-specialised configs once per value of their
+# delay_release field.
 WS_DELAYS = [None]
 PRODUCTS = ["fwd", "dx", "dk"]
 
@@ -201,7 +202,7 @@ def bench_products(name, x, w, dy, gs, budget_s):
             continue
         try:
             if delay is not None:
-                M._WS_DELAY_RELEASE = delay
+                bs = dataclasses.replace(bs, delay_release=delay)
             fn = make(bs)
             t, first = timed(fn, *args)
             tf, frac = roofline(flops, nbytes, t)

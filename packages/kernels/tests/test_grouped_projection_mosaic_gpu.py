@@ -12,6 +12,8 @@ API, and the default order by rows per group.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,14 +54,15 @@ def test_block_sizes_validation():
         mgpu.MosaicGpuBlockSizes(block_m=256, block_n=256)
     with pytest.raises(ValueError, match="grid_block_n"):
         mgpu.MosaicGpuBlockSizes(grid_block_n=True)
+    for bad in (2, -1, True):
+        with pytest.raises(ValueError, match="delay_release"):
+            mgpu.MosaicGpuBlockSizes(delay_release=bad)
     bs = mgpu.MosaicGpuBlockSizes()
     with pytest.raises(dataclasses_error()):
         bs.block_m = 64  # frozen
 
 
 def dataclasses_error():
-    import dataclasses
-
     return dataclasses.FrozenInstanceError
 
 
@@ -67,8 +70,12 @@ def test_resolve_block_sizes():
     from pallasite.kernels.grouped_projection import config
 
     pick = mgpu.resolve_block_sizes
-    assert pick(None, product="forward", m=32768, k=4096, n=14336, g=8) == mgpu.GMM_LARGE_GROUPS
-    assert pick(None, product="dx", m=65536, k=2048, n=768, g=128) == mgpu.GMM_SMALL_GROUPS
+    # Output widths that split into 256-column tiles: the warp-specialised kernel.
+    assert pick(None, product="forward", m=32768, k=4096, n=14336, g=8) == mgpu.GMM_WARP_SPECIALIZED
+    assert pick(None, product="dx", m=65536, k=2048, n=768, g=128) == mgpu.GMM_WARP_SPECIALIZED
+    # Otherwise the one-warpgroup kernel, by rows per group.
+    assert pick(None, product="forward", m=32768, k=4096, n=14208, g=8) == mgpu.GMM_LARGE_GROUPS
+    assert pick(None, product="dx", m=65536, k=2048, n=320, g=128) == mgpu.GMM_SMALL_GROUPS
     assert pick(None, product="dkernel", m=65536, k=2048, n=768, g=128) == mgpu.TGMM_DEFAULT
     assert pick(SMALL, product="dx", m=1, k=1, n=1, g=1) is SMALL
     per = config.GroupedProjectionBlockSizes(dx=SMALL)
@@ -244,20 +251,25 @@ def _h200_mesh():
     return AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
 
 
-_WS = mgpu.MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=3,
-                               warp_specialized=True)
+_WS = mgpu.GMM_WARP_SPECIALIZED
+_WS_DELAYED = dataclasses.replace(_WS, delay_release=1)
+_ONE_WARPGROUP = mgpu.GMM_LARGE_GROUPS
+_BLOCKS = {"": None, "_ws": _WS, "_ws_delayed": _WS_DELAYED, "_one_wg": _ONE_WARPGROUP}
 
 
-@pytest.mark.parametrize("product", ["forward", "dx", "dkernel", "forward_ws", "dx_ws"])
+@pytest.mark.parametrize("product", ["forward", "dx", "dkernel", "forward_ws_delayed",
+                                     "dx_ws_delayed", "forward_one_wg", "dx_one_wg"])
 def test_lowers_for_cuda_from_cpu(product, monkeypatch):
-    """Layout inference and the wgmma/TMA lowering run for every product and both tiles,
-    and for the warp-specialised gmm (its shared memory fits at 3 stages of 128x256)."""
+    """Layout inference and the wgmma/TMA lowering run for every product: the default
+    (warp-specialised gmm at 3 stages of 128x256, which fits shared memory), its delayed
+    release, and the one-warpgroup gmm."""
     monkeypatch.setattr(mgpu, "_num_programs", lambda interpret: 132)
     m, k, n, g = 4096, 512, 1024, 8
     s = jax.ShapeDtypeStruct
     gs = s((g,), jnp.int32)
-    blocks = _WS if product.endswith("_ws") else None
-    product = product.removesuffix("_ws")
+    suffix = next(x for x in sorted(_BLOCKS, key=len, reverse=True) if product.endswith(x))
+    blocks = _BLOCKS[suffix]
+    product = product.removesuffix(suffix)
     if product == "forward":
         f = lambda a, b, c: mgpu.gmm(a, b, c, block_sizes=blocks)  # noqa: E731
         args = (s((m, k), BF16), s((g, k, n), BF16), gs)
@@ -313,9 +325,11 @@ _SMALL_GPU = mgpu.MosaicGpuBlockSizes(block_m=64, block_n=64, stages=3, grid_blo
     "case,blocks",
     [(c, None) for c in _gpu_cases()]
     + [(c, _SMALL_GPU) for c in _gpu_cases() if c[0] in ("many_small", "odd_m")]
-    + [(c, _WS) for c in _gpu_cases() if c[0] in ("dirichlet", "total_lt_m", "all_empty")],
+    + [(c, _WS_DELAYED) for c in _gpu_cases() if c[0] in ("dirichlet", "total_lt_m", "all_empty")]
+    + [(c, _ONE_WARPGROUP) for c in _gpu_cases() if c[0] in ("dirichlet", "many_small", "total_lt_m")],
     ids=lambda v: v[0] if isinstance(v, tuple) else (
-        "default" if v is None else "ws" if v.warp_specialized else "small"),
+        "default" if v is None else "ws_delayed" if v.delay_release
+        else "one_wg" if v == _ONE_WARPGROUP else "small"),
 )
 def test_gpu_parity(case, blocks):
     _, m, k, n, g, gs = case

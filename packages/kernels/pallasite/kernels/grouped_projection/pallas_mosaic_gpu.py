@@ -87,8 +87,9 @@ class MosaicGpuBlockSizes:
     while two consumer warpgroups each own a block_m x block_n half of a block_m x
     2*block_n tile, so one tile's epilogue overlaps the next tile's loads. Needs n to be a
     multiple of 2*block_n (else the one-warpgroup kernel runs); stages are cut to what fits
-    shared memory. Not run on a GPU yet, so no default, table entry or autotune candidate
-    uses it (docs/performance.md, issue 7).
+    shared memory. delay_release (warp-specialised only, 0 or 1): wgmma groups a consumer
+    leaves in flight when it hands a stage back to the producer (1: the buffer is released
+    a step later; kept 0 for pipelines of a single k step).
     """
 
     block_m: int = 128
@@ -97,6 +98,7 @@ class MosaicGpuBlockSizes:
     stages: int = 4
     grid_block_n: int = 8
     warp_specialized: bool = False
+    delay_release: int = 0
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k", "stages", "grid_block_n"):
@@ -106,6 +108,9 @@ class MosaicGpuBlockSizes:
         if not isinstance(self.warp_specialized, (bool, np.bool_)):
             raise ValueError(f"MosaicGpuBlockSizes.warp_specialized must be a bool, "
                              f"got {self.warp_specialized!r}")
+        if self.delay_release not in (0, 1) or isinstance(self.delay_release, bool):
+            raise ValueError(f"MosaicGpuBlockSizes.delay_release must be 0 or 1, "
+                             f"got {self.delay_release!r}")
         for name in ("block_m", "block_n", "block_k"):
             if getattr(self, name) % 64:
                 raise ValueError(
@@ -119,10 +124,16 @@ class MosaicGpuBlockSizes:
             )
 
 
-# Defaults measured on one H200, 2026-11-30 (docs/performance.md, issue 7): on mixtral
-# (8 groups of ~4096 rows) 128x128 tiles, 4 stages, snake width 8 gave forward 644 TFLOP/s
-# against 631 for 192x128 and 606 for 5 stages / width 4; on dsv3 (256 groups of ~256
-# rows) 5 stages / width 4 gave 480 against 450 for both 4-stage configs.
+# Defaults measured on one H200 (docs/performance.md, issue 7). Forward and dx where the
+# output width splits into 256-column tiles: the warp-specialised kernel, 128x(2x128)
+# tiles, 3 stages, width 8; third session, 2026-11-30, TFLOP/s against the one-warpgroup
+# default in the same process: forward mixtral 666/632, dsv3 509/480, qwen3 486/454,
+# olmoe 479/446; dx 655/644, 490/428, 464/379, 449/393. Otherwise, the one-warpgroup
+# kernel: on mixtral (8 groups of ~4096 rows) 128x128 tiles, 4 stages, snake width 8 gave
+# forward 644 TFLOP/s against 631 for 192x128 and 606 for 5 stages / width 4; on dsv3 (256
+# groups of ~256 rows) 5 stages / width 4 gave 480 against 450 for both 4-stage configs.
+GMM_WARP_SPECIALIZED = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=3,
+                                           grid_block_n=8, warp_specialized=True)
 GMM_LARGE_GROUPS = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=4, grid_block_n=8)
 GMM_SMALL_GROUPS = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=5, grid_block_n=4)
 # dkernel: 64-row steps, 4 stages, width 8 beat 128-row steps (mixtral 625 vs 578, dsv3
@@ -153,10 +164,12 @@ def resolve_block_sizes(
 
 
 def default_block_sizes(*, product: str, m: int, k: int, n: int, g: int) -> MosaicGpuBlockSizes:
-    """The H200-measured default for the product and group sizes (see above)."""
-    del k, n
+    """The H200-measured default for the product, output width n and group sizes (above)."""
+    del k
     if product == "dkernel":
         return TGMM_DEFAULT
+    if n % (2 * GMM_WARP_SPECIALIZED.block_n) == 0:
+        return GMM_WARP_SPECIALIZED
     return GMM_LARGE_GROUPS if m >= 1024 * max(g, 1) else GMM_SMALL_GROUPS
 
 
@@ -365,13 +378,6 @@ def _fit_warp_specialized(bs: MosaicGpuBlockSizes, n: int, in_bytes: int, out_by
     return dataclasses.replace(bs, stages=int(stages))
 
 
-# wgmma groups a consumer leaves in flight when it releases a stage (0: wait for its own
-# wgmma before the producer may refill the buffer; 1: keep one in flight, buffers
-# released a step later; needs at least two k steps, a one-step pipeline with a delayed
-# release breaks the stage barriers' phases in the interpreter).
-_WS_DELAY_RELEASE = 0
-
-
 def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_rhs: bool):
     """gmm with a TMA producer warpgroup and two wgmma consumer warpgroups per program.
 
@@ -387,7 +393,9 @@ def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_
     grid_n = n // cta_n
     rhs_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
     rhs_index = (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0))
-    delay = _WS_DELAY_RELEASE if k // bk > 1 else 0
+    # A one-step pipeline with a delayed release breaks the stage barriers' phases (seen
+    # in the interpreter), so a single k step always waits.
+    delay = bs.delay_release if k // bk > 1 else 0
 
     def pipeline(mma, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
