@@ -233,6 +233,28 @@ def test_interpret_tgmm(m, k, n, sizes):
     assert (np.asarray(dk)[empty] == 0).all()
 
 
+@pytest.mark.parametrize("m,k,n,sizes", INTERPRET_WS_CASES + [(200, 64, 128, [70, 0, 100])])
+def test_interpret_warp_specialized_tgmm(m, k, n, sizes, monkeypatch):
+    """The producer / two-consumer dkernel: each group's rows only (NaN rows past the
+    total and a neighbour's rows masked in both operands), empty groups zero."""
+    built = []
+    real = mgpu._tgmm_kernel_warp_specialized
+    monkeypatch.setattr(mgpu, "_tgmm_kernel_warp_specialized",
+                        lambda *a: built.append(a) or real(*a))
+    gs = jnp.array(sizes, jnp.int32)
+    x, _, dy = _operands(jax.random.key(m + 2), m, k, n, len(sizes))
+    total = sum(sizes)
+    x = x.at[total:].set(jnp.nan)
+    dy = dy.at[total:].set(jnp.nan)
+    dk = mgpu.tgmm(x, dy, gs, num_groups=len(sizes), out_dtype=jnp.float32,
+                   block_sizes=SMALL_WS, interpret=True)
+    assert len(built) == 1
+    ref = tgmm_reference(*_f32(x[:total], dy[:total]), gs, len(sizes))
+    assert_close(dk, ref, dtype=jnp.float32, tol=EXACT_FP32, what="tgmm")
+    empty = [i for i, s in enumerate(sizes) if s == 0]
+    assert (np.asarray(dk)[empty] == 0).all()
+
+
 def test_interpret_bf16_output_rounds_once():
     gs = jnp.array([20, 44], jnp.int32)
     x, w, _ = _operands(jax.random.key(7), 64, 128, 64, 2)
@@ -258,7 +280,8 @@ _BLOCKS = {"": None, "_ws": _WS, "_ws_delayed": _WS_DELAYED, "_one_wg": _ONE_WAR
 
 
 @pytest.mark.parametrize("product", ["forward", "dx", "dkernel", "forward_ws_delayed",
-                                     "dx_ws_delayed", "forward_one_wg", "dx_one_wg"])
+                                     "dx_ws_delayed", "forward_one_wg", "dx_one_wg",
+                                     "dkernel_ws"])
 def test_lowers_for_cuda_from_cpu(product, monkeypatch):
     """Layout inference and the wgmma/TMA lowering run for every product: the default
     (warp-specialised gmm at 3 stages of 128x256, which fits shared memory), its delayed
@@ -278,7 +301,7 @@ def test_lowers_for_cuda_from_cpu(product, monkeypatch):
                                      block_sizes=blocks)
         args = (s((m, n), BF16), s((g, k, n), BF16), gs)
     else:
-        f = lambda a, b, c: mgpu.tgmm(a, b, c, num_groups=g)  # noqa: E731
+        f = lambda a, b, c: mgpu.tgmm(a, b, c, num_groups=g, block_sizes=blocks)  # noqa: E731
         args = (s((m, k), BF16), s((m, n), BF16), gs)
     with jax.sharding.use_abstract_mesh(_h200_mesh()):
         text = export.export(jax.jit(f), platforms=["cuda"])(*args).mlir_module()
@@ -326,10 +349,11 @@ _SMALL_GPU = mgpu.MosaicGpuBlockSizes(block_m=64, block_n=64, stages=3, grid_blo
     [(c, None) for c in _gpu_cases()]
     + [(c, _SMALL_GPU) for c in _gpu_cases() if c[0] in ("many_small", "odd_m")]
     + [(c, _WS_DELAYED) for c in _gpu_cases() if c[0] in ("dirichlet", "total_lt_m", "all_empty")]
-    + [(c, _ONE_WARPGROUP) for c in _gpu_cases() if c[0] in ("dirichlet", "many_small", "total_lt_m")],
+    + [(c, _ONE_WARPGROUP) for c in _gpu_cases() if c[0] in ("dirichlet", "many_small", "total_lt_m")]
+    + [(c, _WS) for c in _gpu_cases() if c[0] in ("many_small", "skewed", "one_group")],
     ids=lambda v: v[0] if isinstance(v, tuple) else (
         "default" if v is None else "ws_delayed" if v.delay_release
-        else "one_wg" if v == _ONE_WARPGROUP else "small"),
+        else "ws" if v.warp_specialized else "one_wg" if v == _ONE_WARPGROUP else "small"),
 )
 def test_gpu_parity(case, blocks):
     _, m, k, n, g, gs = case

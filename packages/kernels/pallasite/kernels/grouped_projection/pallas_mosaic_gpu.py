@@ -656,6 +656,99 @@ def _tgmm_kernel(m, k, n, g, bs: MosaicGpuBlockSizes, dtype):
     return body
 
 
+def _tgmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, dtype):
+    """tgmm with a TMA producer warpgroup and two wgmma consumer warpgroups per program.
+
+    The same (group, k tile, n tile) loop as _tgmm_kernel, each program owning a block_m x
+    2*block_n output tile, consumer w the columns [w*block_n, (w+1)*block_n). The producer
+    runs ahead into the next tile's rows while the consumers finish and store this one,
+    which matters where groups are short (dsv3: ~256 rows, 4 steps per tile). Boundary
+    steps are masked in SMEM: each consumer zeroes the out-of-group rows of the shared lhs
+    block (both write the same values) and of its own rhs columns.
+    """
+    bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
+    cta_n = 2 * bn
+    grid_m, grid_n = k // bm, n // cta_n
+    transforms = _swizzle_transforms(dtype)
+
+    def pipeline(step, compute_context, base, steps):
+        def row_block(r):
+            return pl.multiple_of(base + r * bk, 8)
+
+        return plgpu.emit_pipeline_warp_specialized(
+            step,
+            grid=(steps,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((pl.Element(bk), bm), lambda r: (row_block(r), 0),
+                                transforms=transforms, memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((pl.Element(bk), cta_n), lambda r: (row_block(r), 0),
+                                transforms=transforms, memory_space=plgpu.SMEM),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=bs.stages,
+            compute_context=compute_context,
+        )
+
+    def body(starts_gmem, sizes_gmem, lhs_gmem, rhs_gmem, out_gmem):
+        wg = lax.axis_index("wg")
+        ignore = lambda *_, **__: None  # noqa: E731 - allocations do not depend on the body
+        allocs = pipeline(ignore, ignore, 0, bs.stages).get_allocations(
+            lhs_gmem.at[:, pl.ds(0, bm)], rhs_gmem.at[:, pl.ds(0, cta_n)])
+        o_type = plgpu.SMEM((2, bm, bn), out_gmem.dtype,
+                            transforms=_swizzle_transforms(out_gmem.dtype))
+
+        @functools.partial(pl.run_scoped, allocations=allocs, o_smem=o_type,
+                           collective_axes="wg")
+        def _(allocations, o_smem):
+            @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
+            def _(info):
+                gi = info.index[0]
+                mi, ni = plgpu.planar_snake(info.index[1], (grid_m, grid_n), 1, bs.grid_block_n)
+                start = starts_gmem[gi]
+                size = sizes_gmem[gi]
+                base = start // 8 * 8  # TMA row boxes start on 8-row boundaries
+                steps = (start + size - base + bk - 1) // bk
+                cols = pl.ds(wg * bn, bn)
+
+                def step(idx, lhs_smem, rhs_smem, acc_ref):
+                    lo = start - base - idx[0] * bk
+                    hi = start + size - base - idx[0] * bk
+                    rhs_cols = rhs_smem.at[:, cols]
+
+                    @pl.when((lo > 0) | (hi < bk))
+                    def _():
+                        _mask_rows(lhs_smem, lo, hi, (bk, bm))
+                        _mask_rows(rhs_cols, lo, hi, (bk, bn))
+                        plgpu.commit_smem()
+
+                    plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), rhs_cols)
+                    plgpu.wgmma_wait(0)
+                    return acc_ref
+
+                def compute_context(run_pipeline):
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+                    def _(acc_ref):
+                        run_pipeline(acc_ref)
+                        acc = acc_ref[...]
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slot free again
+                        o_smem[wg] = acc.astype(o_smem.dtype)
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(
+                            o_smem.at[wg],
+                            out_gmem.at[gi, pl.ds(mi * bm, bm), pl.ds(ni * cta_n + wg * bn, bn)])
+
+                # An empty group runs one fully masked step (zeros), as in _tgmm_kernel.
+                pipeline(step, compute_context, base, jnp.maximum(steps, 1))(
+                    lhs_gmem.at[:, pl.ds(mi * bm, bm)], rhs_gmem.at[:, pl.ds(ni * cta_n, cta_n)],
+                    allocations=allocations)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    return body
+
+
 def _tgmm_local(lhs, rhs, group_sizes, *, out_dtype, bs, interpret):
     m, k = lhs.shape
     n = rhs.shape[1]
@@ -667,10 +760,17 @@ def _tgmm_local(lhs, rhs, group_sizes, *, out_dtype, bs, interpret):
         transcendentals=0,
         bytes_accessed=m * k * isz + m * n * isz + g * k * n * osz + 8 * g,
     )
+    if bs.warp_specialized:  # one producer and two consumer warpgroups per program
+        kernel = _tgmm_kernel_warp_specialized(m, k, n, g, bs, lhs.dtype)
+        mesh = plgpu.Mesh(grid=(_num_programs(interpret),), grid_names=("sm",),
+                          num_threads=3, thread_name="wg")
+    else:
+        kernel = _tgmm_kernel(m, k, n, g, bs, lhs.dtype)
+        mesh = plgpu.Mesh(grid=(_num_programs(interpret),), grid_names=("sm",))
     call = pl.kernel(
-        _tgmm_kernel(m, k, n, g, bs, lhs.dtype),
+        kernel,
         out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
-        mesh=plgpu.Mesh(grid=(_num_programs(interpret),), grid_names=("sm",)),
+        mesh=mesh,
         compiler_params=_compiler_params(),
         interpret=_interpret_params(interpret),
         cost_estimate=cost,
@@ -701,6 +801,8 @@ def tgmm(
     bs = resolve_block_sizes(block_sizes, product="dkernel", m=m, k=k, n=n, g=g, dtype=lhs.dtype,
                              interpret=interpret)
     bs = dataclasses.replace(bs, block_m=_fit_block(k, bs.block_m), block_n=_fit_block(n, bs.block_n))
+    if bs.warp_specialized:
+        bs = _fit_warp_specialized(bs, n, jnp.dtype(lhs.dtype).itemsize, out_dtype.itemsize)
     if g == 0 or k == 0 or n == 0:
         return jnp.zeros((g, k, n), out_dtype)
     # Rows are padded to a block_k multiple (and at least one block) so every contraction
