@@ -215,7 +215,7 @@ def test_mosaic_gpu_and_ssd_pass_a_measure_only_when_compiled_on_their_gpu(monke
 @pytest.mark.parametrize("m,k,n,g", [(4096, 512, 1024, 8), (2048, 256, 384, 16)])
 def test_gpu_default_call_tunes_once_then_reads_the_cache(tuning_on, tmp_path, m, k, n, g):
     """On a real GPU, no table entry for these shapes: the default call (Mosaic GPU at
-    >= 512 rows per group on Hopper, Triton otherwise) tunes forward, dx and dkernel once,
+    >= 256 rows per group on Hopper, Triton otherwise) tunes forward, dx and dkernel once,
     matches the reference, and the next trace reads the cache."""
     from pallasite.reference.grouped_projection import grouped_projection as reference
     from pallasite.reference.parity import assert_close

@@ -265,9 +265,9 @@ def test_cuda_without_a_gpu_lowers_to_xla():
 
 
 @pytest.mark.parametrize("m,g,preferred", [(4096, 8, True), (65536, 128, True),
-                                            (65536, 256, False), (1024, 8, False),
-                                            (511, 1, False), (512, 1, True)])
-def test_mosaic_gpu_preferred_from_512_rows_per_group(m, g, preferred):
+                                            (65536, 256, True), (65536, 512, False),
+                                            (1024, 8, False), (255, 1, False), (256, 1, True)])
+def test_mosaic_gpu_preferred_from_256_rows_per_group(m, g, preferred):
     assert predicates.mosaic_gpu_preferred(m, g) is preferred
 
 
@@ -280,9 +280,9 @@ def fake_hopper(monkeypatch):
     monkeypatch.setattr(pallas_mosaic_gpu, "_num_programs", lambda interpret: 132)
 
 
-@pytest.mark.parametrize("m,expected", [(4096, "mosaic_gpu"), (2048, TRITON_CALL)])
+@pytest.mark.parametrize("m,expected", [(2048, "mosaic_gpu"), (1024, TRITON_CALL)])
 def test_cuda_default_on_hopper_picks_by_rows_per_group(fake_hopper, m, expected):
-    """512 rows per group or more: Mosaic GPU for all three products; fewer: Triton."""
+    """256 rows per group or more: Mosaic GPU for all three products; fewer: Triton."""
     with _cuda_mesh():
         text = _export(_loss(), ["cuda"], *_specs(m=m, k=512, n=1024, g=8)).mlir_module()
     other = TRITON_CALL if expected == "mosaic_gpu" else "mosaic_gpu"

@@ -76,7 +76,8 @@ def test_resolve_block_sizes():
     # Otherwise the one-warpgroup kernel, by rows per group.
     assert pick(None, product="forward", m=32768, k=4096, n=14208, g=8) == mgpu.GMM_LARGE_GROUPS
     assert pick(None, product="dx", m=65536, k=2048, n=320, g=128) == mgpu.GMM_SMALL_GROUPS
-    assert pick(None, product="dkernel", m=65536, k=2048, n=768, g=128) == mgpu.TGMM_DEFAULT
+    assert pick(None, product="dkernel", m=65536, k=2048, n=768, g=128) == mgpu.TGMM_WARP_SPECIALIZED
+    assert pick(None, product="dkernel", m=65536, k=2048, n=320, g=128) == mgpu.TGMM_DEFAULT
     assert pick(SMALL, product="dx", m=1, k=1, n=1, g=1) is SMALL
     per = config.GroupedProjectionBlockSizes(dx=SMALL)
     assert pick(per, product="dx", m=1, k=1, n=1, g=1) is SMALL
@@ -400,9 +401,9 @@ def test_gpu_gradients_through_public_api():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,picked", [(4096, "mosaic_gpu"), (2048, "__gpu$xla.gpu.triton")])
+@pytest.mark.parametrize("m,picked", [(2048, "mosaic_gpu"), (1024, "__gpu$xla.gpu.triton")])
 def test_gpu_default_order_by_rows_per_group(m, picked):
-    """With no implementation= on Hopper: Mosaic GPU at >= 512 rows per group on average
+    """With no implementation= on Hopper: Mosaic GPU at >= 256 rows per group on average
     (mosaic_gpu_preferred), Triton below; either way the value matches the reference."""
     from pallasite.kernels.grouped_projection.api import grouped_projection
 

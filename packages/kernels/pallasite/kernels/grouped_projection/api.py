@@ -4,7 +4,7 @@ Default order per lowering platform (jax.lax.platform_dependent, so one jitted f
 exports for several platforms; each platform's branch is traced, only the lowered ones
 are compiled):
   cuda: pallas_mosaic_gpu (mosaic_gpu_runs: sm90, 16-bit compute, and
-        mosaic_gpu_preferred: at least 512 rows per group on average), then pallas_triton
+        mosaic_gpu_preferred: at least 256 rows per group on average), then pallas_triton
         (triton_runs: sm80+), then xla;
   tpu:  pallas_mosaic_tpu, then xla;
   else: xla, or pallas_triton through the interpreter when interpret_on_cpu=True.
@@ -14,7 +14,7 @@ pallas_call has no lowering elsewhere; export once per platform instead (tested)
 Kernels are admitted only where ragged_dot_runs says they compute what was asked (16-bit
 compute, or fp32 at default precision, no x64). On the H200 the Triton path is 3-30x
 jax.lax.ragged_dot and fits dsv3 where XLA runs out of memory; on Hopper the Mosaic GPU
-kernels are ahead of Triton where groups average 512 rows or more, behind below that
+kernels are ahead of Triton where groups average 256 rows or more, behind below that
 (docs/performance.md, issue 7), hence mosaic_gpu_preferred. Naming a backend skips that
 preference (not the can-it-run predicates).
 

@@ -83,13 +83,13 @@ class MosaicGpuBlockSizes:
     block_n over n, block_k rows of the ragged contraction. stages is the number of TMA
     buffers in flight; grid_block_n the width (in column tiles) of the planar snake.
 
-    warp_specialized (gmm only; tgmm ignores it): a producer warpgroup issues the TMA loads
-    while two consumer warpgroups each own a block_m x block_n half of a block_m x
-    2*block_n tile, so one tile's epilogue overlaps the next tile's loads. Needs n to be a
-    multiple of 2*block_n (else the one-warpgroup kernel runs); stages are cut to what fits
-    shared memory. delay_release (warp-specialised only, 0 or 1): wgmma groups a consumer
-    leaves in flight when it hands a stage back to the producer (1: the buffer is released
-    a step later; kept 0 for pipelines of a single k step).
+    warp_specialized: a producer warpgroup issues the TMA loads while two consumer
+    warpgroups each own a block_m x block_n half of a block_m x 2*block_n tile, so one
+    tile's epilogue overlaps the next tile's loads. Needs n to be a multiple of 2*block_n
+    (else the one-warpgroup kernel runs); stages are cut to what fits shared memory.
+    delay_release (warp-specialised gmm only, 0 or 1): wgmma groups a consumer leaves in
+    flight when it hands a stage back to the producer (1: the buffer is released a step
+    later; kept 0 for pipelines of a single k step).
     """
 
     block_m: int = 128
@@ -136,8 +136,15 @@ GMM_WARP_SPECIALIZED = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64,
                                            grid_block_n=8, warp_specialized=True)
 GMM_LARGE_GROUPS = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=4, grid_block_n=8)
 GMM_SMALL_GROUPS = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=5, grid_block_n=4)
-# dkernel: 64-row steps, 4 stages, width 8 beat 128-row steps (mixtral 625 vs 578, dsv3
-# 269 vs 218 TFLOP/s) and 6 stages / width 16 (557, 264).
+# dkernel where n splits into 256-column tiles: the warp-specialised kernel, 3 stages,
+# width 4; third session, 2026-11-30, ms against the one-warpgroup kernel (the table's
+# dsv3 entry, 5 stages / width 4, elsewhere TGMM_DEFAULT) in the same process: dsv3 5.93 /
+# 6.96, qwen3 0.490 / 0.543, olmoe 0.316 / 0.360, mixtral 6.06 / 6.19 (at width 8 the
+# warp-specialised kernel lost on mixtral, 6.46). Otherwise, one warpgroup: 64-row steps,
+# 4 stages, width 8 beat 128-row steps (mixtral 625 vs 578, dsv3 269 vs 218 TFLOP/s) and
+# 6 stages / width 16 (557, 264).
+TGMM_WARP_SPECIALIZED = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=3,
+                                            grid_block_n=4, warp_specialized=True)
 TGMM_DEFAULT = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=4, grid_block_n=8)
 
 
@@ -167,7 +174,8 @@ def default_block_sizes(*, product: str, m: int, k: int, n: int, g: int) -> Mosa
     """The H200-measured default for the product, output width n and group sizes (above)."""
     del k
     if product == "dkernel":
-        return TGMM_DEFAULT
+        splits = n % (2 * TGMM_WARP_SPECIALIZED.block_n) == 0
+        return TGMM_WARP_SPECIALIZED if splits else TGMM_DEFAULT
     if n % (2 * GMM_WARP_SPECIALIZED.block_n) == 0:
         return GMM_WARP_SPECIALIZED
     return GMM_LARGE_GROUPS if m >= 1024 * max(g, 1) else GMM_SMALL_GROUPS

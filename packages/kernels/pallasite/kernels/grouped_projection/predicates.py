@@ -58,15 +58,14 @@ def ragged_dot_runs(compute: Any, operands: Sequence[Any] = (), precision: Any =
 
 
 # Average rows per group (m / g) from which the default order puts the Mosaic GPU kernels
-# ahead of the Triton ones on Hopper. Measured on one H200 in one bench run (2026-11-30,
-# docs/performance.md, issue 7), bf16 TFLOP/s Mosaic GPU / Triton, forward and fwd+bwd:
-# m/g >= 512 Mosaic GPU is ahead: mixtral (4096) 603/580, 604/556; qwen3 (512) 428/373,
-# 396/340; olmoe (512) 433/417, 402/392. Below, Triton is: dsv3 (256) 463/476, 353/356;
-# dsv3 with 90% of rows in one group 388/430, 335/340; 8 rows per group 29/34, 21/26;
-# mixtral at m=1024 (128) 323/308 forward but 251/276 fwd+bwd. Short groups mean short
-# row tiles, where the Mosaic kernel's one warpgroup serialises pipeline fill, k loop and
-# epilogue per tile.
-MOSAIC_GPU_MIN_ROWS_PER_GROUP = 512
+# ahead of the Triton ones on Hopper. Measured on one H200 in bench runs of the
+# warp-specialised kernels (third session, 2026-11-30, docs/performance.md, issue 7),
+# bf16 TFLOP/s Mosaic GPU / Triton, forward and fwd+bwd: mixtral (4096 rows per group)
+# 643/585, 630/543; qwen3 and olmoe (512) 472/368 and 474/429, 422/340 and 427/389; dsv3
+# (256) 497/477, 364/350; dsv3 with 90% of rows in one group 430/431, 350/333. Below 256,
+# Triton: mixtral at m=1024 (128) 318/304 forward but 249/278 fwd+bwd; 8 rows per group
+# 32/33, 22/26. (The one-warpgroup kernels of the second session needed 512.)
+MOSAIC_GPU_MIN_ROWS_PER_GROUP = 256
 
 
 def mosaic_gpu_preferred(m: int, g: int) -> bool:
