@@ -32,19 +32,25 @@ tgmm (dkernel): one output tile (block_m x block_n of [k, n]) per (group, tile) 
   and stores zeros. On every TARGETS shape there are >= 28k output tiles for 132 SMs, so uneven
   groups average out across programs without split-k (see docs/performance.md).
 
-Measured on one H200 (2026-11-30, docs/performance.md issue 7), TFLOP/s: forward mixtral
-644, dsv3 480, qwen3 458, olmoe 451; dx 674 / 430 / 393 / 405; dkernel 625 / 269 / 381 /
-384; forward+backward through the API mixtral 611, qwen3 417 (tokamax 220 beside it).
-Sampled parity against fp32 dots: rel_l2 1.7e-3 on every product. A first version let tiles
-skip their pipeline (rows past the total, empty groups): on the GPU (only) the total < m
-case then stalled; with every tile running its pipeline the five stall suspects and the
-total < m parity case pass there; the whole GPU grid (10 cases) passes on the H200. In the bench harness
-(rotated inputs, every peer in one process) forward mixtral 603, dsv3 463, qwen3 428, olmoe
-433 TFLOP/s, Triton 580 / 476 / 373 / 417 beside it: api.CUDA_ORDER puts this backend first
-where groups average >= 512 rows (predicates.mosaic_gpu_preferred), Triton otherwise.
-SASS: HGMMA.64x128x16.F32.BF16, no spills, no local memory (docs/performance.md).
-What limits short-tile shapes: one warpgroup per program serialises pipeline fill, k loop
-and epilogue per tile (dsv3 dkernel: ~4 us per tile for ~1 us of wgmma).
+Warp-specialised variants (MosaicGpuBlockSizes.warp_specialized, the H200 default for gmm,
+dx and tgmm wherever the output width splits into 2 x block_n columns): a producer
+warpgroup issues the TMA loads and runs ahead into the next tile while two consumer
+warpgroups each own half of a block_m x 2*block_n tile; a consumer waits for its previous
+tile's stores to leave SMEM only when it next needs its slot, so epilogue and refill overlap
+the tensor-core work instead of following it. That fixed per-tile cost is what limited the
+one-warpgroup kernels on short k loops (dsv3's dkernel: about 4 row steps per tile).
+
+Measured on one H200 (2026-11-30, docs/performance.md issue 7), bench harness (rotated
+inputs, every peer in one process), TFLOP/s forward with the default: mixtral 643, dsv3
+497, qwen3 472, olmoe 474 (torch._grouped_mm 644 / 457 / 486 / 486, Triton 585 / 477 / 368
+/ 429); fwd+bwd with every product warp-specialised: dsv3 391, qwen3 440, olmoe 440
+(torch 427 / 457 / 466, tokamax 186 / 215 / 224). Sampled parity against fp32 dots: rel_l2
+1.7e-3 on every product and config; the whole GPU grid passes there, for the default, the
+one-warpgroup and the delayed-release kernels. A first version let tiles skip their
+pipeline (rows past the total, empty groups): on the GPU (only) the total < m case then
+stalled, so every tile runs its pipeline. api.CUDA_ORDER puts this backend first where
+groups average >= 256 rows (predicates.mosaic_gpu_preferred), Triton otherwise.
+SASS of the one-warpgroup kernels: HGMMA.64x128x16.F32.BF16, no spills, no local memory.
 """
 
 from __future__ import annotations
