@@ -196,6 +196,15 @@ def _num_programs(interpret: bool) -> int:
     return int(getattr(jax.devices()[0], "core_count", 0) or _DEFAULT_NUM_SMS)
 
 
+def _mesh(bs: MosaicGpuBlockSizes, interpret: bool):
+    """One program per SM; warp-specialised kernels run three warpgroups per program (two
+    consumers, then the producer, named "wg")."""
+    if bs.warp_specialized:
+        return plgpu.Mesh(grid=(_num_programs(interpret),), grid_names=("sm",),
+                          num_threads=3, thread_name="wg")
+    return plgpu.Mesh(grid=(_num_programs(interpret),), grid_names=("sm",))
+
+
 def _interpret_params(interpret: bool):
     # TMA zero-fills reads past the array end (the last group's last tgmm step); the
     # interpreter fills them with NaN instead, which the row masks must then remove.
@@ -490,17 +499,11 @@ def _gmm_local(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, bs, interpret
         transcendentals=0,
         bytes_accessed=m * k * isz + g * k * n * isz + m * n * osz + table.size * 4 + 4,
     )
-    if bs.warp_specialized:  # one producer and two consumer warpgroups per program
-        kernel = _gmm_kernel_warp_specialized(m, k, n, g, bs, transpose_rhs)
-        mesh = plgpu.Mesh(grid=(_num_programs(interpret),), grid_names=("sm",),
-                          num_threads=3, thread_name="wg")
-    else:
-        kernel = _gmm_kernel(m, k, n, g, bs, transpose_rhs)
-        mesh = plgpu.Mesh(grid=(_num_programs(interpret),), grid_names=("sm",))
+    make = _gmm_kernel_warp_specialized if bs.warp_specialized else _gmm_kernel
     call = pl.kernel(
-        kernel,
+        make(m, k, n, g, bs, transpose_rhs),
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-        mesh=mesh,
+        mesh=_mesh(bs, interpret),
         compiler_params=_compiler_params(),
         interpret=_interpret_params(interpret),
         cost_estimate=cost,
@@ -591,6 +594,33 @@ def _mask_rows(ref, lo, hi, shape):
     ref[...] = jnp.where((rows >= lo) & (rows < hi), x, jnp.zeros_like(x))
 
 
+def _tgmm_tile(info, starts_gmem, sizes_gmem, grid_m, grid_n, bs: MosaicGpuBlockSizes):
+    """An nd_loop step's (group, k tile, n tile) and its group's row window: first row,
+    size, base (the first row rounded down to 8: TMA row boxes start on 8-row boundaries)
+    and the number of block_k row steps from base."""
+    gi = info.index[0]
+    mi, ni = plgpu.planar_snake(info.index[1], (grid_m, grid_n), 1, bs.grid_block_n)
+    start = starts_gmem[gi]
+    size = sizes_gmem[gi]
+    base = start // 8 * 8
+    steps = (start + size - base + bs.block_k - 1) // bs.block_k
+    return gi, mi, ni, start, size, base, steps
+
+
+def _mask_outside_group(step, start, size, base, bk, lhs_smem, rhs_smem):
+    """Zero the rows of this contraction step that are not the group's, in both operand
+    blocks. Rows [lo, hi) of the step belong to the group; only the first and last steps
+    can hold a neighbour's rows (or TMA's zero fill)."""
+    lo = start - base - step * bk
+    hi = start + size - base - step * bk
+
+    @pl.when((lo > 0) | (hi < bk))
+    def _():
+        _mask_rows(lhs_smem, lo, hi, lhs_smem.shape)
+        _mask_rows(rhs_smem, lo, hi, rhs_smem.shape)
+        plgpu.commit_smem()
+
+
 def _tgmm_kernel(m, k, n, g, bs: MosaicGpuBlockSizes, dtype):
     bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
     grid_m, grid_n = k // bm, n // bn
@@ -600,26 +630,12 @@ def _tgmm_kernel(m, k, n, g, bs: MosaicGpuBlockSizes, dtype):
     def body(starts_gmem, sizes_gmem, lhs_gmem, rhs_gmem, out_gmem):
         @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
         def _(info):
-            gi = info.index[0]
-            mi, ni = plgpu.planar_snake(info.index[1], (grid_m, grid_n), 1, bs.grid_block_n)
-            start = starts_gmem[gi]
-            size = sizes_gmem[gi]
-            base = start // 8 * 8  # TMA row boxes start on 8-row boundaries
-            steps = (start + size - base + bk - 1) // bk
+            gi, mi, ni, start, size, base, steps = _tgmm_tile(
+                info, starts_gmem, sizes_gmem, grid_m, grid_n, bs)
 
             def acc_scope(acc_ref):
                 def step(idx, lhs_smem, rhs_smem):
-                    # Rows [lo, hi) of this step belong to the group; only the first and
-                    # last steps can hold a neighbour's rows (or TMA's zero fill).
-                    lo = start - base - idx[0] * bk
-                    hi = start + size - base - idx[0] * bk
-
-                    @pl.when((lo > 0) | (hi < bk))
-                    def _():
-                        _mask_rows(lhs_smem, lo, hi, (bk, bm))
-                        _mask_rows(rhs_smem, lo, hi, (bk, bn))
-                        plgpu.commit_smem()
-
+                    _mask_outside_group(idx[0], start, size, base, bk, lhs_smem, rhs_smem)
                     plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), rhs_smem)
                     if not delay:
                         plgpu.wgmma_wait(0)
@@ -718,25 +734,13 @@ def _tgmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, dtype):
         def _(allocations, o_smem):
             @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
             def _(info):
-                gi = info.index[0]
-                mi, ni = plgpu.planar_snake(info.index[1], (grid_m, grid_n), 1, bs.grid_block_n)
-                start = starts_gmem[gi]
-                size = sizes_gmem[gi]
-                base = start // 8 * 8  # TMA row boxes start on 8-row boundaries
-                steps = (start + size - base + bk - 1) // bk
+                gi, mi, ni, start, size, base, steps = _tgmm_tile(
+                    info, starts_gmem, sizes_gmem, grid_m, grid_n, bs)
                 cols = pl.ds(wg * bn, bn)
 
                 def step(idx, lhs_smem, rhs_smem, acc_ref):
-                    lo = start - base - idx[0] * bk
-                    hi = start + size - base - idx[0] * bk
                     rhs_cols = rhs_smem.at[:, cols]
-
-                    @pl.when((lo > 0) | (hi < bk))
-                    def _():
-                        _mask_rows(lhs_smem, lo, hi, (bk, bm))
-                        _mask_rows(rhs_cols, lo, hi, (bk, bn))
-                        plgpu.commit_smem()
-
+                    _mask_outside_group(idx[0], start, size, base, bk, lhs_smem, rhs_cols)
                     plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), rhs_cols)
                     plgpu.wgmma_wait(0)
                     return acc_ref
@@ -774,17 +778,11 @@ def _tgmm_local(lhs, rhs, group_sizes, *, out_dtype, bs, interpret):
         transcendentals=0,
         bytes_accessed=m * k * isz + m * n * isz + g * k * n * osz + 8 * g,
     )
-    if bs.warp_specialized:  # one producer and two consumer warpgroups per program
-        kernel = _tgmm_kernel_warp_specialized(m, k, n, g, bs, lhs.dtype)
-        mesh = plgpu.Mesh(grid=(_num_programs(interpret),), grid_names=("sm",),
-                          num_threads=3, thread_name="wg")
-    else:
-        kernel = _tgmm_kernel(m, k, n, g, bs, lhs.dtype)
-        mesh = plgpu.Mesh(grid=(_num_programs(interpret),), grid_names=("sm",))
+    make = _tgmm_kernel_warp_specialized if bs.warp_specialized else _tgmm_kernel
     call = pl.kernel(
-        kernel,
+        make(m, k, n, g, bs, lhs.dtype),
         out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
-        mesh=mesh,
+        mesh=_mesh(bs, interpret),
         compiler_params=_compiler_params(),
         interpret=_interpret_params(interpret),
         cost_estimate=cost,
