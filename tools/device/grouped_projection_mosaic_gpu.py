@@ -1,10 +1,10 @@
 """H200 check + benchmark of the Mosaic GPU grouped projection (issue 7), one process.
 
 For each TARGETS shape (bf16, Dirichlet(4.0) group sizes, seeded) and a few extra cases:
-  1. correctness of gmm / dx / tgmm against fp32 dots on sampled groups and rows
-     (the full fp32 reference does not fit for dsv3), incl. rows past the total;
-  2. forward, dx and dkernel times for the configs in --configs, best kept;
-  3. forward and forward+backward through the public API for pallas_mosaic_gpu,
+  1. forward, dx and dkernel times for the configs in CONFIGS, best kept, each config's
+     output checked against fp32 dots on sampled groups and rows (the full fp32
+     reference does not fit for dsv3), incl. rows past the total and empty groups;
+  2. forward and forward+backward through the public API for pallas_mosaic_gpu,
      pallas_triton, jax.lax.ragged_dot (XLA) and tokamax mosaic (when importable).
 Times: median over 3 repetitions of back-to-back calls (~50 ms each), after a warm-up
 call; results stream to $OUT/results.jsonl so a timeout still leaves them.
@@ -118,34 +118,6 @@ def inputs(name, m, k, n, g, seed=0):
     return x, w, dy, gs
 
 
-def sampled_checks(x, w, dy, gs, out, dx, dk, total):
-    """fp32 dots on 3 groups (first non-empty, middle, last non-empty) and their row edges."""
-    sizes = np.asarray(gs)
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    nz = np.flatnonzero(sizes)
-    pick = sorted({int(nz[0]), int(nz[len(nz) // 2]), int(nz[-1])})
-    hi = jax.lax.Precision.HIGHEST
-    res = {"gmm": [], "dx": [], "tgmm": []}
-    for i in pick:
-        s, z = int(starts[i]), int(sizes[i])
-        rows = np.unique(np.concatenate([np.arange(s, min(s + 96, s + z)),
-                                         np.arange(max(s, s + z - 96), s + z)]))
-        xi, dyi = x[rows].astype(jnp.float32), dy[rows].astype(jnp.float32)
-        wi = w[i].astype(jnp.float32)
-        res["gmm"].append(err(out[rows], jnp.dot(xi, wi, precision=hi)))
-        res["dx"].append(err(dx[rows], jnp.dot(dyi, wi.T, precision=hi)))
-        if z <= 8192:
-            full = slice(s, s + z)
-            ref = jnp.dot(x[full].astype(jnp.float32).T, dy[full].astype(jnp.float32), precision=hi)
-            res["tgmm"].append(err(dk[i], ref))
-    worst = {k: max((r["rel_l2"] for r in v), default=0.0) for k, v in res.items()}
-    worst_max = {k: max((r["max_abs_over_scale"] for r in v), default=0.0) for k, v in res.items()}
-    finite = all(r["finite"] for v in res.values() for r in v)
-    tail_zero = bool(total >= x.shape[0] or (np.asarray(out[total:]) == 0).all())
-    return {"groups": pick, "rel_l2": worst, "max_over_scale": worst_max, "finite": finite,
-            "tail_zero": tail_zero}
-
-
 def product_check(prod, out, x, w, dy, gs):
     """fp32 dots on the sampled rows of 3 groups (dk: their whole contraction) for one
     product's output."""
@@ -190,7 +162,6 @@ def bench_products(name, x, w, dy, gs, budget_s):
     m, k = x.shape
     g, _, n = w.shape
     flops = 2 * m * k * n
-    total = int(np.asarray(gs).sum())
     prods = {
         "fwd": (lambda bs: jax.jit(lambda a, b, c: M.gmm(a, b, c, block_sizes=bs)), (x, w, gs),
                 m * k * 2 + g * k * n * 2 + m * n * 2),
@@ -200,7 +171,6 @@ def bench_products(name, x, w, dy, gs, budget_s):
         "dk": (lambda bs: jax.jit(lambda a, b, c: M.tgmm(a, b, c, num_groups=g, block_sizes=bs)),
                (x, dy, gs), m * k * 2 + g * k * n * 2 + m * n * 2),
     }
-    outs = {}
     best = {}
     trials = [(prod, bs, d) for prod in PRODUCTS for bs in CONFIGS[prod]
               for d in (WS_DELAYS if bs is not None and bs.warp_specialized else [None])]
@@ -222,13 +192,9 @@ def bench_products(name, x, w, dy, gs, budget_s):
                   "check": product_check(prod, fn(*args), x, w, dy, gs)})
             if prod not in best or t < best[prod][0]:
                 best[prod] = (t, bs)
-                outs[prod] = fn(*args)
         except Exception as e:  # noqa: BLE001
             emit({"shape": name, "product": prod, "config": str(bs),
                   "error": f"{type(e).__name__}: {str(e)[:800]}"})
-    if len(outs) == 3:
-        chk = sampled_checks(x, w, dy, gs, outs["fwd"], outs["dx"], outs["dk"], total)
-        emit({"shape": name, "check": chk})
     return best
 
 
