@@ -274,16 +274,23 @@ def _h200_mesh():
     return AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
 
 
-_WS = mgpu.GMM_WARP_SPECIALIZED
-_WS_DELAYED = dataclasses.replace(_WS, delay_release=1)
-_ONE_WARPGROUP = mgpu.GMM_LARGE_GROUPS
-_BLOCKS = {"": None, "_ws": _WS, "_ws_delayed": _WS_DELAYED, "_one_wg": _ONE_WARPGROUP}
+# The kernels' block sizes the lowering and GPU tests name: None is the shape's default
+# (the warp-specialised kernels where the width splits into 256 columns).
+_BLOCKS = {
+    "default": None,
+    "ws": mgpu.GMM_WARP_SPECIALIZED,
+    "ws_delayed": dataclasses.replace(mgpu.GMM_WARP_SPECIALIZED, delay_release=1),
+    "one_wg": mgpu.GMM_LARGE_GROUPS,
+    "small": mgpu.MosaicGpuBlockSizes(block_m=64, block_n=64, stages=3, grid_block_n=4),
+}
 
 
-@pytest.mark.parametrize("product", ["forward", "dx", "dkernel", "forward_ws_delayed",
-                                     "dx_ws_delayed", "forward_one_wg", "dx_one_wg",
-                                     "dkernel_ws"])
-def test_lowers_for_cuda_from_cpu(product, monkeypatch):
+@pytest.mark.parametrize("product,blocks", [
+    ("forward", "default"), ("dx", "default"), ("dkernel", "default"),
+    ("forward", "ws_delayed"), ("dx", "ws_delayed"), ("forward", "one_wg"), ("dx", "one_wg"),
+    ("dkernel", "ws"),
+])
+def test_lowers_for_cuda_from_cpu(product, blocks, monkeypatch):
     """Layout inference and the wgmma/TMA lowering run for every product: the default
     (warp-specialised gmm at 3 stages of 128x256, which fits shared memory), its delayed
     release, and the one-warpgroup gmm."""
@@ -291,9 +298,7 @@ def test_lowers_for_cuda_from_cpu(product, monkeypatch):
     m, k, n, g = 4096, 512, 1024, 8
     s = jax.ShapeDtypeStruct
     gs = s((g,), jnp.int32)
-    suffix = next(x for x in sorted(_BLOCKS, key=len, reverse=True) if product.endswith(x))
-    blocks = _BLOCKS[suffix]
-    product = product.removesuffix(suffix)
+    blocks = _BLOCKS[blocks]
     if product == "forward":
         f = lambda a, b, c: mgpu.gmm(a, b, c, block_sizes=blocks)  # noqa: E731
         args = (s((m, k), BF16), s((g, k, n), BF16), gs)
@@ -341,23 +346,26 @@ def _gpu_cases():
     ]
 
 
-_SMALL_GPU = mgpu.MosaicGpuBlockSizes(block_m=64, block_n=64, stages=3, grid_block_n=4)
+# Which cases run with which named blocks besides the default (every case).
+_GPU_BLOCK_CASES = {
+    "small": ("many_small", "odd_m"),
+    "ws_delayed": ("dirichlet", "total_lt_m", "all_empty"),
+    "one_wg": ("dirichlet", "many_small", "total_lt_m"),
+    "ws": ("many_small", "skewed", "one_group"),
+}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "case,blocks",
-    [(c, None) for c in _gpu_cases()]
-    + [(c, _SMALL_GPU) for c in _gpu_cases() if c[0] in ("many_small", "odd_m")]
-    + [(c, _WS_DELAYED) for c in _gpu_cases() if c[0] in ("dirichlet", "total_lt_m", "all_empty")]
-    + [(c, _ONE_WARPGROUP) for c in _gpu_cases() if c[0] in ("dirichlet", "many_small", "total_lt_m")]
-    + [(c, _WS) for c in _gpu_cases() if c[0] in ("many_small", "skewed", "one_group")],
-    ids=lambda v: v[0] if isinstance(v, tuple) else (
-        "default" if v is None else "ws_delayed" if v.delay_release
-        else "ws" if v.warp_specialized else "one_wg" if v == _ONE_WARPGROUP else "small"),
+    [(c, "default") for c in _gpu_cases()]
+    + [(c, name) for name, names in _GPU_BLOCK_CASES.items()
+       for c in _gpu_cases() if c[0] in names],
+    ids=lambda v: v[0] if isinstance(v, tuple) else v,
 )
 def test_gpu_parity(case, blocks):
     _, m, k, n, g, gs = case
+    blocks = _BLOCKS[blocks]
     x, w, dy = _operands(jax.random.key(m + k), m, k, n, g)
     total = int(np.sum(np.asarray(gs)))
     out = jax.jit(lambda a, b, c: mgpu.gmm(a, b, c, block_sizes=blocks,
