@@ -10,8 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.export import DisabledSafetyCheck
-from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AbstractDevice, AbstractMesh
 
 from grouped_projection_testlib import CPU_CASES, check_case, draw
 from pallasite.kernels import platform
@@ -312,40 +311,6 @@ def test_one_function_exports_for_each_platform(fake_sm80):
 def test_multi_platform_export_with_kernels_is_refused_by_jax():
     with pytest.raises(ValueError, match="Only interpret mode"):
         _export(_loss(), ["cpu", "tpu"], *_specs(m=256, k=256, n=128, g=4))
-
-
-# ------------------------------------------------------------------- shard_map, HLO
-
-
-def test_shard_map_on_eight_devices_no_all_gather():
-    """n of the kernel split over `model`: the lowered program holds the shard_map, the
-    compiled one gathers neither x nor the kernel (dx's partial sums are reduced), and
-    values and gradients match the reference."""
-    mesh = jax.make_mesh((8,), ("model",))
-    x, kernel, sizes = _inputs(m=40, k=24, n=32, g=4, total=37)
-    kernel_s = jax.device_put(kernel, NamedSharding(mesh, P(None, None, "model")))
-    x_s = jax.device_put(x, NamedSharding(mesh, P()))
-
-    def loss(x, kernel):
-        y = grouped_projection(x, kernel, sizes, jnp.bfloat16, True, block_sizes=SMALL,
-                               implementation="pallas_triton")
-        return jnp.sum(y.astype(jnp.float32) * jnp.arange(y.shape[1], dtype=jnp.float32))
-
-    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-    with jax.set_mesh(mesh):
-        lowered = fn.lower(x_s, kernel_s)
-        text = lowered.as_text()
-        assert "sdy.manual_computation" in text or "SPMDFullToShardShape" in text
-        assert "model" in text
-        hlo = lowered.compile().as_text()
-        assert "all-gather" not in hlo, "an operand was gathered"
-        value, (dx, dk) = fn(x_s, kernel_s)
-    want_value, (want_dx, want_dk) = jax.value_and_grad(
-        lambda x, k: jnp.sum(reference(x, k, sizes, jnp.bfloat16).astype(jnp.float32)
-                             * jnp.arange(32, dtype=jnp.float32)), argnums=(0, 1))(x, kernel)
-    np.testing.assert_allclose(value, want_value, rtol=1e-5)
-    np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(dk, want_dk, rtol=1e-5, atol=1e-5)
 
 
 def test_default_path_value_and_gradient_parity():

@@ -1,5 +1,5 @@
 """chunk_ssd and ssd_chunk_scan's public behaviour: padding, implementation choice,
-bad input, positive a, the geometry predicates, and the shard_map on 8 CPU devices."""
+bad input, positive a and the geometry predicates (sharding: test_ssd_sharding)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from pallasite.kernels import chunk_ssd, ssd_chunk_scan, ssd_kernel_platform, ssd_kernel_runs
 from pallasite.kernels.ssd import predicates
@@ -254,67 +252,9 @@ def test_platform_choice_and_logging_once(caplog, monkeypatch):
 # ---------------------------------------------------------------------------- shard_map
 
 
-def _sharded_inputs(mesh, groups):
-    x, a, b, c, s0 = _inputs(b=2, length=64, h=4, p=8, n=8, g=groups)
-    shard = lambda spec: NamedSharding(mesh, spec)
-    x = jax.device_put(x, shard(P("data", None, "model", None)))
-    a = jax.device_put(a, shard(P("data", None, "model")))
-    group_spec = P("data", None, "model" if groups > 1 else None, None)
-    b, c = (jax.device_put(t, shard(group_spec)) for t in (b, c))
-    s0 = jax.device_put(s0, shard(P("data", "model", None, None)))
-    return x, a, b, c, s0
-
-
-def _loss(implementation):
-    def loss(x, a, b, c, s0):
-        y, final = chunk_ssd(x, a, b, c, chunk_size=64, initial_state=s0,
-                             implementation=implementation)
-        return jnp.sum(y ** 2) + jnp.sum(final ** 2)
-    return jax.value_and_grad(loss, (0, 1, 2, 3, 4))
-
-
-@pytest.mark.parametrize("groups", [1, 4])
-def test_shard_map_on_8_devices_no_all_gather(groups):
-    """batch over 'data' (2), heads over 'model' (4), chunks local: the lowered program
-    (forward and backward kernels) holds the shard_map, the compiled one no all-gather.
-
-    Lowered and compiled only: jax 0.11.2's TPU interpreter puts a threading.Barrier over
-    all 8 devices around each kernel, which deadlocked now and then on 2 CPU cores;
-    test_sharded_values_on_8_devices runs the same shard_map with the XLA backend inside.
-    """
-    assert jax.device_count() >= 8
-    mesh = jax.make_mesh((2, 4), ("data", "model"))
-    args = _sharded_inputs(mesh, groups)
-    with jax.set_mesh(mesh):
-        lowered = jax.jit(_loss("pallas_mosaic_tpu")).lower(*args)
-        text = lowered.as_text()
-        assert "manual_computation" in text or "shard_map" in text
-        assert "all-gather" not in lowered.compile().as_text()
-
-
-@pytest.mark.parametrize("groups", [1, 4])
-def test_sharded_values_on_8_devices(groups, monkeypatch):
-    """The shard_map specs and the dB/dC psum give the sequential oracle's gradients."""
-    from pallasite.kernels.ssd import api
-
-    monkeypatch.setattr(api, "_shards_itself", lambda name, module: False)
-    mesh = jax.make_mesh((2, 4), ("data", "model"))
-    args = _sharded_inputs(mesh, groups)
-    with jax.set_mesh(mesh):
-        fn = jax.jit(_loss("xla"))
-        text = fn.lower(*args).as_text()
-        assert "manual_computation" in text or "shard_map" in text
-        value, grads = fn(*args)
-    _, grads_ref = jax.value_and_grad(
-        lambda *t: jnp.sum(ssd_sequential(*t)[0] ** 2) + jnp.sum(ssd_sequential(*t)[1] ** 2),
-        (0, 1, 2, 3, 4))(*(jax.device_get(t) for t in args))
-    for what, got, want in zip(("dx", "da", "db", "dc", "ds0"), grads, grads_ref):
-        parity.assert_close(got, want, dtype=jnp.float32, tol=parity.EXACT_FP32, what=what)
-
-
 def test_dispatch_to_pallas_triton_by_name():
-    """ssd_chunk_scan imports the GPU backend lazily by name and does not nest shard_maps
-    around it (it shards itself); the Triton interpreter runs it on CPU."""
+    """ssd_chunk_scan imports the GPU backend lazily by name; the Triton interpreter runs
+    it on CPU."""
     x, a, b, c, s0 = _inputs(b=2, length=64, h=2, p=16, n=16)
     chunked = [t.reshape(2, 2, 32, *t.shape[2:]) for t in (x, a, b, c)]
     y, final = ssd_chunk_scan(*chunked, s0, ("pallas_triton", True))

@@ -1,7 +1,7 @@
 """pallasite.kernels.ssd.pallas_triton: values and every gradient against an oracle.
 
 CPU: the Triton interpreter on tiny shapes (fp32 and bf16, groups 1 and > 1, initial
-states), input validation, the shard_map in the lowered HLO, and the CUDA lowering.
+states), input validation and the CUDA lowering (sharding: test_ssd_sharding).
 GPU (-m gpu): the TARGETS shapes scaled down, bf16, groups 1 and 8, compiled kernels.
 """
 
@@ -135,26 +135,6 @@ def test_bad_input_names_argument():
         x3 = jnp.zeros((1, 2, 32, 4, 24), jnp.float32)
         s3 = jnp.zeros((1, 4, 24, 16), jnp.float32)
         pt.forward(x3, a, b[:, :, :, :1], b[:, :, :, :1], s3, interpret=True)
-
-
-def test_shard_map_in_hlo_without_all_gather():
-    """8 forced CPU devices, batch 8 sharded over them: the lowered forward and backward
-    hold the shard_map and gather no operand."""
-    mesh = jax.make_mesh((8,), ("batch",))
-    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
-    S = jax.ShapeDtypeStruct
-    x = S((8, 1, 32, 2, 16), jnp.float32, sharding=spec)
-    a = S((8, 1, 32, 2), jnp.float32, sharding=spec)
-    b = S((8, 1, 32, 1, 16), jnp.float32, sharding=spec)
-    s0 = S((8, 2, 16, 16), jnp.float32, sharding=spec)
-    st = S((8, 1, 2, 16, 16), jnp.float32, sharding=spec)
-    fwd = jax.jit(lambda *t: pt.forward(*t, interpret=True))
-    bwd = jax.jit(lambda *t: pt.backward(*t, interpret=True))
-    for lowered in (fwd.lower(x, a, b, b, s0), bwd.lower(x, a, b, b, st, x, s0)):
-        text = lowered.as_text()
-        assert "shard_map" in text or "sdy.manual_computation" in text
-        compiled = lowered.compile().as_text()
-        assert "all-gather" not in compiled
 
 
 def test_cuda_lowering_on_cpu():

@@ -1,19 +1,20 @@
-"""The differentiable grouped projection over one backend: custom_vjp and shard_map.
+"""The differentiable grouped projection over one backend: custom_vjp and sharding.
 
 Forward  out    = gmm(x_c, kernel_c)                      -> compute
 Backward dx     = gmm(dy_c, kernel_c, transpose_rhs=True) -> x.dtype
          dkernel = tgmm(x_c, dy_c)                         -> kernel.dtype
 where `_c` is the cast to `compute` and every product sums in fp32 and rounds once
-(DESIGN's numerics contract). The residuals are the rounded operands, so the backward
+(the numerics contract). The residuals are the rounded operands, so the backward
 multiplies exactly what the forward did. dx reads the forward weights in place
 (transpose_rhs), no transposed copy.
 
-Every backend call runs inside an explicit `jax.shard_map`: rows and groups stay local
-(replicated specs; group boundaries are global, so rows cannot be split without a
-re-sort), and the kernel's n dimension is split over the mesh axis named `model` when the
-ambient mesh has one that divides n. Then the forward and dkernel are local per shard,
-and dx, which contracts over n, is summed in fp32 across the axis (one psum) and rounded
-once after it.
+Every product runs through `pallasite.kernels.sharding.run` with its planner from
+`layouts`: local on the caller's shards inside a shard_map, and under jit over sharded
+arrays on the layouts of the inputs (rows, the contraction or the columns sharded), each
+product summed once over the axes that split what it contracts. Inside a shard_map with
+check_vma, a cotangent that varies over axes its primal does not (dkernel of replicated
+weights from sharded tokens, dx of replicated tokens through column-sharded weights) is
+summed over them in fp32 and rounded once, as jax.grad does for a dot.
 """
 
 from __future__ import annotations
@@ -24,13 +25,11 @@ from types import ModuleType
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import PartitionSpec as P
 
-MODEL_AXIS = "model"
+from pallasite.kernels import sharding
+from pallasite.kernels.grouped_projection import layouts
+
 BACKENDS = ("pallas_mosaic_gpu", "pallas_triton", "pallas_mosaic_tpu", "xla")
-# Backends that wrap their own pallas_calls in a shard_map (nesting one would fail).
-_SELF_SHARDED = frozenset({"pallas_mosaic_gpu"})
 
 
 def backend(name: str) -> ModuleType:
@@ -40,57 +39,37 @@ def backend(name: str) -> ModuleType:
     return importlib.import_module(f"pallasite.kernels.grouped_projection.{name}")
 
 
-def ambient_mesh():
-    """The mesh in context, else a one-device mesh (so a shard_map is always explicit)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("grouped_projection",))
-    return mesh
-
-
-def _model_axis(mesh, n: int) -> str | None:
-    if MODEL_AXIS in mesh.axis_names and n % dict(mesh.shape)[MODEL_AXIS] == 0:
-        return MODEL_AXIS
-    return None
-
-
-def _sharded(name: str, fn, in_specs, out_specs, *args):
-    if name in _SELF_SHARDED:
-        return fn(*args)
-    return jax.shard_map(fn, mesh=ambient_mesh(), in_specs=in_specs, out_specs=out_specs,
-                         check_vma=False)(*args)
-
-
-def _forward(x, kernel, group_sizes, name, block_sizes, interpret):
-    be, n = backend(name), kernel.shape[2]
-    ax = _model_axis(ambient_mesh(), n) if name not in _SELF_SHARDED else None
-    local = functools.partial(be.gmm, transpose_rhs=False, out_dtype=x.dtype,
+def _gmm(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, name, block_sizes, interpret):
+    local = functools.partial(backend(name).gmm, transpose_rhs=transpose_rhs,
                               block_sizes=block_sizes, interpret=interpret)
-    return _sharded(name, local, (P(), P(None, None, ax), P()), P(None, ax),
-                    x, kernel, group_sizes)
+    planner = layouts.gmm_planner(local, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
+                                  shapes=(lhs.shape, rhs.shape))
+    rule = layouts.GMM_TRANSPOSED_RULE if transpose_rhs else layouts.GMM_RULE
+    out, = sharding.run(planner, (lhs, rhs, group_sizes), rule=rule, reduction_factors=("c",),
+                        partitionable=_partitionable(name, interpret))
+    return out
 
 
-def _dx(dy, kernel, group_sizes, out_dtype, name, block_sizes, interpret):
-    be, n = backend(name), kernel.shape[2]
-    ax = _model_axis(ambient_mesh(), n) if name not in _SELF_SHARDED else None
-
-    def local(dy, kernel, group_sizes):
-        dx = be.gmm(dy, kernel, group_sizes, transpose_rhs=True,
-                    out_dtype=jnp.float32 if ax else out_dtype,
-                    block_sizes=block_sizes, interpret=interpret)
-        return jax.lax.psum(dx, ax).astype(out_dtype) if ax else dx
-
-    return _sharded(name, local, (P(None, ax), P(None, None, ax), P()), P(),
-                    dy, kernel, group_sizes)
-
-
-def _dkernel(x, dy, group_sizes, num_groups, out_dtype, name, block_sizes, interpret):
-    be = backend(name)
-    ax = _model_axis(ambient_mesh(), dy.shape[1]) if name not in _SELF_SHARDED else None
-    local = functools.partial(be.tgmm, num_groups=num_groups, out_dtype=out_dtype,
+def _tgmm(lhs, rhs, group_sizes, *, out_dtype, name, block_sizes, interpret):
+    local = functools.partial(backend(name).tgmm, num_groups=group_sizes.shape[0],
                               block_sizes=block_sizes, interpret=interpret)
-    return _sharded(name, local, (P(), P(None, ax), P()), P(None, None, ax),
-                    x, dy, group_sizes)
+    planner = layouts.tgmm_planner(local, out_dtype=out_dtype, shapes=(lhs.shape, rhs.shape))
+    out, = sharding.run(planner, (lhs, rhs, group_sizes), rule=layouts.TGMM_RULE,
+                        reduction_factors=("m",), partitionable=_partitionable(name, interpret))
+    return out
+
+
+def _partitionable(name, interpret) -> bool:
+    """The Mosaic interpreters cannot lower inside a custom_partitioning (see
+    sharding.run); compiled kernels and the Triton interpreter can."""
+    return not (interpret and name.startswith("pallas_mosaic"))
+
+
+def _summed(ct_sources, primal, dtype):
+    """The dtype to compute a cotangent in: fp32 where it will still be summed over manual
+    axes (see sharding.cotangent_like), so it rounds once."""
+    extra = frozenset().union(*map(sharding.varying_axes, ct_sources))
+    return jnp.float32 if extra - sharding.varying_axes(primal) else dtype
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
@@ -102,7 +81,8 @@ def project(x, kernel, group_sizes, name, compute, block_sizes, interpret):
 
 def _project_fwd(x, kernel, group_sizes, name, compute, block_sizes, interpret):
     xc, kc = x.astype(compute), kernel.astype(compute)
-    out = _forward(xc, kc, group_sizes, name, block_sizes, interpret)
+    out = _gmm(xc, kc, group_sizes, transpose_rhs=False, out_dtype=compute, name=name,
+               block_sizes=block_sizes, interpret=interpret)
     # Input dtypes ride along as empty arrays (residuals must be pytrees of arrays).
     protos = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), kernel.dtype))
     return out, (xc, kc, group_sizes, protos)
@@ -111,8 +91,13 @@ def _project_fwd(x, kernel, group_sizes, name, compute, block_sizes, interpret):
 def _project_bwd(name, compute, block_sizes, interpret, residuals, dy):
     xc, kc, group_sizes, (x_proto, k_proto) = residuals
     dy = dy.astype(compute)
-    dx = _dx(dy, kc, group_sizes, x_proto.dtype, name, block_sizes, interpret)
-    dk = _dkernel(xc, dy, group_sizes, kc.shape[0], k_proto.dtype, name, block_sizes, interpret)
+    common = dict(name=name, block_sizes=block_sizes, interpret=interpret)
+    dx = _gmm(dy, kc, group_sizes, transpose_rhs=True,
+              out_dtype=_summed((dy, kc, group_sizes), xc, x_proto.dtype), **common)
+    dk = _tgmm(xc, dy, group_sizes,
+               out_dtype=_summed((xc, dy, group_sizes), kc, k_proto.dtype), **common)
+    dx = sharding.cotangent_like(dx, xc).astype(x_proto.dtype)
+    dk = sharding.cotangent_like(dk, kc).astype(k_proto.dtype)
     return dx, dk, None
 
 

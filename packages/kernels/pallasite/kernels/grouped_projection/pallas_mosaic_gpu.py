@@ -66,11 +66,11 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Int, Shaped
 
 from pallasite.kernels import platform
-from pallasite.kernels.grouped_projection import ops, tuning_benchmarks
+from pallasite.kernels import sharding
+from pallasite.kernels.grouped_projection import tuning_benchmarks
 
 # H200 SXM has 132 SMs; used when the default device does not report its core count.
 _DEFAULT_NUM_SMS = 132
@@ -283,17 +283,6 @@ def _row_tile_table(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.A
     return table, tile_end[-1:].astype(jnp.int32)
 
 
-def _shard_map(fn, *args):
-    """Run fn under an explicit shard_map, operands replicated (the ragged dim stays local).
-
-    The mesh is ops.ambient_mesh() (replicated specs: each device computes the whole
-    product and no collective is inserted); ops lists this backend as self-sharded.
-    """
-    specs = tuple(P() for _ in args)
-    return jax.shard_map(fn, mesh=ops.ambient_mesh(), in_specs=specs, out_specs=P(),
-                         check_vma=False)(*args)
-
-
 # --------------------------------------------------------------------------- gmm
 
 
@@ -502,7 +491,7 @@ def _gmm_local(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, bs, interpret
     make = _gmm_kernel_warp_specialized if bs.warp_specialized else _gmm_kernel
     call = pl.kernel(
         make(m, k, n, g, bs, transpose_rhs),
-        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        out_type=sharding.out_struct((m, n), out_dtype, like=lhs),
         mesh=_mesh(bs, interpret),
         compiler_params=_compiler_params(),
         interpret=_interpret_params(interpret),
@@ -574,8 +563,7 @@ def gmm(
             a, b, gs, transpose_rhs=transpose_rhs, out_dtype=out_dtype, bs=bs, interpret=interpret
         )
 
-    out = _shard_map(local, lhs_p, rhs_p, group_sizes)
-    return out[:m, :n]
+    return local(lhs_p, rhs_p, group_sizes)[:m, :n]
 
 
 # --------------------------------------------------------------------------- tgmm
@@ -781,7 +769,7 @@ def _tgmm_local(lhs, rhs, group_sizes, *, out_dtype, bs, interpret):
     make = _tgmm_kernel_warp_specialized if bs.warp_specialized else _tgmm_kernel
     call = pl.kernel(
         make(m, k, n, g, bs, lhs.dtype),
-        out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
+        out_type=sharding.out_struct((g, k, n), out_dtype, like=lhs),
         mesh=_mesh(bs, interpret),
         compiler_params=_compiler_params(),
         interpret=_interpret_params(interpret),
@@ -825,5 +813,4 @@ def tgmm(
     def local(a, b, gs):
         return _tgmm_local(a, b, gs, out_dtype=out_dtype, bs=bs, interpret=interpret)
 
-    out = _shard_map(local, lhs_p, rhs_p, group_sizes)
-    return out[:, :k, :n]
+    return local(lhs_p, rhs_p, group_sizes)[:, :k, :n]

@@ -27,6 +27,7 @@ from jaxtyping import Array, Float, Int
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallasite.kernels import sharding
 from pallasite.kernels.grouped_projection import config
 from pallasite.kernels.grouped_projection.group_metadata import (
     cdiv,
@@ -141,7 +142,7 @@ def gmm(
     scalars = (meta.group, meta.start, meta.end, meta.tile)
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        out_shape=sharding.out_struct((mp, np_), out_dtype, like=lhs),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(np_ // tn, visits, tiles_k),
@@ -212,7 +213,7 @@ def tgmm(
     kernel = functools.partial(_tgmm_kernel, tm=tm, tk=tk, tn=tn)
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((g, kp, np_), out_dtype),
+        out_shape=sharding.out_struct((g, kp, np_), out_dtype, like=lhs),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(np_ // tn, kp // tk, num_visits(mp, g, tm)),

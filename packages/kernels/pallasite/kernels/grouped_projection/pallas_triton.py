@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallasite.kernels import platform
+from pallasite.kernels import sharding
 from pallasite.kernels.grouped_projection import config, tuning_benchmarks
 from pallasite.kernels.grouped_projection.group_metadata import (
     cdiv,
@@ -196,7 +197,7 @@ def gmm(
                          (m * n * out_dtype.itemsize))
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        out_shape=sharding.out_struct((m, n), out_dtype, like=lhs),
         grid=(num_tiles * cdiv(n, bs.block_n),),
         compiler_params=_params(bs),
         interpret=interpret,
@@ -251,7 +252,7 @@ def tgmm(
     cost = cost_estimate(m, k, n, (offsets, lhs, rhs), g * k * n * out_dtype.itemsize)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((g, k, n), out_dtype),
+        out_shape=sharding.out_struct((g, k, n), out_dtype, like=lhs),
         grid=(g, tiles_k, tiles_n),
         compiler_params=_params(bs),
         interpret=interpret,

@@ -7,13 +7,11 @@ of the [C, C] work. `platform` names the backend ("xla", "pallas_mosaic_tpu",
 "pallas_triton"), or is a (name, interpret) pair; by default a Pallas backend interprets
 when JAX's default backend is the CPU.
 
-Every Pallas backend call runs inside an explicit jax.shard_map (here, or inside the backend
-where it says SHARDS_ITSELF, as pallas_triton does): batch over the mesh's
-"data" axis, heads over its "model" axis, the sequence (chunks) local because the scan
-carries state across it. The mesh is the one in context (jax.set_mesh), else a one-device
-mesh. An axis is used only where it divides the dimension (and, for heads, where B/C's
-groups split with them or there is a single group); dB and dC of a replicated single group
-are summed over the model axis.
+Every backend (XLA included) runs through `pallasite.kernels.sharding.run` with the
+planners of `layouts`: inside a caller's shard_map on the local arrays; under jit over
+sharded arrays with batch and heads (with their B/C groups) local on whatever mesh axes
+shard them, the sequence local because the scan carries state across it. Cotangents take
+their primal's type (summed over the manual axes they vary over and it does not).
 
 `chunk_ssd` is the [batch, length, heads, ...] form: it validates, pads the length to a
 multiple of the chunk (a = 0, x = B = C = 0 steps leave the state unchanged and their
@@ -22,6 +20,7 @@ outputs are cut off; a test proves both), and picks the implementation.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from collections.abc import Sequence
@@ -29,16 +28,15 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
-from pallasite.kernels.ssd import predicates
+from pallasite.kernels import sharding
+from pallasite.kernels.ssd import layouts, predicates
 from pallasite.reference.ssd import validate_ssd, validate_ssd_chunked
 
 _LOG = logging.getLogger("pallasite.ssd")
 
 IMPLEMENTATIONS = ("xla",) + predicates.BACKENDS
-DATA_AXIS, MODEL_AXIS = "data", "model"
 _FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
 
 
@@ -86,72 +84,29 @@ def _platform(platform) -> tuple[str, bool]:
     return platform, platform != "xla" and jax.default_backend() == "cpu"
 
 
-def _mesh():
-    """The mesh in context, else one device, with the sizes of its data and model axes."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        devices = np.array(jax.devices()[:1]).reshape(1, 1)
-        mesh = jax.sharding.Mesh(devices, (DATA_AXIS, MODEL_AXIS))
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    return mesh, sizes.get(DATA_AXIS), sizes.get(MODEL_AXIS)
+def _local(platform, pass_name):
+    """The backend's forward or backward on local arrays."""
+    name, interpret = _platform(platform)
+    fn = getattr(_backend(name), pass_name)
+    return fn if name == "xla" else functools.partial(fn, interpret=interpret)
 
 
-def _axes(mesh_sizes, bsz, heads, groups):
-    """Mesh axes for (batch, heads, groups): each only where it divides the dimension."""
-    data, model = mesh_sizes
-    batch_ax = DATA_AXIS if data and bsz % data == 0 else None
-    head_ax = MODEL_AXIS if model and heads % model == 0 and (
-        groups == 1 or groups % model == 0) else None
-    group_ax = head_ax if head_ax and groups % model == 0 else None
-    return batch_ax, head_ax, group_ax
-
-
-def _shards_itself(name, module) -> bool:
-    """XLA partitions itself; a backend that wraps its own shard_map says SHARDS_ITSELF
-    (pallas_triton shards the batch inside its forward/backward): no nested shard_map."""
-    return name == "xla" or getattr(module, "SHARDS_ITSELF", name == "pallas_triton")
+def _partitionable(platform) -> bool:
+    """The Mosaic interpreter cannot lower inside a custom_partitioning (sharding.run)."""
+    name, interpret = _platform(platform)
+    return not (interpret and name.startswith("pallas_mosaic"))
 
 
 def _forward(platform, x, a, b, c, initial_state):
-    name, interpret = _platform(platform)
-    module = _backend(name)
-    if _shards_itself(name, module):
-        kwargs = {} if name == "xla" else {"interpret": interpret}
-        return module.forward(x, a, b, c, initial_state, **kwargs)
-    mesh, *sizes = _mesh()
-    bt, hd, gr = _axes(sizes, x.shape[0], x.shape[3], b.shape[3])
-    xs, as_, bs, ss = P(bt, None, None, hd, None), P(bt, None, None, hd), \
-        P(bt, None, None, gr, None), P(bt, hd, None, None)
-
-    def local(*args):
-        return module.forward(*args, interpret=interpret)
-
-    return jax.shard_map(local, mesh=mesh, in_specs=(xs, as_, bs, bs, ss),
-                         out_specs=(xs, ss, P(bt, None, hd, None, None)),
-                         check_vma=False)(x, a, b, c, initial_state)
+    planner = layouts.forward_planner(_local(platform, "forward"), x.shape, b.shape[3])
+    return sharding.run(planner, (x, a, b, c, initial_state), rule=layouts.FORWARD_RULE,
+                        partitionable=_partitionable(platform))
 
 
 def _backward(platform, x, a, b, c, chunk_states, dy, dfinal):
-    name, interpret = _platform(platform)
-    module = _backend(name)
-    if _shards_itself(name, module):
-        kwargs = {} if name == "xla" else {"interpret": interpret}
-        return module.backward(x, a, b, c, chunk_states, dy, dfinal, **kwargs)
-    mesh, *sizes = _mesh()
-    bt, hd, gr = _axes(sizes, x.shape[0], x.shape[3], b.shape[3])
-    xs, as_, bs, ss = P(bt, None, None, hd, None), P(bt, None, None, hd), \
-        P(bt, None, None, gr, None), P(bt, hd, None, None)
-    cs = P(bt, None, hd, None, None)
-
-    def local(*args):
-        dx, da, db, dc, dinit = module.backward(*args, interpret=interpret)
-        if hd is not None and gr is None:  # one group, replicated: sum over head shards
-            db, dc = jax.lax.psum((db, dc), MODEL_AXIS)
-        return dx, da, db, dc, dinit
-
-    return jax.shard_map(local, mesh=mesh, in_specs=(xs, as_, bs, bs, cs, xs, ss),
-                         out_specs=(xs, as_, bs, bs, ss),
-                         check_vma=False)(x, a, b, c, chunk_states, dy, dfinal)
+    planner = layouts.backward_planner(_local(platform, "backward"), x.shape, b.shape[3])
+    return sharding.run(planner, (x, a, b, c, chunk_states, dy, dfinal),
+                        rule=layouts.BACKWARD_RULE, partitionable=_partitionable(platform))
 
 
 # ------------------------------------------------------------------------ custom_vjp
@@ -173,16 +128,28 @@ def _scan(
 def _scan_fwd(x, a, b, c, initial_state, platform):
     check_chunked(x, a, b, c, initial_state)
     y, final, chunk_states = _forward(platform, x, a, b, c, initial_state)
-    dtype_token = jnp.zeros((0,), initial_state.dtype)
-    return (y, final), (x, a, b, c, chunk_states, dtype_token)
+    # initial_state rides along for its dtype and type (varying axes, layout): its
+    # cotangent must match it. [b, h, p, n] is 1/nc of chunk_states.
+    return (y, final), (x, a, b, c, chunk_states, initial_state)
 
 
 def _scan_bwd(platform, residuals, cotangents):
-    x, a, b, c, chunk_states, dtype_token = residuals
+    x, a, b, c, chunk_states, initial_state = residuals
     dy, dfinal = cotangents
-    dx, da, db, dc, dinit = _backward(platform, x, a, b, c, chunk_states,
-                                      dy.astype(x.dtype), dfinal.astype(jnp.float32))
-    return dx, da, db, dc, dinit.astype(dtype_token.dtype)
+    if _summed(x, b) or _summed(x, c):
+        # B and C replicated where x varies: dB and dC are summed in fp32 below (the
+        # backends compute from the matmul dtype either way, so only the sum changes).
+        b, c = b.astype(jnp.float32), c.astype(jnp.float32)
+    grads = _backward(platform, x, a, b, c, chunk_states, dy.astype(x.dtype),
+                      dfinal.astype(jnp.float32))
+    primals = residuals[:4] + (initial_state,)
+    return tuple(sharding.cotangent_like(g.astype(jnp.float32) if _summed(g, p) else g, p)
+                 .astype(p.dtype) for g, p in zip(grads, primals))
+
+
+def _summed(grad, primal) -> bool:
+    """Whether `grad` is still to be summed over manual axes (then in fp32)."""
+    return bool(sharding.varying_axes(grad) - sharding.varying_axes(primal))
 
 
 ssd_chunk_scan = jax.custom_vjp(_scan, nondiff_argnums=(5,))

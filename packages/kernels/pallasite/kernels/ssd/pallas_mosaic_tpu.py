@@ -43,6 +43,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float
 
+from pallasite.kernels import sharding
+
 _F32 = jnp.float32
 _HI = jax.lax.Precision.HIGHEST
 
@@ -299,9 +301,9 @@ def forward(
         in_specs=[specs["x"](False, p), specs["bc"](False, n), specs["bc"](False, n),
                   specs["row"](False), specs["col"](False), specs["state"](n)],
         out_specs=[specs["x"](False, p), specs["state"](n), specs["chunk_state"](False, n)],
-        out_shape=[jax.ShapeDtypeStruct((bsz, h, nc, size, p), x.dtype),
-                   jax.ShapeDtypeStruct((bsz, h, p, n), _F32),
-                   jax.ShapeDtypeStruct((bsz, nc, h, p, n), _F32)],
+        out_shape=[sharding.out_struct((bsz, h, nc, size, p), x.dtype, like=x),
+                   sharding.out_struct((bsz, h, p, n), _F32, like=x),
+                   sharding.out_struct((bsz, nc, h, p, n), _F32, like=x)],
         scratch_shapes=[pltpu.VMEM((p, n), _F32)],
         compiler_params=_params(block_sizes),
         cost_estimate=forward_cost(x.shape, groups, n, x.dtype.itemsize, b.dtype.itemsize),
@@ -330,7 +332,7 @@ def backward(
     groups, n = b.shape[-2], b.shape[-1]
     specs = _specs(x.shape, groups)
     row, col = _cumsums(a)
-    per_head = jax.ShapeDtypeStruct((bsz, h, nc, size, n), _F32)
+    per_head = sharding.out_struct((bsz, h, nc, size, n), _F32, like=x)
     dx, db, dc, dacs, dinit = pl.pallas_call(
         functools.partial(_backward_kernel, num_chunks=nc),
         grid=(bsz, h, nc),
@@ -339,9 +341,9 @@ def backward(
                   specs["x"](True, p), specs["state"](n)],
         out_specs=[specs["x"](True, p), specs["x"](True, n), specs["x"](True, n),
                    specs["dacs"](True), specs["state"](n)],
-        out_shape=[jax.ShapeDtypeStruct((bsz, h, nc, size, p), x.dtype), per_head, per_head,
-                   jax.ShapeDtypeStruct((bsz, h, nc, 1, size), _F32),
-                   jax.ShapeDtypeStruct((bsz, h, p, n), _F32)],
+        out_shape=[sharding.out_struct((bsz, h, nc, size, p), x.dtype, like=x), per_head, per_head,
+                   sharding.out_struct((bsz, h, nc, 1, size), _F32, like=x),
+                   sharding.out_struct((bsz, h, p, n), _F32, like=x)],
         scratch_shapes=[pltpu.VMEM((p, n), _F32)],
         compiler_params=_params(block_sizes),
         cost_estimate=backward_cost(x.shape, groups, n, x.dtype.itemsize, b.dtype.itemsize),

@@ -52,14 +52,13 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
 from pallasite import tuning
 from pallasite.kernels import platform
+from pallasite.kernels import sharding
 from pallasite.kernels.ssd import tuning_benchmarks
 
 F32 = jnp.float32
@@ -148,36 +147,6 @@ def _check_inputs(x, a, b, c, state, state_name: str) -> None:
             )
 
 
-# ----------------------------------------------------------------------------- sharding
-
-
-def _batch_shards(fn, args, n_out: int):
-    """Run fn inside an explicit shard_map that splits the batch axis (dim 0 of every
-    operand and result) over the mesh in context, or over the local devices that divide
-    the batch. Chunks and the sequential state pass stay local to a shard."""
-    batch = args[0].shape[0]
-    mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and all(t == jax.sharding.AxisType.Manual for t in mesh.axis_types):
-        # Already inside the caller's shard_map (ssd.api): the operands are local.
-        return fn(*args)
-    if mesh.empty:
-        devices = jax.devices()
-        ndev = max(d for d in range(1, len(devices) + 1) if batch % d == 0)
-        mesh = jax.sharding.Mesh(np.array(devices[:ndev]), ("batch",))
-    axes = tuple(mesh.axis_names)
-    spec = P(axes) if batch % mesh.size == 0 else P()
-    if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
-        # Explicit axes: shard_map takes operands already laid out as the specs say.
-        args = tuple(jax.sharding.reshard(x, spec) for x in args)
-    return jax.shard_map(
-        fn,
-        mesh=mesh,
-        in_specs=(spec,) * len(args),
-        out_specs=(spec,) * n_out,
-        check_vma=False,
-    )(*args)
-
-
 def _nbytes(*arrays) -> int:
     return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in arrays))
 
@@ -210,7 +179,7 @@ def _chunk_state(u, v, w, bs: BlockSizes, interpret: bool):
     bsz, nc, chunk, h, p = u.shape
     g, n = v.shape[3], v.shape[4]
     hpg = h // g
-    out_shape = jax.ShapeDtypeStruct((bsz, nc, h, p, n), F32)
+    out_shape = sharding.out_struct((bsz, nc, h, p, n), F32, like=u)
     return pl.pallas_call(
         functools.partial(_chunk_state_kernel, block_t=bs.block_t),
         out_shape=out_shape,
@@ -247,8 +216,8 @@ def _state_pass(local, decay, init, bs: BlockSizes, interpret: bool):
     """(states [b, nc, h, p, n] entering each chunk, final [b, h, p, n]), fp32."""
     bsz, nc, h, p, n = local.shape
     shapes = (
-        jax.ShapeDtypeStruct(local.shape, F32),
-        jax.ShapeDtypeStruct(init.shape, F32),
+        sharding.out_struct(local.shape, F32, like=local),
+        sharding.out_struct(init.shape, F32, like=local),
     )
     seq = pl.BlockSpec((None, nc, None, p, n), lambda i, k: (i, 0, k, 0, 0))
     one = pl.BlockSpec((None, None, p, n), lambda i, k: (i, k, 0, 0))
@@ -288,9 +257,9 @@ def _state_pass_reverse(dlocal, decay, states, dfinal, bs: BlockSizes, interpret
     """(grads [b,nc,h,p,n] = dS leaving each chunk, gs [b,nc,h], dinitial [b,h,p,n])."""
     bsz, nc, h, p, n = dlocal.shape
     shapes = (
-        jax.ShapeDtypeStruct(dlocal.shape, F32),
-        jax.ShapeDtypeStruct((bsz, nc, h), F32),
-        jax.ShapeDtypeStruct(dfinal.shape, F32),
+        sharding.out_struct(dlocal.shape, F32, like=dlocal),
+        sharding.out_struct((bsz, nc, h), F32, like=dlocal),
+        sharding.out_struct(dfinal.shape, F32, like=dlocal),
     )
     seq = pl.BlockSpec((None, nc, None, p, n), lambda i, k: (i, 0, k, 0, 0))
     vec = pl.BlockSpec((None, nc, None), lambda i, k: (i, 0, k))
@@ -351,7 +320,7 @@ def _chunk_output(x, b, c, acs, states, bs: BlockSizes, interpret: bool):
     bsz, nc, chunk, h, p = x.shape
     g, n = b.shape[3], b.shape[4]
     hpg, bm = h // g, bs.block_m
-    out_shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    out_shape = sharding.out_struct(x.shape, x.dtype, like=x)
     grp = pl.BlockSpec((None, None, chunk, None, n), lambda i, j, k, r: (i, j, 0, k // hpg, 0))
     tri = bsz * nc * h * (chunk * (chunk + bm) // 2)  # causal tile entries computed
     return pl.pallas_call(
@@ -505,10 +474,10 @@ def _bwd_rows_j(x, dy, b, c, acs, grads, bs: BlockSizes, interpret: bool):
     bm = bs.block_m
     heads, grp, acs_s, st, rows_heads, rows_grp, rows_acs = _group_specs(x, b, bm)
     shapes = (
-        jax.ShapeDtypeStruct(x.shape, x.dtype),
-        jax.ShapeDtypeStruct(b.shape, b.dtype),
-        jax.ShapeDtypeStruct(acs.shape, F32),
-        jax.ShapeDtypeStruct(acs.shape, F32),
+        sharding.out_struct(x.shape, x.dtype, like=x),
+        sharding.out_struct(b.shape, b.dtype, like=x),
+        sharding.out_struct(acs.shape, F32, like=x),
+        sharding.out_struct(acs.shape, F32, like=x),
     )
     return pl.pallas_call(
         functools.partial(_bwd_rows_j_kernel, bm=bm),
@@ -529,8 +498,8 @@ def _bwd_rows_i(x, dy, b, c, acs, states, bs: BlockSizes, interpret: bool):
     bm = bs.block_m
     heads, grp, acs_s, st, _, rows_grp, rows_acs = _group_specs(x, b, bm)
     shapes = (
-        jax.ShapeDtypeStruct(c.shape, c.dtype),
-        jax.ShapeDtypeStruct(acs.shape, F32),
+        sharding.out_struct(c.shape, c.dtype, like=x),
+        sharding.out_struct(acs.shape, F32, like=x),
     )
     return pl.pallas_call(
         functools.partial(_bwd_rows_i_kernel, bm=bm),
@@ -589,7 +558,7 @@ def forward(
                              interpret=interpret)
     fn = functools.partial(_forward_local, bs=bs, interpret=interpret)
     args = (x, a, b.astype(x.dtype), c.astype(x.dtype), initial_state.astype(F32))
-    return _batch_shards(fn, args, 3)
+    return fn(*args)
 
 
 def backward(
@@ -627,5 +596,5 @@ def backward(
         x, a, b.astype(x.dtype), c.astype(x.dtype), chunk_states.astype(F32), dy,
         dfinal_state.astype(F32),
     )
-    dx, da, db, dc, dinit = _batch_shards(fn, args, 5)
+    dx, da, db, dc, dinit = fn(*args)
     return dx, da, db.astype(b.dtype), dc.astype(c.dtype), dinit

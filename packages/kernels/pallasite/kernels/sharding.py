@@ -1,0 +1,239 @@
+"""How a pallasite kernel runs on sharded arrays: one mechanism for every op and backend.
+
+JAX's SPMD is the distributed engine; pallasite adds no device logic of its own. A
+pallas_call is a custom call with no partitioning rule: left to XLA's partitioner under a
+multi-device jit it would gather every operand and compute the whole product on every
+device. So each kernel call (the forward and each backward product) goes through `run`
+with a *planner*: a pure function from the mesh axes that shard each operand dimension to
+a `Plan` (the layouts the op can use locally, and a local function over the shards that
+may use `jax.lax.axis_index` and `psum` on the plan's axes). `run` applies the plan in the
+one of three ways the calling context allows:
+
+1. Inside the caller's shard_map with every mesh axis manual (or the rest Auto): the
+   arrays are already local. The planner sees nothing sharded and the local function runs
+   on them directly: no nested shard_map over manual axes. Under check_vma the operands
+   are first cast to vary over the union of their varying axes (`vary_together`), so the
+   kernels, scans and outputs agree on one type.
+2. Explicit mesh axes in context (`jax.set_mesh`, `jax.make_mesh`'s default): the layouts
+   are in the types (`jax.typeof(x).sharding`). Operands whose layout the plan does not
+   take are resharded (`jax.sharding.reshard`), then one `jax.shard_map` over the
+   explicit axes runs the local function.
+3. Auto axes, with or without a mesh in context: only the compiler knows the layouts, so
+   the call is a `jax.experimental.custom_partitioning` with a Shardy sharding rule; its
+   partition callback runs the same planner on the shardings the partitioner chose and
+   returns the local function as the per-device program. Without a mesh, on one device,
+   the custom call lowers to the plain function.
+
+The differentiation rules call `cotangent_like` on each cotangent: under check_vma a
+cotangent that varies over axes its primal did not is summed over them (the transpose of
+the implicit broadcast, as jax.grad does for jnp.dot), and under Explicit axes it is
+resharded to its primal's layout, as custom_vjp requires.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+Axes = tuple[str, ...]  # the mesh axes that shard one dimension, major to minor
+Dims = tuple[Axes, ...]  # one Axes per dimension of an array
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a planner decided: the layout of each operand and result (one Axes per
+    dimension, () for replicated) and the function that runs on the local shards."""
+
+    in_dims: tuple[Dims, ...]
+    out_dims: tuple[Dims, ...]
+    local: Callable[..., tuple]
+
+
+# A planner: (operand dims as given, mesh axis sizes) -> Plan. It may only narrow the
+# layouts it is given (drop axes), never invent new ones, so resharding is a slice or a
+# gather and never moves data between unrelated devices.
+Planner = Callable[[tuple[Dims, ...], Mapping[str, int]], Plan]
+
+
+# ----------------------------------------------------------------------- layouts
+
+
+def dims_of(spec, ndim: int) -> Dims:
+    """A PartitionSpec (or None) as one Axes per dimension."""
+    entries = tuple(spec) if spec is not None else ()
+    out = []
+    for i in range(ndim):
+        entry = entries[i] if i < len(entries) else None
+        if entry is None or entry is P.UNCONSTRAINED:
+            out.append(())
+        elif isinstance(entry, str):
+            out.append((entry,))
+        else:
+            out.append(tuple(entry))
+    return tuple(out)
+
+
+def spec_of(dims: Dims) -> P:
+    """The PartitionSpec of one Axes per dimension."""
+    return P(*(None if not a else a[0] if len(a) == 1 else a for a in dims))
+
+
+def replicated(ndim: int) -> Dims:
+    return ((),) * ndim
+
+
+def size(axes: Axes, axis_sizes: Mapping[str, int]) -> int:
+    """How many shards `axes` cut a dimension into."""
+    out = 1
+    for a in axes:
+        out *= axis_sizes[a]
+    return out
+
+
+def shard_index(axes: Axes):
+    """This shard's index along a dimension split over `axes` (0 when unsplit)."""
+    return jax.lax.axis_index(axes) if axes else jnp.int32(0)
+
+
+def psum_f32(value, axes: Axes, dtype):
+    """`value` (fp32 partial sums) summed over `axes` and rounded once to `dtype`."""
+    if axes:
+        value = jax.lax.psum(value, axes)
+    return value.astype(dtype)
+
+
+# ---------------------------------------------------------------- varying types
+
+
+def _mat(x):
+    return getattr(jax.typeof(x), "mat", None)
+
+
+def varying_axes(x) -> frozenset:
+    """The manual axes `x` varies over (empty outside shard_map or without check_vma)."""
+    mat = _mat(x)
+    return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def vary_together(args: Sequence):
+    """`args` cast to vary over the union of their varying axes (a no-op without
+    check_vma): kernels, scans and their outputs then carry one varying type."""
+    union = frozenset().union(*(varying_axes(a) for a in args if a is not None))
+    if not union:
+        return tuple(args)
+    return tuple(
+        a if a is None or varying_axes(a) == union
+        else jax.lax.pcast(a, tuple(sorted(union - varying_axes(a))), to="varying")
+        for a in args)
+
+
+def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
+    """A pallas_call result of `shape` and `dtype` that varies like operand `like`
+    (pallas_call needs the varying axes spelled out under check_vma)."""
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, manual_axis_type=_mat(like))
+
+
+def cotangent_like(ct, primal):
+    """A cotangent with its primal's type: summed over the manual axes it varies over and
+    the primal does not, and resharded to the primal's explicit layout."""
+    extra = varying_axes(ct) - varying_axes(primal)
+    if extra:
+        ct = jax.lax.psum(ct, tuple(sorted(extra)))
+    want, have = jax.typeof(primal).sharding, jax.typeof(ct).sharding
+    if (want is not None and not want.mesh.empty and want.mesh.explicit_axes
+            and dims_of(want.spec, ct.ndim) != dims_of(have.spec, ct.ndim)):
+        ct = jax.sharding.reshard(ct, want.spec)
+    return ct
+
+
+# ----------------------------------------------------------------------------- run
+
+
+def _context_mesh(args):
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty:
+        return mesh
+    for a in args:
+        sharding = jax.typeof(a).sharding
+        if sharding is not None and not sharding.mesh.empty:
+            return sharding.mesh
+    return mesh
+
+
+def run(planner: Planner, args: Sequence[jax.Array], *, rule: str,
+        reduction_factors: Sequence[str] = (), partitionable: bool = True) -> tuple:
+    """The planner's local function over the shards of `args`, in whichever of the three
+    ways (module docstring) the context allows; returns its outputs as a tuple.
+
+    rule: the Shardy sharding rule of the op, einsum-like ("m k, g k n, G -> m n"),
+    used only where the compiler chooses the layouts (Auto axes).
+    partitionable=False: under Auto axes, run on the global arrays (the partitioner
+    gathers what is sharded) instead of through a custom_partitioning, for code that
+    cannot lower inside one: the Mosaic interpreters' ordered host callbacks (CPU tests)."""
+    args = tuple(args)
+    mesh = _context_mesh(args)
+    axis_sizes = dict(zip(mesh.axis_names, mesh.axis_sizes)) if not mesh.empty else {}
+    if not mesh.empty and mesh.explicit_axes:
+        return _run_explicit(planner, args, mesh, axis_sizes)
+    if not mesh.empty and mesh.manual_axes:
+        # The caller's shard_map: local arrays (remaining Auto axes replicate the call).
+        plan = planner(tuple(replicated(a.ndim) for a in args), axis_sizes)
+        return tuple(plan.local(*vary_together(args)))
+    if not partitionable:
+        plan = planner(tuple(replicated(a.ndim) for a in args), axis_sizes)
+        return tuple(plan.local(*args))
+    return _run_auto(planner, args, rule, tuple(reduction_factors))
+
+
+def _run_explicit(planner, args, mesh, axis_sizes):
+    free = frozenset(mesh.explicit_axes)
+    given = tuple(
+        tuple(tuple(a for a in axes if a in free)
+              for axes in dims_of(jax.typeof(x).sharding.spec, x.ndim))
+        for x in args)
+    plan = planner(given, axis_sizes)
+    args = tuple(x if want == have else jax.sharding.reshard(x, spec_of(want))
+                 for x, want, have in zip(args, plan.in_dims, given))
+
+    def body(*local_args):
+        return tuple(plan.local(*vary_together(local_args)))
+
+    return jax.shard_map(
+        body, mesh=mesh, axis_names=free,
+        in_specs=tuple(spec_of(d) for d in plan.in_dims),
+        out_specs=tuple(spec_of(d) for d in plan.out_dims),
+        # The plans are checked by the tests; the Pallas interpreters cannot run under
+        # check_vma (JAX 0.11.2: their loops mix varying blocks with invariant indices).
+        check_vma=False,
+    )(*args)
+
+
+def _named_dims(sharding, ndim) -> Dims:
+    if isinstance(sharding, NamedSharding):
+        return dims_of(sharding.spec, ndim)
+    return replicated(ndim)  # a layout with no axis names: take it replicated
+
+
+def _run_auto(planner, args, rule, reduction_factors):
+    unsharded = planner(tuple(replicated(a.ndim) for a in args), {})
+
+    @custom_partitioning
+    def call(*operands):
+        return tuple(unsharded.local(*operands))
+
+    def partition(mesh, arg_shapes, result_shape):
+        given = tuple(_named_dims(s.sharding, len(s.shape)) for s in arg_shapes)
+        plan = planner(given, dict(mesh.shape))
+        in_shardings = tuple(NamedSharding(mesh, spec_of(d)) for d in plan.in_dims)
+        out_shardings = tuple(NamedSharding(mesh, spec_of(d)) for d in plan.out_dims)
+        return mesh, lambda *shards: tuple(plan.local(*shards)), out_shardings, in_shardings
+
+    call.def_partition(partition=partition, sharding_rule=rule,
+                       reduction_factors=reduction_factors)
+    return call(*args)

@@ -1,0 +1,91 @@
+"""Which shardings the SSD scan runs on locally: the planners for
+`pallasite.kernels.sharding.run`, forward and backward.
+
+The scan carries its state along the sequence, so chunks and steps stay local; batch and
+heads are independent and keep whatever mesh axes shard them (any names), taken from x:
+  - batch: x's batch axes, where they divide the batch;
+  - heads: x's head axes (not already on the batch), where they divide the heads, and
+    either split B and C's groups with them (groups a multiple of the head shards: each
+    shard's heads read only its own groups) or meet a single replicated group, whose dB
+    and dC are then summed over the head axes (fp32, rounded once). Other group counts
+    take the heads replicated.
+Everything else (the chunk and step axes, head_dim, state) is resharded replicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax.numpy as jnp
+
+from pallasite.kernels import sharding
+from pallasite.kernels.sharding import Plan
+
+# Shardy rules for the Auto-axes path: z batch, c chunks, t steps, h heads, p head_dim,
+# g groups, n state (factor names, not axes).
+FORWARD_RULE = ("z c t h p, z c t h, z c t g n, z c t g n, z h p n "
+                "-> z c t h p, z h p n, z c h p n")
+BACKWARD_RULE = ("z c t h p, z c t h, z c t g n, z c t g n, z c h p n, z c t h p, z h p n "
+                 "-> z c t h p, z c t h, z c t g n, z c t g n, z h p n")
+
+
+def _layout(given, axis_sizes, x_shape, groups):
+    """(batch axes, head axes, group axes) this scan runs on, from x's layout."""
+    bsz, heads = x_shape[0], x_shape[3]
+    x_dims = given[0]
+    batch = x_dims[0] if x_dims[0] and bsz % sharding.size(x_dims[0], axis_sizes) == 0 else ()
+    head = tuple(a for a in x_dims[3] if a not in batch)
+    shards = sharding.size(head, axis_sizes)
+    if not head or heads % shards:
+        return batch, (), ()
+    if groups % shards == 0:
+        return batch, head, head
+    if groups == 1:
+        return batch, head, ()
+    return batch, (), ()
+
+
+def _dims(batch, head, group):
+    x = (batch, (), (), head, ())
+    a = (batch, (), (), head)
+    bc = (batch, (), (), group, ())
+    state = (batch, head, (), ())
+    chunk_states = (batch, (), head, (), ())
+    return x, a, bc, state, chunk_states
+
+
+def forward_planner(forward: Callable, x_shape, groups: int) -> sharding.Planner:
+    """forward(x, a, b, c, initial_state) -> (y, final_state, chunk_states) on local arrays."""
+
+    def plan(given, axis_sizes) -> Plan:
+        batch, head, group = _layout(given, axis_sizes, x_shape, groups)
+        x, a, bc, state, chunk_states = _dims(batch, head, group)
+        return Plan(in_dims=(x, a, bc, bc, state), out_dims=(x, state, chunk_states),
+                    local=forward)
+
+    return plan
+
+
+def backward_planner(backward: Callable, x_shape, groups: int) -> sharding.Planner:
+    """backward(x, a, b, c, chunk_states, dy, dfinal) -> (dx, da, db, dc, dinitial) on
+    local arrays; dB and dC of a single group replicated over head shards are summed."""
+
+    def plan(given, axis_sizes) -> Plan:
+        batch, head, group = _layout(given, axis_sizes, x_shape, groups)
+        x, a, bc, state, chunk_states = _dims(batch, head, group)
+        summed = head if head and not group else ()
+
+        def local(x_, a_, b_, c_, states, dy, dfinal):
+            if not summed:
+                return backward(x_, a_, b_, c_, states, dy, dfinal)
+            # fp32 B and C give fp32 dB and dC (every backend computes in fp32 from its
+            # matmul dtype either way), so the sum over head shards rounds once.
+            dx, da, db, dc, dinit = backward(x_, a_, b_.astype(jnp.float32),
+                                             c_.astype(jnp.float32), states, dy, dfinal)
+            return (dx, da, sharding.psum_f32(db, summed, b_.dtype),
+                    sharding.psum_f32(dc, summed, c_.dtype), dinit)
+
+        return Plan(in_dims=(x, a, bc, bc, chunk_states, x, state),
+                    out_dims=(x, a, bc, bc, state), local=local)
+
+    return plan

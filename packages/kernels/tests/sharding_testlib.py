@@ -1,0 +1,64 @@
+"""Shared helpers for the sharding tests: meshes in each of the ways users build them,
+placement, and the collectives of a compiled program.
+
+Collectives are read from the compiled HLO (after SPMD partitioning), never only from the
+lowered text, where a gather the partitioner inserts does not show yet.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+AUTO, EXPLICIT = AxisType.Auto, AxisType.Explicit
+
+_COLLECTIVE = re.compile(
+    r"=\s*(?P<type>\([^=]*?\)|[a-z0-9]+\[[0-9,]*\][^ ]*)\s+"
+    r"(?P<op>all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+_ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
+
+
+def mesh(shape, names, axis_type=EXPLICIT, devices=None):
+    """A mesh over the first prod(shape) devices, every axis of one type."""
+    count = int(np.prod(shape))
+    devices = np.asarray(devices if devices is not None else jax.devices()[:count])
+    return jax.sharding.Mesh(devices.reshape(shape), names,
+                             axis_types=(axis_type,) * len(shape))
+
+
+def put(x, mesh_, *spec):
+    return jax.device_put(x, NamedSharding(mesh_, P(*spec)))
+
+
+def collectives(compiled_text: str) -> dict[str, list[tuple[int, ...]]]:
+    """{op: [result shape of each instance]} for every collective in compiled HLO (a
+    combined collective lists each of its results)."""
+    found: dict[str, list[tuple[int, ...]]] = {}
+    for match in _COLLECTIVE.finditer(compiled_text):
+        shapes = [tuple(int(d) for d in dims.split(",") if d)
+                  for _, dims in _ARRAY.findall(match.group("type"))]
+        found.setdefault(match.group("op"), []).extend(shapes)
+    return found
+
+
+def big(shapes, minimum: int = 2):
+    """The shapes with at least `minimum` elements (drops a loss's scalar reduction)."""
+    return sorted(s for s in shapes if int(np.prod(s)) >= minimum)
+
+
+def compiled_collectives(fn, *args):
+    return collectives(jax.jit(fn).lower(*args).compile().as_text())
+
+
+def dims(array) -> tuple[tuple[str, ...], ...]:
+    """The mesh axes of each dimension of a placed array, () where replicated."""
+    out = []
+    spec = tuple(array.sharding.spec)
+    for i in range(array.ndim):
+        entry = spec[i] if i < len(spec) else None
+        out.append(() if entry is None else (entry,) if isinstance(entry, str) else tuple(entry))
+    return tuple(out)
