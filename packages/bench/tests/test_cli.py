@@ -57,7 +57,7 @@ def test_cli_list(capsys):
 def test_plot_labels_every_point(tmp_path):
     recs = [records.Record(kernel=f"chunk_ssd.{d}", implementation=i, shape="s[b=1]",
                            dtype="bfloat16", backend="gpu", device_kind="NVIDIA H200",
-                           device_count=1, block_sizes="", status="ok", peer=i != "xla",
+                           device_count=1, mesh="", block_sizes="", status="ok", peer=i != "xla",
                            flops=1e12, bytes=1e9 * (1 + n), tflops=100.0 + n)
             for n, (d, i) in enumerate([("fwd", "xla"), ("fwd_bwd", "mamba_ssm.triton")])]
     path = plot.roofline_png(recs, roofline.lookup("sm90", "NVIDIA H200"),

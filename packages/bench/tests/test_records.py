@@ -12,7 +12,7 @@ from pallasite.bench.records import Record
 
 # The fields DESIGN.md "Benchmarks" names, as record attributes.
 DESIGN_FIELDS = {"kernel", "implementation", "shape", "dtype", "backend", "device_kind",
-                 "device_count", "block_sizes", "compile_time", "steady_state_time", "flops",
+                 "device_count", "mesh", "block_sizes", "compile_time", "steady_state_time", "flops",
                  "bytes", "tflops", "tbps", "roofline_fraction", "error_rel_l2",
                  "error_max_abs", "git_sha", "xla_flags", "backend_env", "status"}
 
@@ -20,7 +20,7 @@ DESIGN_FIELDS = {"kernel", "implementation", "shape", "dtype", "backend", "devic
 def _record(**kw):
     base = dict(kernel="grouped_projection.fwd", implementation="xla", shape="t[m=4]",
                 dtype="bfloat16", backend="cpu", device_kind="cpu", device_count=1,
-                block_sizes="", status="ok", flops=10.0, bytes=20.0)
+                mesh="", block_sizes="", status="ok", flops=10.0, bytes=20.0)
     base.update(kw)
     return Record(**base)
 
@@ -47,7 +47,7 @@ def test_unique_keeps_the_last_per_key():
     assert [r.steady_state_time for r in out if r.implementation == "xla"] == [2.0]
     # Every key field separates records.
     for field, value in [("shape", "u[m=4]"), ("dtype", "float32"), ("backend", "gpu"),
-                         ("device_count", 2), ("block_sizes", '{"tm": 64}'),
+                         ("device_count", 2), ("mesh", "data=2"), ("block_sizes", '{"tm": 64}'),
                          ("kernel", "grouped_projection.fwd_bwd")]:
         assert len(records.unique([a, _record(**{field: value})])) == 2
 

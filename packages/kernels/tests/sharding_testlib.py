@@ -11,6 +11,7 @@ import re
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -62,3 +63,17 @@ def dims(array) -> tuple[tuple[str, ...], ...]:
         entry = spec[i] if i < len(spec) else None
         out.append(() if entry is None else (entry,) if isinstance(entry, str) else tuple(entry))
     return tuple(out)
+
+
+def gpus(two: bool):
+    """Two GPUs, or skip. two=False: one will do (a caller's shard_map over a one-device
+    mesh still checks the compiled kernels' varying types under check_vma)."""
+    try:
+        found = jax.devices("gpu")
+    except RuntimeError:
+        found = []
+    if len(found) >= 2:
+        return found[:2]
+    if found and not two:
+        return found[:1]
+    pytest.skip("needs two GPUs" if two else "needs a GPU")

@@ -57,10 +57,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def choose_cases(args, backend: str) -> tuple[str, list[ops.Case]]:
+def choose_cases(args, backend: str, devices: int = 1) -> tuple[str, list[ops.Case]]:
     name = args.suite or ("smoke" if args.smoke else
                           "cpu" if backend == "cpu" else "quick" if args.quick else "targets")
-    cases = suites.suite(name)
+    cases = suites.suite(name, devices)
     chosen = suites.filter_cases(cases, ops_=args.ops, shapes=args.shapes,
                                  directions=args.directions)
     if not chosen and args.shapes:  # a named shape from another suite
@@ -82,7 +82,8 @@ def table(recs: list[records.Record]) -> str:
         spread = ("-" if r.time_p10 is None else
                   f"{r.time_p10 * 1e3:.3g}-{r.time_p90 * 1e3:.3g}")
         note = " ".join((r.reason or r.timing).split())  # one line per record
-        rows.append((r.kernel, r.shape.split("[")[0], r.implementation + ("*" if r.peer else ""),
+        impl = r.implementation + ("*" if r.peer else "") + (f" @{r.mesh}" if r.mesh else "")
+        rows.append((r.kernel, r.shape.split("[")[0], impl,
                      r.status, _fmt(r.compile_time, ".2f"), _fmt(r.steady_state_time, ".4g", 1e3),
                      spread, _fmt(r.tflops, ".3g"), _fmt(r.tbps, ".3g"), r.bound,
                      _fmt(r.roofline_fraction, ".1f", 100), _fmt(r.error_rel_l2, ".1e"),
@@ -93,9 +94,33 @@ def table(recs: list[records.Record]) -> str:
     return "\n".join(lines) + "\n(* peer)"
 
 
+def scaling_table(recs: list[records.Record]) -> str:
+    """Per shape and implementation: one-device time, weak-scaling (data) time and its
+    efficiency (one-device time / data-parallel time, 1.0 is perfect), tensor-parallel
+    time and its speedup over one device."""
+    base = {(r.kernel, r.shape, r.implementation): r for r in recs
+            if not r.mesh and r.status == "ok" and r.steady_state_time}
+    lines = ["scaling: kernel  shape  implementation  mesh  time_ms  vs one device"]
+    for r in recs:
+        if not r.mesh or r.status != "ok" or not r.steady_state_time:
+            continue
+        shape = r.shape.split("[")[0]
+        one = next((b for (k, s, i), b in base.items()
+                    if k == r.kernel and i == r.implementation and s.split("[")[0] == shape),
+                   None)
+        if one is None:
+            continue
+        ratio = one.steady_state_time / r.steady_state_time
+        what = ("weak-scaling efficiency" if r.mesh.startswith("data") else "speedup")
+        lines.append(f"scaling: {r.kernel}  {shape}  {r.implementation}  {r.mesh}  "
+                     f"{r.steady_state_time * 1e3:.4g} (one device "
+                     f"{one.steady_state_time * 1e3:.4g})  {what} {ratio:.3f}")
+    return "\n".join(lines)
+
+
 def _progress(i: int, total: int, case: ops.Case, impl: impls.Impl, start: float) -> None:
     line = (f"[{i}/{total}] {time.perf_counter() - start:6.1f}s  {case.kernel} "
-            f"{case.shape_name} {impl.name}")
+            f"{case.shape_name} {impl.name}" + (f" [{case.mesh_name}]" if case.mesh else ""))
     print(line, file=sys.stderr, flush=True)
 
 
@@ -117,7 +142,7 @@ def main(argv=None) -> int:
     from pallasite.bench import roofline, runner
 
     backend = jax.default_backend()
-    suite_name, cases = choose_cases(args, backend)
+    suite_name, cases = choose_cases(args, backend, jax.device_count())
     pairs = [(c, i) for c in cases for i in impls.select(c.op, args.impls)
              if not (args.no_peers and i.peer)]
     if args.list:
@@ -147,6 +172,8 @@ def main(argv=None) -> int:
         done.append(runner.run_one(case, impl, ctx))
         records.write(done[-1:], args.results)  # as we go: a killed run keeps its records
     print(table(done))
+    if any(r.mesh for r in done):
+        print(scaling_table(done))
     if not args.no_plot:
         path = _plot(done, ctx.roof, args.results)
         print(f"plot: {path}" if path else "plot: nothing timed, no plot")

@@ -50,10 +50,23 @@ class Case:
     dims: tuple[tuple[str, int], ...]  # ordered (name, size) pairs
     dtype: str = "bfloat16"
     grouping: str = "dirichlet"  # grouped_projection's group sizes: see GROUPINGS
+    # Mesh axes the inputs are sharded over, as (name, size) pairs: "data" splits the
+    # tokens (m) or the batch, "model" the kernel's columns (n) or the heads; () is one
+    # device. The dims are global (pallasite.bench.placement lays the inputs out).
+    mesh: tuple[tuple[str, int], ...] = ()
 
     @property
     def kernel(self) -> str:
         return f"{self.op}.{self.direction}"
+
+    @property
+    def devices(self) -> int:
+        return int(np.prod([size for _, size in self.mesh])) if self.mesh else 1
+
+    @property
+    def mesh_name(self) -> str:
+        """"data=2,model=1" style, "" for one device."""
+        return ",".join(f"{name}={size}" for name, size in self.mesh)
 
     @property
     def d(self) -> dict[str, int]:
@@ -83,10 +96,11 @@ GROUPINGS = ("dirichlet", "skewed")
 
 
 def gp_case(name, m, k, n, g, direction="fwd", dtype="bfloat16",
-            grouping="dirichlet") -> Case:
+            grouping="dirichlet", mesh=()) -> Case:
     if grouping not in GROUPINGS:
         raise ValueError(f"grouping must be one of {GROUPINGS}, got {grouping!r}")
-    return Case(GP, direction, name, (("m", m), ("k", k), ("n", n), ("g", g)), dtype, grouping)
+    return Case(GP, direction, name, (("m", m), ("k", k), ("n", n), ("g", g)), dtype, grouping,
+                tuple(mesh))
 
 
 def ssd_case(name, b, l, h, p, n, g, chunk=256, direction="fwd", dtype="bfloat16") -> Case:

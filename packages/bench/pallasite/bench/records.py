@@ -1,7 +1,7 @@
 """Benchmark records: the fields of DESIGN.md "Benchmarks", JSON lines and CSV, one per key.
 
 A record is unique on KEY = (kernel, implementation, shape, dtype, backend, device_kind,
-device_count, block_sizes): writing a record replaces the one with the same key already in
+device_count, mesh, block_sizes): writing a record replaces the one with the same key already in
 the results folder (the newest measurement wins), and every other record is kept, so runs on
 several machines or of several suites accumulate in one place.
 
@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 STATUSES = ("ok", "wrong", "unsupported", "crashed")
 KEY = ("kernel", "implementation", "shape", "dtype", "backend", "device_kind", "device_count",
-       "block_sizes")
+       "mesh", "block_sizes")
 JSONL = "records.jsonl"
 CSV = "records.csv"
 
@@ -36,6 +36,7 @@ class Record:
     backend: str  # jax.default_backend()
     device_kind: str
     device_count: int  # devices the measurement used
+    mesh: str  # "data=2" style: the mesh axes the inputs were sharded over; "" one device
     block_sizes: str  # JSON of the caller's block_sizes, "" for the tuned/default choice
     status: str
     reason: str = ""
@@ -103,6 +104,7 @@ def load(folder: str) -> list[Record]:
         for line in f:
             if line.strip():
                 data = json.loads(line)
+                data.setdefault("mesh", "")  # records from before sharded runs
                 out.append(Record(**{k: v for k, v in data.items() if k in FIELDS}))
     return out
 

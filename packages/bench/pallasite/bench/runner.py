@@ -6,7 +6,7 @@ import json
 import re
 import traceback
 
-from pallasite.bench import harness, impls, ops, peers, roofline
+from pallasite.bench import harness, impls, ops, peers, placement, roofline
 from pallasite.bench.records import Record
 
 # Exceptions that mean "this implementation does not do this here", not "it broke".
@@ -46,7 +46,8 @@ class Context:
         return Record(
             kernel=case.kernel, implementation=impl.name, shape=case.shape, dtype=case.dtype,
             backend=self.platform.backend, device_kind=self.device.device_kind,
-            device_count=1, block_sizes=json.dumps(block_sizes) if block_sizes else "",
+            device_count=case.devices, mesh=case.mesh_name,
+            block_sizes=json.dumps(block_sizes) if block_sizes else "",
             status=status, peer=impl.peer, flops=case.flops, bytes=case.bytes,
             roofline=self.roof.name, **self.env, **{"bound": self._bound(case), **kw})
 
@@ -63,12 +64,14 @@ class Context:
             copies = harness.rotation_copies(ops.input_bytes(first), self.roof.l2_bytes, budget)
             if self.options.get("copies"):
                 copies = int(self.options["copies"])
-            self._inputs[case] = [first] + [ops.make_inputs(case, seed=s)
-                                            for s in range(1, copies)]
+            self._inputs[case] = [placement.place(case, s) for s in [first] + [
+                ops.make_inputs(case, seed=s) for s in range(1, copies)]]
         return self._inputs[case]
 
 
 def _check(case, impl, ctx, inputs, outputs) -> ops.Error:
+    if case.mesh:  # the checks index and slice: on whole copies, on one device
+        inputs, outputs = placement.gathered(inputs), placement.gathered(outputs)
     if case.op == ops.GP:
         return ops.check_grouped_projection(case, inputs, outputs)
     grads = None
@@ -80,9 +83,22 @@ def _check(case, impl, ctx, inputs, outputs) -> ops.Error:
     return ops.check_ssd(case, inputs, outputs, grads)
 
 
+def _mesh_refusal(case: ops.Case, impl: impls.Impl) -> str | None:
+    """Why a sharded case does not run `impl` here, or None."""
+    import jax
+
+    if not case.mesh:
+        return None
+    if impl.peer:
+        return "peers are timed on one device"
+    if case.devices > jax.device_count():
+        return f"needs {case.devices} devices ({case.mesh_name}); {jax.device_count()} here"
+    return None
+
+
 def run_one(case: ops.Case, impl: impls.Impl, ctx: Context) -> Record:
     """The record of `impl` on `case`: unsupported, crashed, wrong or ok (see records.py)."""
-    why = impls.unavailable(impl, ctx.platform, ctx.options)
+    why = impls.unavailable(impl, ctx.platform, ctx.options) or _mesh_refusal(case, impl)
     if why:
         return ctx.base(case, impl, "unsupported", reason=why)
     try:

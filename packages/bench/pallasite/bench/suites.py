@@ -9,6 +9,10 @@
 - "cpu": tiny shapes the Pallas interpreters get through in seconds on two cores; the default
   on a machine without an accelerator whatever else was asked.
 - "smoke": the first shape of "cpu", forward only (the CLI test).
+- "scaling": the TARGETS shapes forward+backward on one device, then on N devices with the
+  tokens (batch) N times larger and sharded over a "data" axis (weak scaling: the same
+  work per device), and at the one-device size with the kernel's columns (heads) over a
+  "model" axis (tensor parallelism). N is every device present (at least 2).
 """
 
 from __future__ import annotations
@@ -55,7 +59,25 @@ def _cases(gp_shapes, ssd_shapes, directions, chunk=256) -> list[ops.Case]:
     return out
 
 
-def suite(name: str) -> list[ops.Case]:
+def scaling(devices: int) -> list[ops.Case]:
+    """One-device, weak-scaling (data) and tensor-parallel (model) forms of each TARGETS
+    shape, forward+backward."""
+    import dataclasses
+
+    n = max(2, devices)
+    out = []
+    for case in _cases(_TARGET_GP, _TARGET_SSD, ("fwd_bwd",)):
+        grown = "m" if case.op == ops.GP else "b"
+        dims = tuple((k, v * n if k == grown else v) for k, v in case.dims)
+        out += [case,
+                dataclasses.replace(case, dims=dims, mesh=(("data", n),)),
+                dataclasses.replace(case, mesh=(("model", n),))]
+    return out
+
+
+def suite(name: str, devices: int = 2) -> list[ops.Case]:
+    if name == "scaling":
+        return scaling(devices)
     if name == "targets":
         return _cases(_TARGET_GP, _TARGET_SSD, ops.DIRECTIONS)
     if name == "extra":
@@ -71,7 +93,7 @@ def suite(name: str) -> list[ops.Case]:
     raise ValueError(f"unknown suite {name!r}; known: {', '.join(SUITES)}")
 
 
-SUITES = ("targets", "extra", "quick", "cpu", "smoke")
+SUITES = ("targets", "extra", "quick", "cpu", "smoke", "scaling")
 
 
 def filter_cases(cases: list[ops.Case], *, ops_: list[str] | None = None,

@@ -48,11 +48,16 @@ Dims = tuple[Axes, ...]  # one Axes per dimension of an array
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What a planner decided: the layout of each operand and result (one Axes per
-    dimension, () for replicated) and the function that runs on the local shards."""
+    dimension, () for replicated) and the function that runs on the local shards.
+
+    out_like: where a result should end up when the plan had to narrow it (say heads
+    taken replicated because B/C's groups do not split with them): under Explicit axes
+    the result is resharded there, so it keeps its inputs' layout. None: out_dims."""
 
     in_dims: tuple[Dims, ...]
     out_dims: tuple[Dims, ...]
     local: Callable[..., tuple]
+    out_like: tuple[Dims, ...] | None = None
 
 
 # A planner: (operand dims as given, mesh axis sizes) -> Plan. It may only narrow the
@@ -148,7 +153,7 @@ def cotangent_like(ct, primal):
     want, have = jax.typeof(primal).sharding, jax.typeof(ct).sharding
     if (want is not None and not want.mesh.empty and want.mesh.explicit_axes
             and dims_of(want.spec, ct.ndim) != dims_of(have.spec, ct.ndim)):
-        ct = jax.sharding.reshard(ct, want.spec)
+        ct = jax.sharding.reshard(ct, want)
     return ct
 
 
@@ -198,13 +203,13 @@ def _run_explicit(planner, args, mesh, axis_sizes):
               for axes in dims_of(jax.typeof(x).sharding.spec, x.ndim))
         for x in args)
     plan = planner(given, axis_sizes)
-    args = tuple(x if want == have else jax.sharding.reshard(x, spec_of(want))
+    args = tuple(x if want == have else jax.sharding.reshard(x, NamedSharding(mesh, spec_of(want)))
                  for x, want, have in zip(args, plan.in_dims, given))
 
     def body(*local_args):
         return tuple(plan.local(*vary_together(local_args)))
 
-    return jax.shard_map(
+    outs = jax.shard_map(
         body, mesh=mesh, axis_names=free,
         in_specs=tuple(spec_of(d) for d in plan.in_dims),
         out_specs=tuple(spec_of(d) for d in plan.out_dims),
@@ -212,6 +217,9 @@ def _run_explicit(planner, args, mesh, axis_sizes):
         # check_vma (JAX 0.11.2: their loops mix varying blocks with invariant indices).
         check_vma=False,
     )(*args)
+    like = plan.out_like or plan.out_dims
+    return tuple(o if want == have else jax.sharding.reshard(o, NamedSharding(mesh, spec_of(want)))
+                 for o, want, have in zip(outs, like, plan.out_dims))
 
 
 def _named_dims(sharding, ndim) -> Dims:

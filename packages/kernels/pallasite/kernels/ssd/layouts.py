@@ -29,14 +29,22 @@ BACKWARD_RULE = ("z c t h p, z c t h, z c t g n, z c t g n, z c h p n, z c t h p
                  "-> z c t h p, z c t h, z c t g n, z c t g n, z h p n")
 
 
-def _layout(given, axis_sizes, x_shape, groups):
-    """(batch axes, head axes, group axes) this scan runs on, from x's layout."""
+def _given(given, axis_sizes, x_shape):
+    """(batch axes, head axes) of x's layout, where they divide the dimension."""
     bsz, heads = x_shape[0], x_shape[3]
     x_dims = given[0]
     batch = x_dims[0] if x_dims[0] and bsz % sharding.size(x_dims[0], axis_sizes) == 0 else ()
     head = tuple(a for a in x_dims[3] if a not in batch)
+    if head and heads % sharding.size(head, axis_sizes):
+        head = ()
+    return batch, head
+
+
+def _layout(given, axis_sizes, x_shape, groups):
+    """(batch axes, head axes, group axes) this scan runs on, from x's layout."""
+    batch, head = _given(given, axis_sizes, x_shape)
     shards = sharding.size(head, axis_sizes)
-    if not head or heads % shards:
+    if not head:
         return batch, (), ()
     if groups % shards == 0:
         return batch, head, head
@@ -60,8 +68,9 @@ def forward_planner(forward: Callable, x_shape, groups: int) -> sharding.Planner
     def plan(given, axis_sizes) -> Plan:
         batch, head, group = _layout(given, axis_sizes, x_shape, groups)
         x, a, bc, state, chunk_states = _dims(batch, head, group)
+        x_like, _, _, state_like, _ = _dims(*_given(given, axis_sizes, x_shape), ())
         return Plan(in_dims=(x, a, bc, bc, state), out_dims=(x, state, chunk_states),
-                    local=forward)
+                    local=forward, out_like=(x_like, state_like, chunk_states))
 
     return plan
 

@@ -1,0 +1,231 @@
+"""chunk_ssd on many devices (8 forced CPU devices; two GPUs where present).
+
+Batch and heads (with B/C's groups where they split with the heads) sharded on any mesh
+axes, the sequence local; forward and backward against the unsharded call:
+  - jit over sharded arrays without a mesh in context (Auto axes), and under
+    jax.set_mesh with Explicit and Auto axes;
+  - inside the caller's shard_map (check_vma on and off), on the local arrays;
+  - groups that do not split with the heads (resharded, documented) still exact.
+The compiled HLO is read: no all-gather where the layout is used locally, and only the
+dB/dC reductions a single replicated group needs.
+
+Backends: XLA and the Triton kernels (interpreted) for values; the Mosaic TPU kernel is
+compiled and its collectives read (test_grouped_projection_sharding says why the Mosaic
+interpreters do not run on 8 devices here, and why check_vma=True runs XLA only on CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import sharding_testlib as st
+from pallasite.kernels import chunk_ssd
+from pallasite.reference.inputs import ssd_initial_state, ssd_inputs
+
+B, L, H, D, N, CHUNK = 2, 128, 8, 16, 16, 64
+
+
+def _inputs(groups, seed=0, batch=B, dtype=jnp.float32):
+    kx, ks, ky = jax.random.split(jax.random.key(seed), 3)
+    x, a, b, c = ssd_inputs(kx, batch, L, H, D, N, groups, dtype)
+    s0 = ssd_initial_state(ks, batch, H, D, N)
+    weights = jax.random.normal(ky, (batch, L, H, D), jnp.float32)
+    return x, a, b, c, s0, weights
+
+
+def _loss(implementation):
+    """(loss, grads of x, a, b, c, initial_state) of a weighted sum of y and final."""
+    def loss(x, a, b, c, s0, weights):
+        y, final = chunk_ssd(x, a, b, c, chunk_size=CHUNK, initial_state=s0,
+                             implementation=implementation)
+        return jnp.sum(y.astype(jnp.float32) * weights) + jnp.sum(final ** 2)
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))
+
+
+def _want(implementation, *args):
+    """The same implementation unsharded, on one device (inputs fetched to the host)."""
+    return jax.jit(_loss(implementation))(*(np.asarray(t) for t in args))
+
+
+def _assert_close(got, want, rtol=2e-5, atol=2e-5):
+    (value, grads), (value_ref, grads_ref) = got, want
+    np.testing.assert_allclose(value, value_ref, rtol=rtol, atol=atol)
+    for what, g, w in zip(("dx", "da", "db", "dc", "dinitial_state"), grads, grads_ref):
+        np.testing.assert_allclose(np.asarray(g), w, rtol=rtol, atol=atol, err_msg=what)
+
+
+def _place(mesh, args, batch_axis, head_axis, groups_split):
+    x, a, b, c, s0, weights = args
+    group_axis = head_axis if groups_split else None
+    return (st.put(x, mesh, batch_axis, None, head_axis), st.put(a, mesh, batch_axis, None, head_axis),
+            st.put(b, mesh, batch_axis, None, group_axis), st.put(c, mesh, batch_axis, None, group_axis),
+            st.put(s0, mesh, batch_axis, head_axis),
+            st.put(weights, mesh, batch_axis, None, head_axis))
+
+
+def _reductions(found):
+    return {op: st.big(shapes) for op, shapes in found.items() if st.big(shapes)}
+
+
+# (groups, whether they split with the 4 head shards, reductions of the compiled fwd+bwd)
+GROUPINGS = {
+    "groups_split": (4, True, {}),
+    # one group, replicated over the head shards: dB and dC summed over them.
+    "one_group": (1, False, {"all-reduce": [(B // 2, L // CHUNK, CHUNK, 1, N)] * 2}),
+}
+
+
+def _check(found, grouping):
+    assert "all-gather" not in found, f"gathered: {found['all-gather']}"
+    assert "all-to-all" not in found, found
+    got = _reductions(found)
+    want = GROUPINGS[grouping][2]
+    # dB and dC may be combined into one all-reduce or kept apart: compare the shapes.
+    assert got == want, f"collectives {got}, expected {want}"
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_triton"])
+@pytest.mark.parametrize("grouping", list(GROUPINGS))
+def test_jit_no_mesh_in_context(grouping, implementation):
+    groups, split, _ = GROUPINGS[grouping]
+    mesh = st.mesh((2, 4), ("batch", "heads"), st.AUTO)
+    args = _place(mesh, _inputs(groups), "batch", "heads", split)
+    fn = _loss(implementation)
+    _check(st.compiled_collectives(fn, *args), grouping)
+    _assert_close(jax.jit(fn)(*args), _want(implementation, *args))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_triton"])
+@pytest.mark.parametrize("axis_type", [st.EXPLICIT, st.AUTO], ids=["explicit", "auto"])
+@pytest.mark.parametrize("grouping", list(GROUPINGS))
+def test_jit_under_set_mesh(grouping, axis_type, implementation):
+    groups, split, _ = GROUPINGS[grouping]
+    mesh = st.mesh((2, 4), ("dp", "tp"), axis_type)
+    args = _place(mesh, _inputs(groups, seed=1), "dp", "tp", split)
+    fn = _loss(implementation)
+    with jax.set_mesh(mesh):
+        _check(st.compiled_collectives(fn, *args), grouping)
+        got = jax.jit(fn)(*args)
+        y, _ = jax.jit(functools.partial(chunk_ssd, chunk_size=CHUNK,
+                                         implementation=implementation))(*args[:4])
+    assert st.dims(y)[0] == ("dp",) and st.dims(y)[2] == ("tp",)
+    _assert_close(got, _want(implementation, *args))
+
+
+@pytest.mark.parametrize("grouping", list(GROUPINGS))
+def test_mosaic_tpu_compiles_with_the_same_collectives(grouping):
+    groups, split, _ = GROUPINGS[grouping]
+    mesh = st.mesh((2, 4), ("data", "model"), st.EXPLICIT)
+    args = _place(mesh, _inputs(groups), "data", "model", split)
+    with jax.set_mesh(mesh):
+        _check(st.compiled_collectives(_loss("pallas_mosaic_tpu"), *args), grouping)
+
+
+def test_groups_that_do_not_split_with_the_heads_are_resharded():
+    """Two groups over four head shards: the heads are taken replicated (docs/sharding.md:
+    an all-gather of the head-sharded operands), values still exact."""
+    mesh = st.mesh((2, 4), ("data", "model"), st.EXPLICIT)
+    args = _place(mesh, _inputs(2), "data", "model", False)
+    fn = _loss("xla")
+    with jax.set_mesh(mesh):
+        got = jax.jit(fn)(*args)
+    _assert_close(got, _want("xla", *args))
+
+
+def test_batch_over_two_axes():
+    """The batch split over two mesh axes at once (8 shards of batch 8)."""
+    mesh = st.mesh((2, 4), ("a", "b"), st.EXPLICIT)
+    args = _inputs(1, batch=8)
+    args = tuple(st.put(t, mesh, ("a", "b")) for t in args)
+    fn = _loss("pallas_triton")
+    with jax.set_mesh(mesh):
+        found = st.compiled_collectives(fn, *args)
+        got = jax.jit(fn)(*args)
+    assert not _reductions(found) and "all-gather" not in found, found
+    _assert_close(got, _want("pallas_triton", *args))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_triton"])
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "no_vma"])
+def test_inside_shard_map(check_vma, implementation):
+    """The caller's shard_map, batch over one manual axis and heads over another, one
+    group replicated: each shard scans its local arrays, and dB, dC and the replicated
+    parts are summed as JAX sums them for plain jnp code."""
+    if check_vma and implementation != "xla":
+        pytest.skip("the Pallas interpreters fail under check_vma in JAX 0.11.2 "
+                    "(test_grouped_projection_sharding); test_gpu_* run the compiled "
+                    "kernels so")
+    mesh = st.mesh((2, 4), ("bt", "hd"), st.EXPLICIT)
+    args = _place(mesh, _inputs(1, seed=2), "bt", "hd", False)
+    specs = (P("bt", None, "hd"), P("bt", None, "hd"), P("bt"), P("bt"), P("bt", "hd"),
+             P("bt", None, "hd"))
+
+    def body(x, a, b, c, s0, weights):
+        y, final = chunk_ssd(x, a, b, c, chunk_size=CHUNK, initial_state=s0,
+                             implementation=implementation)
+        local = jnp.sum(y.astype(jnp.float32) * weights) + jnp.sum(final ** 2)
+        return jax.lax.psum(local, ("bt", "hd"))
+
+    def loss(*args):
+        return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(),
+                             check_vma=check_vma)(*args)
+
+    got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))(*args)
+    _assert_close(got, _want(implementation, *args))
+
+
+# ------------------------------------------------------------------------- GPUs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation", ["pallas_triton", "xla"])
+@pytest.mark.parametrize("mode", ["batch_explicit", "heads_auto", "shard_map_vma",
+                                  "shard_map_no_vma"])
+def test_gpus(mode, implementation):
+    """On two GPUs, bf16, TARGETS geometry (chunk 256, head_dim 64, state 128): batch over
+    both (Explicit), heads over both (Auto, no mesh in context, one replicated group), and
+    the caller's shard_map over the batch (on one GPU too); values and gradients against
+    one device."""
+    devices = st.gpus(two=not mode.startswith("shard_map"))
+    kx, ks, ky = jax.random.split(jax.random.key(9), 3)
+    x, a, b, c = ssd_inputs(kx, 2, 1024, 8, 64, 128, 1, jnp.bfloat16)
+    s0 = ssd_initial_state(ks, 2, 8, 64, 128)
+    weights = jax.random.normal(ky, x.shape, jnp.float32)
+    args = (x, a, b, c, s0, weights)
+
+    def loss(x, a, b, c, s0, weights):
+        y, final = chunk_ssd(x, a, b, c, chunk_size=256, initial_state=s0,
+                             implementation=implementation)
+        return jnp.sum(y.astype(jnp.float32) * weights) + jnp.sum(final ** 2)
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))
+    want = jax.jit(grad)(*args)
+    mesh = st.mesh((len(devices),), ("d",), st.AUTO if mode == "heads_auto" else st.EXPLICIT,
+                   devices)
+    if mode == "heads_auto":
+        placed = _place(mesh, args, None, "d", False)
+        got = jax.jit(grad)(*placed)
+        found = st.compiled_collectives(grad, *placed)
+        assert "all-gather" not in found, found
+    elif mode == "batch_explicit":
+        placed = tuple(st.put(t, mesh, "d") for t in args)
+        with jax.set_mesh(mesh):
+            got = jax.jit(grad)(*placed)
+            found = st.compiled_collectives(grad, *placed)
+        assert "all-gather" not in found and not _reductions(found), found
+    else:
+        placed = tuple(st.put(t, mesh, "d") for t in args)
+
+        def total(*t):
+            return jax.shard_map(lambda *u: jax.lax.psum(loss(*u), "d"), mesh=mesh,
+                                 in_specs=(P("d"),) * 6, out_specs=P(),
+                                 check_vma=mode == "shard_map_vma")(*t)
+
+        got = jax.jit(jax.value_and_grad(total, argnums=(0, 1, 2, 3, 4)))(*placed)
+    _assert_close(got, want, rtol=2e-2, atol=2e-3)
