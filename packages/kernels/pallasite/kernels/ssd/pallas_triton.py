@@ -468,14 +468,14 @@ def _bwd_cost(x, b, bm, matmuls_per_tile: int, arrays):
     )
 
 
-def _bwd_rows_j(x, dy, b, c, acs, grads, bs: BlockSizes, interpret: bool):
+def _bwd_rows_j(x, dy, b, c, acs, grads, bs: BlockSizes, interpret: bool, db_dtype=None):
     bsz, nc, chunk, h, p = x.shape
     g = b.shape[3]
     bm = bs.block_m
     heads, grp, acs_s, st, rows_heads, rows_grp, rows_acs = _group_specs(x, b, bm)
     shapes = (
         sharding.out_struct(x.shape, x.dtype, like=x),
-        sharding.out_struct(b.shape, b.dtype, like=x),
+        sharding.out_struct(b.shape, db_dtype or b.dtype, like=x),
         sharding.out_struct(acs.shape, F32, like=x),
         sharding.out_struct(acs.shape, F32, like=x),
     )
@@ -492,13 +492,13 @@ def _bwd_rows_j(x, dy, b, c, acs, grads, bs: BlockSizes, interpret: bool):
     )(x, dy, b, c, acs, grads)
 
 
-def _bwd_rows_i(x, dy, b, c, acs, states, bs: BlockSizes, interpret: bool):
+def _bwd_rows_i(x, dy, b, c, acs, states, bs: BlockSizes, interpret: bool, dc_dtype=None):
     bsz, nc, chunk, h, p = x.shape
     g = b.shape[3]
     bm = bs.block_m
     heads, grp, acs_s, st, _, rows_grp, rows_acs = _group_specs(x, b, bm)
     shapes = (
-        sharding.out_struct(c.shape, c.dtype, like=x),
+        sharding.out_struct(c.shape, dc_dtype or c.dtype, like=x),
         sharding.out_struct(acs.shape, F32, like=x),
     )
     return pl.pallas_call(
@@ -526,14 +526,14 @@ def _forward_local(x, a, b, c, initial_state, *, bs, interpret):
     return y, final, states
 
 
-def _backward_local(x, a, b, c, states, dy, dfinal, *, bs, interpret):
+def _backward_local(x, a, b, c, states, dy, dfinal, *, bs, interpret, grad_dtypes=(None, None)):
     acs = jnp.cumsum(a.astype(F32), axis=2)
     last = acs[:, :, -1, :]
     dy = dy.astype(x.dtype)
     dlocal = _chunk_state(dy, c, jnp.exp(acs), bs, interpret)
     grads, gs, dinit = _state_pass_reverse(dlocal, jnp.exp(last), states, dfinal, bs, interpret)
-    dx, db, dacs_col, q = _bwd_rows_j(x, dy, b, c, acs, grads, bs, interpret)
-    dc, dacs_row = _bwd_rows_i(x, dy, b, c, acs, states, bs, interpret)
+    dx, db, dacs_col, q = _bwd_rows_j(x, dy, b, c, acs, grads, bs, interpret, grad_dtypes[0])
+    dc, dacs_row = _bwd_rows_i(x, dy, b, c, acs, states, bs, interpret, grad_dtypes[1])
     # acs_last also scales the entering state and every step's term of the leaving state:
     # d(acs_last) += exp(acs_last) <G, S_c> + sum_j q_j.
     dacs = (dacs_row + dacs_col).at[:, :, -1, :].add(jnp.sum(q, axis=2) + jnp.exp(last) * gs)
@@ -591,7 +591,10 @@ def backward(
         raise ValueError(f"dy must have x's shape {x.shape}, got shape {dy.shape}")
     bs = resolve_block_sizes(block_sizes, x.shape[2], x=x, b=b, pass_name="backward",
                              interpret=interpret)
-    fn = functools.partial(_backward_local, bs=bs, interpret=interpret)
+    # dB and dC leave the kernel in b's and c's own dtypes: summed in fp32 in registers
+    # over the group's heads, rounded once (fp32 where a caller sums them further).
+    fn = functools.partial(_backward_local, bs=bs, interpret=interpret,
+                           grad_dtypes=(b.dtype, c.dtype))
     args = (
         x, a, b.astype(x.dtype), c.astype(x.dtype), chunk_states.astype(F32), dy,
         dfinal_state.astype(F32),
