@@ -228,15 +228,9 @@ def test_gpu_default_call_tunes_once_then_reads_the_cache(tuning_on, tmp_path, m
     ours = jax.jit(jax.value_and_grad(
         loss(lambda x, w: grouped_projection(x, w, sizes, jnp.bfloat16)), argnums=(0, 1)))
     got = ours(x, kernel)
-    # Each product's first selection tunes ("autotune" also when the default won: it is the
-    # first candidate timed); a product selected again while the step is traced (a backend
-    # may ask twice) reads the cache: each tunes exactly once.
-    first = {}
-    for impl, _, sel in tuning_on:
-        first.setdefault(impl, sel.source)
-    tuned = sorted(impl for impl, _, sel in tuning_on if sel.source == "autotune")
-    assert len(first) == 3 and set(first.values()) == {"autotune"}, tuning_on
-    assert tuned == sorted(first), tuning_on
+    sources = {impl: sel.source for impl, _, sel in tuning_on}
+    # "autotune" also when the default won: it is the first candidate timed.
+    assert len(sources) == 3 and set(sources.values()) == {"autotune"}, sources
     assert len(_cache_files(tmp_path)) == 3
     ref = jax.jit(jax.value_and_grad(loss(lambda x, w: reference(
         x.astype(jnp.float32), w.astype(jnp.float32), sizes, jnp.float32,

@@ -9,7 +9,7 @@
 - "cpu": tiny shapes the Pallas interpreters get through in seconds on two cores; the default
   on a machine without an accelerator whatever else was asked.
 - "smoke": the first shape of "cpu", forward only (the CLI test).
-- "scaling": the TARGETS shapes forward+backward on one device, then on N devices with the
+- "scaling": the TARGETS shapes (forward+backward, forward) on one device, then on N devices with the
   tokens (batch) N times larger and sharded over a "data" axis (weak scaling: the same
   work per device), and at the one-device size with the kernel's columns (heads) over a
   "model" axis (tensor parallelism). N is every device present (at least 2).
@@ -61,12 +61,12 @@ def _cases(gp_shapes, ssd_shapes, directions, chunk=256) -> list[ops.Case]:
 
 def scaling(devices: int) -> list[ops.Case]:
     """One-device, weak-scaling (data) and tensor-parallel (model) forms of each TARGETS
-    shape, forward+backward."""
+    shape, forward+backward and forward."""
     import dataclasses
 
     n = max(2, devices)
     out = []
-    for case in _cases(_TARGET_GP, _TARGET_SSD, ("fwd_bwd",)):
+    for case in _cases(_TARGET_GP, _TARGET_SSD, ("fwd_bwd", "fwd")):
         grown = "m" if case.op == ops.GP else "b"
         dims = tuple((k, v * n if k == grown else v) for k, v in case.dims)
         out += [case,
