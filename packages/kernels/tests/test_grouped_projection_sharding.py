@@ -278,10 +278,15 @@ def test_inside_shard_map_tokens_and_columns(check_vma, name):
     assert "all-gather" not in st.collectives(hlo)
 
 
-def test_inside_shard_map_some_axes_manual():
+@pytest.mark.parametrize("name", RUNS_ON_CPU)
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "no_vma"])
+def test_inside_shard_map_some_axes_manual(check_vma, name):
     """The caller's shard_map over the token axis only; the kernel's columns stay on an
     Explicit axis outside it, which pallasite maps itself (a nested shard_map over the
-    remaining axis, never over the caller's)."""
+    remaining axis, never over the caller's); results vary over the caller's axis."""
+    if check_vma and name != "xla":
+        pytest.skip("the Pallas interpreters fail under check_vma in JAX 0.11.2 "
+                    "(module docstring)")
     mesh = st.mesh((2, 4), ("d", "m"), st.EXPLICIT)
     x, w, _, weights = _inputs(3)
     sizes = _local_sizes(np.random.default_rng(2), 2)
@@ -289,10 +294,9 @@ def test_inside_shard_map_some_axes_manual():
             st.put(jnp.asarray(sizes), mesh, "d"), st.put(weights, mesh, "d", "m"))
     specs, wspec = (P("d"), P()), P("d")
     with jax.set_mesh(mesh):
-        fn = _manual_loss(_project("pallas_triton"), mesh, specs, wspec, False,
-                          axis_names=("d",))
+        fn = _manual_loss(_project(name), mesh, specs, wspec, check_vma, axis_names=("d",))
         got = fn(*args)
-        want = _manual_loss(_dense, mesh, specs, wspec, False, axis_names=("d",))(*args)
+        want = _manual_loss(_dense, mesh, specs, wspec, check_vma, axis_names=("d",))(*args)
         found = st.collectives(fn.lower(*args).compile().as_text())
     _assert_close(got, want)
     assert "all-gather" not in found, found

@@ -130,12 +130,7 @@ def vary_together(args: Sequence):
     """`args` cast to vary over the union of their varying axes (a no-op without
     check_vma): kernels, scans and their outputs then carry one varying type."""
     union = frozenset().union(*(varying_axes(a) for a in args if a is not None))
-    if not union:
-        return tuple(args)
-    return tuple(
-        a if a is None or varying_axes(a) == union
-        else jax.lax.pcast(a, tuple(sorted(union - varying_axes(a))), to="varying")
-        for a in args)
+    return tuple(args) if not union else _vary_as(args, union)
 
 
 def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
@@ -218,8 +213,17 @@ def _run_explicit(planner, args, mesh, axis_sizes):
         check_vma=False,
     )(*args)
     like = plan.out_like or plan.out_dims
-    return tuple(o if want == have else jax.sharding.reshard(o, NamedSharding(mesh, spec_of(want)))
+    outs = tuple(o if want == have else jax.sharding.reshard(o, NamedSharding(mesh, spec_of(want)))
                  for o, want, have in zip(outs, like, plan.out_dims))
+    # Inside a caller's shard_map over other axes (check_vma on), the results vary over
+    # that caller's axes as the operands did; the inner shard_map runs without check_vma.
+    return _vary_as(outs, frozenset().union(*(varying_axes(a) for a in args)))
+
+
+def _vary_as(values, axes: frozenset) -> tuple:
+    return tuple(v if v is None or not axes - varying_axes(v)
+                 else jax.lax.pcast(v, tuple(sorted(axes - varying_axes(v))), to="varying")
+                 for v in values)
 
 
 def _named_dims(sharding, ndim) -> Dims:

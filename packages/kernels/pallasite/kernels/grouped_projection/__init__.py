@@ -1,7 +1,8 @@
 """grouped_projection: the MoE expert projection (ragged matmul), forward and backward.
 
-api.py (public function, backend order), ops.py (custom_vjp, shard_map), group_metadata.py
-(row tiles per group), config.py (block sizes), predicates.py (ragged_dot_runs), and one
+api.py (public function, backend order), ops.py (custom_vjp, sharding), layouts.py (what
+each product keeps local on sharded arrays), group_metadata.py (row tiles per group),
+config.py (block sizes), predicates.py (ragged_dot_runs), and one
 file per backend: xla.py, pallas_triton.py, pallas_mosaic_tpu.py, pallas_mosaic_gpu.py.
 """
 
