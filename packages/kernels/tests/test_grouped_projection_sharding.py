@@ -16,9 +16,8 @@ Backends: XLA and the Triton kernels (through its interpreter) for values; the M
 and Mosaic TPU kernels are compiled through their interpreters and their collectives read
 (JAX 0.11.2's Mosaic interpreters share one host-memory barrier across devices, which
 fails or deadlocks when 8 devices run at once, and their callbacks cannot lower inside a
-custom_partitioning), and run for values on GPUs (test_gpu_*). The Pallas interpreters
-also fail under check_vma=True (varying blocks against invariant grid indices), so that
-mode is checked on CPU with XLA and on GPUs with the compiled kernels.
+custom_partitioning), and run for values on GPUs (test_gpus), where the compiled kernels
+also run inside a caller's shard_map under check_vma.
 """
 
 from __future__ import annotations
@@ -241,9 +240,6 @@ def _manual_loss(project, mesh, specs, weights_spec, check_vma, axis_names=None)
 def test_inside_shard_map_tokens(check_vma, name):
     """Local tokens with local group sizes on 8 shards (an MoE layer after its local
     sort), weights replicated: dkernel is summed over the shards as JAX sums a dot's."""
-    if check_vma and name != "xla":
-        pytest.skip("the Pallas interpreters fail under check_vma in JAX 0.11.2 "
-                    "(module docstring); test_gpu_* run the compiled kernels so")
     mesh = st.mesh((8,), ("experts_dp",), st.EXPLICIT)
     x, w, _, weights = _inputs(1)
     sizes = _local_sizes(np.random.default_rng(0), 8)
@@ -261,9 +257,6 @@ def test_inside_shard_map_tokens(check_vma, name):
 def test_inside_shard_map_tokens_and_columns(check_vma, name):
     """Tokens over one manual axis, the kernel's columns over another: dx is summed over
     the column shards (x does not vary there), dkernel over the token shards."""
-    if check_vma and name != "xla":
-        pytest.skip("the Pallas interpreters fail under check_vma in JAX 0.11.2 "
-                    "(module docstring); test_gpu_* run the compiled kernels so")
     mesh = st.mesh((2, 4), ("d", "m"), st.EXPLICIT)
     x, w, _, weights = _inputs(2)
     sizes = _local_sizes(np.random.default_rng(1), 2)
@@ -284,9 +277,6 @@ def test_inside_shard_map_some_axes_manual(check_vma, name):
     """The caller's shard_map over the token axis only; the kernel's columns stay on an
     Explicit axis outside it, which pallasite maps itself (a nested shard_map over the
     remaining axis, never over the caller's); results vary over the caller's axis."""
-    if check_vma and name != "xla":
-        pytest.skip("the Pallas interpreters fail under check_vma in JAX 0.11.2 "
-                    "(module docstring)")
     mesh = st.mesh((2, 4), ("d", "m"), st.EXPLICIT)
     x, w, _, weights = _inputs(3)
     sizes = _local_sizes(np.random.default_rng(2), 2)

@@ -11,7 +11,7 @@ dB/dC reductions a single replicated group needs.
 
 Backends: XLA and the Triton kernels (interpreted) for values; the Mosaic TPU kernel is
 compiled and its collectives read (test_grouped_projection_sharding says why the Mosaic
-interpreters do not run on 8 devices here, and why check_vma=True runs XLA only on CPU).
+interpreters do not run on 8 devices here); test_gpus runs the compiled kernels.
 """
 
 from __future__ import annotations
@@ -165,10 +165,6 @@ def test_inside_shard_map(check_vma, implementation):
     """The caller's shard_map, batch over one manual axis and heads over another, one
     group replicated: each shard scans its local arrays, and dB, dC and the replicated
     parts are summed as JAX sums them for plain jnp code."""
-    if check_vma and implementation != "xla":
-        pytest.skip("the Pallas interpreters fail under check_vma in JAX 0.11.2 "
-                    "(test_grouped_projection_sharding); test_gpu_* run the compiled "
-                    "kernels so")
     mesh = st.mesh((2, 4), ("bt", "hd"), st.EXPLICIT)
     args = _place(mesh, _inputs(1, seed=2), "bt", "hd", False)
     specs = (P("bt", None, "hd"), P("bt", None, "hd"), P("bt"), P("bt"), P("bt", "hd"),

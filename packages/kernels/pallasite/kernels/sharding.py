@@ -155,6 +155,16 @@ def cotangent_like(ct, primal):
 # ----------------------------------------------------------------------------- run
 
 
+def backend_options(name: str, interpret) -> dict:
+    """`run`'s options for backend `name` ("xla", "pallas_triton", "pallas_mosaic_*"):
+    an interpreted Pallas kernel needs invariant operands, and the Mosaic interpreters
+    cannot lower inside a custom_partitioning."""
+    interpreted = bool(interpret) and name != "xla"
+    return {"partitionable": not (interpreted and name.startswith("pallas_mosaic")),
+            "interpreted": interpreted}
+
+
+
 def _context_mesh(args):
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty:
@@ -167,7 +177,8 @@ def _context_mesh(args):
 
 
 def run(planner: Planner, args: Sequence[jax.Array], *, rule: str,
-        reduction_factors: Sequence[str] = (), partitionable: bool = True) -> tuple:
+        reduction_factors: Sequence[str] = (), partitionable: bool = True,
+        interpreted: bool = False) -> tuple:
     """The planner's local function over the shards of `args`, in whichever of the three
     ways (module docstring) the context allows; returns its outputs as a tuple.
 
@@ -175,23 +186,49 @@ def run(planner: Planner, args: Sequence[jax.Array], *, rule: str,
     used only where the compiler chooses the layouts (Auto axes).
     partitionable=False: under Auto axes, run on the global arrays (the partitioner
     gathers what is sharded) instead of through a custom_partitioning, for code that
-    cannot lower inside one: the Mosaic interpreters' ordered host callbacks (CPU tests)."""
+    cannot lower inside one: the Mosaic interpreters' ordered host callbacks (CPU tests).
+    interpreted: the local function runs a Pallas interpreter, which fails on operands
+    that vary over manual axes (JAX 0.11.2: its loops mix varying blocks with invariant
+    grid indices); under check_vma it then runs on invariant copies (`_on_invariant`)."""
     args = tuple(args)
     mesh = _context_mesh(args)
     axis_sizes = dict(zip(mesh.axis_names, mesh.axis_sizes)) if not mesh.empty else {}
     if not mesh.empty and mesh.explicit_axes:
-        return _run_explicit(planner, args, mesh, axis_sizes)
+        return _run_explicit(planner, args, mesh, axis_sizes, interpreted)
     if not mesh.empty and mesh.manual_axes:
         # The caller's shard_map: local arrays (remaining Auto axes replicate the call).
         plan = planner(tuple(replicated(a.ndim) for a in args), axis_sizes)
-        return tuple(plan.local(*vary_together(args)))
+        return _local_call(plan.local, args, interpreted)
     if not partitionable:
         plan = planner(tuple(replicated(a.ndim) for a in args), axis_sizes)
         return tuple(plan.local(*args))
     return _run_auto(planner, args, rule, tuple(reduction_factors))
 
 
-def _run_explicit(planner, args, mesh, axis_sizes):
+def _local_call(local, args, interpreted: bool) -> tuple:
+    args = vary_together(args)
+    axes = frozenset().union(*(varying_axes(a) for a in args))
+    if interpreted and axes:
+        return _on_invariant(local, args, tuple(sorted(axes)))
+    return tuple(local(*args))
+
+
+def _on_invariant(local, args, axes) -> tuple:
+    """local(*args) for operands varying over manual `axes`, computed from invariant
+    copies: every shard's operands gathered, the function mapped over the shards, this
+    shard's results kept. Exact, and n times the work: for the Pallas interpreters
+    (tests on CPU), never for compiled kernels."""
+    me = jax.lax.axis_index(axes)
+    shards = jax.lax.psum(1, axes)
+    # Each shard's operands placed in its own row and summed: an invariant [shards, ...]
+    # copy (JAX 0.11.2's all_gather keeps the operand's varying type).
+    whole = [jax.lax.psum(jnp.zeros((shards,) + a.shape, a.dtype).at[me].set(a), axes)
+             for a in args]
+    outs = jax.vmap(lambda *shard: tuple(local(*shard)))(*whole)
+    return tuple(o[me] for o in outs)
+
+
+def _run_explicit(planner, args, mesh, axis_sizes, interpreted):
     free = frozenset(mesh.explicit_axes)
     given = tuple(
         tuple(tuple(a for a in axes if a in free)
@@ -202,7 +239,7 @@ def _run_explicit(planner, args, mesh, axis_sizes):
                  for x, want, have in zip(args, plan.in_dims, given))
 
     def body(*local_args):
-        return tuple(plan.local(*vary_together(local_args)))
+        return _local_call(plan.local, local_args, interpreted)
 
     outs = jax.shard_map(
         body, mesh=mesh, axis_names=free,

@@ -46,7 +46,7 @@ def _gmm(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, name, block_sizes, 
                                   shapes=(lhs.shape, rhs.shape))
     rule = layouts.GMM_TRANSPOSED_RULE if transpose_rhs else layouts.GMM_RULE
     out, = sharding.run(planner, (lhs, rhs, group_sizes), rule=rule, reduction_factors=("c",),
-                        partitionable=_partitionable(name, interpret))
+                        **sharding.backend_options(name, interpret))
     return out
 
 
@@ -55,14 +55,8 @@ def _tgmm(lhs, rhs, group_sizes, *, out_dtype, name, block_sizes, interpret):
                               block_sizes=block_sizes, interpret=interpret)
     planner = layouts.tgmm_planner(local, out_dtype=out_dtype, shapes=(lhs.shape, rhs.shape))
     out, = sharding.run(planner, (lhs, rhs, group_sizes), rule=layouts.TGMM_RULE,
-                        reduction_factors=("m",), partitionable=_partitionable(name, interpret))
+                        reduction_factors=("m",), **sharding.backend_options(name, interpret))
     return out
-
-
-def _partitionable(name, interpret) -> bool:
-    """The Mosaic interpreters cannot lower inside a custom_partitioning (see
-    sharding.run); compiled kernels and the Triton interpreter can."""
-    return not (interpret and name.startswith("pallas_mosaic"))
 
 
 def _summed(ct_sources, primal, dtype):

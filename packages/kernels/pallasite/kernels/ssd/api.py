@@ -91,22 +91,20 @@ def _local(platform, pass_name):
     return fn if name == "xla" else functools.partial(fn, interpret=interpret)
 
 
-def _partitionable(platform) -> bool:
-    """The Mosaic interpreter cannot lower inside a custom_partitioning (sharding.run)."""
-    name, interpret = _platform(platform)
-    return not (interpret and name.startswith("pallas_mosaic"))
+def _run_options(platform) -> dict:
+    return sharding.backend_options(*_platform(platform))
 
 
 def _forward(platform, x, a, b, c, initial_state):
     planner = layouts.forward_planner(_local(platform, "forward"), x.shape, b.shape[3])
     return sharding.run(planner, (x, a, b, c, initial_state), rule=layouts.FORWARD_RULE,
-                        partitionable=_partitionable(platform))
+                        **_run_options(platform))
 
 
 def _backward(platform, x, a, b, c, chunk_states, dy, dfinal):
     planner = layouts.backward_planner(_local(platform, "backward"), x.shape, b.shape[3])
     return sharding.run(planner, (x, a, b, c, chunk_states, dy, dfinal),
-                        rule=layouts.BACKWARD_RULE, partitionable=_partitionable(platform))
+                        rule=layouts.BACKWARD_RULE, **_run_options(platform))
 
 
 # ------------------------------------------------------------------------ custom_vjp
