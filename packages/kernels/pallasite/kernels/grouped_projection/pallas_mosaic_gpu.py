@@ -132,7 +132,7 @@ class MosaicGpuBlockSizes:
 
 # Defaults measured on one H200 (docs/performance.md, issue 7). Forward and dx where the
 # output width splits into 256-column tiles: the warp-specialised kernel, 128x(2x128)
-# tiles, 3 stages, width 8; third session, 2026-11-30, TFLOP/s against the one-warpgroup
+# tiles, 3 stages, width 8; 2026-11-30 18:2x UTC, TFLOP/s against the one-warpgroup
 # default in the same process: forward mixtral 666/632, dsv3 509/480, qwen3 486/454,
 # olmoe 479/446; dx 655/644, 490/428, 464/379, 449/393. Otherwise, the one-warpgroup
 # kernel: on mixtral (8 groups of ~4096 rows) 128x128 tiles, 4 stages, snake width 8 gave
@@ -143,7 +143,7 @@ GMM_WARP_SPECIALIZED = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64,
 GMM_LARGE_GROUPS = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=4, grid_block_n=8)
 GMM_SMALL_GROUPS = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=5, grid_block_n=4)
 # dkernel where n splits into 256-column tiles: the warp-specialised kernel, 3 stages,
-# width 4; third session, 2026-11-30, ms against the one-warpgroup kernel (the table's
+# width 4; 2026-11-30 18:2x UTC, ms against the one-warpgroup kernel (the table's
 # dsv3 entry, 5 stages / width 4, elsewhere TGMM_DEFAULT) in the same process: dsv3 5.93 /
 # 6.96, qwen3 0.490 / 0.543, olmoe 0.316 / 0.360, mixtral 6.06 / 6.19 (at width 8 the
 # warp-specialised kernel lost on mixtral, 6.46). Otherwise, one warpgroup: 64-row steps,

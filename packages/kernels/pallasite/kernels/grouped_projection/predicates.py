@@ -59,12 +59,12 @@ def ragged_dot_runs(compute: Any, operands: Sequence[Any] = (), precision: Any =
 
 # Average rows per group (m / g) from which the default order puts the Mosaic GPU kernels
 # ahead of the Triton ones on Hopper. Measured on one H200 in bench runs of the
-# warp-specialised kernels (third session, 2026-11-30, docs/performance.md, issue 7),
+# warp-specialised kernels (2026-11-30 18:2x UTC, docs/performance.md, issue 7),
 # bf16 TFLOP/s Mosaic GPU / Triton, forward and fwd+bwd: mixtral (4096 rows per group)
 # 643/585, 630/543; qwen3 and olmoe (512) 472/368 and 474/429, 422/340 and 427/389; dsv3
 # (256) 497/477, 364/350; dsv3 with 90% of rows in one group 430/431, 350/333. Below 256,
 # Triton: mixtral at m=1024 (128) 318/304 forward but 249/278 fwd+bwd; 8 rows per group
-# 32/33, 22/26. (The one-warpgroup kernels of the second session needed 512.)
+# 32/33, 22/26. (The one-warpgroup kernels of the 17:00 UTC runs needed 512.)
 MOSAIC_GPU_MIN_ROWS_PER_GROUP = 256
 
 
