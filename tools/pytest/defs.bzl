@@ -23,6 +23,8 @@ _EXEC_PROPERTIES = {
 }
 
 def py_pytest(name, srcs, deps = [], args = [], data = [], platforms = ["cpu"], size = "medium", **kwargs):
+    """`size` is the cpu target's (its measured run time on a 2-core machine with some
+    margin); the gpu and tpu targets run whole parity grids and are "large"."""
     for platform in platforms:
         py_test(
             name = "%s_%s" % (name, platform),
@@ -34,6 +36,6 @@ def py_pytest(name, srcs, deps = [], args = [], data = [], platforms = ["cpu"], 
             data = data + ["//:requirements_lock.txt", "//:conftest.py", "//:pyproject.toml"],
             tags = [platform],
             exec_properties = _EXEC_PROPERTIES[platform],
-            size = size,
+            size = size if platform == "cpu" else "large",
             **kwargs
         )

@@ -20,8 +20,10 @@ def test_cli_smoke(tmp_path, capsys):
                         "--implementation", "pallas_triton", "--implementation", "tokamax")
     out = capsys.readouterr().out
     assert code == 0
-    assert "kernel timings need a GPU" in out
-    assert "grouped_projection.fwd" in out and "chunk_ssd.fwd" in out
+    assert "Kernel timings" in out and "need a GPU" in out
+    assert "gp.fwd" in out and "ssd.fwd" in out
+    table = out[out.index("kernel  "):out.index("(* peer")]
+    assert max(len(line) for line in table.splitlines()) <= cli.TABLE_WIDTH
     recs = records.load(folder)
     by = {(r.kernel, r.implementation): r for r in recs}
     assert by[("grouped_projection.fwd", "xla")].status == "ok"
@@ -76,3 +78,27 @@ def test_cli_gpu_times_on_the_device(tmp_path):
     rd = recs["jax.lax.ragged_dot"]
     assert rd.status == "ok" and rd.timing == "device" and rd.tflops > 0
     assert json.loads(rd.backend_env)["jax"]
+
+
+def test_main_job_without_matplotlib(tmp_path, capsys, monkeypatch):
+    """No matplotlib (a plain pip install): the job finishes, says how to get the plot."""
+    import builtins
+
+    real = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.split(".")[0] == "matplotlib":
+            raise ImportError("No module named 'matplotlib'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    code, _ = _run(tmp_path, "--implementation", "xla", "--op", "grouped_projection")
+    out = capsys.readouterr().out
+    assert code == 0 and "matplotlib is not installed" in out and "records:" in out
+
+
+def test_quick_on_a_cpu_says_what_ran(tmp_path, capsys):
+    code = cli.main(["--quick", "--implementation", "xla", "--op", "grouped_projection",
+                     "--results", str(tmp_path / "r"), "--no-plot", "--warmup", "1",
+                     "--samples", "2", "--budget-s", "1"])
+    assert code == 0 and "ran the cpu suite instead" in capsys.readouterr().out

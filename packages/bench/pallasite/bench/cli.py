@@ -74,24 +74,34 @@ def _fmt(value, spec, scale=1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
 
 
-def table(recs: list[records.Record]) -> str:
+TABLE_WIDTH = 120
+_SHORT_OP = {ops.GP: "gp", ops.SSD: "ssd"}
+
+
+def table(recs: list[records.Record], width: int = TABLE_WIDTH) -> str:
+    """One line per record, at most `width` columns: the note takes what is left."""
     head = ("kernel", "shape", "implementation", "status", "compile_s", "time_ms",
-            "p10-p90_ms", "TFLOP/s", "TB/s", "bound", "roof%", "rel_l2", "note")
+            "TFLOP/s", "TB/s", "roof%", "rel_l2", "note")
     rows = [head]
     for r in recs:
-        spread = ("-" if r.time_p10 is None else
-                  f"{r.time_p10 * 1e3:.3g}-{r.time_p90 * 1e3:.3g}")
-        note = " ".join((r.reason or r.timing).split())  # one line per record
+        op, _, direction = r.kernel.partition(".")
         impl = r.implementation + ("*" if r.peer else "") + (f" @{r.mesh}" if r.mesh else "")
-        rows.append((r.kernel, r.shape.split("[")[0], impl,
-                     r.status, _fmt(r.compile_time, ".2f"), _fmt(r.steady_state_time, ".4g", 1e3),
-                     spread, _fmt(r.tflops, ".3g"), _fmt(r.tbps, ".3g"), r.bound,
-                     _fmt(r.roofline_fraction, ".1f", 100), _fmt(r.error_rel_l2, ".1e"),
-                     note[:70]))
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines) + "\n(* peer)"
+        note = " ".join((r.reason or r.timing).split())  # one line per record
+        rows.append((f"{_SHORT_OP.get(op, op)}.{direction}", r.shape.split("[")[0], impl,
+                     r.status, _fmt(r.compile_time, ".2f"),
+                     _fmt(r.steady_state_time, ".4g", 1e3), _fmt(r.tflops, ".3g"),
+                     _fmt(r.tbps, ".3g"), _fmt(r.roofline_fraction, ".1f", 100),
+                     _fmt(r.error_rel_l2, ".1e"), note))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(head) - 1)]
+    room = max(len(head[-1]), width - sum(widths) - 2 * len(widths))
+    lines = []
+    for row in rows:
+        cells = [str(c).ljust(w) for c, w in zip(row, widths)]
+        note = str(row[-1])
+        cells.append(note if len(note) <= room else note[:room - 3] + "...")
+        lines.append("  ".join(cells).rstrip())
+    lines.insert(1, "-" * min(width, max(len(line) for line in lines)))
+    return "\n".join(lines) + "\n(* peer; the records hold the full notes)"
 
 
 def scaling_table(recs: list[records.Record]) -> str:
@@ -165,6 +175,9 @@ def main(argv=None) -> int:
           f"{len(pairs)} records; roofline {ctx.roof.name} ({ctx.roof.source})")
     if backend == "cpu":
         print(CPU_NOTE)
+        if args.quick and not args.suite:
+            print("--quick on a CPU: ran the cpu suite instead (tiny shapes, interpreted "
+                  "kernels for parity; the quick shapes need a GPU or TPU).")
     start = time.perf_counter()
     done: list[records.Record] = []
     for n, (case, impl) in enumerate(pairs, 1):
@@ -175,8 +188,7 @@ def main(argv=None) -> int:
     if any(r.mesh for r in done):
         print(scaling_table(done))
     if not args.no_plot:
-        path = _plot(done, ctx.roof, args.results)
-        print(f"plot: {path}" if path else "plot: nothing timed, no plot")
+        print(_plot(done, ctx.roof, args.results)[1])
     counts = {s: sum(r.status == s for r in done) for s in records.STATUSES}
     print(f"records: {os.path.join(args.results, records.JSONL)} (+ .csv); "
           + ", ".join(f"{v} {k}" for k, v in counts.items()))
@@ -186,9 +198,17 @@ def main(argv=None) -> int:
 
 
 def _plot(recs, roof, folder):
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return None, ("plot: skipped, matplotlib is not installed (pip install "
+                      "'pallasite[bench]' or matplotlib); the records and table above are "
+                      "complete")
     from pallasite.bench import plot
 
-    return plot.roofline_png(recs, roof, os.path.join(folder, "roofline.png"))
+    path = plot.roofline_png(recs, roof, os.path.join(folder, "roofline.png"))
+    return path, (f"plot: {path}" if path else
+                  "plot: nothing was timed (interpreter parity runs are not timed), no plot")
 
 
 if __name__ == "__main__":

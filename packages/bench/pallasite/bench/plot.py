@@ -2,7 +2,9 @@
 
 x: arithmetic intensity (flops / minimum bytes), y: achieved TFLOP/s, both log scale; the
 ceilings are the memory slope (bandwidth x intensity) and the flat compute peak of the
-records' dtype. A point's label is "<implementation> <gp|ssd> <shape name> <direction>".
+records' dtype. A point's label is "<implementation> <gp|ssd> <shape name> <direction>";
+the legend keys the markers, and a footnote counts the records left out (not timed:
+interpreter parity runs, unsupported or crashed ones) and why.
 """
 
 from __future__ import annotations
@@ -31,6 +33,18 @@ def _free_offset(ax, x: float, y: float, placed: list, step: float = 9.0) -> flo
         offset -= step
     placed.append((px, py + offset * 1.4))
     return offset
+
+
+def _left_out(records: Sequence[Record]) -> str:
+    """What the plot leaves out and why: records without a time, counted by reason."""
+    why: dict[str, int] = {}
+    for r in records:
+        if r.tflops and r.bytes:
+            continue
+        reason = ("parity only (interpreter, not timed)" if r.timing.startswith("parity")
+                  else r.status)
+        why[reason] = why.get(reason, 0) + 1
+    return "; ".join(f"{n} record{'s' if n > 1 else ''} {k}" for k, n in why.items())
 
 
 def roofline_png(records: Sequence[Record], roof: Roofline, path: str,
@@ -66,14 +80,19 @@ def roofline_png(records: Sequence[Record], roof: Roofline, path: str,
         ax.annotate(_label(r), (x, r.tflops), fontsize=7, textcoords="offset points",
                     xytext=(6, _free_offset(ax, x, r.tflops, placed)), color=color,
                     arrowprops={"arrowstyle": "-", "color": color, "lw": 0.4})
+    for op, marker in markers.items():  # the marker key, points drawn above
+        ax.scatter([], [], marker=marker, color="k", label=f"{_SHORT[op]}: {op}")
     ax.set_xlabel("arithmetic intensity (flop / minimum byte)")
     ax.set_ylabel("achieved TFLOP/s")
     ax.set_title(f"pallasite roofline on {timed[0].device_kind} ({timed[0].backend}); "
                  "blue pallasite, gray peers, red wrong")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
+    left_out = _left_out(records)
+    if left_out:
+        fig.text(0.01, 0.005, "Not on the plot: " + left_out, fontsize=7, va="bottom")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.03 if left_out else 0, 1, 1))
     fig.savefig(path)
     plt.close(fig)
     return path

@@ -140,7 +140,11 @@ def _atomic(path: str, text: str) -> None:
 
 
 def git_sha() -> str:
-    root = os.path.dirname(os.path.abspath(__file__))
+    """HEAD of the checkout the code came from (with "-dirty" for uncommitted changes to
+    tracked files). Under `bazel run` the code sits in the runfiles tree, outside any
+    checkout: Bazel names the workspace in BUILD_WORKSPACE_DIRECTORY. "" where none is."""
+    root = os.environ.get("BUILD_WORKSPACE_DIRECTORY") or os.path.dirname(
+        os.path.abspath(__file__))
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
                              text=True, timeout=10)
