@@ -31,7 +31,7 @@ def py_pytest(name, srcs, deps = [], args = [], data = [], platforms = ["cpu"], 
             srcs = srcs + [_RUNNER],
             main = _RUNNER,
             args = args + ["-m", "'%s'" % _MARKS[platform]] + ["$(location %s)" % s for s in srcs],
-            deps = deps + ["@pypi//pytest"],
+            deps = deps + ["@pallasite_pypi//pytest"],
             # Bazel does not see the venv: re-run tests when the pinned requirements change.
             data = data + ["//:requirements_lock.txt", "//:conftest.py", "//:pyproject.toml"],
             tags = [platform],
