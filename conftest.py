@@ -4,7 +4,8 @@
   sys.path, as Bazel's `imports = ["."]` does.
 - Eight host devices, so the shard_map tests can build an 8-way mesh on CPU; set before
   JAX initialises its backends.
-- Tests marked gpu/tpu skip, saying why, where that accelerator is absent.
+- Tests marked gpu/tpu skip, saying why, where that accelerator is absent; under
+  `bazel test --config=gpu|tpu` (PALLASITE_REQUIRE_ACCELERATOR) they fail instead.
 - Autotune-on-miss off (PALLASITE_AUTOTUNE=0) unless the environment says otherwise.
 """
 
@@ -32,6 +33,12 @@ os.environ.setdefault("PALLASITE_AUTOTUNE", "0")
 import pytest  # noqa: E402
 
 
+def _devices():
+    import jax
+
+    return [d.platform for d in jax.devices()]
+
+
 def _has_platform(name):
     import jax
 
@@ -42,8 +49,15 @@ def _has_platform(name):
 
 
 def pytest_collection_modifyitems(config, items):
+    required = os.environ.get("PALLASITE_REQUIRE_ACCELERATOR", "")
     for platform in ("gpu", "tpu"):
         marked = [item for item in items if platform in item.keywords]
+        if marked and platform == required and not _has_platform(platform):
+            # bazel test --config=gpu|tpu: a passing run must have run on the device.
+            raise pytest.UsageError(
+                f"PALLASITE_REQUIRE_ACCELERATOR={required}: {len(marked)} test(s) need a "
+                f"{platform.upper()} and JAX sees none (devices: {_devices()}); run "
+                f"--config={platform} where one is, with the venv tools/bazel makes for it")
         if marked and not _has_platform(platform):
             skip = pytest.mark.skip(reason=f"needs a {platform.upper()}: none is visible to JAX")
             for item in marked:

@@ -34,7 +34,8 @@ def py_pytest(name, srcs, deps = [], args = [], data = [], platforms = ["cpu"], 
             deps = deps + ["@pallasite_pypi//pytest"],
             # Bazel does not see the venv: re-run tests when the pinned requirements change.
             data = data + ["//:requirements_lock.txt", "//:conftest.py", "//:pyproject.toml"],
-            tags = [platform],
+            # An accelerator test holds its device alone (no two share one GPU's memory).
+            tags = [platform] + ([] if platform == "cpu" else ["exclusive"]),
             exec_properties = _EXEC_PROPERTIES[platform],
             size = size if platform == "cpu" else "large",
             **kwargs
