@@ -4,7 +4,7 @@ Usage (on the device machine, repo root): python3 tools/device/bench_grouped_pro
 Writes OUT/grouped_projection_bench.jsonl (one record per measurement, flushed as it goes,
 so a timeout still leaves what was measured) and prints a summary.
 
-Shapes: shared/TARGETS.md (mixtral, dsv3, qwen3, olmoe), bf16, group sizes a seeded
+Shapes: docs/targets.md (mixtral, dsv3, qwen3, olmoe), bf16, group sizes a seeded
 Dirichlet(4.0) split of m. Each Triton block config is timed per product (forward gmm,
 dx gmm with the kernel transposed, dkernel tgmm) through the backend functions under jit;
 then forward and forward+backward through the public API with the best config per

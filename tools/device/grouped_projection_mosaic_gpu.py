@@ -217,7 +217,7 @@ def peers(name, x, w, dy, gs, best, with_peers):
     impls = {"pallas_mosaic_gpu": api("pallas_mosaic_gpu", ours_bs)}
     if with_peers:
         impls["pallas_triton"] = api("pallas_triton")
-        if name != "dsv3":  # XLA's ragged_dot asks for 224 GiB here (TARGETS.md)
+        if name != "dsv3":  # XLA's ragged_dot asks for 224 GiB here (docs/targets.md)
             impls["xla_ragged_dot"] = lambda a, b: jax.lax.ragged_dot(
                 a, b, gs, preferred_element_type=jnp.float32).astype(bf16)
         try:

@@ -24,7 +24,7 @@ def test_ssd_flops_and_bytes():
     assert c.flops == 2 * 10 * 2 + 4 * 4 * 2 * 3 + 2 * 2 * 3 + 2 * 10 * 3
     x, a, bc, st = 4 * 2 * 2, 4 * 4, 2 * 4 * 3 * 2, 2 * 3 * 4
     assert c.bytes == 2 * x + a + bc + 2 * st
-    # TARGETS.md first Mamba-2 row: "reads and writes about 0.8 GB" forward+backward.
+    # docs/targets.md first Mamba-2 row: "reads and writes about 0.8 GB" forward+backward.
     row = ops.ssd_case("r", 8, 4096, 32, 64, 128, 1, direction="fwd_bwd")
     assert row.bytes == pytest.approx(0.77e9, rel=0.02)
     fwd = ops.ssd_case("r", 8, 4096, 32, 64, 128, 1)

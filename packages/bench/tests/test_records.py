@@ -10,7 +10,7 @@ import pytest
 from pallasite.bench import records
 from pallasite.bench.records import Record
 
-# The fields DESIGN.md "Benchmarks" names, as record attributes.
+# The fields docs/benchmarks.md names, as record attributes.
 DESIGN_FIELDS = {"kernel", "implementation", "shape", "dtype", "backend", "device_kind",
                  "device_count", "mesh", "block_sizes", "compile_time", "steady_state_time", "flops",
                  "bytes", "tflops", "tbps", "roofline_fraction", "error_rel_l2",

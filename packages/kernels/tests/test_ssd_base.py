@@ -40,7 +40,7 @@ def case(batch, chunks, chunk, heads, head_dim, state, groups, dtype, *, a_scale
 
 
 def chunked_inputs(key, shape, dtype, a_scale=1.0):
-    """(x, a, b, c, initial_state) in the chunked layout, as TARGETS.md draws them."""
+    """(x, a, b, c, initial_state) in the chunked layout, as docs/targets.md draws them."""
     k_in, k_s = jax.random.split(key)
     length = shape["nc"] * shape["C"]
     x, a, b, c = ssd_inputs(k_in, shape["b"], length, shape["h"], shape["p"], shape["n"],

@@ -1,7 +1,7 @@
 """Regenerate the tuned tables: `bazel run //packages/bench:autotune -- --op ... --device-kind ...`.
 
 For each implementation of the op that is present and runs on this device, and each
-TARGETS.md shape, runs pallasite.tuning's bounded autotuner over the table's candidate list
+docs/targets.md shape, runs pallasite.tuning's bounded autotuner over the table's candidate list
 (the backend's default always first), on synthetic inputs of the real shapes in bf16, each
 candidate's output checked against an exact reference on sampled rows before it may win.
 Prints tuned-vs-default times and writes an entry into the source tree's table for every
@@ -44,7 +44,7 @@ GP = "grouped_projection"
 SSD = "ssd"
 BF16 = "bfloat16"
 
-# TARGETS.md shapes. grouped_projection: (m, k, n, g); ssd: SSD_DIMS.
+# docs/targets.md shapes. grouped_projection: (m, k, n, g); ssd: SSD_DIMS.
 SSD_DIMS = ssd_benchmarks.DIMS
 GP_TARGETS = {
     "mixtral": (32768, 4096, 14336, 8),
@@ -147,7 +147,7 @@ def _try_import(name: str):
 
 
 def targets(op: str) -> dict[str, dict]:
-    """Table dims plus what the benchmark needs, per TARGETS.md shape name."""
+    """Table dims plus what the benchmark needs, per docs/targets.md shape name."""
     if op == GP:
         return {name: dict(zip("mkng", v)) for name, v in GP_TARGETS.items()}
     return {name: dict(zip(SSD_DIMS, v))

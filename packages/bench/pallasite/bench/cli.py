@@ -3,7 +3,7 @@
     tools/bazel run //packages/bench -- --quick          # or: python -m pallasite.bench
     pallasite-bench --shape olmoe --op grouped_projection --implementation triton
 
-On a GPU/TPU the default suite is TARGETS.md's shapes (`--quick`: one small shape per op).
+On a GPU/TPU the default suite is docs/targets.md's shapes (`--quick`: one small shape per op).
 Without one it runs the CPU suite: the Pallas kernels through the interpreters for parity,
 the XLA paths timed, and says that kernel timings need a GPU. Records go to
 <results>/records.jsonl and .csv (one per key, see records.py), the plot to

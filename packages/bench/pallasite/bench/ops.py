@@ -4,7 +4,7 @@ A `Case` is one (operation, direction, shape, dtype). Its flops and bytes are th
 operation's declared work, not what a kernel happens to do, so records of different
 implementations of one case share them and their TFLOP/s are directly comparable:
 
-- grouped_projection: forward 2*m*k*n (TARGETS.md), forward+backward 6*m*k*n (dx and
+- grouped_projection: forward 2*m*k*n (docs/targets.md), forward+backward 6*m*k*n (dx and
   dkernel are each another m*k*n product). Minimum bytes: each product reads its operands
   and writes its result once (forward x, kernel, y; dx pass dy, kernel, dx; dkernel pass
   x, dy, dkernel), plus the group sizes.
@@ -13,10 +13,10 @@ implementations of one case share them and their TFLOP/s are directly comparable
   + 2*p*n (state passing), and per chunk and *group* 2*T*n (the C.B scores, shared by the
   heads of a group). Only the lower triangle counts: the causal mask's upper half is not
   work, whatever a kernel spends on it. Forward+backward counts 3x forward, as for a matmul.
-  TARGETS.md's first row: 52.8 GFLOP forward against 0.31 GB, 172 flop/byte, below the
+  docs/targets.md's first row: 52.8 GFLOP forward against 0.31 GB, 172 flop/byte, below the
   H200's ridge (206): memory bound. Minimum bytes: inputs and outputs
   once (x, a in fp32, b, c, the fp32 initial and final states, y); the backward reads
-  x, a, b, c, dy, dfinal again and writes dx, da, db, dc, dinitial. TARGETS.md's first SSD
+  x, a, b, c, dy, dfinal again and writes dx, da, db, dc, dinitial. docs/targets.md's first SSD
   row comes to 0.77 GB forward+backward (its "about 0.8 GB").
 
 Errors are measured against the definition, sampled so they cost little at any size:
@@ -90,7 +90,7 @@ class Case:
 
 
 # How grouped_projection's rows are split over the groups (the same split for every seed):
-# "dirichlet" is TARGETS.md's Dirichlet(4.0) split; "skewed" puts 90% of the rows in one
+# "dirichlet" is docs/targets.md's Dirichlet(4.0) split; "skewed" puts 90% of the rows in one
 # group and splits the rest, the load imbalance a router produces early in training.
 GROUPINGS = ("dirichlet", "skewed")
 

@@ -1,4 +1,4 @@
-"""Benchmark records: the fields of DESIGN.md "Benchmarks", JSON lines and CSV, one per key.
+"""Benchmark records: the fields of docs/benchmarks.md, JSON lines and CSV, one per key.
 
 A record is unique on KEY = (kernel, implementation, shape, dtype, backend, device_kind,
 device_count, mesh, block_sizes): writing a record replaces the one with the same key already in

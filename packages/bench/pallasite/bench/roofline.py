@@ -5,7 +5,7 @@ is `max(flops / peak_rate, bytes / bandwidth)` for the operation's declared flop
 minimum bytes. The larger term names the bound ("compute" or "memory").
 
 The figures below are the vendors' dense (no 2:4 sparsity) peaks; each entry carries its
-source. Datasheet peaks are optimistic: on one H200 (TARGETS.md, 2026-11-30) an 8192^3 bf16
+source. Datasheet peaks are optimistic: on one H200 (docs/targets.md, 2026-11-30) an 8192^3 bf16
 matmul through XLA reached 594 TFLOP/s (PyTorch about 790) of the 989 quoted, and a copy
 4.3 TB/s of the 4.8 quoted, so `--measure-ceilings` replaces them with measurements.
 """

@@ -1,8 +1,8 @@
-"""Benchmark suites: TARGETS.md shapes, --quick shapes, the CPU parity shapes, filters.
+"""Benchmark suites: docs/targets.md shapes, --quick shapes, the CPU parity shapes, filters.
 
-- "targets": every shape of ../shared/TARGETS.md (grouped_projection: mixtral, dsv3, qwen3,
+- "targets": every shape of docs/targets.md (grouped_projection: mixtral, dsv3, qwen3,
   olmoe; chunk_ssd: its three Mamba-2 rows, chunk 256), forward and forward+backward.
-- "extra": grouped_projection beyond TARGETS.md: the mixtral and dsv3 shapes with skewed
+- "extra": grouped_projection beyond docs/targets.md: the mixtral and dsv3 shapes with skewed
   groups (90% of the rows in one group), and small-m (decode-like) mixtral and dsv3 shapes,
   forward and forward+backward.
 - "quick": one small shape per op a GPU runs in seconds (still TARGETS-like proportions).

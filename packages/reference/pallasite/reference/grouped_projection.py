@@ -5,7 +5,7 @@ Math. Rows of `x[m, k]` are sorted by group; group i owns the next `group_sizes[
 and multiplies them by `kernel[i]` (`[k, n]`). Rows past `sum(group_sizes)` belong to no
 group: their output is zero and so is their gradient.
 
-Numerics contract (DESIGN.md): operands are cast to `compute`, products accumulate in fp32
+Numerics contract (docs/grouped_projection.md): operands are cast to `compute`, products accumulate in fp32
 and round once to `compute`. The vjp takes the cotangent in `compute` and the rounded
 operands, sums in fp32, and rounds once: dx to `x.dtype`, dkernel to `kernel.dtype`.
 Autodiff of `astype -> dot -> astype` would not honour this (JAX's dot transpose rounds to

@@ -88,7 +88,7 @@ def random_group_sizes(
 ) -> Int[Array, "g"]:
     """Group sizes from a Dirichlet(alpha) split of `total` (default m) rows, int32.
 
-    As in TARGETS.md: uneven but not degenerate groups (alpha=4.0). Groups listed in
+    As in docs/targets.md: uneven but not degenerate groups (alpha=4.0). Groups listed in
     `empty` get zero rows and the others share the total. Sums to `total` exactly.
     """
     total = _total(m, total)
@@ -165,7 +165,7 @@ def ssd_inputs(
     Float[Array, "batch length groups state"],
     Float[Array, "batch length groups state"],
 ]:
-    """(x, a, b, c) in [batch, length, heads, ...] layout, as TARGETS.md draws them.
+    """(x, a, b, c) in [batch, length, heads, ...] layout, as docs/targets.md draws them.
 
     dt = softplus(randn - 4) per step and head (mean ~0.02, Mamba-2's dt range),
     A = -exp(uniform[0, 1)) per head (the uniform is Phi(randn), from the same draw),

@@ -53,7 +53,7 @@ __all__ = [
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 # Above this many bytes of fp32 [b, nc, h, C, C] tiles, form="auto" takes the blockwise
-# form. 1 GiB is what the first TARGETS.md row (b=8, l=4096, h=32, C=256) needs
+# form. 1 GiB is what the first docs/targets.md row (b=8, l=4096, h=32, C=256) needs
 # (b*nc*h*C*C*4 bytes), so every TARGETS row up to that size runs plain; beyond it the
 # blockwise form holds 1/nc of the tiles at a time, paying a sequential scan over chunks
 # (its scan body is rematerialised, so reverse mode too keeps only the carried states).
@@ -83,7 +83,7 @@ def segsum(a: Float[Array, "... t"]) -> Float[Array, "... t t"]:
     error scales with that segment, not with the whole prefix.
 
     Measured: fp32 evaluation against float64 segment sums of the same fp32 inputs, C=256,
-    64 rows, a drawn as in TARGETS.md (a = -exp(U[0,1)) * softplus(N(0,1) - 4), prefix sums
+    64 rows, a drawn as in docs/targets.md (a = -exp(U[0,1)) * softplus(N(0,1) - 4), prefix sums
     reaching ~-14): max |exp(segsum) - exact| is 9.3e-08 here vs 2.0e-06 for the
     cumulative-sum-difference form (22x worse); with dt 50x larger (prefix sums ~-680)
     3.8e-08 vs 4.6e-05 (1200x worse). Evaluated in float64 the two sit 2.8e-16 vs 4.1e-15

@@ -6,7 +6,7 @@
                              fits=lambda cfg: ...)
     sel.config, sel.source   # source: caller | table | cache | autotune | default
 
-Order (DESIGN.md "Tuning"), first that applies wins:
+Order (docs/tuning.md), first that applies wins:
   1. `caller`: the block sizes the user passed, unchanged and unchecked (their choice);
   2. the checked-in table entry for (implementation, device kind, dtypes, shape bucket),
      if it rebuilds into `config_type` and `fits` the shape;

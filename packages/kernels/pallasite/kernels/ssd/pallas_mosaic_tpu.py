@@ -19,7 +19,7 @@ The decay is exp((hi_i - hi_j) + (lo_i - lo_j)), masked to i >= j before the exp
 growth above the diagonal never reaches inf * 0). hi_i - hi_j is exact when the two are
 within 2x of each other (Sterbenz) -- the short segments late in a strongly decaying chunk,
 where the plain difference of fp32 cumulative sums loses eps * |acs|; with the lo parts the
-segment sum is good to ~eps * |segment|. Measured (docs/ssd.md): with a 50x TARGETS.md's
+segment sum is good to ~eps * |segment|. Measured (docs/ssd.md): with a 50x docs/targets.md's
 decay, the plain difference put y 4.4e-06 (rel L2) from a float64 oracle, this form 2e-07,
 as the XLA path's masked sums.
 

@@ -7,7 +7,7 @@ Two questions, kept apart:
   device). `ssd_kernel_reason` says why not.
 - `ssd_kernel_platform(chunk_size, head_dim, state_size)`: the backend to build for on the
   present device, or None for the XLA path. A backend is offered only where it runs this
-  geometry AND it is admitted: DESIGN.md admits a backend only where a benchmark in
+  geometry AND it is admitted: a backend is admitted only where a benchmark in
   docs/performance.md shows it ahead of the XLA path.
 
 Admission today (see ADMITTED): the Pallas Triton kernels on a GPU from sm80, for the
