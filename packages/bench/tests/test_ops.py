@@ -75,7 +75,7 @@ def test_check_grouped_projection_flags_a_wrong_row():
 
 def test_block_sizes_for_builds_the_kernels_class():
     from pallasite.bench import impls
-    from pallasite.kernels.grouped_projection import TritonBlockSizes
+    from pallasite.kernels.grouped_matmul import TritonBlockSizes
 
     triton = next(i for i in impls.IMPLS if i.op == ops.GP and i.name == "pallas_triton")
     xla = next(i for i in impls.IMPLS if i.op == ops.GP and i.name == "xla")

@@ -18,9 +18,9 @@ import pytest
 
 from pallasite import tuning
 from pallasite.kernels import platform
-from pallasite.kernels.grouped_projection import TritonBlockSizes, grouped_projection
-from pallasite.kernels.grouped_projection import pallas_mosaic_gpu, pallas_triton
-from pallasite.kernels.grouped_projection import tuning_benchmarks as gp_benchmarks
+from pallasite.kernels.grouped_matmul import TritonBlockSizes, grouped_projection
+from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu, pallas_triton
+from pallasite.kernels.grouped_matmul import tuning_benchmarks as gp_benchmarks
 from pallasite.kernels.ssd import pallas_triton as ssd_triton
 from pallasite.kernels.ssd import tuning_benchmarks as ssd_benchmarks
 from pallasite.reference.inputs import grouped_projection_inputs

@@ -14,7 +14,7 @@ from jax.sharding import AbstractDevice, AbstractMesh
 
 from grouped_projection_testlib import CPU_CASES, check_case, draw
 from pallasite.kernels import platform
-from pallasite.kernels.grouped_projection import (
+from pallasite.kernels.grouped_matmul import (
     TritonBlockSizes,
     api,
     grouped_projection,
@@ -191,7 +191,7 @@ def test_sequence_uses_the_first_that_works(caplog):
 
 
 def test_block_sizes_go_only_to_their_backend():
-    from pallasite.kernels.grouped_projection import GroupedProjectionBlockSizes, MosaicTpuBlockSizes
+    from pallasite.kernels.grouped_matmul import GroupedProjectionBlockSizes, MosaicTpuBlockSizes
     mixed = GroupedProjectionBlockSizes(forward=SMALL, dkernel=MosaicTpuBlockSizes())
     assert api._blocks_for("pallas_triton", mixed) == GroupedProjectionBlockSizes(forward=SMALL)
     assert api._blocks_for("pallas_mosaic_tpu", mixed) == GroupedProjectionBlockSizes(
@@ -272,7 +272,7 @@ def test_mosaic_gpu_preferred_from_256_rows_per_group(m, g, preferred):
 
 @pytest.fixture
 def fake_hopper(monkeypatch):
-    from pallasite.kernels.grouped_projection import pallas_mosaic_gpu
+    from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu
 
     monkeypatch.setattr(platform, "triton_runs", lambda device=None: True)
     monkeypatch.setattr(platform, "mosaic_gpu_runs", lambda device=None: True)

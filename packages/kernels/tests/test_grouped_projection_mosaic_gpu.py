@@ -21,7 +21,7 @@ import pytest
 from jax import export
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from pallasite.kernels.grouped_projection import pallas_mosaic_gpu as mgpu
+from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu as mgpu
 from pallasite.reference.grouped_projection import gmm_reference, tgmm_reference
 from pallasite.reference.inputs import one_group_sizes, random_group_sizes, skewed_group_sizes
 from pallasite.reference.parity import EXACT_FP32, assert_close
@@ -67,7 +67,7 @@ def dataclasses_error():
 
 
 def test_resolve_block_sizes():
-    from pallasite.kernels.grouped_projection import config
+    from pallasite.kernels.grouped_matmul import config
 
     pick = mgpu.resolve_block_sizes
     # Output widths that split into 256-column tiles: the warp-specialised kernel.
@@ -372,7 +372,7 @@ def test_gpu_parity(case, blocks):
 
 @pytest.mark.gpu
 def test_gpu_gradients_through_public_api():
-    from pallasite.kernels.grouped_projection.api import grouped_projection
+    from pallasite.kernels.grouped_matmul.api import grouped_projection
     from pallasite.reference.grouped_projection import grouped_projection as reference
 
     m, k, n, g = 2048, 256, 512, 8
@@ -399,7 +399,7 @@ def test_gpu_gradients_through_public_api():
 def test_gpu_default_order_by_rows_per_group(m, picked):
     """With no implementation= on Hopper: Mosaic GPU at >= 256 rows per group on average
     (mosaic_gpu_preferred), Triton below; either way the value matches the reference."""
-    from pallasite.kernels.grouped_projection.api import grouped_projection
+    from pallasite.kernels.grouped_matmul.api import grouped_projection
 
     k, n, g = 256, 512, 8
     x, w, _ = _operands(jax.random.key(9), m, k, n, g)

@@ -32,13 +32,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import sharding_testlib as st
-from pallasite.kernels.grouped_projection import (
+from pallasite.kernels.grouped_matmul import (
     GroupedProjectionBlockSizes,
     MosaicTpuBlockSizes,
     TritonBlockSizes,
     grouped_projection,
 )
-from pallasite.kernels.grouped_projection.pallas_mosaic_gpu import MosaicGpuBlockSizes
+from pallasite.kernels.grouped_matmul.pallas_mosaic_gpu import MosaicGpuBlockSizes
 from pallasite.reference.grouped_projection import grouped_projection as reference
 
 M, K, N, G = 64, 128, 256, 4

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import pytest
 
 from grouped_projection_testlib import ACCELERATOR_CASES, CPU_CASES, check_case
-from pallasite.kernels.grouped_projection import MosaicTpuBlockSizes, grouped_projection
-from pallasite.kernels.grouped_projection import pallas_mosaic_tpu
+from pallasite.kernels.grouped_matmul import MosaicTpuBlockSizes, grouped_projection
+from pallasite.kernels.grouped_matmul import pallas_mosaic_tpu
 
 
 def _project(compute, interpret=True, block_sizes=None):

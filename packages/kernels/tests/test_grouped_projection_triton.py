@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from grouped_projection_testlib import ACCELERATOR_CASES, CPU_CASES, check_case
-from pallasite.kernels.grouped_projection import TritonBlockSizes, grouped_projection
-from pallasite.kernels.grouped_projection import group_metadata, pallas_triton
+from pallasite.kernels.grouped_matmul import TritonBlockSizes, grouped_projection
+from pallasite.kernels.grouped_matmul import group_metadata, pallas_triton
 
 SMALL = TritonBlockSizes(block_m=16, block_n=16, block_k=16, group_m=2)
 

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from pallasite.kernels.grouped_projection import tuning_benchmarks as gp_benchmarks
+from pallasite.kernels.grouped_matmul import tuning_benchmarks as gp_benchmarks
 from pallasite.kernels.ssd import tuning_benchmarks as ssd_benchmarks
 from pallasite.tuning import autotune as tuner
 from pallasite.tuning import tables
@@ -96,15 +96,15 @@ def _gp_impls(interpret: bool = False, everything: bool = False) -> list[Impl]:
 
     out = []
     if platform.triton_runs() or interpret or everything:
-        mod = _try_import("pallasite.kernels.grouped_projection.pallas_triton")
-        cfg = _try_import("pallasite.kernels.grouped_projection.config")
+        mod = _try_import("pallasite.kernels.grouped_matmul.pallas_triton")
+        cfg = _try_import("pallasite.kernels.grouped_matmul.config")
         if mod is not None and cfg is not None:
             for product in ("forward", "dx", "dkernel"):
                 out.append(Impl(f"pallas_triton:{product}", cfg.TritonBlockSizes,
                                 lambda d, p=product, m=mod: _shape_default(m, p, d),
                                 lambda d, t=BF16, p=product, m=mod: gp_benchmarks.benchmark(m, p, d, t, interpret)))
     if (platform.mosaic_gpu_runs() and not interpret) or everything:
-        mod = _try_import("pallasite.kernels.grouped_projection.pallas_mosaic_gpu")
+        mod = _try_import("pallasite.kernels.grouped_matmul.pallas_mosaic_gpu")
         if mod is not None:
             for product in ("forward", "dx", "dkernel"):
                 out.append(Impl(f"pallas_mosaic_gpu:{product}", mod.MosaicGpuBlockSizes,

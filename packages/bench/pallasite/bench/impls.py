@@ -225,10 +225,10 @@ def ssd_grads_reference(case: ops.Case, inputs: dict) -> tuple | None:
 
 # Which block-size class `--block-sizes` (a JSON dict) builds for each kernel.
 _BLOCK_SIZES = {
-    (ops.GP, "pallas_triton"): ("pallasite.kernels.grouped_projection.config", "TritonBlockSizes"),
-    (ops.GP, "pallas_mosaic_tpu"): ("pallasite.kernels.grouped_projection.config",
+    (ops.GP, "pallas_triton"): ("pallasite.kernels.grouped_matmul.config", "TritonBlockSizes"),
+    (ops.GP, "pallas_mosaic_tpu"): ("pallasite.kernels.grouped_matmul.config",
                                     "MosaicTpuBlockSizes"),
-    (ops.GP, "pallas_mosaic_gpu"): ("pallasite.kernels.grouped_projection.pallas_mosaic_gpu",
+    (ops.GP, "pallas_mosaic_gpu"): ("pallasite.kernels.grouped_matmul.pallas_mosaic_gpu",
                                     "MosaicGpuBlockSizes"),
     (ops.SSD, "pallas_triton"): ("pallasite.kernels.ssd.pallas_triton", "BlockSizes"),
     (ops.SSD, "pallas_mosaic_tpu"): ("pallasite.kernels.ssd.pallas_mosaic_tpu", "BlockSizes"),

@@ -4,7 +4,7 @@ Pallas kernels for the operations XLA does not fuse well, each with a plain-JAX 
 (pallasite.reference) it is tested against and falls back to.
 """
 
-from pallasite.kernels.grouped_projection import (
+from pallasite.kernels.grouped_matmul import (
     GroupedProjectionBlockSizes,
     MosaicTpuBlockSizes,
     TritonBlockSizes,

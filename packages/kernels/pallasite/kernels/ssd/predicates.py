@@ -37,7 +37,7 @@ BACKENDS = ("pallas_mosaic_tpu", "pallas_triton")
 ADMITTED: dict[str, tuple[bool, str]] = {
     "pallas_mosaic_tpu": (False, "no TPU benchmark yet (DESIGN: admitted only where measured "
                                  "ahead of XLA)"),
-    # Issue 8, H200, 2026-11-30 (docs/performance.md, tools/device/ssd_pallas_triton_bench.py,
+    # Issue 8, H200, 2026-11-30 (docs/performance.md, tools/sweeps/ssd_pallas_triton_bench.py,
     # bf16, C=256, p=64, n=128, XLA path timed in the same process): forward 0.96 / 1.63 /
     # 1.96 ms vs XLA 4.65 / 9.12 / 10.80 (4.9x / 5.6x / 5.5x), forward+backward 2.70 / 4.96 /
     # 6.29 ms vs 11.89 / 23.88 / 28.47 (4.4x / 4.8x / 4.5x) on the three TARGETS rows.

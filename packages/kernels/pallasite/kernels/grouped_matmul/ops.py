@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from pallasite.kernels import sharding
-from pallasite.kernels.grouped_projection import layouts
+from pallasite.kernels.grouped_matmul import layouts
 
 BACKENDS = ("pallas_mosaic_gpu", "pallas_triton", "pallas_mosaic_tpu", "xla")
 
@@ -36,7 +36,7 @@ def backend(name: str) -> ModuleType:
     """The backend module `name` (imported on first use: a missing backend is a file)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown grouped_projection implementation {name!r}; known: {BACKENDS}")
-    return importlib.import_module(f"pallasite.kernels.grouped_projection.{name}")
+    return importlib.import_module(f"pallasite.kernels.grouped_matmul.{name}")
 
 
 def _gmm(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, name, block_sizes, interpret):

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallasite import tuning
-from pallasite.kernels.grouped_projection import config
+from pallasite.kernels.grouped_matmul import config
 from pallasite.reference import inputs as ref_inputs
 from pallasite.tuning import Benchmark
 

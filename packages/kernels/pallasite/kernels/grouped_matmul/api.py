@@ -35,8 +35,8 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from pallasite.kernels import platform
-from pallasite.kernels.grouped_projection import config, ops
-from pallasite.kernels.grouped_projection.predicates import (
+from pallasite.kernels.grouped_matmul import config, ops
+from pallasite.kernels.grouped_matmul.predicates import (
     MOSAIC_GPU_MIN_ROWS_PER_GROUP,
     mosaic_gpu_preferred,
     ragged_dot_runs,

@@ -28,8 +28,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallasite.kernels import sharding
-from pallasite.kernels.grouped_projection import config
-from pallasite.kernels.grouped_projection.group_metadata import (
+from pallasite.kernels.grouped_matmul import config
+from pallasite.kernels.grouped_matmul.group_metadata import (
     cdiv,
     make_group_metadata,
     num_visits,

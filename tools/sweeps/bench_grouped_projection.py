@@ -1,7 +1,7 @@
 """H200 benchmark of grouped_projection's Pallas Triton path vs jax.lax.ragged_dot.
 
-Usage (on the device machine, repo root): python3 tools/device/bench_grouped_projection.py OUT
-Writes OUT/grouped_projection_bench.jsonl (one record per measurement, flushed as it goes,
+Usage (on a GPU machine, repo root): python3 tools/sweeps/bench_grouped_projection.py FOLDER
+Writes FOLDER/grouped_projection_bench.jsonl (one record per measurement, flushed as it goes,
 so a timeout still leaves what was measured) and prints a summary.
 
 Shapes: docs/targets.md (mixtral, dsv3, qwen3, olmoe), bf16, group sizes a seeded
@@ -32,9 +32,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallasite.kernels.grouped_projection import grouped_projection  # noqa: E402
-from pallasite.kernels.grouped_projection import pallas_triton as pt  # noqa: E402
-from pallasite.kernels.grouped_projection.config import (  # noqa: E402
+from pallasite.kernels.grouped_matmul import grouped_projection  # noqa: E402
+from pallasite.kernels.grouped_matmul import pallas_triton as pt  # noqa: E402
+from pallasite.kernels.grouped_matmul.config import (  # noqa: E402
     GroupedProjectionBlockSizes,
     TritonBlockSizes,
 )

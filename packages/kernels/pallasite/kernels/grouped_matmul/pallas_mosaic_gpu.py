@@ -70,7 +70,7 @@ from jaxtyping import Array, Int, Shaped
 
 from pallasite.kernels import platform
 from pallasite.kernels import sharding
-from pallasite.kernels.grouped_projection import tuning_benchmarks
+from pallasite.kernels.grouped_matmul import tuning_benchmarks
 
 # H200 SXM has 132 SMs; used when the default device does not report its core count.
 _DEFAULT_NUM_SMS = 132

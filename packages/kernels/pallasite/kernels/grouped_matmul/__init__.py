@@ -6,13 +6,13 @@ config.py (block sizes), predicates.py (ragged_dot_runs), and one
 file per backend: xla.py, pallas_triton.py, pallas_mosaic_tpu.py, pallas_mosaic_gpu.py.
 """
 
-from pallasite.kernels.grouped_projection.api import IMPLEMENTATIONS, grouped_projection
-from pallasite.kernels.grouped_projection.config import (
+from pallasite.kernels.grouped_matmul.api import IMPLEMENTATIONS, grouped_projection
+from pallasite.kernels.grouped_matmul.config import (
     GroupedProjectionBlockSizes,
     MosaicTpuBlockSizes,
     TritonBlockSizes,
 )
-from pallasite.kernels.grouped_projection.predicates import ragged_dot_runs
+from pallasite.kernels.grouped_matmul.predicates import ragged_dot_runs
 
 __all__ = [
     "IMPLEMENTATIONS",

@@ -30,15 +30,15 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallasite.kernels import platform
 from pallasite.kernels import sharding
-from pallasite.kernels.grouped_projection import config, tuning_benchmarks
-from pallasite.kernels.grouped_projection.group_metadata import (
+from pallasite.kernels.grouped_matmul import config, tuning_benchmarks
+from pallasite.kernels.grouped_matmul.group_metadata import (
     cdiv,
     group_offsets,
     make_group_metadata,
     num_visits,
 )
 
-# Defaults measured on the H200 (tools/device/bench_grouped_projection.py, 2026-11-30,
+# Defaults measured on the H200 (tools/sweeps/bench_grouped_projection.py, 2026-11-30,
 # bf16, TARGETS shapes; docs/performance.md has every config tried):
 # gmm (forward and dx): 128x256x64, 8 warps, 3 stages: 611/448/229/197 TFLOP/s forward on
 #   mixtral/dsv3/qwen3/olmoe; 128x128x64 gave 467/360/219/180, 64x256x64 462/403/198/223.

@@ -3,13 +3,13 @@
 Run on the device from the repo root (mamba_ssm's public source copied into .peers/,
 carried, not vendored):
 
-    PYTHONUNBUFFERED=1 python3 tools/device/ssd_pallas_triton_bench.py [--sweep] [--stages]
+    PYTHONUNBUFFERED=1 python3 tools/sweeps/ssd_pallas_triton_bench.py [--sweep] [--stages] [--out FOLDER]
 
 For each TARGETS row (bf16, chunk 256): forward and forward+backward of the Pallas Triton
 backend, the XLA path (pallasite.kernels.ssd.xla) and mamba_ssm's
 mamba_chunk_scan_combined, medians of timed runs after warm-up; the kernel's error against
 the XLA path; bytes moved and the fraction of the 4.3 TB/s copy rate. Writes JSON lines
-to $OUT/ssd_bench.jsonl when OUT is set.
+to FOLDER/ssd_bench.jsonl with --out FOLDER.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pallasite.reference.inputs import ssd_inputs  # noqa: E402
 ROWS = [(8, 4096, 32, 64, 128, 1), (4, 8192, 64, 64, 128, 8), (2, 16384, 80, 64, 128, 1)]
 CHUNK = 256
 COPY_RATE = 4.3e12
-OUT = os.environ.get("OUT")
+OUT = None  # --out
 
 
 def emit(rec):
@@ -191,12 +191,17 @@ def stages(row, bs=None):
 
 
 def main():
+    global OUT
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--stages", action="store_true")
     ap.add_argument("--rows", default="0,1,2")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpreter (CPU)")
+    ap.add_argument("--out", default=None, help="folder for ssd_bench.jsonl")
     opts = ap.parse_args()
+    OUT = opts.out
+    if OUT:
+        os.makedirs(OUT, exist_ok=True)
     if opts.smoke:
         global CHUNK, ROWS
         import functools

@@ -7,9 +7,9 @@ For each TARGETS shape (bf16, Dirichlet(4.0) group sizes, seeded) and a few extr
   2. forward and forward+backward through the public API for pallas_mosaic_gpu,
      pallas_triton, jax.lax.ragged_dot (XLA) and tokamax mosaic (when importable).
 Times: median over 3 repetitions of back-to-back calls (~50 ms each), after a warm-up
-call; results stream to $OUT/results.jsonl so a timeout still leaves them.
+call; results stream to FOLDER/results.jsonl (--out FOLDER) so a timeout still leaves them.
 
-  python3 tools/device/grouped_projection_mosaic_gpu.py [--budget-s 200] [--shapes ...]
+  python3 tools/sweeps/grouped_projection_mosaic_gpu.py --out FOLDER [--budget-s 200] [--shapes ...]
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallasite.kernels.grouped_projection import pallas_mosaic_gpu as M  # noqa: E402
+from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu as M  # noqa: E402
 from pallasite.reference.inputs import random_group_sizes, skewed_group_sizes  # noqa: E402
 
 PEAK_TFLOPS = 989.4  # H200 SXM dense bf16, datasheet (pallasite.bench.roofline)
 PEAK_TBPS = 4.8
-OUT = os.environ.get("OUT", "/tmp/gp_mgpu_out")
+OUT = "results"  # --out
 START = time.time()
 
 SHAPES = {
@@ -199,8 +199,8 @@ def bench_products(name, x, w, dy, gs, budget_s):
 
 
 def peers(name, x, w, dy, gs, best, with_peers):
-    from pallasite.kernels.grouped_projection.api import grouped_projection
-    from pallasite.kernels.grouped_projection import config
+    from pallasite.kernels.grouped_matmul.api import grouped_projection
+    from pallasite.kernels.grouped_matmul import config
 
     m, k = x.shape
     g, _, n = w.shape
@@ -250,7 +250,9 @@ def peers(name, x, w, dy, gs, best, with_peers):
 
 
 def main():
+    global OUT
     p = argparse.ArgumentParser()
+    p.add_argument("--out", default="results", help="folder for results.jsonl")
     p.add_argument("--budget-s", type=float, default=200.0)
     p.add_argument("--shapes", nargs="*", default=list(SHAPES))
     p.add_argument("--no-peers", action="store_true")
@@ -273,6 +275,7 @@ def main():
             CONFIGS[prod] = [B(64, 64, 64, 2, 2), B(64, 64, 64, 2, 2, True)]
         M.gmm = functools.partial(M.gmm, interpret=True)
         M.tgmm = functools.partial(M.tgmm, interpret=True)
+    OUT = args.out
     os.makedirs(OUT, exist_ok=True)
     dev = jax.devices()[0]
     emit({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
