@@ -1,6 +1,6 @@
 """H200 benchmark of the SSD Pallas Triton kernels (issue 8), with its peers in-process.
 
-Run on the device from the repo root (mamba_ssm's public source copied into .peers/,
+Run on a GPU machine from the repo root (mamba_ssm's public source copied into .peers/,
 carried, not vendored):
 
     PYTHONUNBUFFERED=1 python3 tools/sweeps/ssd_pallas_triton_bench.py [--sweep] [--stages] [--out FOLDER]
