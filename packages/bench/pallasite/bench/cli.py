@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import sys
+import textwrap
 import time
 
 from pallasite.bench import impls, ops, peers, records, suites
@@ -171,13 +172,13 @@ def main(argv=None) -> int:
         with open(os.path.join(args.results, "ceilings.json"), "w") as f:
             json.dump({**dataclasses.asdict(roof), "device_kind": device.device_kind,
                        **ctx.env}, f, indent=1)
-    print(f"pallasite-bench: {device.device_kind} ({backend}), suite {suite_name!r}, "
-          f"{len(pairs)} records; roofline {ctx.roof.name} ({ctx.roof.source})")
+    _say(f"pallasite-bench: {device.device_kind} ({backend}), suite {suite_name!r}, "
+         f"{len(pairs)} records; roofline {ctx.roof.name} ({ctx.roof.source})")
     if backend == "cpu":
-        print(CPU_NOTE)
+        _say(CPU_NOTE)
         if args.quick and not args.suite:
-            print("--quick on a CPU: ran the cpu suite instead (tiny shapes, interpreted "
-                  "kernels for parity; the quick shapes need a GPU or TPU).")
+            _say("--quick on a CPU: ran the cpu suite instead (tiny shapes, interpreted "
+                 "kernels for parity; the quick shapes need a GPU or TPU).")
     start = time.perf_counter()
     done: list[records.Record] = []
     for n, (case, impl) in enumerate(pairs, 1):
@@ -193,8 +194,12 @@ def main(argv=None) -> int:
     print(f"records: {os.path.join(args.results, records.JSONL)} (+ .csv); "
           + ", ".join(f"{v} {k}" for k, v in counts.items()))
     if backend == "cpu":
-        print(CPU_NOTE)
+        _say(CPU_NOTE)
     return 1 if counts["wrong"] else 0
+
+
+def _say(text: str) -> None:
+    print(textwrap.fill(text, TABLE_WIDTH))
 
 
 def _plot(recs, roof, folder):
