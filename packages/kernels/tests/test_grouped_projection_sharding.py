@@ -4,9 +4,10 @@ Every way in, forward and backward, against the unsharded reference (jit over gl
 arrays) or, inside a caller's shard_map, against a dense masked einsum run by the same
 caller code (plain jnp, so JAX's own autodiff sets the expected reductions):
   - jit over sharded arrays without a mesh in context (Auto axes);
-  - under jax.set_mesh with Explicit and with Auto axes: tokens over one axis and the
-    kernel's columns over another (data + tensor parallel), the contraction sharded
-    (row parallel), axis names other than data/model;
+  - under jax.set_mesh with Explicit and with Auto axes, and Explicit arrays without a
+    mesh in context: tokens over one axis and the kernel's columns over another (data +
+    tensor parallel), the contraction sharded (row parallel), axis names other than
+    data/model;
   - inside the caller's shard_map, every axis manual or some, check_vma on and off, with
     per-shard group sizes (how MoE layers call a grouped matmul).
 The compiled HLO (after partitioning) is read for the collectives: no all-gather, and
@@ -162,6 +163,16 @@ def test_jit_under_set_mesh(layout, axis_type, name):
         _check_collectives(fn, args, layout)
         got = jax.jit(fn)(*args)
     _assert_close(got, _want(*args, _compute(name)), value_rtol=1e-2)
+
+
+@pytest.mark.parametrize("name", RUNS_ON_CPU)
+@pytest.mark.parametrize("layout", ["tokens_columns", "contraction"])
+def test_jit_explicit_arrays_without_set_mesh(layout, name):
+    """Explicit-axis arrays carry their mesh in their types: no mesh in context needed."""
+    mesh, *args = _placed(layout, st.EXPLICIT)
+    fn = _loss(_project(name))
+    _check_collectives(fn, args, layout)
+    _assert_close(jax.jit(fn)(*args), _want(*args, _compute(name)), value_rtol=1e-2)
 
 
 @pytest.mark.parametrize("axis_type", [st.EXPLICIT, st.AUTO], ids=["explicit", "auto"])
