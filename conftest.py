@@ -56,8 +56,9 @@ def pytest_collection_modifyitems(config, items):
             # bazel test --config=gpu|tpu: a passing run must have run on the device.
             raise pytest.UsageError(
                 f"PALLASITE_REQUIRE_ACCELERATOR={required}: {len(marked)} test(s) need a "
-                f"{platform.upper()} and JAX sees none (devices: {_devices()}); run "
-                f"--config={platform} where one is, with the venv tools/bazel makes for it")
+                f"{platform.upper()} and JAX sees none (devices: {_devices()}); run them "
+                f"where one is, with jax's {platform.upper()} plugin installed (bazel "
+                f"--config={platform} makes that venv)")
         if marked and not _has_platform(platform):
             skip = pytest.mark.skip(reason=f"needs a {platform.upper()}: none is visible to JAX")
             for item in marked:
