@@ -109,17 +109,14 @@ def scaling_table(recs: list[records.Record]) -> str:
     """Per shape and implementation: one-device time, weak-scaling (data) time and its
     efficiency (one-device time / data-parallel time, 1.0 is perfect), tensor-parallel
     time and its speedup over one device."""
-    base = {(r.kernel, r.shape, r.implementation): r for r in recs
-            if not r.mesh and r.status == "ok" and r.steady_state_time}
+    timed = [r for r in recs if r.status == "ok" and r.steady_state_time]
+    base = {(r.kernel, r.shape.split("[")[0], r.implementation): r for r in timed
+            if not r.mesh}
     lines = ["scaling: kernel  shape  implementation  mesh  time_ms  vs one device"]
-    for r in recs:
-        if not r.mesh or r.status != "ok" or not r.steady_state_time:
-            continue
+    for r in timed:
         shape = r.shape.split("[")[0]
-        one = next((b for (k, s, i), b in base.items()
-                    if k == r.kernel and i == r.implementation and s.split("[")[0] == shape),
-                   None)
-        if one is None:
+        one = base.get((r.kernel, shape, r.implementation))
+        if not r.mesh or one is None:
             continue
         ratio = one.steady_state_time / r.steady_state_time
         what = ("weak-scaling efficiency" if r.mesh.startswith("data") else "speedup")

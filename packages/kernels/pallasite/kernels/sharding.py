@@ -101,6 +101,11 @@ def size(axes: Axes, axis_sizes: Mapping[str, int]) -> int:
     return out
 
 
+def fits(axes: Axes, dim: int, axis_sizes: Mapping[str, int]) -> Axes:
+    """`axes` where they divide `dim` evenly, else () (that dimension is replicated)."""
+    return axes if axes and dim % size(axes, axis_sizes) == 0 else ()
+
+
 def shard_index(axes: Axes):
     """This shard's index along a dimension split over `axes` (0 when unsplit)."""
     return jax.lax.axis_index(axes) if axes else jnp.int32(0)
@@ -126,11 +131,21 @@ def varying_axes(x) -> frozenset:
     return frozenset(mat.varying) if mat is not None else frozenset()
 
 
+def varying_union(values) -> frozenset:
+    """The manual axes any of `values` varies over (None entries ignored)."""
+    return frozenset().union(*(varying_axes(v) for v in values if v is not None))
+
+
+def needs_sum(sources, primal) -> bool:
+    """Whether a cotangent computed from `sources` varies over a manual axis its primal
+    does not, so that `cotangent_like` will still sum it (compute it in fp32 then)."""
+    return bool(varying_union(sources) - varying_axes(primal))
+
+
 def vary_together(args: Sequence):
     """`args` cast to vary over the union of their varying axes (a no-op without
     check_vma): kernels, scans and their outputs then carry one varying type."""
-    union = frozenset().union(*(varying_axes(a) for a in args if a is not None))
-    return tuple(args) if not union else _vary_as(args, union)
+    return _vary_as(args, varying_union(args))
 
 
 def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
@@ -162,7 +177,6 @@ def backend_options(name: str, interpret) -> dict:
     interpreted = bool(interpret) and name != "xla"
     return {"partitionable": not (interpreted and name.startswith("pallas_mosaic")),
             "interpreted": interpreted}
-
 
 
 def _context_mesh(args):
@@ -197,17 +211,20 @@ def run(planner: Planner, args: Sequence[jax.Array], *, rule: str,
         return _run_explicit(planner, args, mesh, axis_sizes, interpreted)
     if not mesh.empty and mesh.manual_axes:
         # The caller's shard_map: local arrays (remaining Auto axes replicate the call).
-        plan = planner(tuple(replicated(a.ndim) for a in args), axis_sizes)
-        return _local_call(plan.local, args, interpreted)
+        return _local_call(_unsharded(planner, args, axis_sizes).local, args, interpreted)
     if not partitionable:
-        plan = planner(tuple(replicated(a.ndim) for a in args), axis_sizes)
-        return tuple(plan.local(*args))
+        return tuple(_unsharded(planner, args, axis_sizes).local(*args))
     return _run_auto(planner, args, rule, tuple(reduction_factors))
 
 
+def _unsharded(planner, args, axis_sizes) -> Plan:
+    """The plan for operands that are not sharded (local arrays, or whole ones)."""
+    return planner(tuple(replicated(a.ndim) for a in args), axis_sizes)
+
+
 def _local_call(local, args, interpreted: bool) -> tuple:
-    args = vary_together(args)
-    axes = frozenset().union(*(varying_axes(a) for a in args))
+    axes = varying_union(args)
+    args = _vary_as(args, axes)
     if interpreted and axes:
         return _on_invariant(local, args, tuple(sorted(axes)))
     return tuple(local(*args))
@@ -235,8 +252,8 @@ def _run_explicit(planner, args, mesh, axis_sizes, interpreted):
               for axes in dims_of(jax.typeof(x).sharding.spec, x.ndim))
         for x in args)
     plan = planner(given, axis_sizes)
-    args = tuple(x if want == have else jax.sharding.reshard(x, NamedSharding(mesh, spec_of(want)))
-                 for x, want, have in zip(args, plan.in_dims, given))
+    caller_axes = varying_union(args)
+    args = _resharded(args, plan.in_dims, given, mesh)
 
     def body(*local_args):
         return _local_call(plan.local, local_args, interpreted)
@@ -249,12 +266,16 @@ def _run_explicit(planner, args, mesh, axis_sizes, interpreted):
         # check_vma (JAX 0.11.2: their loops mix varying blocks with invariant indices).
         check_vma=False,
     )(*args)
-    like = plan.out_like or plan.out_dims
-    outs = tuple(o if want == have else jax.sharding.reshard(o, NamedSharding(mesh, spec_of(want)))
-                 for o, want, have in zip(outs, like, plan.out_dims))
+    outs = _resharded(outs, plan.out_like or plan.out_dims, plan.out_dims, mesh)
     # Inside a caller's shard_map over other axes (check_vma on), the results vary over
     # that caller's axes as the operands did; the inner shard_map runs without check_vma.
-    return _vary_as(outs, frozenset().union(*(varying_axes(a) for a in args)))
+    return _vary_as(outs, caller_axes)
+
+
+def _resharded(values, wants: Sequence[Dims], haves: Sequence[Dims], mesh) -> tuple:
+    """Each value laid out as `wants` says, where that differs from `haves`."""
+    return tuple(v if want == have else jax.sharding.reshard(v, NamedSharding(mesh, spec_of(want)))
+                 for v, want, have in zip(values, wants, haves))
 
 
 def _vary_as(values, axes: frozenset) -> tuple:
@@ -270,7 +291,7 @@ def _named_dims(sharding, ndim) -> Dims:
 
 
 def _run_auto(planner, args, rule, reduction_factors):
-    unsharded = planner(tuple(replicated(a.ndim) for a in args), {})
+    unsharded = _unsharded(planner, args, {})
 
     @custom_partitioning
     def call(*operands):

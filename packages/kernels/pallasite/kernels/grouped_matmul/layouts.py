@@ -19,7 +19,7 @@ sharding.md lists what each costs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import jax.numpy as jnp
 
@@ -42,11 +42,6 @@ def local_group_sizes(group_sizes, rows: int, shard):
     lo = shard.astype(jnp.int32) * rows
     hi = lo + rows
     return (jnp.clip(ends, lo, hi) - jnp.clip(starts, lo, hi)).astype(group_sizes.dtype)
-
-
-def _fits(axes: Axes, dim: int, axis_sizes: Mapping[str, int]) -> Axes:
-    """`axes` where they divide `dim` evenly, else () (that dimension is replicated)."""
-    return axes if axes and dim % sharding.size(axes, axis_sizes) == 0 else ()
 
 
 def _apart(axes: Axes, *taken: Axes) -> Axes:
@@ -73,9 +68,9 @@ def gmm_planner(gmm: Callable, *, transpose_rhs: bool, out_dtype,
 
     def plan(given, axis_sizes) -> Plan:
         (lhs_m, lhs_c), rhs_dims, _ = given
-        m_axes = _fits(lhs_m, m, axis_sizes)
-        c_axes = _fits(lhs_c, c, axis_sizes) if lhs_c == rhs_dims[ci] else ()
-        o_axes = _apart(_fits(rhs_dims[oi], o, axis_sizes), m_axes, c_axes)
+        m_axes = sharding.fits(lhs_m, m, axis_sizes)
+        c_axes = sharding.fits(lhs_c, c, axis_sizes) if lhs_c == rhs_dims[ci] else ()
+        o_axes = _apart(sharding.fits(rhs_dims[oi], o, axis_sizes), m_axes, c_axes)
         rhs = [(), (), ()]
         rhs[ci], rhs[oi] = c_axes, o_axes
 
@@ -99,9 +94,9 @@ def tgmm_planner(tgmm: Callable, *, out_dtype, shapes) -> sharding.Planner:
 
     def plan(given, axis_sizes) -> Plan:
         (lhs_m, lhs_k), (rhs_m, rhs_n), _ = given
-        m_axes = _fits(lhs_m, m, axis_sizes) if lhs_m == rhs_m else ()
-        k_axes = _apart(_fits(lhs_k, k, axis_sizes), m_axes)
-        n_axes = _apart(_fits(rhs_n, n, axis_sizes), m_axes, k_axes)
+        m_axes = sharding.fits(lhs_m, m, axis_sizes) if lhs_m == rhs_m else ()
+        k_axes = _apart(sharding.fits(lhs_k, k, axis_sizes), m_axes)
+        n_axes = _apart(sharding.fits(rhs_n, n, axis_sizes), m_axes, k_axes)
 
         def local(lhs, rhs, group_sizes):
             sizes = _rows(group_sizes, lhs.shape[0], m_axes)

@@ -62,8 +62,7 @@ def _tgmm(lhs, rhs, group_sizes, *, out_dtype, name, block_sizes, interpret):
 def _summed(ct_sources, primal, dtype):
     """The dtype to compute a cotangent in: fp32 where it will still be summed over manual
     axes (see sharding.cotangent_like), so it rounds once."""
-    extra = frozenset().union(*map(sharding.varying_axes, ct_sources))
-    return jnp.float32 if extra - sharding.varying_axes(primal) else dtype
+    return jnp.float32 if sharding.needs_sum(ct_sources, primal) else dtype
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))

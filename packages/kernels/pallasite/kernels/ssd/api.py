@@ -134,20 +134,16 @@ def _scan_fwd(x, a, b, c, initial_state, platform):
 def _scan_bwd(platform, residuals, cotangents):
     x, a, b, c, chunk_states, initial_state = residuals
     dy, dfinal = cotangents
-    if _summed(x, b) or _summed(x, c):
+    if sharding.needs_sum((x,), b) or sharding.needs_sum((x,), c):
         # B and C replicated where x varies: dB and dC are summed in fp32 below (the
         # backends compute from the matmul dtype either way, so only the sum changes).
         b, c = b.astype(jnp.float32), c.astype(jnp.float32)
     grads = _backward(platform, x, a, b, c, chunk_states, dy.astype(x.dtype),
                       dfinal.astype(jnp.float32))
     primals = residuals[:4] + (initial_state,)
-    return tuple(sharding.cotangent_like(g.astype(jnp.float32) if _summed(g, p) else g, p)
-                 .astype(p.dtype) for g, p in zip(grads, primals))
-
-
-def _summed(grad, primal) -> bool:
-    """Whether `grad` is still to be summed over manual axes (then in fp32)."""
-    return bool(sharding.varying_axes(grad) - sharding.varying_axes(primal))
+    return tuple(sharding.cotangent_like(
+        g.astype(jnp.float32) if sharding.needs_sum((g,), p) else g, p).astype(p.dtype)
+        for g, p in zip(grads, primals))
 
 
 ssd_chunk_scan = jax.custom_vjp(_scan, nondiff_argnums=(5,))

@@ -33,10 +33,8 @@ def _given(given, axis_sizes, x_shape):
     """(batch axes, head axes) of x's layout, where they divide the dimension."""
     bsz, heads = x_shape[0], x_shape[3]
     x_dims = given[0]
-    batch = x_dims[0] if x_dims[0] and bsz % sharding.size(x_dims[0], axis_sizes) == 0 else ()
-    head = tuple(a for a in x_dims[3] if a not in batch)
-    if head and heads % sharding.size(head, axis_sizes):
-        head = ()
+    batch = sharding.fits(x_dims[0], bsz, axis_sizes)
+    head = sharding.fits(tuple(a for a in x_dims[3] if a not in batch), heads, axis_sizes)
     return batch, head
 
 
