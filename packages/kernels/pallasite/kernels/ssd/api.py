@@ -95,13 +95,24 @@ def _run_options(platform) -> dict:
     return sharding.backend_options(*_platform(platform))
 
 
+def _empty(x, b) -> bool:
+    """Whether the scan has nothing to compute (a zero-size batch, chunk count, chunk,
+    head count or width): the XLA path returns its zeros (and the initial state as the
+    final one) without launching a kernel on an empty grid."""
+    return x.size == 0 or b.size == 0
+
+
 def _forward(platform, x, a, b, c, initial_state):
+    if _empty(x, b):
+        platform = "xla"
     planner = layouts.forward_planner(_local(platform, "forward"), x.shape, b.shape[3])
     return sharding.run(planner, (x, a, b, c, initial_state), rule=layouts.FORWARD_RULE,
                         **_run_options(platform))
 
 
 def _backward(platform, x, a, b, c, chunk_states, dy, dfinal):
+    if _empty(x, b):
+        platform = "xla"
     planner = layouts.backward_planner(_local(platform, "backward"), x.shape, b.shape[3])
     return sharding.run(planner, (x, a, b, c, chunk_states, dy, dfinal),
                         rule=layouts.BACKWARD_RULE, **_run_options(platform))
@@ -207,8 +218,8 @@ def chunk_ssd(
 ) -> tuple[Float[Array, "batch length heads head_dim"], Float[Array, "batch heads head_dim state"]]:
     """(y [batch, length, heads, head_dim] in x.dtype, final_state fp32).
 
-    implementation: one name (refused geometry or device -> ValueError at once), a
-    sequence (tried in order, each fallback logged, all failures raised together), or None
+    implementation: one name (refused geometry or device -> ValueError at once; an error
+    while it runs is raised as it is), a sequence (tried in order, each fallback logged, all failures raised together), or None
     (ssd_kernel_platform's choice, then "xla").
     """
     check_sequence(x, a, b, c, initial_state, chunk_size)
@@ -229,6 +240,8 @@ def chunk_ssd(
                 y, final = ssd_chunk_scan(*chunked, initial_state, name)
                 return y.reshape(bsz, padded, h, p)[:, :length], final
             except Exception as error:  # noqa: BLE001 - try the next, raise all at the end
+                if len(names) == 1:
+                    raise  # one backend: its own error, not a summary of one
                 reason = f"{type(error).__name__}: {error}"
         failures.append(f"{name}: {reason}")
         if len(names) > 1:

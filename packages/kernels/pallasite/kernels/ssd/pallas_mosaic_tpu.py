@@ -13,7 +13,8 @@ head on the way in. Only dB and dC leave per head (fp32) and are summed per grou
 the head loop is outside the chunk loop, so no program could accumulate over heads.
 
 acs (the in-chunk cumulative sum of a) is computed in XLA as a double-float pair hi + lo
-(an associative scan of error-free additions, 8 levels for C=256: cheap on [b, nc, C, h])
+(ssd.decay: an associative scan of error-free additions, 8 levels for C=256; `a = -inf`
+clamped there, an exact state reset)
 and enters as rows [2, C] and columns [C, 2], so the kernel never transposes a vector.
 The decay is exp((hi_i - hi_j) + (lo_i - lo_j)), masked to i >= j before the exp (so
 growth above the diagonal never reaches inf * 0). hi_i - hi_j is exact when the two are
@@ -44,6 +45,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float
 
 from pallasite.kernels import sharding
+from pallasite.kernels.ssd import decay
 
 _F32 = jnp.float32
 _HI = jax.lax.Precision.HIGHEST
@@ -188,20 +190,11 @@ def _chunk_major(t):
     return jnp.transpose(t, (0, 2, 3, 1, 4))
 
 
-def _two_sum(x, y):
-    """Double-float addition of (hi, lo) pairs: error-free s = x + y, then renormalise."""
-    (xh, xl), (yh, yl) = x, y
-    s = xh + yh
-    v = s - xh
-    err = (xh - (s - v)) + (yh - v) + (xl + yl)
-    hi = s + err
-    return hi, err - (hi - s)
-
-
 def _cumsums(a):
-    """acs = hi + lo as rows [b, h, nc, 2, C] and columns [b, h, nc, C, 2], fp32."""
-    a = jnp.transpose(a.astype(_F32), (0, 3, 1, 2))  # [b, h, nc, C]
-    hi, lo = jax.lax.associative_scan(_two_sum, (a, jnp.zeros_like(a)), axis=-1)
+    """acs = hi + lo as rows [b, h, nc, 2, C] and columns [b, h, nc, C, 2], fp32 (the
+    double-float cumulative sums of ssd.decay, resets clamped)."""
+    a = jnp.transpose(a, (0, 3, 1, 2))  # [b, h, nc, C]
+    hi, lo = decay.cumsum_pair(a, axis=-1)
     return jnp.stack([hi, lo], axis=-2), jnp.stack([hi, lo], axis=-1)
 
 
@@ -352,6 +345,7 @@ def backward(
     )(_head_major(x), _head_major(b), _head_major(c), row, col, chunk_states.astype(_F32),
       _head_major(dy.astype(x.dtype)), dfinal_state.astype(_F32))
     da = jnp.flip(jnp.cumsum(jnp.flip(dacs[..., 0, :], -1), -1), -1)  # [b, h, nc, C]
+    da = jnp.where(decay.reset_mask(jnp.transpose(a, (0, 3, 1, 2))), da, 0.0)
     return (
         _chunk_major(dx),
         jnp.transpose(da, (0, 2, 3, 1)).astype(a.dtype),

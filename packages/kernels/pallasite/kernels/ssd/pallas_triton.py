@@ -27,12 +27,13 @@ per (batch, head) over [p, n] fp32 tiles. The stages:
             5. da = reverse cumsum of d(acs) inside the chunk (XLA, tiny)
 
 Matmul operands are the inputs' dtype (bf16 on the tensor cores) with fp32 accumulation;
-decays, cumulative sums and states are fp32. The segment sum acs_i - acs_j is the
-difference of two fp32 cumulative sums inside one chunk (one exp per tile entry, no
-[C, C] masked cumsum). Measured against fp64 at C = 256 on TARGETS-style inputs: the decay
-exp(acs_i - acs_j) is off by at most 4.2e-6 relative (max |acs| 21); with a scaled by 20
-(max |acs| 418) by 5.5e-5 relative. Both sit far below the bf16 rounding of the operands
-(3.9e-3), so the cheaper form is kept on the GPU.
+fp32 operands multiply at full fp32 precision, not TF32; decays, cumulative sums and
+states are fp32. Segment sums come from the double-float cumulative sums of ssd.decay:
+(hi_i - hi_j) + (lo_i - lo_j), one more subtraction per tile entry than the plain
+difference and no [C, C] masked cumsum. The plain difference of fp32 cumulative sums put y
+4.6e-5 (rel L2) from a float64 recurrence under strong decay (a ~ -U(0.5, 2), one step at
+-1e4); the pair form is within 5e-7 there, as the XLA path is (docs/ssd.md). `a = -inf`
+is an exact state reset (clamped by ssd.decay, so no exponent is ever NaN).
 
 Measured (H200, 2026-11-30, docs/performance.md, bf16, C = 256, p = 64, n = 128): forward
 0.96 / 1.63 / 1.96 ms and forward+backward 2.70 / 4.96 / 6.29 ms on the three TARGETS
@@ -59,7 +60,7 @@ from jaxtyping import Array, Float
 from pallasite import tuning
 from pallasite.kernels import platform
 from pallasite.kernels import sharding
-from pallasite.kernels.ssd import tuning_benchmarks
+from pallasite.kernels.ssd import decay, tuning_benchmarks
 
 F32 = jnp.float32
 
@@ -151,6 +152,13 @@ def _nbytes(*arrays) -> int:
     return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in arrays))
 
 
+def _dot(a, b, trans_a=False, trans_b=False):
+    """plgpu.dot, at full fp32 precision for fp32 operands (Triton would take TF32, a
+    1e-3 relative error, for fp32 by default); 16-bit operands are exact products."""
+    precision = jax.lax.Precision.HIGHEST if a.dtype == F32 else None
+    return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=precision)
+
+
 def _params(bs: BlockSizes):
     return plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
 
@@ -167,7 +175,7 @@ def _chunk_state_kernel(u_ref, v_ref, w_ref, out_ref, *, block_t):
         t = pl.ds(pl.multiple_of(k * block_t, block_t), block_t)
         u = u_ref[t, :]
         v = (v_ref[t, :].astype(F32) * w_ref[t][:, None]).astype(u.dtype)
-        return acc + plgpu.dot(u, v, trans_a=True)
+        return acc + _dot(u, v, trans_a=True)
 
     out_ref[...] = jax.lax.fori_loop(0, chunk // block_t, step, jnp.zeros((p, n), F32))
 
@@ -281,42 +289,53 @@ def _state_pass_reverse(dlocal, decay, states, dfinal, bs: BlockSizes, interpret
     )(dlocal, decay, states, dfinal.astype(F32))
 
 
+def _segment(later, earlier):
+    """acs_later - acs_earlier from (hi, lo) pairs broadcast against each other: the
+    stable segment sum of ssd.decay (good to eps * |segment|, not eps * |acs|)."""
+    return (later[0] - earlier[0]) + (later[1] - earlier[1])
+
+
 def _causal_decay(acs_rows, acs_cols, row0, col0, bm, bk, *, rows_later: bool):
-    """exp(acs_later - acs_earlier) where the later index >= the earlier one, else 0.
+    """exp(acs_later - acs_earlier) where the later index >= the earlier one, else 0;
+    acs_rows, acs_cols are (hi, lo) pairs of vectors.
 
     rows_later: the tile's rows are the later time (the output's i), else its columns."""
     ri = row0 + jax.lax.broadcasted_iota(jnp.int32, (bm, bk), 0)
     ci = col0 + jax.lax.broadcasted_iota(jnp.int32, (bm, bk), 1)
+    rows = tuple(t[:, None] for t in acs_rows)
+    cols = tuple(t[None, :] for t in acs_cols)
     if rows_later:
-        diff, keep = acs_rows[:, None] - acs_cols[None, :], ri >= ci
+        diff, keep = _segment(rows, cols), ri >= ci
     else:
-        diff, keep = acs_cols[None, :] - acs_rows[:, None], ci >= ri
+        diff, keep = _segment(cols, rows), ci >= ri
     return jnp.exp(jnp.where(keep, diff, -jnp.inf))
 
 
-def _chunk_output_kernel(x_ref, b_ref, c_ref, acs_ref, s_ref, y_ref, *, bm):
+def _chunk_output_kernel(x_ref, b_ref, c_ref, hi_ref, lo_ref, s_ref, y_ref, *, bm):
     """y rows [r*bm, (r+1)*bm) of one (batch, chunk, head)."""
     r = pl.program_id(3)
     i0 = pl.multiple_of(r * bm, bm)
     rows = pl.ds(i0, bm)
     c_i = c_ref[rows, :]
-    acs_i = acs_ref[rows]
+    acs_i = (hi_ref[rows], lo_ref[rows])
     cd = c_i.dtype
     # The state the chunk entered with, read through C: exp(acs_i) C_i S^T.
-    acc = plgpu.dot(c_i, s_ref[...].astype(cd), trans_b=True) * jnp.exp(acs_i)[:, None]
+    acc = _dot(c_i, s_ref[...].astype(cd), trans_b=True) * jnp.exp(acs_i[0] + acs_i[1])[:, None]
 
     def step(k, acc):
         j0 = pl.multiple_of(k * bm, bm)
         cols = pl.ds(j0, bm)
-        cb = plgpu.dot(c_i, b_ref[cols, :], trans_b=True)
-        m = cb * _causal_decay(acs_i, acs_ref[cols], i0, j0, bm, bm, rows_later=True)
-        return acc + plgpu.dot(m.astype(cd), x_ref[cols, :])
+        cb = _dot(c_i, b_ref[cols, :], trans_b=True)
+        m = cb * _causal_decay(acs_i, (hi_ref[cols], lo_ref[cols]), i0, j0, bm, bm,
+                                rows_later=True)
+        return acc + _dot(m.astype(cd), x_ref[cols, :])
 
     acc = jax.lax.fori_loop(0, r + 1, step, acc)
     y_ref[...] = acc.astype(y_ref.dtype)
 
 
 def _chunk_output(x, b, c, acs, states, bs: BlockSizes, interpret: bool):
+    """y [b, nc, C, h, p]; acs is the (hi, lo) pair of in-chunk cumulative sums."""
     bsz, nc, chunk, h, p = x.shape
     g, n = b.shape[3], b.shape[4]
     hpg, bm = h // g, bs.block_m
@@ -332,6 +351,7 @@ def _chunk_output(x, b, c, acs, states, bs: BlockSizes, interpret: bool):
             grp,
             grp,
             pl.BlockSpec((None, None, chunk, None), lambda i, j, k, r: (i, j, 0, k)),
+            pl.BlockSpec((None, None, chunk, None), lambda i, j, k, r: (i, j, 0, k)),
             pl.BlockSpec((None, None, None, p, n), lambda i, j, k, r: (i, j, k, 0, 0)),
         ],
         out_specs=pl.BlockSpec((None, None, bm, None, p), lambda i, j, k, r: (i, j, r, k, 0)),
@@ -340,14 +360,14 @@ def _chunk_output(x, b, c, acs, states, bs: BlockSizes, interpret: bool):
         cost_estimate=pl.CostEstimate(
             flops=tri * 2 * (n + p) + 2 * bsz * nc * h * chunk * p * n,
             transcendentals=tri + bsz * nc * h * chunk,
-            bytes_accessed=_nbytes(x, b, c, acs, states, out_shape),
+            bytes_accessed=_nbytes(x, b, c, *acs, states, out_shape),
         ),
         name="ssd_chunk_output",
-    )(x, b, c, acs, states)
+    )(x, b, c, *acs, states)
 
 
 def _bwd_rows_j_kernel(
-    x_ref, dy_ref, b_ref, c_ref, acs_ref, g_ref, dx_ref, db_ref, dacs_ref, q_ref, *, bm
+    x_ref, dy_ref, b_ref, c_ref, hi_ref, lo_ref, g_ref, dx_ref, db_ref, dacs_ref, q_ref, *, bm
 ):
     """Rows j of one (batch, chunk, group): dx_j and dacs_j per head, dB_j summed over the
     group's heads.
@@ -366,12 +386,13 @@ def _bwd_rows_j_kernel(
 
     def head(hh, db_acc):
         x_j = x_ref[rows, hh, :]
-        acs_j = acs_ref[rows, hh]
-        decay_out = jnp.exp(acs_ref[chunk - 1, hh] - acs_j)[:, None]
+        acs_j = (hi_ref[rows, hh], lo_ref[rows, hh])
+        decay_out = jnp.exp(_segment((hi_ref[chunk - 1, hh], lo_ref[chunk - 1, hh]),
+                                     acs_j))[:, None]
         g = g_ref[hh].astype(cd)
-        dx = plgpu.dot(b_j, g, trans_b=True) * decay_out
+        dx = _dot(b_j, g, trans_b=True) * decay_out
         q = jnp.sum(x_j.astype(F32) * dx, axis=1)
-        db_acc = db_acc + plgpu.dot(x_j, g) * decay_out
+        db_acc = db_acc + _dot(x_j, g) * decay_out
 
         def step(k, carry):
             dx, db_acc, col = carry
@@ -379,11 +400,12 @@ def _bwd_rows_j_kernel(
             cols = pl.ds(i0, bm)
             c_i = c_ref[cols, :]
             dy_i = dy_ref[cols, hh, :]
-            lt = _causal_decay(acs_j, acs_ref[cols, hh], j0, i0, bm, bm, rows_later=False)
-            mt = plgpu.dot(b_j, c_i, trans_b=True)
-            dlt = plgpu.dot(x_j, dy_i, trans_b=True) * lt
-            dx = dx + plgpu.dot((mt * lt).astype(cd), dy_i)
-            db_acc = db_acc + plgpu.dot(dlt.astype(cd), c_i)
+            lt = _causal_decay(acs_j, (hi_ref[cols, hh], lo_ref[cols, hh]), j0, i0, bm, bm,
+                               rows_later=False)
+            mt = _dot(b_j, c_i, trans_b=True)
+            dlt = _dot(x_j, dy_i, trans_b=True) * lt
+            dx = dx + _dot((mt * lt).astype(cd), dy_i)
+            db_acc = db_acc + _dot(dlt.astype(cd), c_i)
             col = col + jnp.sum(dlt * mt, axis=1)
             return dx, db_acc, col
 
@@ -400,7 +422,7 @@ def _bwd_rows_j_kernel(
 
 
 def _bwd_rows_i_kernel(
-    x_ref, dy_ref, b_ref, c_ref, acs_ref, s_ref, dc_ref, dacs_ref, *, bm
+    x_ref, dy_ref, b_ref, c_ref, hi_ref, lo_ref, s_ref, dc_ref, dacs_ref, *, bm
 ):
     """Rows i of one (batch, chunk, group): dC_i summed over the group's heads, dacs_i per
     head.
@@ -416,11 +438,11 @@ def _bwd_rows_i_kernel(
 
     def head(hh, dc_acc):
         dy_i = dy_ref[rows, hh, :]
-        acs_i = acs_ref[rows, hh]
-        grow = jnp.exp(acs_i)[:, None]
+        acs_i = (hi_ref[rows, hh], lo_ref[rows, hh])
+        grow = jnp.exp(acs_i[0] + acs_i[1])[:, None]
         s = s_ref[hh].astype(cd)
-        dc_acc = dc_acc + plgpu.dot(dy_i, s) * grow
-        sc = plgpu.dot(c_i, s, trans_b=True) * grow
+        dc_acc = dc_acc + _dot(dy_i, s) * grow
+        sc = _dot(c_i, s, trans_b=True) * grow
         row = jnp.sum(dy_i.astype(F32) * sc, axis=1)
 
         def step(k, carry):
@@ -428,10 +450,11 @@ def _bwd_rows_i_kernel(
             j0 = pl.multiple_of(k * bm, bm)
             cols = pl.ds(j0, bm)
             b_j = b_ref[cols, :]
-            lt = _causal_decay(acs_i, acs_ref[cols, hh], i0, j0, bm, bm, rows_later=True)
-            m = plgpu.dot(c_i, b_j, trans_b=True)
-            dl = plgpu.dot(dy_i, x_ref[cols, hh, :], trans_b=True) * lt
-            dc_acc = dc_acc + plgpu.dot(dl.astype(cd), b_j)
+            lt = _causal_decay(acs_i, (hi_ref[cols, hh], lo_ref[cols, hh]), i0, j0, bm, bm,
+                               rows_later=True)
+            m = _dot(c_i, b_j, trans_b=True)
+            dl = _dot(dy_i, x_ref[cols, hh, :], trans_b=True) * lt
+            dc_acc = dc_acc + _dot(dl.astype(cd), b_j)
             return dc_acc, row + jnp.sum(dl * m, axis=1)
 
         dc_acc, row = jax.lax.fori_loop(0, r + 1, step, (dc_acc, row))
@@ -476,20 +499,20 @@ def _bwd_rows_j(x, dy, b, c, acs, grads, bs: BlockSizes, interpret: bool, db_dty
     shapes = (
         sharding.out_struct(x.shape, x.dtype, like=x),
         sharding.out_struct(b.shape, db_dtype or b.dtype, like=x),
-        sharding.out_struct(acs.shape, F32, like=x),
-        sharding.out_struct(acs.shape, F32, like=x),
+        sharding.out_struct(acs[0].shape, F32, like=x),
+        sharding.out_struct(acs[0].shape, F32, like=x),
     )
     return pl.pallas_call(
         functools.partial(_bwd_rows_j_kernel, bm=bm),
         out_shape=shapes,
         grid=(bsz, nc, g, chunk // bm),
-        in_specs=[heads, heads, grp, grp, acs_s, st],
+        in_specs=[heads, heads, grp, grp, acs_s, acs_s, st],
         out_specs=[rows_heads, rows_grp, rows_acs, rows_acs],
         compiler_params=_params(bs),
         interpret=interpret,
-        cost_estimate=_bwd_cost(x, b, bm, 4, (x, dy, b, c, acs, grads, *shapes)),
+        cost_estimate=_bwd_cost(x, b, bm, 4, (x, dy, b, c, *acs, grads, *shapes)),
         name="ssd_bwd_rows_j",
-    )(x, dy, b, c, acs, grads)
+    )(x, dy, b, c, *acs, grads)
 
 
 def _bwd_rows_i(x, dy, b, c, acs, states, bs: BlockSizes, interpret: bool, dc_dtype=None):
@@ -499,45 +522,53 @@ def _bwd_rows_i(x, dy, b, c, acs, states, bs: BlockSizes, interpret: bool, dc_dt
     heads, grp, acs_s, st, _, rows_grp, rows_acs = _group_specs(x, b, bm)
     shapes = (
         sharding.out_struct(c.shape, dc_dtype or c.dtype, like=x),
-        sharding.out_struct(acs.shape, F32, like=x),
+        sharding.out_struct(acs[0].shape, F32, like=x),
     )
     return pl.pallas_call(
         functools.partial(_bwd_rows_i_kernel, bm=bm),
         out_shape=shapes,
         grid=(bsz, nc, g, chunk // bm),
-        in_specs=[heads, heads, grp, grp, acs_s, st],
+        in_specs=[heads, heads, grp, grp, acs_s, acs_s, st],
         out_specs=[rows_grp, rows_acs],
         compiler_params=_params(bs),
         interpret=interpret,
-        cost_estimate=_bwd_cost(x, b, bm, 3, (x, dy, b, c, acs, states, *shapes)),
+        cost_estimate=_bwd_cost(x, b, bm, 3, (x, dy, b, c, *acs, states, *shapes)),
         name="ssd_bwd_rows_i",
-    )(x, dy, b, c, acs, states)
+    )(x, dy, b, c, *acs, states)
 
 
 # ----------------------------------------------------------------------------- stages
 
 
+def _cumsums(a):
+    """(acs as a (hi, lo) pair [b, nc, C, h], acs_last [b, nc, h] as a pair): the stable
+    in-chunk cumulative sums of ssd.decay, resets clamped."""
+    acs = decay.cumsum_pair(a, axis=2)
+    return acs, tuple(t[:, :, -1, :] for t in acs)
+
+
 def _forward_local(x, a, b, c, initial_state, *, bs, interpret):
-    acs = jnp.cumsum(a.astype(F32), axis=2)
-    last = acs[:, :, -1, :]
-    local = _chunk_state(x, b, jnp.exp(last[:, :, None, :] - acs), bs, interpret)
-    states, final = _state_pass(local, jnp.exp(last), initial_state, bs, interpret)
+    acs, last = _cumsums(a)
+    to_last = _segment(tuple(t[:, :, None, :] for t in last), acs)
+    local = _chunk_state(x, b, jnp.exp(to_last), bs, interpret)
+    states, final = _state_pass(local, jnp.exp(last[0] + last[1]), initial_state, bs, interpret)
     y = _chunk_output(x, b, c, acs, states, bs, interpret)
     return y, final, states
 
 
 def _backward_local(x, a, b, c, states, dy, dfinal, *, bs, interpret, grad_dtypes=(None, None)):
-    acs = jnp.cumsum(a.astype(F32), axis=2)
-    last = acs[:, :, -1, :]
+    acs, last = _cumsums(a)
+    exp_last = jnp.exp(last[0] + last[1])
     dy = dy.astype(x.dtype)
-    dlocal = _chunk_state(dy, c, jnp.exp(acs), bs, interpret)
-    grads, gs, dinit = _state_pass_reverse(dlocal, jnp.exp(last), states, dfinal, bs, interpret)
+    dlocal = _chunk_state(dy, c, jnp.exp(acs[0] + acs[1]), bs, interpret)
+    grads, gs, dinit = _state_pass_reverse(dlocal, exp_last, states, dfinal, bs, interpret)
     dx, db, dacs_col, q = _bwd_rows_j(x, dy, b, c, acs, grads, bs, interpret, grad_dtypes[0])
     dc, dacs_row = _bwd_rows_i(x, dy, b, c, acs, states, bs, interpret, grad_dtypes[1])
     # acs_last also scales the entering state and every step's term of the leaving state:
     # d(acs_last) += exp(acs_last) <G, S_c> + sum_j q_j.
-    dacs = (dacs_row + dacs_col).at[:, :, -1, :].add(jnp.sum(q, axis=2) + jnp.exp(last) * gs)
+    dacs = (dacs_row + dacs_col).at[:, :, -1, :].add(jnp.sum(q, axis=2) + exp_last * gs)
     da = jnp.flip(jnp.cumsum(jnp.flip(dacs, axis=2), axis=2), axis=2)
+    da = jnp.where(decay.reset_mask(a), da, 0.0)  # no gradient through a reset
     return dx, da.astype(a.dtype), db, dc, dinit
 
 

@@ -25,7 +25,9 @@ recomputed in the backward, never saved.
 
 Segment sums use the masked cumulative sum (segsum below), not acs_i - acs_j: inside one
 chunk the two agree to ~eps * |acs_last| in the exponent, and the masked form keeps small
-decays between close steps exact where the total decay of the chunk is large. Every dot
+decays between close steps exact where the total decay of the chunk is large. `a = -inf`
+is an exact state reset: clamped at ssd.decay.RESET, where every decay through it
+underflows to exactly 0. Every dot
 runs at HIGHEST precision in fp32 (on TPU the default would be one bf16 pass).
 """
 
@@ -36,6 +38,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
+
+from pallasite.kernels.ssd import decay as decay_
 
 _HI = jax.lax.Precision.HIGHEST
 _einsum = functools.partial(jnp.einsum, precision=_HI)
@@ -76,7 +80,7 @@ def _chunk_terms(x, a, b, c):
     bsz, nc, size, h, _ = x.shape
     f = _compute_dtype(x, a, b, c)
     xg = _grouped(x.astype(f), groups)
-    ag = a.astype(f).reshape(bsz, nc, size, groups, h // groups)
+    ag = decay_.clamp_resets(a).astype(f).reshape(bsz, nc, size, groups, h // groups)
     ag = jnp.moveaxis(ag, 2, -1)
     acs = jnp.cumsum(ag, axis=-1)
     decay = jnp.exp(segsum(ag))
@@ -198,6 +202,7 @@ def backward(
     dacs = (dacs - wdw).at[..., -1].add(to_last)
     da = jnp.flip(jnp.cumsum(jnp.flip(dacs, -1), -1), -1)  # acs_i = sum_{k <= i} a_k
     da = jnp.moveaxis(da, -1, 2).reshape(a.shape)
+    da = jnp.where(decay_.reset_mask(a), da, 0.0)  # no gradient through a reset
     return (
         dx.reshape(x.shape).astype(x.dtype),
         da.astype(a.dtype),

@@ -1,0 +1,165 @@
+"""SSD edge cases on every backend: state resets (a = -inf), strong decay against a
+float64 recurrence, zero-size batch and length, and what higher-order differentiation
+does. CPU: the XLA path and both interpreters; the `gpu` tests run the compiled Triton
+kernels on the same cases.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallasite.kernels.ssd import chunk_ssd
+from pallasite.reference.ssd import ssd_sequential
+
+CPU_BACKENDS = ["xla", "pallas_triton", "pallas_mosaic_tpu"]
+
+
+def _inputs(seed, batch=1, length=128, heads=2, head_dim=16, state=16, groups=1):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(ks[0], (batch, length, heads, head_dim), jnp.float32)
+    a = -jax.random.uniform(ks[1], (batch, length, heads), jnp.float32, 0.5, 2.0)
+    b = jax.random.normal(ks[2], (batch, length, groups, state), jnp.float32)
+    c = jax.random.normal(ks[3], (batch, length, groups, state), jnp.float32)
+    s0 = jax.random.normal(ks[4], (batch, heads, head_dim, state), jnp.float32)
+    return x, a, b, c, s0
+
+
+def recurrence_f64(x, a, b, c, s0):
+    """The definition in numpy float64: S = exp(a_t) S + x_t B_t^T, y_t = S C_t."""
+    x, a, b, c, s = (np.asarray(t, np.float64) for t in (x, a, b, c, s0))
+    heads, groups = x.shape[2], b.shape[2]
+    head_group = np.arange(heads) // (heads // groups)
+    ys = np.zeros_like(x)
+    for t in range(x.shape[1]):
+        bt, ct = b[:, t, head_group], c[:, t, head_group]  # [batch, heads, n]
+        s = np.exp(a[:, t])[..., None, None] * s + x[:, t, :, :, None] * bt[:, :, None, :]
+        ys[:, t] = np.einsum("bhpn,bhn->bhp", s, ct)
+    return ys, s
+
+
+def rel_l2(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def _strong_decay(seed=0, **shape):
+    x, a, b, c, s0 = _inputs(seed, **shape)
+    return x, a.at[:, 37].set(-1e4), b, c, s0
+
+
+# ------------------------------------------------------------------- strong decay
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_strong_decay_within_5e7_of_float64(backend):
+    """fp32, a ~ -U(0.5, 2) with one step at -1e4, two chunks of 64: y and the final state
+    within 5e-7 (rel L2) of the float64 recurrence."""
+    x, a, b, c, s0 = _strong_decay()
+    y, final = chunk_ssd(x, a, b, c, chunk_size=64, initial_state=s0, implementation=backend)
+    y64, final64 = recurrence_f64(x, a, b, c, s0)
+    assert rel_l2(y, y64) < 5e-7
+    assert rel_l2(final, final64) < 5e-7
+
+
+# ------------------------------------------------------------------- state resets
+
+
+def _with_resets(seed=1, **shape):
+    x, a, b, c, s0 = _inputs(seed, **shape)
+    a = a * 0.05  # mild decay, so the state before a reset is far from zero
+    return x, a.at[:, 0].set(-jnp.inf).at[:, 40].set(-jnp.inf).at[:, 64].set(-jnp.inf), b, c, s0
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_minus_inf_is_an_exact_state_reset(backend):
+    """a = -inf at steps 0, 40 and 64 (a chunk boundary): the scan equals separate scans
+    of the pieces from a zero state, and the initial state never reaches the output."""
+    x, a, b, c, s0 = _with_resets()
+    y, final = chunk_ssd(x, a, b, c, chunk_size=64, initial_state=s0, implementation=backend)
+    assert np.isfinite(np.asarray(y)).all() and np.isfinite(np.asarray(final)).all()
+    pieces = []
+    for lo, hi in ((0, 40), (40, 64), (64, 128)):
+        part = [t[:, lo:hi] for t in (x, a, b, c)]
+        y_part, final_part = recurrence_f64(*part, np.zeros(s0.shape))
+        pieces.append(y_part)
+    assert rel_l2(y, np.concatenate(pieces, axis=1)) < 5e-7
+    assert rel_l2(final, final_part) < 5e-7
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_gradients_through_a_reset_are_finite_and_match(backend):
+    """Gradients with a = -inf steps: finite, zero for a at the resets, and equal to the
+    gradients of the sequential definition (which differentiates exp(-inf) = 0)."""
+    x, a, b, c, s0 = _with_resets(length=128)
+
+    def loss(fn):
+        def f(x, a, b, c, s0):
+            y, final = fn(x, a, b, c, s0)
+            return jnp.sum(y * jnp.cos(y)) + jnp.sum(final)
+        return jax.grad(f, argnums=(0, 1, 2, 3, 4))
+
+    got = loss(lambda *t: chunk_ssd(*t[:4], chunk_size=64, initial_state=t[4],
+                                    implementation=backend))(x, a, b, c, s0)
+    want = loss(lambda *t: ssd_sequential(*t))(x, a, b, c, s0)
+    for name, g, w in zip(("dx", "da", "db", "dc", "dinitial"), got, want):
+        assert np.isfinite(np.asarray(g)).all(), name
+        if name == "dinitial":  # the reset at step 0 cuts the initial state off
+            assert not np.asarray(g).any()
+            continue
+        assert rel_l2(jnp.where(jnp.isfinite(w), w, 0), g) < 2e-5, name
+    assert not np.asarray(got[1])[:, [0, 40, 64]].any()
+
+
+# ------------------------------------------------------------------- zero sizes
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("batch,length", [(0, 128), (2, 0)], ids=["batch0", "length0"])
+def test_zero_size_batch_or_length(backend, batch, length):
+    """Zeros of the right shapes (final state = initial state at length 0) and zero or
+    identity gradients; no kernel runs."""
+    x, a, b, c, s0 = _inputs(0, batch=max(batch, 1), length=max(length, 1))
+    x, a, b, c, s0 = x[:batch, :length], a[:batch, :length], b[:batch, :length], \
+        c[:batch, :length], s0[:batch]
+    y, final = chunk_ssd(x, a, b, c, chunk_size=64, initial_state=s0, implementation=backend)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert final.shape == s0.shape and final.dtype == jnp.float32
+    np.testing.assert_array_equal(final, s0)
+
+    def f(x, a, b, c, s0):
+        y, final = chunk_ssd(x, a, b, c, chunk_size=64, initial_state=s0,
+                             implementation=backend)
+        return jnp.sum(y) + jnp.sum(final)
+
+    grads = jax.grad(f, argnums=(0, 1, 2, 3, 4))(x, a, b, c, s0)
+    for g, t in zip(grads, (x, a, b, c, s0)):
+        assert g.shape == t.shape
+    np.testing.assert_array_equal(grads[4], np.ones(s0.shape))
+
+
+# ------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_gpu_strong_decay_within_5e7_of_float64():
+    """The compiled Triton kernels (fp32 dots at full precision) under strong decay,
+    forward, at the TARGETS chunk (256) and widths."""
+    x, a, b, c, s0 = _strong_decay(length=512, heads=4, head_dim=64, state=128)
+    y, final = chunk_ssd(x, a, b, c, chunk_size=256, initial_state=s0,
+                         implementation="pallas_triton")
+    y64, final64 = recurrence_f64(x, a, b, c, s0)
+    assert rel_l2(y, y64) < 5e-7
+    assert rel_l2(final, final64) < 5e-7
+
+
+@pytest.mark.gpu
+def test_gpu_minus_inf_reset_and_zero_sizes():
+    """The compiled Triton kernels: a = -inf resets are exact with finite gradients, and
+    zero-size batch and length return without launching a kernel."""
+    test_minus_inf_is_an_exact_state_reset("pallas_triton")
+    test_gradients_through_a_reset_are_finite_and_match("pallas_triton")
+    test_zero_size_batch_or_length("pallas_triton", 0, 128)
+    test_zero_size_batch_or_length("pallas_triton", 2, 0)
