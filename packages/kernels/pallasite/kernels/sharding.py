@@ -203,8 +203,37 @@ def run(planner: Planner, args: Sequence[jax.Array], *, rule: str,
     cannot lower inside one: the Mosaic interpreters' ordered host callbacks (CPU tests).
     interpreted: the local function runs a Pallas interpreter, which fails on operands
     that vary over manual axes (JAX 0.11.2: its loops mix varying blocks with invariant
-    grid indices); under check_vma it then runs on invariant copies (`_on_invariant`)."""
-    args = tuple(args)
+    grid indices); under check_vma it then runs on invariant copies (`_on_invariant`).
+
+    Under jax.vmap the call runs once per batch element (`_mapped`): neither a
+    custom_partitioning nor ragged_dot (over any dimension but 0) has a batching rule."""
+    return _mapped(lambda *a: _run(planner, a, rule, tuple(reduction_factors), partitionable,
+                                   interpreted), tuple(args))
+
+
+def _mapped(fn, args: tuple) -> tuple:
+    """fn(*args) with a batching rule: over a vmapped axis, jax.lax.map runs fn on one
+    element of the batched operands at a time (the others closed over), so every kernel,
+    plan and collective inside sees the unbatched shapes it was written for. Sequential:
+    a vmap of n costs n calls (docs/sharding.md)."""
+    call = jax.custom_batching.custom_vmap(lambda *a: tuple(fn(*a)))
+
+    @call.def_vmap
+    def rule(axis_size, in_batched, *operands):
+        del axis_size
+        batched = tuple(o for o, b in zip(operands, in_batched) if b)
+
+        def one(slices):
+            it = iter(slices)
+            return tuple(fn(*(next(it) if b else o for o, b in zip(operands, in_batched))))
+
+        out = jax.lax.map(one, batched)
+        return out, tuple(True for _ in out)
+
+    return call(*args)
+
+
+def _run(planner, args, rule, reduction_factors, partitionable, interpreted) -> tuple:
     mesh = _context_mesh(args)
     axis_sizes = dict(zip(mesh.axis_names, mesh.axis_sizes)) if not mesh.empty else {}
     if not mesh.empty and mesh.explicit_axes:
@@ -214,7 +243,7 @@ def run(planner: Planner, args: Sequence[jax.Array], *, rule: str,
         return _local_call(_unsharded(planner, args, axis_sizes).local, args, interpreted)
     if not partitionable:
         return tuple(_unsharded(planner, args, axis_sizes).local(*args))
-    return _run_auto(planner, args, rule, tuple(reduction_factors))
+    return _run_auto(planner, args, rule, reduction_factors)
 
 
 def _unsharded(planner, args, axis_sizes) -> Plan:

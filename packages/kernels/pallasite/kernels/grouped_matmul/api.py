@@ -31,11 +31,12 @@ import logging
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from pallasite.kernels import platform
-from pallasite.kernels.grouped_matmul import config, ops
+from pallasite.kernels import autodiff, platform
+from pallasite.kernels.grouped_matmul import config, ops, plain
 from pallasite.kernels.grouped_matmul.predicates import (
     MOSAIC_GPU_MIN_ROWS_PER_GROUP,
     mosaic_gpu_preferred,
@@ -138,20 +139,22 @@ def _run(name, x, kernel, group_sizes, compute, block_sizes, interpret):
 
 def _try_in_order(names, x, kernel, group_sizes, compute, block_sizes, interpret, strict,
                   check_device=True):
-    """Run the first backend of `names` that accepts; log each fallback; raise them all."""
+    """Run the first backend of `names` that accepts; log each fallback; raise them all.
+    With one name (or strict) that backend's own error is raised, not a group of one."""
     errors = []
-    for name in names:
+    for i, name in enumerate(names):
         why = _refusal(name, compute, (x, kernel), interpret, check_device)
         try:
             if why is not None:
                 raise RuntimeError(why)
             return _run(name, x, kernel, group_sizes, compute, block_sizes, interpret)
         except Exception as e:  # noqa: BLE001 - every backend's failure is reported
-            if strict:
+            if strict or len(names) == 1:
                 raise
-            log.warning("grouped_projection: %s failed (%s: %s); trying the next",
-                        name, type(e).__name__, e)
             errors.append(e)
+            if i + 1 < len(names):
+                log.warning("grouped_projection: %s failed (%s: %s); trying %s",
+                            name, type(e).__name__, e, names[i + 1])
     raise ExceptionGroup(
         f"grouped_projection: every implementation failed: {list(names)}", errors)
 
@@ -183,6 +186,31 @@ def _default(x, kernel, group_sizes, compute, block_sizes, interpret_on_cpu):
     )
 
 
+def _zeros(x, kernel, compute):
+    """The [m, n] result where m, k or n is zero: zeros, and zero gradients (a constant
+    has none), without building a kernel over an empty grid."""
+    return jnp.zeros((x.shape[0], kernel.shape[2]), compute)
+
+
+def _plain_reason(x, kernel, compute) -> str | None:
+    """Why the call takes the plain-JAX path (plain.py) instead of a backend, or None."""
+    if np.dtype(compute) == np.float64 and jax.config.jax_enable_x64:
+        return "float64 compute (summed in float64)"
+    return autodiff.beyond_first_order(x, kernel)
+
+
+def _plain(why, implementation, x, kernel, group_sizes, compute):
+    """plain.project, unless the caller named only Pallas backends (then say why not)."""
+    names = [implementation] if isinstance(implementation, str) else list(implementation or ["xla"])
+    if "xla" not in names:
+        if why.startswith("float64"):
+            raise RuntimeError(f"grouped_projection: {names} refuse {why}: the kernels sum in "
+                               "fp32; implementation='xla' sums in float64")
+        raise autodiff.first_order_error("grouped_projection", ", ".join(names), why, "xla")
+    log.info("grouped_projection: %s: the plain-JAX path", why)
+    return plain.project(x, kernel, group_sizes, compute)
+
+
 def grouped_projection(
     x: Float[Array, "m k"],
     kernel: Float[Array, "g k n"],
@@ -202,21 +230,40 @@ def grouped_projection(
     module docstring). block_sizes: a backend's BlockSizes (used by that backend only) or
     a GroupedProjectionBlockSizes per product; None: the backend's tuned default.
     interpret_on_cpu: on CPU, run the kernel through the Pallas interpreter (tests).
+
+    Zero-size m, k or n give zeros (no kernel runs). The backends differentiate in
+    first-order reverse mode (jax.grad, jax.vjp, jax.linearize); forward mode (jax.jvp),
+    higher orders and float64 compute under x64 take the plain-JAX path (plain.py), or
+    fail naming 'xla' where only Pallas backends were named. group_sizes are not checked
+    when traced: docs/grouped_projection.md says what each backend does with negative or
+    oversized totals, and `checked_group_sizes` checks them under jax.experimental.checkify.
     """
     validate_grouped_projection(x, kernel, group_sizes, compute)
+    if implementation is not None:
+        _check_names(implementation)
     if block_sizes is not None:
         _blocks_for("xla", block_sizes)  # a wrong type fails here, before any kernel
+    if 0 in x.shape or 0 in kernel.shape[1:]:
+        return _zeros(x, kernel, compute)
+    if (why := _plain_reason(x, kernel, compute)) is not None:
+        return _plain(why, implementation, x, kernel, group_sizes, compute)
     if implementation is None:
         return _default(x, kernel, group_sizes, compute, block_sizes, interpret_on_cpu)
     interpret = bool(interpret_on_cpu) and jax.default_backend() == "cpu"
     if isinstance(implementation, str):
-        if implementation not in IMPLEMENTATIONS:
-            raise ValueError(f"implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
         return _try_in_order([implementation], x, kernel, group_sizes, compute, block_sizes,
                              interpret, strict=True)
+    return _try_in_order(list(implementation), x, kernel, group_sizes, compute, block_sizes,
+                         interpret, strict=False)
+
+
+def _check_names(implementation) -> None:
+    """ValueError unless `implementation` is a known name or a non-empty sequence of them."""
+    if isinstance(implementation, str):
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
+        return
     names = list(implementation)
     unknown = [n for n in names if n not in IMPLEMENTATIONS]
     if not names or unknown:
         raise ValueError(f"implementation={implementation!r}: need names from {IMPLEMENTATIONS}")
-    return _try_in_order(names, x, kernel, group_sizes, compute, block_sizes, interpret,
-                         strict=False)

@@ -4,8 +4,12 @@ The kernels multiply compute-dtype operands on tensor cores (MXU on TPU) and sum
 - 16-bit compute (bf16, fp16): each product of two 16-bit numbers is exact in fp32, so
   the kernel's sum is what any precision asks for.
 - fp32 compute: the tensor cores round the operands to TF32 (10-bit mantissa), which is
-  what JAX's default precision means on GPU and TPU; HIGH/HIGHEST (or a
-  `jax_default_matmul_precision` that asks for them) want more, so they are refused.
+  what JAX's default precision means on GPU and TPU; only the default is accepted, in
+  every spelling (None, Precision.DEFAULT, 'default', 'fastest', 'bfloat16',
+  DotAlgorithmPreset.DEFAULT, or a `jax_default_matmul_precision` that says one of
+  them). HIGH in every spelling ('high', 'tensorfloat32', 'bfloat16_3x'), HIGHEST
+  ('highest', 'float32') and every other algorithm preset (TF32_TF32_F32 included) are
+  refused: docs/grouped_projection.md has the table.
 - An operand wider than fp32 (f64, i64) or x64 mode (the int32 group offsets would widen
   and the kernels' index math assumes int32) is refused.
 Refusal means the caller takes the XLA path (jax.lax.ragged_dot), never a wrong answer.
@@ -19,42 +23,76 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# jax_default_matmul_precision values that mean "TF32 or less on fp32 operands".
-_DEFAULT_NAMES = (None, "default", "fastest", "bfloat16", "tensorfloat32", "DEFAULT")
+_PRESETS = {preset.name.lower(): preset for preset in jax.lax.DotAlgorithmPreset}
 
 
-def _dtype(operand: Any) -> np.dtype:
-    return np.dtype(getattr(operand, "dtype", operand))
+def _dtype(operand: Any, what: str) -> np.dtype:
+    """The dtype of an array, a dtype, or a dtype's name; TypeError naming `what`."""
+    if operand is None:
+        raise TypeError(f"{what} must be a dtype or an array; got None")
+    try:
+        return np.dtype(getattr(operand, "dtype", operand))
+    except TypeError as e:
+        raise TypeError(f"{what} must be a dtype or an array; got {operand!r}") from e
+
+
+def _resolve(precision: Any, what: str):
+    """A precision in any of its spellings as a jax.lax.Precision or DotAlgorithmPreset:
+    None, the enums, their names in any case ('default', 'HIGH', 'tensorfloat32',
+    'bf16_bf16_f32'), or a pair of them (lhs, rhs). TypeError for anything else."""
+    if isinstance(precision, (jax.lax.Precision, jax.lax.DotAlgorithmPreset)):
+        return precision
+    if isinstance(precision, str):
+        name = precision.strip().lower()
+        if name in _PRESETS:
+            return _PRESETS[name]
+        try:
+            return jax.lax.Precision(name)
+        except ValueError:
+            pass
+        try:
+            return jax.lax.Precision[name.upper()]
+        except KeyError:
+            pass
+    raise TypeError(f"{what} must be None, a jax.lax.Precision, a DotAlgorithmPreset, one of "
+                    f"their names, or a pair of them; got {precision!r}")
 
 
 def _is_default(precision: Any) -> bool:
+    """Whether `precision` asks for the default precision (what the kernels compute for
+    fp32: TF32 on tensor cores). HIGH (= 'tensorfloat32', 'bfloat16_3x') and HIGHEST
+    (= 'float32') ask for more than that one pass, and any explicit algorithm preset
+    other than DEFAULT (TF32_TF32_F32 included) names an algorithm the kernels do not
+    promise, so all of them are refused alike. None reads jax_default_matmul_precision."""
     if precision is None:
-        return jax.config.jax_default_matmul_precision in _DEFAULT_NAMES
+        configured = jax.config.jax_default_matmul_precision
+        if configured is None:
+            return True
+        return _is_default(_resolve(configured, "jax_default_matmul_precision"))
     if isinstance(precision, (tuple, list)):
+        if len(precision) != 2:
+            raise TypeError(f"precision must be one value or a pair; got {precision!r}")
         return all(_is_default(p) for p in precision)
-    if isinstance(precision, str):
-        return precision.lower() in ("default", "fastest", "bfloat16", "tensorfloat32")
-    if precision == jax.lax.Precision.DEFAULT:
-        return True
-    if precision == jax.lax.DotAlgorithmPreset.DEFAULT:
-        return True
-    return False
+    resolved = _resolve(precision, "precision")
+    return resolved in (jax.lax.Precision.DEFAULT, jax.lax.DotAlgorithmPreset.DEFAULT)
 
 
 def ragged_dot_runs(compute: Any, operands: Sequence[Any] = (), precision: Any = None) -> bool:
     """True when the Pallas kernels compute `compute`-dtype grouped products exactly as
     requested: 16-bit compute at any precision, fp32 compute at default precision only;
-    never with operands wider than fp32 or in x64 mode."""
-    if jax.config.jax_enable_x64:
+    never with operands wider than fp32 or in x64 mode. Every spelling of a precision
+    gives the same answer; an argument that is not a dtype or a precision is a TypeError.
+    """
+    compute = _dtype(compute, "compute")
+    if not jnp.issubdtype(compute, jnp.floating):
+        raise TypeError(f"compute must be a floating dtype; got {compute}")
+    widths = [_dtype(op, "operands[%d]" % i).itemsize for i, op in enumerate(operands)]
+    default = _is_default(precision)  # checks the argument even where it does not matter
+    if jax.config.jax_enable_x64 or any(w > 4 for w in widths):
         return False
-    if any(_dtype(op).itemsize > 4 for op in operands):
-        return False
-    compute = _dtype(compute)
     if compute in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return True
-    if compute == jnp.dtype(jnp.float32):
-        return _is_default(precision)
-    return False
+    return compute == jnp.dtype(jnp.float32) and default
 
 
 # Average rows per group (m / g) from which the default order puts the Mosaic GPU kernels
