@@ -55,8 +55,8 @@ def test_ragged_dot_runs_fp32_default_only():
     assert not ragged_dot_runs(jnp.float32, ops_, jax.lax.Precision.HIGH)
     with jax.default_matmul_precision("highest"):
         assert not ragged_dot_runs(jnp.float32, ops_, None)
-    with jax.default_matmul_precision("tensorfloat32"):
-        assert ragged_dot_runs(jnp.float32, ops_, None)
+    with jax.default_matmul_precision("tensorfloat32"):  # HIGH by another name
+        assert not ragged_dot_runs(jnp.float32, ops_, None)
 
 
 def test_ragged_dot_runs_refuses_wide_operands_and_x64():
@@ -204,7 +204,7 @@ def test_mosaic_gpu_left_out_when_it_does_not_import(monkeypatch):
     real = api._importable
     monkeypatch.setattr(api, "_importable", lambda n: "gone" if n == "pallas_mosaic_gpu" else real(n))
     x, kernel, sizes = _inputs()
-    with pytest.raises(ExceptionGroup, match="every implementation"):
+    with pytest.raises(RuntimeError, match="gone"):  # one backend: its own error
         grouped_projection(x, kernel, sizes, jnp.bfloat16, implementation=["pallas_mosaic_gpu"])
 
 

@@ -307,3 +307,26 @@ def test_gpu_edge_cases(name):
     _check_rows(f(x, poisoned, sizes), sizes)
     with pytest.raises(NotImplementedError, match="first-order reverse mode"):
         jax.jvp(lambda x: f(x, kernel, sizes), (x,), (x,))
+
+
+# ------------------------------------------------------------------- traced group sizes
+
+
+@pytest.mark.parametrize("sizes,message", [((10, -5, 20, 5), "negative"),
+                                           ((20, 20, 20, 20), "more than the 40 rows")])
+def test_checkify_path_checks_traced_group_sizes(sizes, message):
+    """Traced sizes pass grouped_projection unchecked; checked_group_sizes under
+    jax.experimental.checkify reports negative and oversized ones."""
+    from jax.experimental import checkify
+
+    from pallasite.kernels import checked_group_sizes
+
+    x, kernel, _ = _inputs()
+    f = jax.jit(checkify.checkify(lambda x, k, s: grouped_projection(
+        x, k, checked_group_sizes(s, x.shape[0]), jnp.float32)))
+    err, _ = f(x, kernel, jnp.asarray(sizes, jnp.int32))
+    with pytest.raises(checkify.JaxRuntimeError, match=message):
+        err.throw()
+    err, y = f(x, kernel, jnp.asarray((9, 0, 14, 10), jnp.int32))
+    err.throw()
+    assert y.shape == (40, 20)

@@ -8,6 +8,7 @@ from pallasite.kernels.grouped_matmul import (
     GroupedProjectionBlockSizes,
     MosaicTpuBlockSizes,
     TritonBlockSizes,
+    checked_group_sizes,
     grouped_projection,
     ragged_dot_runs,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "GroupedProjectionBlockSizes",
     "MosaicTpuBlockSizes",
     "TritonBlockSizes",
+    "checked_group_sizes",
     "grouped_projection",
     "ragged_dot_runs",
     "bf16_dot_runs",

@@ -114,7 +114,8 @@ def read(key: CacheKey, directory: str | os.PathLike | None = None) -> CacheEntr
             trials=tuple(data.get("trials", ())),
             created=float(data.get("created", 0.0)),
         )
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError,
+            MemoryError):  # anything unreadable (deeply nested JSON included) is a miss
         return None
 
 

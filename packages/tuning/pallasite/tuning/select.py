@@ -7,7 +7,8 @@
     sel.config, sel.source   # source: caller | table | cache | autotune | default
 
 Order (docs/tuning.md), first that applies wins:
-  1. `caller`: the block sizes the user passed, unchanged and unchecked (their choice);
+  1. `caller`: the block sizes the user passed, unchanged (the kernel checks them against
+     its fit rule before calling here, and refuses one that does not fit by name);
   2. the checked-in table entry for (implementation, device kind, dtypes, shape bucket),
      if it rebuilds into `config_type` and `fits` the shape;
   3. the on-disk cache entry for the same key, under the same conditions; a cached
@@ -69,14 +70,18 @@ class Selection:
 
 def _usable(config_type: type, data: Mapping[str, Any], fits: Callable | None,
             shape: Mapping[str, int]) -> tuple[Any, str]:
-    """(config, "") if `data` rebuilds and fits the shape, else (None, reason)."""
+    """(config, "") if `data` rebuilds and fits the shape, else (None, reason), logged:
+    a stored entry passed over is re-tuned where tuning runs."""
     try:
         config = config_from_dict(config_type, data)
-    except StaleConfig as err:
-        return None, f"stale: {err}"
-    if fits is not None and not fits(config, shape):
-        return None, f"does not fit shape {dict(shape)}: {data}"
-    return config, ""
+    except (StaleConfig, RecursionError) as err:
+        why = f"stale: {type(err).__name__}: {err}"[:400]
+    else:
+        if fits is None or fits(config, shape):
+            return config, ""
+        why = f"does not fit shape {dict(shape)}: {data}"
+    log.warning("tuning: %s entry passed over (%s)", config_type.__name__, why)
+    return None, why
 
 
 def _candidate_configs(config_type: type, default: Any, candidates: Sequence[Any],

@@ -6,7 +6,11 @@ config.py (block sizes), predicates.py (ragged_dot_runs), and one
 file per backend: xla.py, pallas_triton.py, pallas_mosaic_tpu.py, pallas_mosaic_gpu.py.
 """
 
-from pallasite.kernels.grouped_matmul.api import IMPLEMENTATIONS, grouped_projection
+from pallasite.kernels.grouped_matmul.api import (
+    IMPLEMENTATIONS,
+    checked_group_sizes,
+    grouped_projection,
+)
 from pallasite.kernels.grouped_matmul.config import (
     GroupedProjectionBlockSizes,
     MosaicTpuBlockSizes,
@@ -19,6 +23,7 @@ __all__ = [
     "GroupedProjectionBlockSizes",
     "MosaicTpuBlockSizes",
     "TritonBlockSizes",
+    "checked_group_sizes",
     "grouped_projection",
     "ragged_dot_runs",
 ]

@@ -36,7 +36,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from pallasite.kernels import autodiff, platform
-from pallasite.kernels.grouped_matmul import config, ops, plain
+from pallasite.kernels.grouped_matmul import config, fit, ops, plain
 from pallasite.kernels.grouped_matmul.predicates import (
     MOSAIC_GPU_MIN_ROWS_PER_GROUP,
     mosaic_gpu_preferred,
@@ -186,6 +186,26 @@ def _default(x, kernel, group_sizes, compute, block_sizes, interpret_on_cpu):
     )
 
 
+def checked_group_sizes(group_sizes: Int[Array, "g"], m: int) -> Int[Array, "g"]:
+    """`group_sizes`, with jax.experimental.checkify checks that no size is negative and
+    that they sum to at most `m` rows: traced sizes cannot be checked while tracing, so
+    grouped_projection does not (docs/grouped_projection.md says what each backend does
+    with them). Use it inside a function wrapped in checkify.checkify:
+
+        err, y = checkify.checkify(lambda x, k, s: grouped_projection(
+            x, k, checked_group_sizes(s, x.shape[0]), compute))(x, k, s)
+        err.throw()
+    """
+    from jax.experimental import checkify
+
+    checkify.check(jnp.all(group_sizes >= 0), "group_sizes has a negative entry: {sizes}",
+                   sizes=group_sizes)
+    total = jnp.sum(group_sizes.astype(jnp.int32))
+    checkify.check(total <= m, "group_sizes sum to {total}, more than the {m} rows of x",
+                   total=total, m=jnp.int32(m))
+    return group_sizes
+
+
 def _zeros(x, kernel, compute):
     """The [m, n] result where m, k or n is zero: zeros, and zero gradients (a constant
     has none), without building a kernel over an empty grid."""
@@ -243,6 +263,7 @@ def grouped_projection(
         _check_names(implementation)
     if block_sizes is not None:
         _blocks_for("xla", block_sizes)  # a wrong type fails here, before any kernel
+        _check_fit(block_sizes, x, kernel, compute)
     if 0 in x.shape or 0 in kernel.shape[1:]:
         return _zeros(x, kernel, compute)
     if (why := _plain_reason(x, kernel, compute)) is not None:
@@ -255,6 +276,15 @@ def grouped_projection(
                              interpret, strict=True)
     return _try_in_order(list(implementation), x, kernel, group_sizes, compute, block_sizes,
                          interpret, strict=False)
+
+
+def _check_fit(block_sizes, x, kernel, compute) -> None:
+    """ValueError naming a caller's block config that does not fit its product here."""
+    dims = {"m": x.shape[0], "k": x.shape[1], "n": kernel.shape[2], "g": kernel.shape[0]}
+    for product in ("forward", "dx", "dkernel"):
+        blocks = config.for_product(block_sizes, product)
+        if blocks is not None:
+            fit.check_caller(_owner(blocks), blocks, product, dims, np.dtype(compute))
 
 
 def _check_names(implementation) -> None:

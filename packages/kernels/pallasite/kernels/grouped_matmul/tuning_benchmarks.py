@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallasite import tuning
-from pallasite.kernels.grouped_matmul import config
+from pallasite.kernels.grouped_matmul import config, fit
 from pallasite.reference import inputs as ref_inputs
 from pallasite.tuning import Benchmark
 
@@ -103,17 +103,19 @@ def select_block_sizes(backend: ModuleType, name: str, config_type: type, block_
                        product: str, dims: Mapping[str, int], dtype, default,
                        tune_here: bool):
     """The GPU backends' one way to pick a product's blocks (pallasite.tuning's order):
-    the caller's (which must be `config_type`), else the table / cache entry, else a
+    the caller's (which must be `config_type` and fit: fit.check_caller), else the table / cache entry, else a
     bounded autotune with `benchmark` when `tune_here` (the kernel runs compiled on the
     backend's GPU) and the caller gave none, else `default`."""
     chosen = config.for_product(block_sizes, product)
     if chosen is not None and not isinstance(chosen, config_type):
         raise TypeError(f"block_sizes for {name} must be {config_type.__name__}, got {chosen!r}")
+    if chosen is not None:
+        fit.check_caller(name, chosen, product, dims, dtype)
     measure = None
     if chosen is None and tune_here:
         measure = lambda: benchmark(backend, product, dims, dtype)  # noqa: E731
     return tuning.select_block_sizes(
         "grouped_projection", f"{name}:{product}", device_kind=tuning.device_kind(),
         dtypes=(dtype,), shape=dims, config_type=config_type, caller=chosen, default=default,
-        measure=measure,
+        measure=measure, fits=lambda cfg, shape: fit.reason(name, cfg, product, shape, dtype) is None,
     ).config

@@ -60,7 +60,7 @@ from jaxtyping import Array, Float
 from pallasite import tuning
 from pallasite.kernels import platform
 from pallasite.kernels import sharding
-from pallasite.kernels.ssd import decay, tuning_benchmarks
+from pallasite.kernels.ssd import decay, predicates, tuning_benchmarks
 
 F32 = jnp.float32
 
@@ -94,7 +94,14 @@ def resolve_block_sizes(block_sizes: BlockSizes | None, chunk: int, *, x=None, b
     b [b, nc, C, g, n] give the shape), else a bounded autotune of this shape (only when
     the kernels will run compiled, not `interpret`, on a GPU Triton runs on;
     PALLASITE_AUTOTUNE=0 turns it off), else the default; then clamped to the chunk.
+    Every config is checked against predicates.triton_block_sizes_reason first: the
+    caller's with a ValueError naming it, a table or cache entry passed over.
     `interpret` defaults to True, "do not tune"; forward and backward pass theirs."""
+    if block_sizes is not None and x is not None:
+        why = predicates.triton_block_sizes_reason(block_sizes, chunk, x.shape[4], b.shape[4])
+        if why is not None:
+            raise ValueError(f"block_sizes {block_sizes!r} does not fit chunk={chunk}, "
+                             f"head_dim={x.shape[4]}, state={b.shape[4]}: {why}")
     if block_sizes is None and x is not None:
         bsz, nc, c, h, p = x.shape
         shape = {"length": nc * c, "heads": h, "head_dim": p, "state": b.shape[4], "chunk": c,
@@ -108,7 +115,8 @@ def resolve_block_sizes(block_sizes: BlockSizes | None, chunk: int, *, x=None, b
         block_sizes = tuning.select_block_sizes(
             "ssd", f"pallas_triton:{pass_name}", device_kind=tuning.device_kind(),
             dtypes=(x.dtype,), shape=shape, config_type=BlockSizes, default=DEFAULT_BLOCK_SIZES,
-            measure=measure,
+            measure=measure, fits=lambda cfg, sh: predicates.triton_block_sizes_reason(
+                cfg, sh["chunk"], sh["head_dim"], sh["state"]) is None,
         ).config
     bs = block_sizes or DEFAULT_BLOCK_SIZES
     return dataclasses.replace(

@@ -133,6 +133,31 @@ def ssd_kernel_reason(chunk_size: int, head_dim: int, state_size: int, backend: 
     return None
 
 
+def triton_block_sizes_reason(block_sizes, chunk_size: int, head_dim: int,
+                              state_size: int) -> str | None:
+    """Why a pallas_triton BlockSizes cannot run this geometry (None: it fits): the
+    program's shared memory within the budget of GEOMETRY (the fit part of the geometry
+    rule; the chunk-length preference is not a fit), tiles that are powers of two from 16
+    (Triton's dots) no larger than the chunk needs, and warps and stages Triton takes.
+    Checked for the caller's config (a ValueError naming it) and for table, cache and
+    tuning entries (passed over)."""
+    geo = GEOMETRY["pallas_triton"]
+    need = geo.program_bytes(chunk_size, head_dim, state_size)
+    if need > geo.budget_bytes:
+        return f"one program needs {need} bytes > pallas_triton budget {geo.budget_bytes}"
+    for name in ("block_m", "block_t"):
+        value = getattr(block_sizes, name)
+        if not (_power_of_two(value) and value >= 16):
+            return f"{name}={value} is not a power of two >= 16"
+        if value > GEOMETRY["pallas_triton"].max_chunk:  # larger ones are clamped to the chunk
+            return f"{name}={value} exceeds the largest chunk, {GEOMETRY['pallas_triton'].max_chunk}"
+    if block_sizes.num_warps not in (1, 2, 4, 8, 16):
+        return f"num_warps={block_sizes.num_warps} is not 1, 2, 4, 8 or 16"
+    if not 1 <= block_sizes.num_stages <= 8:
+        return f"num_stages={block_sizes.num_stages} is not in [1, 8]"
+    return None
+
+
 def ssd_kernel_runs(chunk_size: int, head_dim: int, state_size: int, backend: str) -> bool:
     """Whether `backend` builds (chunk_size, head_dim, state_size) and it pays for a program."""
     return ssd_kernel_reason(chunk_size, head_dim, state_size, backend) is None

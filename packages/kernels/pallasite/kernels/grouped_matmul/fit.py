@@ -1,0 +1,140 @@
+"""Whether a block config fits a grouped product: one rule per backend.
+
+Every config (the caller's, the tuned table's, the autotune cache's, a tuning candidate)
+is checked here before a kernel is built with it (docs/tuning.md). A config that does not
+fit is refused: the caller's with a ValueError naming it, a table or cache entry passed
+over (logged, then re-tuned). Two things are checked:
+- no tile is larger than its dimension needs (the dimension rounded up to the tile's
+  granule; 256 is always allowed, so defaults fit small shapes): a block of 2**20 rows would make the interpreters allocate terabytes and the
+  compiled kernels fail to build;
+- the buffers one program holds fit the backend's on-chip budget: Triton shared memory
+  for the device's generation (sm80 163 KiB, sm86/sm89 99 KiB, sm90 227 KiB; 99 KiB where
+  a CUDA generation not listed; none off CUDA, where only the interpreter runs), the Mosaic GPU kernel's own budget, 16 MiB of TPU VMEM.
+
+`reason(backend, config, product, dims, dtype)` says why not (None: it fits).
+Products: 'forward' gmm [m, k] x [k, n]; 'dx' gmm [m, n] x [n, k]; 'dkernel' tgmm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from pallasite.kernels import platform
+
+SHARED_MEMORY = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm89": 99 * 1024,
+                 "sm90": 227 * 1024}
+TPU_VMEM = 16 * 1024 * 1024
+
+
+# Tiles up to this size are allowed on any dimension, however small: the defaults and the
+# tuned configs (up to 256 wide) stay usable on small shapes, where they only pad.
+_ANY_DIM = 256
+
+
+def _ceil(value: int, granule: int) -> int:
+    return max(_ANY_DIM, -(-value // granule) * granule)
+
+
+def _pow2_ceil(value: int, least: int) -> int:
+    return max(_ANY_DIM, least, 1 << max(int(value) - 1, 0).bit_length())
+
+
+def _product_dims(product: str, dims: Mapping[str, int]) -> tuple[int, int, int]:
+    """(rows, contraction, columns) of the product."""
+    m, k, n = dims["m"], dims["k"], dims["n"]
+    return (m, n, k) if product == "dx" else (m, k, n)
+
+
+def _too_large(named: Mapping[str, tuple[int, int]]) -> str | None:
+    for name, (block, limit) in named.items():
+        if block > limit:
+            return f"{name}={block} exceeds {limit}, what the dimension needs"
+    return None
+
+
+def _shared_memory() -> int | None:
+    """The shared memory per block of this CUDA generation (99 KiB for one not listed);
+    None off CUDA, where the kernel can only run through the interpreter."""
+    generation = platform.device_generation()
+    if not generation.startswith("sm"):
+        return None
+    return SHARED_MEMORY.get(generation, 99 * 1024)
+
+
+def triton_reason(bs, product: str, dims: Mapping[str, int], dtype) -> str | None:
+    rows, contraction, cols = _product_dims(product, dims)
+    width = np.dtype(dtype).itemsize
+    if product == "dkernel":  # a [block_k, block_n] tile of x^T dy, block_m rows a step
+        sizes = {"block_m": (bs.block_m, _pow2_ceil(rows, 16)),
+                 "block_k": (bs.block_k, _pow2_ceil(dims["k"], 16)),
+                 "block_n": (bs.block_n, _pow2_ceil(dims["n"], 16))}
+        stage = bs.block_m * (bs.block_k + bs.block_n) * width
+    else:
+        sizes = {"block_m": (bs.block_m, _pow2_ceil(rows, 16)),
+                 "block_k": (bs.block_k, _pow2_ceil(contraction, 16)),
+                 "block_n": (bs.block_n, _pow2_ceil(cols, 16))}
+        stage = bs.block_k * (bs.block_m + bs.block_n) * width
+    if (why := _too_large(sizes)) is not None:
+        return why
+    if bs.num_warps not in (1, 2, 4, 8, 16):
+        return f"num_warps={bs.num_warps} is not 1, 2, 4, 8 or 16"
+    need, budget = bs.num_stages * stage, _shared_memory()
+    if budget is not None and need > budget:
+        return f"{bs.num_stages} stages need {need} bytes of shared memory > {budget}"
+    return None
+
+
+def mosaic_gpu_reason(bs, product: str, dims: Mapping[str, int], dtype) -> str | None:
+    from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu  # Hopper only
+
+    rows, contraction, cols = _product_dims(product, dims)
+    if product == "dkernel":
+        rows, contraction, cols = dims["k"], dims["m"], dims["n"]
+    sizes = {"block_m": (bs.block_m, _ceil(rows, 64)), "block_k": (bs.block_k, _ceil(contraction, 64)),
+             "block_n": (bs.block_n, _ceil(cols, 64))}
+    if (why := _too_large(sizes)) is not None:
+        return why
+    width = np.dtype(dtype).itemsize
+    # The one-warpgroup kernel at 2 stages (the warp-specialised one cuts its stages to
+    # what fits, _fit_warp_specialized): operand buffers plus the output tile.
+    need = 2 * (bs.block_m * bs.block_k + bs.block_k * bs.block_n) * width
+    need += bs.block_m * bs.block_n * width
+    if need > pallas_mosaic_gpu._SMEM_BYTES:
+        return f"tiles need {need} bytes of shared memory > {pallas_mosaic_gpu._SMEM_BYTES}"
+    return None
+
+
+def mosaic_tpu_reason(bs, product: str, dims: Mapping[str, int], dtype) -> str | None:
+    rows, contraction, cols = _product_dims(product, dims)
+    if product == "dkernel":
+        rows, contraction, cols = dims["k"], dims["m"], dims["n"]
+        sizes = {"tm": (bs.tm, _ceil(dims["m"], 16)), "tk": (bs.tk, _ceil(dims["k"], 128)),
+                 "tn": (bs.tn, _ceil(dims["n"], 128))}
+    else:
+        sizes = {"tm": (bs.tm, _ceil(rows, 16)), "tk": (bs.tk, _ceil(contraction, 128)),
+                 "tn": (bs.tn, _ceil(cols, 128))}
+    if (why := _too_large(sizes)) is not None:
+        return why
+    need = (2 * (bs.tm * bs.tk + bs.tk * bs.tn + bs.tm * bs.tn) + bs.tm * bs.tn) * 4
+    if need > TPU_VMEM:
+        return f"tiles need {need} bytes of VMEM > {TPU_VMEM}"
+    return None
+
+
+REASONS = {"pallas_triton": triton_reason, "pallas_mosaic_gpu": mosaic_gpu_reason,
+           "pallas_mosaic_tpu": mosaic_tpu_reason}
+
+
+def reason(backend: str, config, product: str, dims: Mapping[str, int], dtype) -> str | None:
+    """Why `config` cannot run `product` of this shape on `backend` (None: it fits)."""
+    rule = REASONS.get(backend)
+    return None if rule is None else rule(config, product, dims, dtype)
+
+
+def check_caller(backend: str, config, product: str, dims: Mapping[str, int], dtype) -> None:
+    """ValueError naming the caller's config when it does not fit."""
+    if (why := reason(backend, config, product, dims, dtype)) is not None:
+        raise ValueError(f"block_sizes {config!r} for {backend} does not fit the {product} "
+                         f"product of m={dims['m']}, k={dims['k']}, n={dims['n']}: {why}")
