@@ -31,6 +31,7 @@ import logging
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
@@ -99,10 +100,12 @@ def _refusal(name: str, compute, operands, interpret: bool, check_device: bool =
     return None
 
 
-def _slower_here(name: str, x, kernel) -> str | None:
+def _slower_here(name: str, x, group_sizes) -> str | None:
     """Why the default order passes over backend `name` although it could run (None: it
-    does not): a measured preference, not a capability, so a named backend ignores it."""
-    m, g = x.shape[0], kernel.shape[0]
+    does not): a measured preference, not a capability, so a named backend ignores it.
+    Rows per group count all G groups: with local experts (group_offset) the rows of the
+    kernel's own groups are about m / G each."""
+    m, g = x.shape[0], group_sizes.shape[0]
     if name == "pallas_mosaic_gpu" and not mosaic_gpu_preferred(m, g):
         return (f"pallas_mosaic_gpu: Triton is faster with m/g = {m}/{g} < "
                 f"{MOSAIC_GPU_MIN_ROWS_PER_GROUP} rows per group (mosaic_gpu_preferred)")
@@ -131,13 +134,13 @@ def _blocks_for(name: str, block_sizes):
     return block_sizes if _owner(block_sizes) == name else None
 
 
-def _run(name, x, kernel, group_sizes, compute, block_sizes, interpret):
-    return ops.project(x, kernel, group_sizes, name, np.dtype(compute),
+def _run(name, x, kernel, group_sizes, group_offset, compute, block_sizes, interpret):
+    return ops.project(x, kernel, group_sizes, group_offset, name, np.dtype(compute),
                        _blocks_for(name, block_sizes), interpret)
 
 
-def _try_in_order(names, x, kernel, group_sizes, compute, block_sizes, interpret, strict,
-                  check_device=True):
+def _try_in_order(names, x, kernel, group_sizes, group_offset, compute, block_sizes, interpret,
+                  strict, check_device=True):
     """Run the first backend of `names` that accepts; log each fallback; raise them all."""
     errors = []
     for name in names:
@@ -145,7 +148,8 @@ def _try_in_order(names, x, kernel, group_sizes, compute, block_sizes, interpret
         try:
             if why is not None:
                 raise RuntimeError(why)
-            return _run(name, x, kernel, group_sizes, compute, block_sizes, interpret)
+            return _run(name, x, kernel, group_sizes, group_offset, compute, block_sizes,
+                        interpret)
         except Exception as e:  # noqa: BLE001 - every backend's failure is reported
             if strict:
                 raise
@@ -156,18 +160,18 @@ def _try_in_order(names, x, kernel, group_sizes, compute, block_sizes, interpret
         f"grouped_projection: every implementation failed: {list(names)}", errors)
 
 
-def _default(x, kernel, group_sizes, compute, block_sizes, interpret_on_cpu):
+def _default(x, kernel, group_sizes, group_offset, compute, block_sizes, interpret_on_cpu):
     def branch(names, interpret=False, check_device=True):
         names = [n for n in names if n == "xla" or _importable(n) is None]
 
-        def run(x, kernel, group_sizes):
+        def run(x, kernel, group_sizes, group_offset):
             for name in names:  # the predicates pick; xla always accepts
                 why = (_refusal(name, compute, (x, kernel), interpret, check_device)
-                       or _slower_here(name, x, kernel))
+                       or _slower_here(name, x, group_sizes))
                 if why is None:
                     return _try_in_order(names[names.index(name):], x, kernel, group_sizes,
-                                         compute, block_sizes, interpret, strict=False,
-                                         check_device=check_device)
+                                         group_offset, compute, block_sizes, interpret,
+                                         strict=False, check_device=check_device)
                 log.info("grouped_projection: skipping %s: %s", name, why)
             raise AssertionError("unreachable: xla always accepts")
 
@@ -175,7 +179,7 @@ def _default(x, kernel, group_sizes, compute, block_sizes, interpret_on_cpu):
 
     cpu = ["pallas_triton", "xla"] if interpret_on_cpu else ["xla"]
     return jax.lax.platform_dependent(
-        x, kernel, group_sizes,
+        x, kernel, group_sizes, group_offset,
         cuda=branch(CUDA_ORDER),
         tpu=branch(TPU_ORDER, check_device=False),
         cpu=branch(cpu, interpret=bool(interpret_on_cpu)),
@@ -190,6 +194,7 @@ def grouped_projection(
     compute,
     interpret_on_cpu: bool = False,
     *,
+    group_offset=None,
     implementation: str | Sequence[str] | None = None,
     block_sizes=None,
 ) -> Float[Array, "m n"]:
@@ -202,21 +207,31 @@ def grouped_projection(
     module docstring). block_sizes: a backend's BlockSizes (used by that backend only) or
     a GroupedProjectionBlockSizes per product; None: the backend's tuned default.
     interpret_on_cpu: on CPU, run the kernel through the Pallas interpreter (tests).
+    group_offset: local experts (expert parallelism). None: `kernel` holds every group of
+    `group_sizes`. Else an int (or int32 scalar, traced allowed, e.g. `axis_index * g`):
+    `kernel` holds groups [group_offset, group_offset + g) of the G >= g in
+    `group_sizes`, which still counts every sorted row of x; rows of other groups are
+    zero with zero gradient, and the kernels spend no matmul on them. Groups past G are
+    empty. Under jit with the kernel's group axis sharded, pallasite sets it per device
+    (docs/sharding.md).
     """
-    validate_grouped_projection(x, kernel, group_sizes, compute)
+    validate_grouped_projection(x, kernel, group_sizes, compute, group_offset=group_offset)
+    if group_offset is not None:
+        group_offset = jnp.asarray(group_offset, jnp.int32)
     if block_sizes is not None:
         _blocks_for("xla", block_sizes)  # a wrong type fails here, before any kernel
     if implementation is None:
-        return _default(x, kernel, group_sizes, compute, block_sizes, interpret_on_cpu)
+        return _default(x, kernel, group_sizes, group_offset, compute, block_sizes,
+                        interpret_on_cpu)
     interpret = bool(interpret_on_cpu) and jax.default_backend() == "cpu"
     if isinstance(implementation, str):
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
-        return _try_in_order([implementation], x, kernel, group_sizes, compute, block_sizes,
-                             interpret, strict=True)
+        return _try_in_order([implementation], x, kernel, group_sizes, group_offset, compute,
+                             block_sizes, interpret, strict=True)
     names = list(implementation)
     unknown = [n for n in names if n not in IMPLEMENTATIONS]
     if not names or unknown:
         raise ValueError(f"implementation={implementation!r}: need names from {IMPLEMENTATIONS}")
-    return _try_in_order(names, x, kernel, group_sizes, compute, block_sizes, interpret,
-                         strict=False)
+    return _try_in_order(names, x, kernel, group_sizes, group_offset, compute, block_sizes,
+                         interpret, strict=False)

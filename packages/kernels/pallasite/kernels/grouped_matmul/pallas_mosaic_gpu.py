@@ -24,6 +24,10 @@ gmm (forward, and dx = gmm(dy, kernel, transpose_rhs=True): the transposed weigh
   The TMA load window is clamped into [0, m) (a short last tile of the last group reads a
   few rows before its first row rather than past the array end) so no load is out of
   bounds; the store uses only the group's own rows.
+  With local experts (group_offset: rhs holds groups [offset, offset + g) of the global
+  group_sizes) the table holds only the local groups' tiles, from their first row on, and
+  the other rows are zeroed by one select after the kernel: a zero tile here would run
+  the whole k pipeline (see above), which for expert parallelism is most of the rows.
 
 tgmm (dkernel): one output tile (block_m x block_n of [k, n]) per (group, tile) pair; the
   contraction runs over the group's rows in steps of block_k starting at the group's first
@@ -71,6 +75,7 @@ from jaxtyping import Array, Int, Shaped
 from pallasite.kernels import platform
 from pallasite.kernels import sharding
 from pallasite.kernels.grouped_matmul import tuning_benchmarks
+from pallasite.kernels.grouped_matmul.group_metadata import group_offsets, local_groups
 
 # H200 SXM has 132 SMs; used when the default device does not report its core count.
 _DEFAULT_NUM_SMS = 132
@@ -244,14 +249,15 @@ def _fit_block(dim: int, block: int) -> int:
     return block
 
 
-def _group_bounds(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
-    """Start and clamped size of each group; totals past m are cut at m."""
-    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
-    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-    return starts, ends - starts
+def _group_bounds(group_sizes: jax.Array, m: int, row_start=None) -> tuple[jax.Array, jax.Array]:
+    """Start and clamped size of each group, the first from row_start (0 when None);
+    totals past m are cut at m."""
+    offsets = jnp.minimum(group_offsets(group_sizes, row_start), m)
+    return offsets[:-1], offsets[1:] - offsets[:-1]
 
 
-def _row_tile_table(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, jax.Array]:
+def _row_tile_table(group_sizes: jax.Array, m: int, block_m: int, row_start=None
+                    ) -> tuple[jax.Array, jax.Array]:
     """Per row tile (segment, load row, first row, valid rows) as int32 [4, T]; count [1].
 
     Segments are the g groups and one extra for the rows past the total (stored as zeros).
@@ -260,21 +266,25 @@ def _row_tile_table(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.A
     most block_m rows of one segment and wastes at most 7 leading rows. The load row is
     clamped to m - block_m so no load leaves the array.
     T = (m + (g+1)(block_m+7)) // block_m + 1 bounds sum_s ceil((size_s + 7) / block_m).
+    With row_start (local experts) the groups start there and there is no zero segment:
+    only the groups' own tiles are listed (the caller zeroes the other rows).
     """
     if m % 8 or m < block_m:
         raise ValueError(f"_row_tile_table needs m % 8 == 0 and m >= block_m; got {m=}, {block_m=}")
     g = group_sizes.shape[0]
-    starts, sizes = _group_bounds(group_sizes, m)
-    total = starts[-1] + sizes[-1]
-    seg_start = jnp.concatenate([starts, total[None]])
-    seg_end = jnp.concatenate([starts + sizes, jnp.full((1,), m, jnp.int32)])
+    starts, sizes = _group_bounds(group_sizes, m, row_start)
+    seg_start, seg_end = starts, starts + sizes
+    if row_start is None:  # rows past the total: the zero segment, id g
+        seg_start = jnp.concatenate([seg_start, seg_end[-1:]])
+        seg_end = jnp.concatenate([seg_end, jnp.full((1,), m, jnp.int32)])
     seg_base = seg_start // 8 * 8
     seg_tiles = jnp.where(seg_end > seg_start, (seg_end - seg_base + block_m - 1) // block_m, 0)
     tile_end = jnp.cumsum(seg_tiles)
     tile_begin = tile_end - seg_tiles
     bound = (m + (g + 1) * (block_m + 7)) // block_m + 1
     t = jnp.arange(bound, dtype=jnp.int32)
-    seg = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), g).astype(jnp.int32)
+    seg = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"),
+                      seg_start.shape[0] - 1).astype(jnp.int32)
     window = seg_base[seg] + (t - tile_begin[seg]) * block_m
     first = jnp.maximum(window, seg_start[seg])
     last = jnp.minimum(window + block_m, seg_end[seg])
@@ -476,12 +486,12 @@ def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_
     return body
 
 
-def _gmm_local(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, bs, interpret):
+def _gmm_local(lhs, rhs, group_sizes, row_start, *, transpose_rhs, out_dtype, bs, interpret):
     """gmm on one device's operands (already padded to the block multiples)."""
     m, k = lhs.shape
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    table, count = _row_tile_table(group_sizes, m, bs.block_m)
+    table, count = _row_tile_table(group_sizes, m, bs.block_m, row_start)
     isz, osz = jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize
     cost = pl.CostEstimate(
         flops=2 * m * k * n,
@@ -501,7 +511,7 @@ def _gmm_local(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, bs, interpret
     return call(table, count, lhs, rhs)
 
 
-def _check_gmm(lhs, rhs, group_sizes, transpose_rhs):
+def _check_gmm(lhs, rhs, group_sizes, transpose_rhs, group_offset):
     if lhs.ndim != 2:
         raise ValueError(f"lhs must be [m, k], got shape {lhs.shape}")
     if rhs.ndim != 3:
@@ -511,7 +521,7 @@ def _check_gmm(lhs, rhs, group_sizes, transpose_rhs):
         raise ValueError(
             f"k mismatch: lhs {lhs.shape} vs rhs {rhs.shape} (transpose_rhs={transpose_rhs})"
         )
-    _check_group_sizes(group_sizes, rhs.shape[0])
+    _check_group_sizes(group_sizes, rhs.shape[0], group_offset)
     _check_operand_dtypes(lhs, rhs)
 
 
@@ -522,8 +532,10 @@ def _check_operand_dtypes(lhs, rhs):
         raise TypeError(f"Mosaic GPU kernels take 16-bit operands (bf16/fp16), got {lhs.dtype}")
 
 
-def _check_group_sizes(group_sizes, g):
-    if group_sizes.ndim != 1 or group_sizes.shape[0] != g:
+def _check_group_sizes(group_sizes, g, group_offset=None):
+    if group_offset is not None and group_sizes.ndim == 1 and group_sizes.shape[0] >= g:
+        pass  # local experts: any G >= g
+    elif group_sizes.ndim != 1 or group_sizes.shape[0] != g:
         raise ValueError(f"group_sizes must be [{g}], got shape {group_sizes.shape}")
     if group_sizes.dtype != jnp.int32:
         raise TypeError(f"group_sizes must be int32, got {group_sizes.dtype}")
@@ -532,22 +544,24 @@ def _check_group_sizes(group_sizes, g):
 def gmm(
     lhs: Shaped[Array, "m k"],
     rhs: Shaped[Array, "g kn nk"],
-    group_sizes: Int[Array, " g"],
+    group_sizes: Int[Array, " G"],
     *,
+    group_offset=None,
     transpose_rhs: bool = False,
     out_dtype: Any = None,
     block_sizes: MosaicGpuBlockSizes | None = None,
     interpret: bool = False,
 ) -> Shaped[Array, "m n"]:
-    """Grouped matmul: out[rows of group i] = lhs[rows of group i] @ rhs[i] (or rhs[i]^T)."""
-    _check_gmm(lhs, rhs, group_sizes, transpose_rhs)
+    """Grouped matmul: out[rows of group i] = lhs[rows of group i] @ rhs[i] (or rhs[i]^T).
+    rhs holds groups [group_offset, group_offset + g) of group_sizes (all when None)."""
+    _check_gmm(lhs, rhs, group_sizes, transpose_rhs, group_offset)
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     m, k = lhs.shape
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     product = "dx" if transpose_rhs else "forward"
-    bs = resolve_block_sizes(block_sizes, product=product, m=m, k=k, n=n, g=g, dtype=lhs.dtype,
-                             interpret=interpret)
+    bs = resolve_block_sizes(block_sizes, product=product, m=m, k=k, n=n,
+                             g=group_sizes.shape[0], dtype=lhs.dtype, interpret=interpret)
     bs = dataclasses.replace(bs, block_n=_fit_block(n, bs.block_n))
     if bs.warp_specialized:
         bs = _fit_warp_specialized(bs, n, jnp.dtype(lhs.dtype).itemsize, out_dtype.itemsize)
@@ -558,12 +572,14 @@ def gmm(
     rhs_p = _pad_axis(rhs, 2 if transpose_rhs else 1, bs.block_k)
     rhs_p = _pad_axis(rhs_p, 1 if transpose_rhs else 2, bs.block_n)
 
-    def local(a, b, gs):
-        return _gmm_local(
-            a, b, gs, transpose_rhs=transpose_rhs, out_dtype=out_dtype, bs=bs, interpret=interpret
-        )
-
-    return local(lhs_p, rhs_p, group_sizes)[:m, :n]
+    sizes, row_start = local_groups(group_sizes, group_offset, g)
+    out = _gmm_local(lhs_p, rhs_p, sizes, row_start, transpose_rhs=transpose_rhs,
+                     out_dtype=out_dtype, bs=bs, interpret=interpret)[:m, :n]
+    if row_start is None:
+        return out
+    rows = jnp.arange(m, dtype=jnp.int32)[:, None]
+    mine = (rows >= row_start) & (rows < row_start + jnp.sum(sizes, dtype=jnp.int32))
+    return jnp.where(mine, out, jnp.zeros((), out_dtype))
 
 
 # --------------------------------------------------------------------------- tgmm
@@ -755,11 +771,11 @@ def _tgmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, dtype):
     return body
 
 
-def _tgmm_local(lhs, rhs, group_sizes, *, out_dtype, bs, interpret):
+def _tgmm_local(lhs, rhs, group_sizes, row_start, *, out_dtype, bs, interpret):
     m, k = lhs.shape
     n = rhs.shape[1]
     g = group_sizes.shape[0]
-    starts, sizes = _group_bounds(group_sizes, m)
+    starts, sizes = _group_bounds(group_sizes, m, row_start)
     isz, osz = jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize
     cost = pl.CostEstimate(
         flops=2 * m * k * n,
@@ -782,24 +798,26 @@ def _tgmm_local(lhs, rhs, group_sizes, *, out_dtype, bs, interpret):
 def tgmm(
     lhs: Shaped[Array, "m k"],
     rhs: Shaped[Array, "m n"],
-    group_sizes: Int[Array, " g"],
+    group_sizes: Int[Array, " G"],
     *,
     num_groups: int | None = None,
+    group_offset=None,
     out_dtype: Any = None,
     block_sizes: MosaicGpuBlockSizes | None = None,
     interpret: bool = False,
 ) -> Shaped[Array, "g k n"]:
-    """Ragged contraction: out[i] = lhs[rows of group i]^T @ rhs[rows of group i]."""
+    """Ragged contraction: out[i] = lhs[rows of group i]^T @ rhs[rows of group i], for the
+    num_groups groups [group_offset, group_offset + num_groups) (all when None)."""
     if lhs.ndim != 2 or rhs.ndim != 2 or lhs.shape[0] != rhs.shape[0]:
         raise ValueError(f"lhs [m, k] and rhs [m, n] must share m, got {lhs.shape} and {rhs.shape}")
     g = group_sizes.shape[0] if num_groups is None else num_groups
-    _check_group_sizes(group_sizes, g)
+    _check_group_sizes(group_sizes, g, group_offset)
     _check_operand_dtypes(lhs, rhs)
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     m, k = lhs.shape
     n = rhs.shape[1]
-    bs = resolve_block_sizes(block_sizes, product="dkernel", m=m, k=k, n=n, g=g, dtype=lhs.dtype,
-                             interpret=interpret)
+    bs = resolve_block_sizes(block_sizes, product="dkernel", m=m, k=k, n=n,
+                             g=group_sizes.shape[0], dtype=lhs.dtype, interpret=interpret)
     bs = dataclasses.replace(bs, block_m=_fit_block(k, bs.block_m), block_n=_fit_block(n, bs.block_n))
     if bs.warp_specialized:
         bs = _fit_warp_specialized(bs, n, jnp.dtype(lhs.dtype).itemsize, out_dtype.itemsize)
@@ -810,7 +828,6 @@ def tgmm(
     lhs_p = _pad_axis(_pad_axis(lhs, 0, bs.block_k, bs.block_k), 1, bs.block_m)
     rhs_p = _pad_axis(_pad_axis(rhs, 0, bs.block_k, bs.block_k), 1, bs.block_n)
 
-    def local(a, b, gs):
-        return _tgmm_local(a, b, gs, out_dtype=out_dtype, bs=bs, interpret=interpret)
-
-    return local(lhs_p, rhs_p, group_sizes)[:, :k, :n]
+    sizes, row_start = local_groups(group_sizes, group_offset, g)
+    return _tgmm_local(lhs_p, rhs_p, sizes, row_start, out_dtype=out_dtype, bs=bs,
+                       interpret=interpret)[:, :k, :n]

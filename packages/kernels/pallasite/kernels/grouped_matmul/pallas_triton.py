@@ -34,6 +34,7 @@ from pallasite.kernels.grouped_matmul import config, tuning_benchmarks
 from pallasite.kernels.grouped_matmul.group_metadata import (
     cdiv,
     group_offsets,
+    local_groups,
     make_group_metadata,
     num_visits,
 )
@@ -173,21 +174,27 @@ def _params(bs: config.TritonBlockSizes):
 def gmm(
     lhs: Float[Array, "m k"],
     rhs: Float[Array, "g k n"] | Float[Array, "g n k"],
-    group_sizes: Int[Array, "g"],
+    group_sizes: Int[Array, "G"],
     *,
+    group_offset=None,
     transpose_rhs: bool = False,
     out_dtype=None,
     block_sizes=None,
     interpret: bool = False,
 ) -> Float[Array, "m n"]:
-    """[m, k] x [g, k, n] (or [g, n, k] with transpose_rhs) -> [m, n] out_dtype."""
+    """[m, k] x [g, k, n] (or [g, n, k] with transpose_rhs) -> [m, n] out_dtype. rhs holds
+    groups [group_offset, group_offset + g) of group_sizes (all of them when None); rows
+    of other groups are zero tiles (no matmul)."""
     m, k = lhs.shape
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     bs = resolve_block_sizes(block_sizes, product="dx" if transpose_rhs else "forward",
-                             m=m, k=k, n=n, g=g, dtype=lhs.dtype, interpret=interpret)
-    meta = make_group_metadata(group_sizes, m, bs.block_m, aligned=False, include_tail=True)
+                             m=m, k=k, n=n, g=group_sizes.shape[0], dtype=lhs.dtype,
+                             interpret=interpret)
+    sizes, row_start = local_groups(group_sizes, group_offset, g)
+    meta = make_group_metadata(sizes, m, bs.block_m, aligned=False, include_tail=True,
+                               row_start=row_start)
     num_tiles = num_visits(m, g, bs.block_m)
     kernel = functools.partial(
         _gmm_kernel, bs=bs, m=m, k=k, n=n, num_groups=g, num_tiles=num_tiles,
@@ -230,22 +237,25 @@ def _tgmm_kernel(offsets_ref, lhs_ref, rhs_ref, out_ref, *, bs, k, n):
 def tgmm(
     lhs: Float[Array, "m k"],
     rhs: Float[Array, "m n"],
-    group_sizes: Int[Array, "g"],
+    group_sizes: Int[Array, "G"],
     *,
     num_groups: int | None = None,
+    group_offset=None,
     out_dtype=None,
     block_sizes=None,
     interpret: bool = False,
 ) -> Float[Array, "g k n"]:
     """[m, k], [m, n] -> [g, k, n]: per group lhs_g^T @ rhs_g; empty groups zeros.
-    Rows past the total belong to no group and are never read."""
+    The g = num_groups groups are [group_offset, group_offset + g) of group_sizes (all of
+    them when None). Rows of no such group are never read."""
     m, k = lhs.shape
     n = rhs.shape[1]
     g = num_groups or group_sizes.shape[0]
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
-    bs = resolve_block_sizes(block_sizes, product="dkernel", m=m, k=k, n=n, g=g, dtype=lhs.dtype,
-                             interpret=interpret)
-    offsets = group_offsets(group_sizes)
+    bs = resolve_block_sizes(block_sizes, product="dkernel", m=m, k=k, n=n,
+                             g=group_sizes.shape[0], dtype=lhs.dtype, interpret=interpret)
+    sizes, row_start = local_groups(group_sizes, group_offset, g)
+    offsets = group_offsets(sizes, row_start)
     offsets = jnp.minimum(offsets, m)  # a total past m (caller error) never reads past m
     kernel = functools.partial(_tgmm_kernel, bs=bs, k=k, n=n)
     tiles_k, tiles_n = cdiv(k, bs.block_k), cdiv(n, bs.block_n)
