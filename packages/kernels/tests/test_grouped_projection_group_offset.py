@@ -228,3 +228,33 @@ def test_bad_group_offset_is_refused():
         grouped_projection(x, w, sizes[:1], jnp.bfloat16, group_offset=0)
     with pytest.raises(ValueError, match="length g=2"):  # without an offset: G == g
         grouped_projection(x, w, sizes, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["pallas_mosaic_gpu", "pallas_triton", "xla"])
+def test_gpu_local_experts(name):
+    """The compiled kernels, several tiles per group, at both ends and in the middle."""
+    if not jax.devices()[0].platform == "gpu":
+        pytest.skip("needs a GPU")
+    m, k, n = 4096, 512, 1024
+    sizes = np.array([700, 0, 900, 300, 512, 600, 400, 500], np.int32)  # 3912 < m
+    kx, kw, kd = jax.random.split(jax.random.key(11), 3)
+    x = jax.random.normal(kx, (m, k), jnp.float32)
+    dy = jax.random.normal(kd, (m, n), jnp.float32)
+    for g, offset in ((4, 0), (4, 4), (3, 2), (1, 1)):
+        w = jax.random.normal(kw, (g, k, n), jnp.float32) / np.sqrt(k)
+
+        @functools.partial(jax.jit, static_argnums=5)
+        def run(x, w, sizes, offset, dy, project):
+            y, vjp = jax.vjp(lambda x, w: project(x, w, sizes, jnp.bfloat16,
+                                                   group_offset=offset), x, w)
+            return (y,) + vjp(dy.astype(y.dtype))
+
+        got = run(x, w, jnp.asarray(sizes), jnp.int32(offset), dy,
+                  functools.partial(grouped_projection, implementation=name))
+        want = run(x, w, jnp.asarray(sizes), jnp.int32(offset), dy,
+                   functools.partial(reference, precision=jax.lax.Precision.HIGHEST))
+        owner = _owner_of_rows(len(sizes), sizes, offset, g, m)
+        for label, a, b in zip(("y", "dx", "dkernel"), got, want):
+            parity.assert_close(a, b, dtype="bfloat16", what=f"{name} g={g} {offset} {label}")
+        assert not np.asarray(got[0], np.float32)[owner == g].any(), "foreign rows of y"

@@ -121,13 +121,13 @@ def gmm_planner(gmm: Callable, *, transpose_rhs: bool, out_dtype, shapes,
             offset = _offset(group_offset, offset_given, e_axes, rhs.shape[0])
             out = gmm(lhs, rhs, sizes, group_offset=offset,
                       out_dtype=jnp.float32 if c_axes else out_dtype)
-            if c_axes:
-                out = jax.lax.psum(out, c_axes)
-            # Over the expert axes every row has one non-zero term: exact in out's dtype.
+            # Over the expert axes every row has one non-zero term: exact in out's dtype,
+            # so they join the contraction's fp32 sum or, alone, sum in out_dtype.
+            summed = c_axes if scatter else c_axes + e_axes
+            if summed:
+                out = jax.lax.psum(out, summed)
             if scatter:
                 out = jax.lax.psum_scatter(out, e_axes, scatter_dimension=0, tiled=True)
-            elif e_axes:
-                out = jax.lax.psum(out, e_axes)
             return (out.astype(out_dtype),)
 
         return Plan(in_dims=((m_axes, c_axes), tuple(rhs), ((),), ()),
