@@ -13,9 +13,10 @@ gmm (forward, and dx = gmm(dy, kernel, transpose_rhs=True): the transposed weigh
   row, valid rows) is built on the device by a few tiny XLA ops before the kernel; the
   kernel reads three scalars per tile instead of unrolling a search over all groups (JAX's
   example kernel does the latter, which costs it most of the gap on g=128/256 shapes, see
-  docs/performance.md). Rows past the total form one extra pseudo-group whose tiles run the
-  same pipeline (against the last group's weights) and store zeros, so every output row is
-  written exactly once, by its owner, and no tile skips its pipeline.
+  docs/performance.md). Only the groups' own rows have tiles, and every tile runs its
+  pipeline (a tile that skipped it stalled the GPU, docs/performance.md); rows of no group
+  (past the total, or of other experts with group_offset) are zeroed by one select after
+  the kernel, run only when there are such rows.
   A persistent grid (one program per SM) walks (row tile, column tile) pairs in a planar
   snake of width grid_block_n column tiles, so concurrently running programs share weight
   and activation tiles in L2. Each tile runs a `stages`-deep TMA -> swizzled SMEM -> wgmma
@@ -25,9 +26,8 @@ gmm (forward, and dx = gmm(dy, kernel, transpose_rhs=True): the transposed weigh
   few rows before its first row rather than past the array end) so no load is out of
   bounds; the store uses only the group's own rows.
   With local experts (group_offset: rhs holds groups [offset, offset + g) of the global
-  group_sizes) the table holds only the local groups' tiles, from their first row on, and
-  the other rows are zeroed by one select after the kernel: a zero tile here would run
-  the whole k pipeline (see above), which for expert parallelism is most of the rows.
+  group_sizes) the table holds the local groups' tiles from their first row on; the other
+  rows, most of them under expert parallelism, cost that select and no matmul.
 
 tgmm (dkernel): one output tile (block_m x block_n of [k, n]) per (group, tile) pair; the
   contraction runs over the group's rows in steps of block_k starting at the group's first
@@ -260,31 +260,25 @@ def _row_tile_table(group_sizes: jax.Array, m: int, block_m: int, row_start=None
                     ) -> tuple[jax.Array, jax.Array]:
     """Per row tile (segment, load row, first row, valid rows) as int32 [4, T]; count [1].
 
-    Segments are the g groups and one extra for the rows past the total (stored as zeros).
-    A segment's tiles start at its first row rounded down to 8 (TMA loads and the swizzled
+    Segments are the g groups, the first starting at row_start (0 when None); rows of no
+    group get no tile (the caller zeroes them). A segment's tiles start at its first row rounded down to 8 (TMA loads and the swizzled
     SMEM tiles need 8-row alignment; m is padded to a multiple of 8), so a tile holds at
     most block_m rows of one segment and wastes at most 7 leading rows. The load row is
     clamped to m - block_m so no load leaves the array.
     T = (m + (g+1)(block_m+7)) // block_m + 1 bounds sum_s ceil((size_s + 7) / block_m).
-    With row_start (local experts) the groups start there and there is no zero segment:
-    only the groups' own tiles are listed (the caller zeroes the other rows).
     """
     if m % 8 or m < block_m:
         raise ValueError(f"_row_tile_table needs m % 8 == 0 and m >= block_m; got {m=}, {block_m=}")
     g = group_sizes.shape[0]
     starts, sizes = _group_bounds(group_sizes, m, row_start)
     seg_start, seg_end = starts, starts + sizes
-    if row_start is None:  # rows past the total: the zero segment, id g
-        seg_start = jnp.concatenate([seg_start, seg_end[-1:]])
-        seg_end = jnp.concatenate([seg_end, jnp.full((1,), m, jnp.int32)])
     seg_base = seg_start // 8 * 8
     seg_tiles = jnp.where(seg_end > seg_start, (seg_end - seg_base + block_m - 1) // block_m, 0)
     tile_end = jnp.cumsum(seg_tiles)
     tile_begin = tile_end - seg_tiles
     bound = (m + (g + 1) * (block_m + 7)) // block_m + 1
     t = jnp.arange(bound, dtype=jnp.int32)
-    seg = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"),
-                      seg_start.shape[0] - 1).astype(jnp.int32)
+    seg = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), g - 1).astype(jnp.int32)
     window = seg_base[seg] + (t - tile_begin[seg]) * block_m
     first = jnp.maximum(window, seg_start[seg])
     last = jnp.minimum(window + block_m, seg_end[seg])
@@ -354,9 +348,8 @@ def _gmm_kernel(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_rhs: bool):
                     if not delay:
                         plgpu.wgmma_wait(0)
 
-                # Every tile runs the same pipeline, the pseudo-group's too (against the
-                # last group's weights; its rows are zeroed below): a tile that skipped
-                # its pipeline is the suspect for the GPU-only stall with total < m.
+                # Every listed tile runs the whole pipeline: a tile that skipped it was
+                # the cause of a GPU-only stall (docs/performance.md).
                 rhs_spec = (
                     plgpu.BlockSpec((bn, bk), lambda kk: (ni, kk), delay_release=delay)
                     if transpose_rhs
@@ -374,7 +367,6 @@ def _gmm_kernel(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_rhs: bool):
                 return acc_ref[...]
 
             acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
-            acc = _zero_rows_from(acc, jnp.where(seg < g, bm, 0))
             _store_rows(acc, out_gmem, row0, rows, row0 - load0, ni * bn, bm, bn)
 
     return body
@@ -470,7 +462,7 @@ def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
                     def _(acc_ref):
                         run_pipeline(acc_ref)
-                        acc = _zero_rows_from(acc_ref[...], jnp.where(seg < g, bm, 0))
+                        acc = acc_ref[...]
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slot free again
                         _store_rows_from(acc, o_smem.at[wg], out_gmem, row0, rows,
                                          row0 - load0, ni * cta_n + wg * bn, bm, bn)
@@ -575,20 +567,15 @@ def gmm(
     sizes, row_start = local_groups(group_sizes, group_offset, g)
     out = _gmm_local(lhs_p, rhs_p, sizes, row_start, transpose_rhs=transpose_rhs,
                      out_dtype=out_dtype, bs=bs, interpret=interpret)[:m, :n]
-    if row_start is None:
-        return out
+    first = jnp.int32(0) if row_start is None else row_start
+    last = jnp.minimum(first + jnp.sum(sizes, dtype=jnp.int32), m)
     rows = jnp.arange(m, dtype=jnp.int32)[:, None]
-    mine = (rows >= row_start) & (rows < row_start + jnp.sum(sizes, dtype=jnp.int32))
-    return jnp.where(mine, out, jnp.zeros((), out_dtype))
+    return lax.cond((first > 0) | (last < m),
+                    lambda o: jnp.where((rows >= first) & (rows < last), o, jnp.zeros((), o.dtype)),
+                    lambda o: o, out)
 
 
 # --------------------------------------------------------------------------- tgmm
-
-
-def _zero_rows_from(acc, limit):
-    """The accumulator with rows >= limit (a dynamic scalar) set to zero (a select)."""
-    rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, acc.shape, 0), plgpu.Layout.WGMMA)
-    return jnp.where(rows < limit, acc, jnp.zeros_like(acc))
 
 
 def _mask_rows(ref, lo, hi, shape):
