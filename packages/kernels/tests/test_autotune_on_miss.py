@@ -150,7 +150,11 @@ def test_triton_tunes_under_jit_custom_vjp_and_shard_map_when_compiled_on_a_gpu(
     assert set(tuned) == {"pallas_triton:forward", "pallas_triton:dx", "pallas_triton:dkernel"}
     for impl, sel in tuned.items():
         assert sel.source == "autotune", (impl, sel)
-        assert [t.status for t in sel.tune.trials] == [autotune.OK, autotune.OK], (impl, sel.tune)
+        # The default runs; the table's first candidate runs or, where it needs more shared
+        # memory than this (CPU: any sm80+ GPU's 99 KiB) allows in fp32, is never built.
+        statuses = [t.status for t in sel.tune.trials]
+        assert statuses[0] == autotune.OK and len(statuses) == 2, (impl, sel.tune)
+        assert statuses[1] in (autotune.OK, autotune.DOES_NOT_FIT), (impl, sel.tune)
     assert len(_cache_files(tmp_path)) == 3
     # The next trace reads the cache: nothing is timed again.
     tuning_on.clear()

@@ -30,7 +30,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallasite.kernels import platform
 from pallasite.kernels import sharding
-from pallasite.kernels.grouped_matmul import config, tuning_benchmarks
+from pallasite.kernels.grouped_matmul import config, triton_fit, tuning_benchmarks
 from pallasite.kernels.grouped_matmul.group_metadata import (
     cdiv,
     group_offsets,
@@ -48,6 +48,11 @@ GMM_16BIT = config.TritonBlockSizes(128, 256, 64, group_m=8, num_warps=8, num_st
 TGMM_16BIT = config.TritonBlockSizes(64, 128, 128, group_m=1, num_warps=4, num_stages=3)
 TGMM_16BIT_LONG_GROUPS = config.TritonBlockSizes(64, 256, 128, group_m=1, num_warps=8,
                                                  num_stages=3)
+# GPUs with 99 KiB of shared memory per block (sm86, sm89; triton_fit): the gmm tile above
+# needs 144 KiB there. 128x128x32 with 4 stages (64 KiB) is the 128x128 tile the sweep
+# measured at 467 TFLOP/s on mixtral (H200), with a shorter k step; not measured on sm86/89.
+GMM_16BIT_99K = config.TritonBlockSizes(128, 128, 32, group_m=8, num_warps=4, num_stages=4)
+TGMM_16BIT_99K = config.TritonBlockSizes(64, 128, 64, group_m=1, num_warps=4, num_stages=3)
 # fp32 operands take twice the shared memory per stage: the 16-bit tiles ask 256 KiB where
 # sm90 has 227 KiB (seen failing on the H200). Smaller tiles, not yet tuned.
 GMM_32BIT = config.TritonBlockSizes(64, 128, 32, group_m=8, num_warps=4, num_stages=3)
@@ -56,16 +61,22 @@ DEFAULT = GMM_16BIT
 
 
 def default_block_sizes(*, product: str, m: int, k: int, n: int, g: int,
-                        dtype) -> config.TritonBlockSizes:
-    """The measured default for one product and operand width (see above); what a tuned
-    table entry must beat."""
+                        dtype, device=None) -> config.TritonBlockSizes:
+    """The measured default for one product and operand width (see above), the first that
+    fits the shared memory of `device` (default: JAX's first; off CUDA, every GPU from
+    sm80: platform.triton_shared_memory_budget); what a tuned table entry must beat."""
     del k, n
-    wide = jnp.dtype(dtype).itemsize > 2
+    itemsize = jnp.dtype(dtype).itemsize
+    wide = itemsize > 2
     if product != "dkernel":
-        return GMM_32BIT if wide else GMM_16BIT
-    if wide:
-        return TGMM_32BIT
-    return TGMM_16BIT_LONG_GROUPS if m >= 2048 * g else TGMM_16BIT
+        order = [GMM_32BIT] if wide else [GMM_16BIT, GMM_16BIT_99K]
+    elif wide:
+        order = [TGMM_32BIT]
+    else:
+        order = ([TGMM_16BIT_LONG_GROUPS] if m >= 2048 * g else []) + [TGMM_16BIT,
+                                                                       TGMM_16BIT_99K]
+    return triton_fit.first_fitting(order, itemsize, product,
+                                    platform.triton_shared_memory_budget(device))
 
 
 def resolve_block_sizes(block_sizes, *, product: str, m: int, k: int, n: int, g: int,
@@ -81,6 +92,8 @@ def resolve_block_sizes(block_sizes, *, product: str, m: int, k: int, n: int, g:
         product=product, dims={"m": m, "k": k, "n": n, "g": g}, dtype=dtype,
         default=default_block_sizes(product=product, m=m, k=k, n=n, g=g, dtype=dtype),
         tune_here=not interpret and platform.triton_runs(),
+        fits=lambda bs, shape: triton_fit.fits(bs, jnp.dtype(dtype).itemsize, product,
+                                               platform.triton_shared_memory_budget()),
     )
 
 

@@ -59,7 +59,7 @@ from jaxtyping import Array, Float
 from pallasite import tuning
 from pallasite.kernels import platform
 from pallasite.kernels import sharding
-from pallasite.kernels.ssd import tuning_benchmarks
+from pallasite.kernels.ssd import predicates, tuning_benchmarks
 
 F32 = jnp.float32
 
@@ -84,6 +84,24 @@ class BlockSizes:
 
 
 DEFAULT_BLOCK_SIZES = BlockSizes()
+# Where the default's programs do not fit the device's shared memory (p=64, n=128 needs
+# 104 KiB at block_m 64; sm86/sm89 have 99 KiB): 32-row blocks, 56 KiB there. The H200
+# sweep measured block_m 32 1.24 / 4.48 ms against the default's 0.96 / 2.70 (fwd /
+# fwd+bwd); not measured on sm86/89.
+SMALL_SMEM_BLOCK_SIZES = BlockSizes(block_m=predicates.TRITON_MIN_BLOCK_M)
+
+
+def fits(bs: BlockSizes, head_dim: int, state: int, device=None) -> bool:
+    """Whether `bs`'s programs fit `device`'s shared memory (platform's budget)."""
+    need = predicates.triton_program_bytes(head_dim, state, bs.block_m, bs.num_stages)
+    return need <= platform.triton_shared_memory_budget(device)
+
+
+def default_block_sizes(head_dim: int, state: int, device=None) -> BlockSizes:
+    """The measured default where it fits `device`'s shared memory, else 32-row blocks."""
+    if fits(DEFAULT_BLOCK_SIZES, head_dim, state, device):
+        return DEFAULT_BLOCK_SIZES
+    return SMALL_SMEM_BLOCK_SIZES
 
 
 def resolve_block_sizes(block_sizes: BlockSizes | None, chunk: int, *, x=None, b=None,
@@ -106,8 +124,9 @@ def resolve_block_sizes(block_sizes: BlockSizes | None, chunk: int, *, x=None, b
             measure = lambda: make(sys.modules[__name__], shape, dtype)  # noqa: E731
         block_sizes = tuning.select_block_sizes(
             "ssd", f"pallas_triton:{pass_name}", device_kind=tuning.device_kind(),
-            dtypes=(x.dtype,), shape=shape, config_type=BlockSizes, default=DEFAULT_BLOCK_SIZES,
-            measure=measure,
+            dtypes=(x.dtype,), shape=shape, config_type=BlockSizes,
+            default=default_block_sizes(p, shape["state"]), measure=measure,
+            fits=lambda bs, dims: fits(bs, dims["head_dim"], dims["state"]),
         ).config
     bs = block_sizes or DEFAULT_BLOCK_SIZES
     return dataclasses.replace(
