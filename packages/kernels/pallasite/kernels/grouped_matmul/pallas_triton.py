@@ -30,7 +30,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallasite.kernels import platform
 from pallasite.kernels import sharding
-from pallasite.kernels.grouped_matmul import config, triton_fit, tuning_benchmarks
+from pallasite.kernels.grouped_matmul import config, costs, triton_fit, tuning_benchmarks
 from pallasite.kernels.grouped_matmul.group_metadata import (
     cdiv,
     group_offsets,
@@ -94,18 +94,6 @@ def resolve_block_sizes(block_sizes, *, product: str, m: int, k: int, n: int, g:
         tune_here=not interpret and platform.triton_runs(),
         fits=lambda bs, shape: triton_fit.fits(bs, jnp.dtype(dtype).itemsize, product,
                                                platform.triton_shared_memory_budget()),
-    )
-
-
-def cost_estimate(m: int, k: int, n: int, operands, out_bytes: int) -> pl.CostEstimate:
-    """2*m*k*n flops (rows past the total are counted: the grid cannot know the total);
-    bytes = every operand and the result once, the compulsory traffic. Re-reads of
-    weight tiles by other row tiles mostly hit L2 (group_m swizzle), so they are left
-    out rather than guessed."""
-    return pl.CostEstimate(
-        flops=2 * m * k * n,
-        transcendentals=0,
-        bytes_accessed=sum(op.size * op.dtype.itemsize for op in operands) + out_bytes,
     )
 
 
@@ -206,11 +194,12 @@ def gmm(
         _gmm_kernel, bs=bs, m=m, k=k, n=n, num_groups=g, num_tiles=num_tiles,
         transpose_rhs=transpose_rhs,
     )
-    cost = cost_estimate(m, k, n, (meta.group, meta.start, meta.end, lhs, rhs),
-                         (m * n * out_dtype.itemsize))
+    out_shape = sharding.out_struct((m, n), out_dtype, like=lhs)
+    cost = costs.gmm(m, k, n, lhs.dtype, transpose_rhs=transpose_rhs,
+                     inputs=(meta.group, meta.start, meta.end, lhs, rhs), outputs=(out_shape,))
     return pl.pallas_call(
         kernel,
-        out_shape=sharding.out_struct((m, n), out_dtype, like=lhs),
+        out_shape=out_shape,
         grid=(num_tiles * cdiv(n, bs.block_n),),
         compiler_params=_params(bs),
         interpret=interpret,
@@ -262,10 +251,11 @@ def tgmm(
     offsets = jnp.minimum(offsets, m)  # a total past m (caller error) never reads past m
     kernel = functools.partial(_tgmm_kernel, bs=bs, k=k, n=n)
     tiles_k, tiles_n = cdiv(k, bs.block_k), cdiv(n, bs.block_n)
-    cost = cost_estimate(m, k, n, (offsets, lhs, rhs), g * k * n * out_dtype.itemsize)
+    out_shape = sharding.out_struct((g, k, n), out_dtype, like=lhs)
+    cost = costs.tgmm(m, k, n, lhs.dtype, inputs=(offsets, lhs, rhs), outputs=(out_shape,))
     return pl.pallas_call(
         kernel,
-        out_shape=sharding.out_struct((g, k, n), out_dtype, like=lhs),
+        out_shape=out_shape,
         grid=(g, tiles_k, tiles_n),
         compiler_params=_params(bs),
         interpret=interpret,
