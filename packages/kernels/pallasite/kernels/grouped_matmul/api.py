@@ -6,7 +6,9 @@ are compiled):
   cuda: pallas_mosaic_gpu (mosaic_gpu_runs: sm90, 16-bit compute, and
         mosaic_gpu_preferred: at least 256 rows per group on average), then pallas_triton
         (triton_runs: sm80+), then xla;
-  tpu:  pallas_mosaic_tpu, then xla;
+  tpu:  xla (pallas_mosaic_tpu runs by name only: no TPU benchmark has shown it ahead of
+        XLA, and an error that shows only when XLA compiles it would not be caught by the
+        fallback);
   else: xla, or pallas_triton through the interpreter when interpret_on_cpu=True.
 A multi-platform export cannot hold the kernels yet: JAX 0.11.2 lowers every branch of
 a platform_dependent for every platform (cond lowering), and a Triton or Mosaic
@@ -50,7 +52,9 @@ log = logging.getLogger(__name__)
 # on sm90 with 16-bit compute and long enough groups, Triton on sm80+, XLA anywhere). The
 # Mosaic GPU backend's whole GPU parity grid passes on the H200 (2026-11-30, issue 7).
 CUDA_ORDER = ["pallas_mosaic_gpu", "pallas_triton", "xla"]
-TPU_ORDER = ["pallas_mosaic_tpu", "xla"]
+# A backend joins a platform's default order only when a benchmark on that hardware shows
+# it ahead of XLA; the Mosaic TPU kernels have never run on a TPU, so they run by name.
+TPU_ORDER = ["xla"]
 IMPLEMENTATIONS = ops.BACKENDS
 
 # Which backend a bare block-size class belongs to (by class name: the Hopper backend's

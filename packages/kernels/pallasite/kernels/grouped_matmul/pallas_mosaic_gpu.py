@@ -74,7 +74,7 @@ from jaxtyping import Array, Int, Shaped
 
 from pallasite.kernels import platform
 from pallasite.kernels import sharding
-from pallasite.kernels.grouped_matmul import tuning_benchmarks
+from pallasite.kernels.grouped_matmul import costs, tuning_benchmarks
 from pallasite.kernels.grouped_matmul.group_metadata import group_offsets, local_groups
 
 # H200 SXM has 132 SMs; used when the default device does not report its core count.
@@ -484,16 +484,13 @@ def _gmm_local(lhs, rhs, group_sizes, row_start, *, transpose_rhs, out_dtype, bs
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     table, count = _row_tile_table(group_sizes, m, bs.block_m, row_start)
-    isz, osz = jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize
-    cost = pl.CostEstimate(
-        flops=2 * m * k * n,
-        transcendentals=0,
-        bytes_accessed=m * k * isz + g * k * n * isz + m * n * osz + table.size * 4 + 4,
-    )
+    out_type = sharding.out_struct((m, n), out_dtype, like=lhs)
+    cost = costs.gmm(m, k, n, lhs.dtype, transpose_rhs=transpose_rhs,
+                     inputs=(table, count, lhs, rhs), outputs=(out_type,))
     make = _gmm_kernel_warp_specialized if bs.warp_specialized else _gmm_kernel
     call = pl.kernel(
         make(m, k, n, g, bs, transpose_rhs),
-        out_type=sharding.out_struct((m, n), out_dtype, like=lhs),
+        out_type=out_type,
         mesh=_mesh(bs, interpret),
         compiler_params=_compiler_params(),
         interpret=_interpret_params(interpret),
@@ -763,16 +760,13 @@ def _tgmm_local(lhs, rhs, group_sizes, row_start, *, out_dtype, bs, interpret):
     n = rhs.shape[1]
     g = group_sizes.shape[0]
     starts, sizes = _group_bounds(group_sizes, m, row_start)
-    isz, osz = jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize
-    cost = pl.CostEstimate(
-        flops=2 * m * k * n,
-        transcendentals=0,
-        bytes_accessed=m * k * isz + m * n * isz + g * k * n * osz + 8 * g,
-    )
+    out_type = sharding.out_struct((g, k, n), out_dtype, like=lhs)
+    cost = costs.tgmm(m, k, n, lhs.dtype, inputs=(starts, sizes, lhs, rhs),
+                      outputs=(out_type,))
     make = _tgmm_kernel_warp_specialized if bs.warp_specialized else _tgmm_kernel
     call = pl.kernel(
         make(m, k, n, g, bs, lhs.dtype),
-        out_type=sharding.out_struct((g, k, n), out_dtype, like=lhs),
+        out_type=out_type,
         mesh=_mesh(bs, interpret),
         compiler_params=_compiler_params(),
         interpret=_interpret_params(interpret),

@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallasite.kernels import sharding
-from pallasite.kernels.grouped_matmul import config
+from pallasite.kernels.grouped_matmul import config, costs
 from pallasite.kernels.grouped_matmul.group_metadata import (
     cdiv,
     local_groups,
@@ -73,15 +73,6 @@ def _row_mask(tile, start, end, tm: int, width: int):
 
 def _interpret(interpret: bool):
     return pltpu.InterpretParams() if interpret else False
-
-
-def _cost(m, k, n, operands, out_bytes):
-    """2*m*k*n flops; bytes = every operand and the result once."""
-    return pl.CostEstimate(
-        flops=2 * m * k * n,
-        transcendentals=0,
-        bytes_accessed=sum(op.size * op.dtype.itemsize for op in operands) + out_bytes,
-    )
 
 
 def _gmm_kernel(group_ref, start_ref, end_ref, tile_ref, lhs_ref, rhs_ref, out_ref, acc_ref,
@@ -162,7 +153,9 @@ def gmm(
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         interpret=_interpret(interpret),
-        cost_estimate=_cost(mp, kp, np_, (*scalars, lhs, rhs), mp * np_ * out_dtype.itemsize),
+        cost_estimate=costs.gmm(mp, kp, np_, lhs.dtype, transpose_rhs=transpose_rhs,
+                                inputs=(*scalars, lhs, rhs),
+                                outputs=(jax.ShapeDtypeStruct((mp, np_), out_dtype),)),
         name="grouped_projection_gmm_dx" if transpose_rhs else "grouped_projection_gmm",
     )(*scalars, lhs, rhs)
     return out[:m, :n]
@@ -238,7 +231,8 @@ def tgmm(
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         interpret=_interpret(interpret),
-        cost_estimate=_cost(mp, kp, np_, (*scalars, lhs, rhs), g * kp * np_ * out_dtype.itemsize),
+        cost_estimate=costs.tgmm(mp, kp, np_, lhs.dtype, inputs=(*scalars, lhs, rhs),
+                                 outputs=(jax.ShapeDtypeStruct((g, kp, np_), out_dtype),)),
         name="grouped_projection_tgmm",
     )(*scalars, lhs, rhs)
     return out[:, :k, :n]

@@ -30,7 +30,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallasite.kernels import platform
 from pallasite.kernels import sharding
-from pallasite.kernels.grouped_matmul import config, tuning_benchmarks
+from pallasite.kernels.grouped_matmul import config, costs, triton_fit, tuning_benchmarks
 from pallasite.kernels.grouped_matmul.group_metadata import (
     cdiv,
     group_offsets,
@@ -49,6 +49,11 @@ GMM_16BIT = config.TritonBlockSizes(128, 256, 64, group_m=8, num_warps=8, num_st
 TGMM_16BIT = config.TritonBlockSizes(64, 128, 128, group_m=1, num_warps=4, num_stages=3)
 TGMM_16BIT_LONG_GROUPS = config.TritonBlockSizes(64, 256, 128, group_m=1, num_warps=8,
                                                  num_stages=3)
+# GPUs with 99 KiB of shared memory per block (sm86, sm89; triton_fit): the gmm tile above
+# needs 144 KiB there. 128x128x32 with 4 stages (64 KiB) is the 128x128 tile the sweep
+# measured at 467 TFLOP/s on mixtral (H200), with a shorter k step; not measured on sm86/89.
+GMM_16BIT_99K = config.TritonBlockSizes(128, 128, 32, group_m=8, num_warps=4, num_stages=4)
+TGMM_16BIT_99K = config.TritonBlockSizes(64, 128, 64, group_m=1, num_warps=4, num_stages=3)
 # fp32 operands take twice the shared memory per stage: the 16-bit tiles ask 256 KiB where
 # sm90 has 227 KiB (seen failing on the H200). Smaller tiles, not yet tuned.
 GMM_32BIT = config.TritonBlockSizes(64, 128, 32, group_m=8, num_warps=4, num_stages=3)
@@ -57,16 +62,22 @@ DEFAULT = GMM_16BIT
 
 
 def default_block_sizes(*, product: str, m: int, k: int, n: int, g: int,
-                        dtype) -> config.TritonBlockSizes:
-    """The measured default for one product and operand width (see above); what a tuned
-    table entry must beat."""
+                        dtype, device=None) -> config.TritonBlockSizes:
+    """The measured default for one product and operand width (see above), the first that
+    fits the shared memory of `device` (default: JAX's first; off CUDA, every GPU from
+    sm80: platform.triton_shared_memory_budget); what a tuned table entry must beat."""
     del k, n
-    wide = jnp.dtype(dtype).itemsize > 2
+    itemsize = jnp.dtype(dtype).itemsize
+    wide = itemsize > 2
     if product != "dkernel":
-        return GMM_32BIT if wide else GMM_16BIT
-    if wide:
-        return TGMM_32BIT
-    return TGMM_16BIT_LONG_GROUPS if m >= 2048 * g else TGMM_16BIT
+        order = [GMM_32BIT] if wide else [GMM_16BIT, GMM_16BIT_99K]
+    elif wide:
+        order = [TGMM_32BIT]
+    else:
+        order = ([TGMM_16BIT_LONG_GROUPS] if m >= 2048 * g else []) + [TGMM_16BIT,
+                                                                       TGMM_16BIT_99K]
+    return triton_fit.first_fitting(order, itemsize, product,
+                                    platform.triton_shared_memory_budget(device))
 
 
 def resolve_block_sizes(block_sizes, *, product: str, m: int, k: int, n: int, g: int,
@@ -82,18 +93,8 @@ def resolve_block_sizes(block_sizes, *, product: str, m: int, k: int, n: int, g:
         product=product, dims={"m": m, "k": k, "n": n, "g": g}, dtype=dtype,
         default=default_block_sizes(product=product, m=m, k=k, n=n, g=g, dtype=dtype),
         tune_here=not interpret and platform.triton_runs(),
-    )
-
-
-def cost_estimate(m: int, k: int, n: int, operands, out_bytes: int) -> pl.CostEstimate:
-    """2*m*k*n flops (rows past the total are counted: the grid cannot know the total);
-    bytes = every operand and the result once, the compulsory traffic. Re-reads of
-    weight tiles by other row tiles mostly hit L2 (group_m swizzle), so they are left
-    out rather than guessed."""
-    return pl.CostEstimate(
-        flops=2 * m * k * n,
-        transcendentals=0,
-        bytes_accessed=sum(op.size * op.dtype.itemsize for op in operands) + out_bytes,
+        fits=lambda bs, shape: triton_fit.fits(bs, jnp.dtype(dtype).itemsize, product,
+                                               platform.triton_shared_memory_budget()),
     )
 
 
@@ -200,11 +201,12 @@ def gmm(
         _gmm_kernel, bs=bs, m=m, k=k, n=n, num_groups=g, num_tiles=num_tiles,
         transpose_rhs=transpose_rhs,
     )
-    cost = cost_estimate(m, k, n, (meta.group, meta.start, meta.end, lhs, rhs),
-                         (m * n * out_dtype.itemsize))
+    out_shape = sharding.out_struct((m, n), out_dtype, like=lhs)
+    cost = costs.gmm(m, k, n, lhs.dtype, transpose_rhs=transpose_rhs,
+                     inputs=(meta.group, meta.start, meta.end, lhs, rhs), outputs=(out_shape,))
     return pl.pallas_call(
         kernel,
-        out_shape=sharding.out_struct((m, n), out_dtype, like=lhs),
+        out_shape=out_shape,
         grid=(num_tiles * cdiv(n, bs.block_n),),
         compiler_params=_params(bs),
         interpret=interpret,
@@ -259,10 +261,11 @@ def tgmm(
     offsets = jnp.minimum(offsets, m)  # a total past m (caller error) never reads past m
     kernel = functools.partial(_tgmm_kernel, bs=bs, k=k, n=n)
     tiles_k, tiles_n = cdiv(k, bs.block_k), cdiv(n, bs.block_n)
-    cost = cost_estimate(m, k, n, (offsets, lhs, rhs), g * k * n * out_dtype.itemsize)
+    out_shape = sharding.out_struct((g, k, n), out_dtype, like=lhs)
+    cost = costs.tgmm(m, k, n, lhs.dtype, inputs=(offsets, lhs, rhs), outputs=(out_shape,))
     return pl.pallas_call(
         kernel,
-        out_shape=sharding.out_struct((g, k, n), out_dtype, like=lhs),
+        out_shape=out_shape,
         grid=(g, tiles_k, tiles_n),
         compiler_params=_params(bs),
         interpret=interpret,

@@ -101,11 +101,12 @@ def benchmark(backend: ModuleType, product: str, dims: Mapping[str, int], dtype=
 
 def select_block_sizes(backend: ModuleType, name: str, config_type: type, block_sizes, *,
                        product: str, dims: Mapping[str, int], dtype, default,
-                       tune_here: bool):
+                       tune_here: bool, fits=None):
     """The GPU backends' one way to pick a product's blocks (pallasite.tuning's order):
     the caller's (which must be `config_type`), else the table / cache entry, else a
     bounded autotune with `benchmark` when `tune_here` (the kernel runs compiled on the
-    backend's GPU) and the caller gave none, else `default`."""
+    backend's GPU) and the caller gave none, else `default`. `fits(config, dims)`: the
+    backend's rule for table, cache and candidate configs (shared memory)."""
     chosen = config.for_product(block_sizes, product)
     if chosen is not None and not isinstance(chosen, config_type):
         raise TypeError(f"block_sizes for {name} must be {config_type.__name__}, got {chosen!r}")
@@ -115,5 +116,5 @@ def select_block_sizes(backend: ModuleType, name: str, config_type: type, block_
     return tuning.select_block_sizes(
         "grouped_projection", f"{name}:{product}", device_kind=tuning.device_kind(),
         dtypes=(dtype,), shape=dims, config_type=config_type, caller=chosen, default=default,
-        measure=measure,
+        measure=measure, fits=fits,
     ).config

@@ -59,7 +59,7 @@ from jaxtyping import Array, Float
 from pallasite import tuning
 from pallasite.kernels import platform
 from pallasite.kernels import sharding
-from pallasite.kernels.ssd import tuning_benchmarks
+from pallasite.kernels.ssd import costs, predicates, tuning_benchmarks
 
 F32 = jnp.float32
 
@@ -84,6 +84,24 @@ class BlockSizes:
 
 
 DEFAULT_BLOCK_SIZES = BlockSizes()
+# Where the default's programs do not fit the device's shared memory (p=64, n=128 needs
+# 104 KiB at block_m 64; sm86/sm89 have 99 KiB): 32-row blocks, 56 KiB there. The H200
+# sweep measured block_m 32 1.24 / 4.48 ms against the default's 0.96 / 2.70 (fwd /
+# fwd+bwd); not measured on sm86/89.
+SMALL_SMEM_BLOCK_SIZES = BlockSizes(block_m=predicates.TRITON_MIN_BLOCK_M)
+
+
+def fits(bs: BlockSizes, head_dim: int, state: int, device=None) -> bool:
+    """Whether `bs`'s programs fit `device`'s shared memory (platform's budget)."""
+    need = predicates.triton_program_bytes(head_dim, state, bs.block_m, bs.num_stages)
+    return need <= platform.triton_shared_memory_budget(device)
+
+
+def default_block_sizes(head_dim: int, state: int, device=None) -> BlockSizes:
+    """The measured default where it fits `device`'s shared memory, else 32-row blocks."""
+    if fits(DEFAULT_BLOCK_SIZES, head_dim, state, device):
+        return DEFAULT_BLOCK_SIZES
+    return SMALL_SMEM_BLOCK_SIZES
 
 
 def resolve_block_sizes(block_sizes: BlockSizes | None, chunk: int, *, x=None, b=None,
@@ -106,8 +124,9 @@ def resolve_block_sizes(block_sizes: BlockSizes | None, chunk: int, *, x=None, b
             measure = lambda: make(sys.modules[__name__], shape, dtype)  # noqa: E731
         block_sizes = tuning.select_block_sizes(
             "ssd", f"pallas_triton:{pass_name}", device_kind=tuning.device_kind(),
-            dtypes=(x.dtype,), shape=shape, config_type=BlockSizes, default=DEFAULT_BLOCK_SIZES,
-            measure=measure,
+            dtypes=(x.dtype,), shape=shape, config_type=BlockSizes,
+            default=default_block_sizes(p, shape["state"]), measure=measure,
+            fits=lambda bs, dims: fits(bs, dims["head_dim"], dims["state"]),
         ).config
     bs = block_sizes or DEFAULT_BLOCK_SIZES
     return dataclasses.replace(
@@ -145,10 +164,6 @@ def _check_inputs(x, a, b, c, state, state_name: str) -> None:
                 f"{name} = {v} (x {x.shape}, b {b.shape}) must be a power of 2 >= 16 "
                 "for the Triton kernels"
             )
-
-
-def _nbytes(*arrays) -> int:
-    return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in arrays))
 
 
 def _params(bs: BlockSizes):
@@ -192,11 +207,8 @@ def _chunk_state(u, v, w, bs: BlockSizes, interpret: bool):
         out_specs=pl.BlockSpec((None, None, None, p, n), lambda i, j, k: (i, j, k, 0, 0)),
         compiler_params=_params(bs),
         interpret=interpret,
-        cost_estimate=pl.CostEstimate(
-            flops=2 * bsz * nc * h * chunk * p * n + bsz * nc * h * chunk * n,
-            transcendentals=0,
-            bytes_accessed=_nbytes(u, v, w, out_shape),
-        ),
+        cost_estimate=costs.chunk_state(bsz * nc * h, chunk, p, n, u.dtype, inputs=(u, v, w),
+                                        outputs=(out_shape,)),
         name="ssd_chunk_state",
     )(u, v, w)
 
@@ -229,11 +241,8 @@ def _state_pass(local, decay, init, bs: BlockSizes, interpret: bool):
         out_specs=[seq, one],
         compiler_params=_params(bs),
         interpret=interpret,
-        cost_estimate=pl.CostEstimate(
-            flops=2 * local.size,
-            transcendentals=0,
-            bytes_accessed=_nbytes(local, decay, init, *shapes),
-        ),
+        cost_estimate=costs.state_pass(local.size, inputs=(local, decay, init),
+                                       outputs=shapes),
         name="ssd_state_pass",
     )(local, decay, init.astype(F32))
 
@@ -272,11 +281,9 @@ def _state_pass_reverse(dlocal, decay, states, dfinal, bs: BlockSizes, interpret
         out_specs=[seq, vec, one],
         compiler_params=_params(bs),
         interpret=interpret,
-        cost_estimate=pl.CostEstimate(
-            flops=4 * dlocal.size,
-            transcendentals=0,
-            bytes_accessed=_nbytes(dlocal, decay, states, dfinal, *shapes),
-        ),
+        cost_estimate=costs.state_pass_reverse(dlocal.size,
+                                               inputs=(dlocal, decay, states, dfinal),
+                                               outputs=shapes),
         name="ssd_state_pass_reverse",
     )(dlocal, decay, states, dfinal.astype(F32))
 
@@ -322,7 +329,6 @@ def _chunk_output(x, b, c, acs, states, bs: BlockSizes, interpret: bool):
     hpg, bm = h // g, bs.block_m
     out_shape = sharding.out_struct(x.shape, x.dtype, like=x)
     grp = pl.BlockSpec((None, None, chunk, None, n), lambda i, j, k, r: (i, j, 0, k // hpg, 0))
-    tri = bsz * nc * h * (chunk * (chunk + bm) // 2)  # causal tile entries computed
     return pl.pallas_call(
         functools.partial(_chunk_output_kernel, bm=bm),
         out_shape=out_shape,
@@ -337,11 +343,8 @@ def _chunk_output(x, b, c, acs, states, bs: BlockSizes, interpret: bool):
         out_specs=pl.BlockSpec((None, None, bm, None, p), lambda i, j, k, r: (i, j, r, k, 0)),
         compiler_params=_params(bs),
         interpret=interpret,
-        cost_estimate=pl.CostEstimate(
-            flops=tri * 2 * (n + p) + 2 * bsz * nc * h * chunk * p * n,
-            transcendentals=tri + bsz * nc * h * chunk,
-            bytes_accessed=_nbytes(x, b, c, acs, states, out_shape),
-        ),
+        cost_estimate=costs.chunk_output(bsz * nc * h, chunk, bm, p, n, x.dtype,
+                                         inputs=(x, b, c, acs, states), outputs=(out_shape,)),
         name="ssd_chunk_output",
     )(x, b, c, acs, states)
 
@@ -457,17 +460,6 @@ def _group_specs(x, b, bm):
     return heads, grp, acs, st, rows_heads, rows_grp, rows_acs
 
 
-def _bwd_cost(x, b, bm, matmuls_per_tile: int, arrays):
-    bsz, nc, chunk, h, p = x.shape
-    n = b.shape[4]
-    tri = bsz * nc * h * (chunk * (chunk + bm) // 2)
-    flops = tri * 2 * matmuls_per_tile * max(n, p) + 4 * bsz * nc * h * chunk * p * n
-    return pl.CostEstimate(
-        flops=flops, transcendentals=tri + bsz * nc * h * chunk,
-        bytes_accessed=_nbytes(*arrays),
-    )
-
-
 def _bwd_rows_j(x, dy, b, c, acs, grads, bs: BlockSizes, interpret: bool, db_dtype=None):
     bsz, nc, chunk, h, p = x.shape
     g = b.shape[3]
@@ -487,7 +479,8 @@ def _bwd_rows_j(x, dy, b, c, acs, grads, bs: BlockSizes, interpret: bool, db_dty
         out_specs=[rows_heads, rows_grp, rows_acs, rows_acs],
         compiler_params=_params(bs),
         interpret=interpret,
-        cost_estimate=_bwd_cost(x, b, bm, 4, (x, dy, b, c, acs, grads, *shapes)),
+        cost_estimate=costs.bwd_rows_j(bsz * nc * h, chunk, bm, p, b.shape[4], x.dtype,
+                                       inputs=(x, dy, b, c, acs, grads), outputs=shapes),
         name="ssd_bwd_rows_j",
     )(x, dy, b, c, acs, grads)
 
@@ -509,7 +502,8 @@ def _bwd_rows_i(x, dy, b, c, acs, states, bs: BlockSizes, interpret: bool, dc_dt
         out_specs=[rows_grp, rows_acs],
         compiler_params=_params(bs),
         interpret=interpret,
-        cost_estimate=_bwd_cost(x, b, bm, 3, (x, dy, b, c, acs, states, *shapes)),
+        cost_estimate=costs.bwd_rows_i(bsz * nc * h, chunk, bm, p, b.shape[4], x.dtype,
+                                       inputs=(x, dy, b, c, acs, states), outputs=shapes),
         name="ssd_bwd_rows_i",
     )(x, dy, b, c, acs, states)
 

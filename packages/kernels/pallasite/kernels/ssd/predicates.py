@@ -12,7 +12,7 @@ Two questions, kept apart:
 
 Admission today (see ADMITTED): the Pallas Triton kernels on a GPU from sm80, for the
 geometries GEOMETRY["pallas_triton"] builds (chunk 64-256, head_dim and state >= 16, the
-shared-memory budget). Measured on an H200 at chunk 256, head_dim 64, state 128 (the three
+device's shared memory per block). Measured on an H200 at chunk 256, head_dim 64, state 128 (the three
 TARGETS rows): 4.4x to 6.1x ahead of the XLA path, forward and forward+backward; smaller
 chunks run the same kernels with fewer tiles per row and are not separately measured. The
 Mosaic TPU kernel is correct (interpret parity, TPU lowering) but no TPU has measured it
@@ -59,13 +59,14 @@ class Geometry:
       at C=64 it is ~2x and falls with C^2 for the matmuls. The same argument holds on the
       GPU for a launch slice (the GPU owner may tighten it with measurements).
     budget_bytes: per program: VMEM (scoped default 16 MiB on v5e, 32 MiB on v6e; the
-      kernel asks for 32 MiB and we keep 16 as the safe figure) or Triton shared memory
-      (227 KiB per block on sm90).
+      kernel asks for 32 MiB and we keep 16 as the safe figure), or None for Triton: the
+      device's shared memory per block (platform.triton_shared_memory_budget: 163 KiB on
+      sm80, 99 KiB on sm86/sm89, 227 KiB on sm90; off CUDA, the smallest of them).
     """
 
     min_chunk: int
     max_chunk: int
-    budget_bytes: int
+    budget_bytes: int | None
     program_bytes: object  # (chunk, head_dim, state) -> bytes one program holds
     min_width: int = 8  # head_dim and state; Triton's tensor-core dots need 16
 
@@ -85,25 +86,37 @@ def _mosaic_tpu_bytes(chunk: int, head_dim: int, state: int) -> int:
     return 2 * blocks + head_dim * state * f32 + temps
 
 
-def _triton_bytes(chunk: int, head_dim: int, state: int) -> int:
+# The smallest row block the Triton kernels are admitted with (their BlockSizes.block_m):
+# a geometry is admitted where a program of this block fits the device's shared memory.
+TRITON_MIN_BLOCK_M = 32
+
+
+def triton_program_bytes(head_dim: int, state: int, block_m: int = 64,
+                         num_stages: int = 2) -> int:
     """Shared memory of the largest Triton program (the backward's rows-j kernel, issue 8).
 
-    The kernels never hold a [C, C] tile: they walk it in 64 x 64 blocks, so the chunk
-    length sets the trip count, not the footprint. Per program (bf16 operands): the row
-    block of x and B [64, p + n], two pipeline stages of the streamed C and dy blocks
-    [64, n + p], two [64, 64] tiles staged for the dots, and one head's state [p, n].
-    At p=64, n=128: 104 KiB, below sm90's 227 KiB (it compiled and ran on the H200);
-    p = n = 256 would need 336 KiB and is refused.
+    The kernels never hold a [C, C] tile: they walk it in block_m x block_m blocks, so the
+    chunk length sets the trip count, not the footprint. Per program (bf16 operands): the
+    row block of x and B [block_m, p + n], num_stages pipeline stages of the streamed C
+    and dy blocks [block_m, n + p], two [block_m, block_m] tiles staged for the dots, and
+    one head's state [p, n]. At p=64, n=128: 104 KiB with block_m 64 (it compiled and ran
+    on the H200: sm90 has 227 KiB), 56 KiB with block_m 32 (inside sm89's 99 KiB);
+    p = n = 256 needs 228 KiB even at block_m 32 and is refused everywhere.
     """
+    bf16 = 2
+    rows = block_m * (head_dim + state) * bf16
+    return rows + num_stages * rows + 2 * block_m * block_m * bf16 + head_dim * state * bf16
+
+
+def _triton_bytes(chunk: int, head_dim: int, state: int) -> int:
+    """The admission footprint: a program of the smallest admitted row block."""
     del chunk
-    bm, stages, bf16 = 64, 2, 2
-    rows = bm * (head_dim + state) * bf16
-    return rows + stages * rows + 2 * bm * bm * bf16 + head_dim * state * bf16
+    return triton_program_bytes(head_dim, state, TRITON_MIN_BLOCK_M)
 
 
 GEOMETRY: dict[str, Geometry] = {
     "pallas_mosaic_tpu": Geometry(64, 512, 16 * 1024 * 1024, _mosaic_tpu_bytes),
-    "pallas_triton": Geometry(64, 256, 227 * 1024, _triton_bytes, min_width=16),
+    "pallas_triton": Geometry(64, 256, None, _triton_bytes, min_width=16),
 }
 
 
@@ -111,8 +124,10 @@ def _power_of_two(value: int) -> bool:
     return value >= 1 and value & (value - 1) == 0
 
 
-def ssd_kernel_reason(chunk_size: int, head_dim: int, state_size: int, backend: str) -> str | None:
-    """None when `backend` can build this geometry; otherwise the reason it cannot."""
+def ssd_kernel_reason(chunk_size: int, head_dim: int, state_size: int, backend: str,
+                      device=None) -> str | None:
+    """None when `backend` can build this geometry; otherwise the reason it cannot.
+    `device` (default: JAX's first) sets the Triton shared-memory budget."""
     if backend not in GEOMETRY:
         return f"unknown SSD backend {backend!r}; known: {sorted(GEOMETRY)}"
     geo = GEOMETRY[backend]
@@ -128,14 +143,17 @@ def ssd_kernel_reason(chunk_size: int, head_dim: int, state_size: int, backend: 
     if chunk_size > geo.max_chunk:
         return f"chunk_size={chunk_size} > {geo.max_chunk}: [C, C] tiles exceed the program"
     need = geo.program_bytes(chunk_size, head_dim, state_size)
-    if need > geo.budget_bytes:
-        return f"one program needs {need} bytes > {backend} budget {geo.budget_bytes}"
+    budget = geo.budget_bytes or platform.triton_shared_memory_budget(device)
+    if need > budget:
+        return f"one program needs {need} bytes > {backend} budget {budget}"
     return None
 
 
-def ssd_kernel_runs(chunk_size: int, head_dim: int, state_size: int, backend: str) -> bool:
-    """Whether `backend` builds (chunk_size, head_dim, state_size) and it pays for a program."""
-    return ssd_kernel_reason(chunk_size, head_dim, state_size, backend) is None
+def ssd_kernel_runs(chunk_size: int, head_dim: int, state_size: int, backend: str,
+                    device=None) -> bool:
+    """Whether `backend` builds (chunk_size, head_dim, state_size) and it pays for a program
+    (on `device`'s shared memory, for Triton)."""
+    return ssd_kernel_reason(chunk_size, head_dim, state_size, backend, device) is None
 
 
 def _device_backend(device=None) -> str | None:
@@ -158,7 +176,8 @@ def ssd_kernel_platform(chunk_size: int, head_dim: int, state_size: int,
     backend = _device_backend(device)
     if backend is None:
         choice, why = None, f"no SSD kernel for {platform.device_generation(device)}"
-    elif (reason := ssd_kernel_reason(chunk_size, head_dim, state_size, backend)) is not None:
+    elif (reason := ssd_kernel_reason(chunk_size, head_dim, state_size, backend,
+                                      device)) is not None:
         choice, why = None, f"{backend} refused: {reason}"
     elif not ADMITTED[backend][0]:
         choice, why = None, f"{backend} not admitted: {ADMITTED[backend][1]}"
