@@ -33,6 +33,9 @@ def test_cli_smoke(tmp_path, capsys):
     triton = by[("grouped_projection.fwd", "pallas_triton")]
     assert triton.status == "ok" and triton.timing.startswith("parity only")
     assert triton.error_rel_l2 < 2e-2 and triton.steady_state_time is None
+    # Records carry the block sizes the compiled function chose; XLA chooses none.
+    assert json.loads(triton.block_sizes)["pallas_triton:forward"]["block_m"] > 0
+    assert by[("grouped_projection.fwd", "xla")].block_sizes == ""
     assert by[("chunk_ssd.fwd", "xla")].status == "ok"
     for r in recs:
         records.validate(r)

@@ -5,11 +5,13 @@ re-tuned where tuning runs), and unreadable cache files of any kind are misses."
 from __future__ import annotations
 
 import logging
+import types
 
 import jax.numpy as jnp
 import pytest
 
 from pallasite import tuning
+from pallasite.kernels import platform
 from pallasite.kernels.grouped_matmul import (
     GroupedProjectionBlockSizes,
     MosaicTpuBlockSizes,
@@ -17,6 +19,7 @@ from pallasite.kernels.grouped_matmul import (
     fit,
     grouped_projection,
     pallas_triton,
+    triton_fit,
 )
 from pallasite.kernels.ssd import predicates
 from pallasite.kernels.ssd import pallas_triton as ssd_triton
@@ -24,6 +27,8 @@ from pallasite.tuning import cache, configs, tables
 from pallasite.tuning import select as select_module
 
 HUGE = 2 ** 20
+H200 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H200", compute_capability="9.0")
+L4 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA L4", compute_capability="8.9")
 DIMS = {"m": 48, "k": 32, "n": 40, "g": 3}
 
 
@@ -40,12 +45,32 @@ def _inputs():
     MosaicTpuBlockSizes(tm=HUGE, tk=128, tn=128),
 ], ids=["huge", "too_many_stages", "dkernel_huge", "tpu_huge"])
 def test_a_caller_config_that_does_not_fit_is_named(blocks, monkeypatch):
-    """Checked before any backend runs (the XLA one is named), as on an sm90 GPU."""
-    monkeypatch.setattr(fit.platform, "device_generation", lambda device=None: "sm90")
+    """Checked before any backend runs (the XLA one is named), as on an sm90 GPU (whose
+    shared memory, from platform, a caller's config is held to)."""
+    monkeypatch.setattr(platform, "_default_device", lambda: H200)
     x, kernel, sizes = _inputs()
     with pytest.raises(ValueError, match="block_sizes .* does not fit"):
         grouped_projection(x, kernel, sizes, jnp.float32, implementation="xla",
                            block_sizes=blocks)
+
+
+def test_triton_shared_memory_budgets(monkeypatch):
+    """One footprint model (triton_fit) and platform's budgets: pallasite's own choices fit
+    every GPU off CUDA (99 KiB), a caller's config has no shared-memory limit there (only
+    the interpreter runs it); on a device both are its own."""
+    dims = {"m": 4096, "k": 1024, "n": 1024, "g": 8}
+    h200_tile = pallas_triton.GMM_16BIT  # 144 KiB in bf16
+    assert triton_fit.shared_memory_bytes(h200_tile, 2, "forward") == 144 * 1024
+    assert "shared memory" in fit.reason("pallas_triton", h200_tile, "forward", dims,
+                                         jnp.bfloat16)
+    assert fit.reason("pallas_triton", h200_tile, "forward", dims, jnp.bfloat16,
+                      caller=True) is None
+    for device, fits in ((H200, True), (L4, False)):
+        monkeypatch.setattr(platform, "_default_device", lambda d=device: d)
+        for caller in (False, True):
+            why = fit.reason("pallas_triton", h200_tile, "forward", dims, jnp.bfloat16,
+                             caller=caller)
+            assert (why is None) is fits, (device, caller, why)
 
 
 def test_configs_that_fit_pass():
@@ -153,3 +178,24 @@ def test_ssd_fit_rule():
                 ssd_triton.BlockSizes(num_warps=3), ssd_triton.BlockSizes(num_stages=0)):
         assert predicates.triton_block_sizes_reason(bad, 64, 16, 16) is not None
     assert predicates.triton_block_sizes_reason(ok, 64, 256, 256) is not None  # memory
+
+
+def test_ssd_fit_budgets(monkeypatch):
+    """p=64, n=128 at 64-row blocks: 104 KiB in bf16, 208 KiB in fp32. Off CUDA pallasite's
+    own choice fits every GPU (99 KiB: refused) while a caller's blocks have no limit; on
+    an H200 (227 KiB) both widths fit, on an L4 (99 KiB) neither does."""
+    ok = ssd_triton.BlockSizes()
+    assert predicates.triton_program_bytes(64, 128, 64) == 104 * 1024
+    assert predicates.triton_program_bytes(64, 128, 64, itemsize=4) == 208 * 1024
+    assert predicates.triton_block_sizes_reason(ok, 256, 64, 128) is not None
+    assert predicates.triton_block_sizes_reason(ok, 256, 64, 128, caller=True) is None
+    assert ssd_triton.default_block_sizes(64, 128) == ssd_triton.SMALL_SMEM_BLOCK_SIZES
+    for device, fits in ((H200, True), (L4, False)):
+        monkeypatch.setattr(platform, "_default_device", lambda d=device: d)
+        for itemsize in (2, 4):
+            for caller in (False, True):
+                why = predicates.triton_block_sizes_reason(ok, 256, 64, 128, caller=caller,
+                                                           itemsize=itemsize)
+                assert (why is None) is fits, (device, itemsize, caller, why)
+    # Blocks are clamped to the chunk: 64-row blocks at chunk 32 cost what 32-row ones do.
+    assert predicates.triton_block_sizes_reason(ok, 32, 64, 128) is None

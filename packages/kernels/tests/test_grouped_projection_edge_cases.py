@@ -1,6 +1,7 @@
 """grouped_projection edge cases: zero-size m, k, n; vmap over any operand subset;
-forward mode and higher orders; float64 under x64; non-finite weights; a single backend's
-own error; every spelling of a precision in ragged_dot_runs. CPU: the XLA path and the
+forward mode and higher orders; float64 under x64; non-finite weights; each of these with
+a group_offset (local experts) too; a single backend's own error; every spelling of a
+precision in ragged_dot_runs. CPU: the XLA path and the
 Pallas interpreters; the `gpu` tests run the compiled kernels on the same cases.
 """
 
@@ -224,6 +225,105 @@ def _check_rows(y, sizes):
     group2 = y[ends[1]:ends[2]]
     assert not np.isfinite(group2[:, 7]).any()
     assert np.isfinite(np.delete(group2, 7, axis=1)).all()
+
+
+# ------------------------------------------------------------------- group_offset
+# Local experts: kernel holds groups [2, 5) of six; rows of groups 0, 1 and 5 and the row
+# past the total are zero with zero gradient on every path above.
+
+OFFSET_SIZES = (5, 7, 9, 0, 14, 4)  # 39 of 40 rows; groups 2-4 are rows [12, 35)
+OFFSET, LOCAL = 2, slice(12, 35)
+
+
+def _offset_inputs(m=40, k=24, n=20):
+    x, kernel, _ = _inputs(m=m, k=k, n=n, g=3, sizes=(0, 0, 0))
+    return x, kernel, jnp.asarray(OFFSET_SIZES, jnp.int32)
+
+
+def _outside(y):
+    """The rows of no local group."""
+    return np.concatenate([np.asarray(y[:LOCAL.start], np.float32),
+                           np.asarray(y[LOCAL.stop:], np.float32)])
+
+
+@pytest.mark.parametrize("name", list(api.IMPLEMENTATIONS))
+@pytest.mark.parametrize("m,k,n", [(0, 24, 20), (40, 0, 20), (40, 24, 0)],
+                         ids=["m0", "k0", "n0"])
+def test_zero_size_with_group_offset(name, m, k, n):
+    x, kernel = jnp.ones((m, k), jnp.float32), jnp.ones((3, k, n), jnp.bfloat16)
+    sizes = (jnp.zeros((6,), jnp.int32) if m == 0 else jnp.asarray(OFFSET_SIZES, jnp.int32))
+    f = _project(name, jnp.bfloat16, group_offset=OFFSET)
+    y = f(x, kernel, sizes)
+    assert y.shape == (m, n) and y.dtype == jnp.bfloat16 and not np.asarray(y).any()
+    dx, dk = jax.grad(lambda x, k: jnp.sum(f(x, k, sizes).astype(jnp.float32) ** 2),
+                      argnums=(0, 1))(x, kernel)
+    assert dx.shape == x.shape and not np.asarray(dx).any()
+    assert dk.shape == kernel.shape and not np.asarray(dk, np.float32).any()
+
+
+def test_plain_path_honours_group_offset():
+    """jvp and second order (the plain-JAX path) with local experts agree with the
+    reference; rows of other groups are zero, in value, tangent and gradient."""
+    x, kernel, sizes = _offset_inputs()
+    f = lambda x, k: grouped_projection(x, k, sizes, jnp.float32, group_offset=OFFSET)  # noqa: E731
+    ref = lambda x, k: reference(x, k, sizes, jnp.float32, group_offset=OFFSET,  # noqa: E731
+                                 precision=jax.lax.Precision.HIGHEST)
+    dx, dk = jnp.cos(x), jnp.sin(kernel)
+    y, t = jax.jvp(f, (x, kernel), (dx, dk))
+    np.testing.assert_allclose(y, ref(x, kernel), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(t, ref(dx, kernel) + ref(x, dk), rtol=1e-5, atol=1e-5)
+    assert not _outside(y).any() and not _outside(t).any()
+
+    def second(fn):
+        inner = lambda x, k: jnp.sum(jax.grad(lambda x: jnp.sum(jnp.sin(fn(x, k))))(x) ** 2)  # noqa: E731
+        return jax.grad(inner, argnums=(0, 1))(x, kernel)
+
+    got, want = second(f), second(ref)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+    assert not _outside(got[0]).any()
+
+
+@pytest.mark.parametrize("name", ["xla", "pallas_triton"])
+def test_vmap_with_group_offset(name):
+    """vmap over x and a batched group_offset equals a loop of unbatched calls."""
+    x, kernel, sizes = _offset_inputs()
+    xs, offsets = jnp.stack([x, x * 0.5 + 1]), jnp.asarray([OFFSET, 0], jnp.int32)
+    f = lambda x, o: _project(name, group_offset=o)(x, kernel, sizes)  # noqa: E731
+    got = jax.vmap(f)(xs, offsets)
+    dk = jax.grad(lambda k: jnp.sum(jax.vmap(
+        lambda x, o: _project(name, group_offset=o)(x, k, sizes))(xs, offsets) ** 2))(kernel)
+    want_dk = 0.0
+    for j in range(2):
+        np.testing.assert_allclose(got[j], f(xs[j], offsets[j]), rtol=1e-6, atol=1e-6)
+        want_dk = want_dk + jax.grad(lambda k: jnp.sum(_project(name, group_offset=offsets[j])(
+            xs[j], k, sizes) ** 2))(kernel)
+    np.testing.assert_allclose(dk, want_dk, rtol=1e-5, atol=1e-5)
+
+
+def _check_offset_rows(y):
+    """Rows of no local group zero; global group 4 (rows [21, 35)) non-finite only in
+    column 7; global group 2 (rows [12, 21)) finite (the poisoned local group 1, global
+    group 3, is empty)."""
+    y = np.asarray(y, np.float32)
+    assert not _outside(y).any()
+    assert np.isfinite(y[12:21]).all()
+    group4 = y[21:35]
+    assert not np.isfinite(group4[:, 7]).any()
+    assert np.isfinite(np.delete(group4, 7, axis=1)).all()
+
+
+@pytest.mark.parametrize("name", ["pallas_triton", "pallas_mosaic_tpu", "plain"])
+@pytest.mark.parametrize("value", [np.nan, np.inf], ids=["nan", "inf"])
+def test_non_finite_weights_stay_in_their_group_with_group_offset(name, value):
+    x, kernel, sizes = _offset_inputs()
+    kernel = kernel.at[1, 3, 5].set(value).at[2, 0, 7].set(value)
+    if name == "plain":  # forward mode: the plain-JAX path
+        y, _ = jax.jvp(lambda x: grouped_projection(x, kernel, sizes, jnp.float32,
+                                                    group_offset=OFFSET), (x,), (x,))
+    else:
+        y = _project(name, group_offset=OFFSET)(x, kernel, sizes)
+    _check_offset_rows(y)
 
 
 # ------------------------------------------------------------------- one backend's error

@@ -288,3 +288,32 @@ def test_gpu_default_path_matches_sequential(length, groups):
     want = run(lambda *t: ssd_sequential(*(u.astype(jnp.float32) for u in t)))
     for what, g_, w_ in zip(("y", "final", "dx", "da", "db", "dc", "ds0"), got, want):
         parity.assert_close(g_, w_, dtype=jnp.bfloat16, what=what)
+
+
+def test_block_sizes_reach_their_backend(monkeypatch):
+    """chunk_ssd(block_sizes=) runs the named backend with them; others keep their own."""
+    from pallasite.kernels.ssd import pallas_mosaic_tpu, pallas_triton
+
+    seen = []
+    real = pallas_triton.forward
+
+    def spy(*args, block_sizes=None, **kw):
+        seen.append(block_sizes)
+        return real(*args, block_sizes=block_sizes, **kw)
+
+    monkeypatch.setattr(pallas_triton, "forward", spy)
+    x, a, b, c, _ = _inputs(length=128, p=16, n=16)
+    blocks = pallas_triton.BlockSizes(block_m=32, block_t=32)
+    y, final = chunk_ssd(x, a, b, c, chunk_size=64, implementation="pallas_triton",
+                         block_sizes=blocks)
+    y_ref, final_ref = chunk_ssd(x, a, b, c, chunk_size=64, implementation="xla",
+                                 block_sizes=blocks)
+    assert seen == [blocks]
+    np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(final, final_ref, rtol=1e-4, atol=1e-4)
+    seen.clear()
+    chunk_ssd(x, a, b, c, chunk_size=64, implementation="pallas_triton",
+              block_sizes=pallas_mosaic_tpu.BlockSizes())
+    assert seen == [None]
+    with pytest.raises(TypeError, match="block_sizes"):
+        chunk_ssd(x, a, b, c, chunk_size=64, block_sizes={"block_m": 16})

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pallasite.tuning import cache, select_block_sizes
+from pallasite.tuning import cache, recording, select_block_sizes
 from pallasite.tuning.autotune import COMPILE_ERROR, OK, SMEM_OVERFLOW, WRONG_RESULT
 from _toy import DEFAULT, SHAPE, Cfg, bench, entry, fits, table
 
@@ -255,3 +255,15 @@ def test_tunes_eagerly_while_jit_and_custom_vjp_trace_the_caller():
     # And the next trace reads the cache.
     under_jit(jnp.ones((2,)))
     assert seen.pop().source == "cache"
+
+
+def test_recording_collects_the_selections_made_inside_it():
+    select()
+    with recording() as outer:
+        select(caller=FAST)
+        with recording() as inner:
+            select()
+    select()
+    assert [(op, impl, sel.config, sel.source) for op, impl, sel in outer] == [
+        ("toy", "impl", FAST, "caller"), ("toy", "impl", DEFAULT, "default")]
+    assert [sel.source for _, _, sel in inner] == ["default"]

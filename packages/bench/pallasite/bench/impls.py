@@ -176,7 +176,8 @@ def _ssd_forward(impl, plat, chunk, block_sizes) -> Callable:
     from pallasite import kernels
 
     return lambda x, a, b, c, s: kernels.chunk_ssd(
-        x, a, b, c, chunk_size=chunk, initial_state=s, implementation=impl.name)
+        x, a, b, c, chunk_size=chunk, initial_state=s, implementation=impl.name,
+        block_sizes=block_sizes)
 
 
 def build_ssd(impl, case, plat, block_sizes=None) -> Callable:

@@ -37,7 +37,7 @@ class Record:
     device_kind: str
     device_count: int  # devices the measurement used
     mesh: str  # "data=2" style: the mesh axes the inputs were sharded over; "" one device
-    block_sizes: str  # JSON of the caller's block_sizes, "" for the tuned/default choice
+    block_sizes: str  # JSON of the block sizes used: the caller's, else {impl: config} chosen
     status: str
     reason: str = ""
     peer: bool = False

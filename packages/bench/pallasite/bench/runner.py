@@ -41,13 +41,16 @@ class Context:
         self._inputs: dict[ops.Case, list] = {}
         self.grads: dict[ops.Case, tuple | None] = {}
 
-    def base(self, case: ops.Case, impl: impls.Impl, status: str, **kw) -> Record:
+    def base(self, case: ops.Case, impl: impls.Impl, status: str, used: str = "",
+             **kw) -> Record:
+        """`used`: the block sizes the compiled function chose (`used_block_sizes`); the
+        caller's `--block-sizes` where given, since those are what ran."""
         block_sizes = self.options.get("block_sizes")
         return Record(
             kernel=case.kernel, implementation=impl.name, shape=case.shape, dtype=case.dtype,
             backend=self.platform.backend, device_kind=self.device.device_kind,
             device_count=case.devices, mesh=case.mesh_name,
-            block_sizes=json.dumps(block_sizes) if block_sizes else "",
+            block_sizes=json.dumps(block_sizes) if block_sizes else used,
             status=status, peer=impl.peer, flops=case.flops, bytes=case.bytes,
             roofline=self.roof.name, **self.env, **{"bound": self._bound(case), **kw})
 
@@ -67,6 +70,15 @@ class Context:
             self._inputs[case] = [placement.place(case, s) for s in [first] + [
                 ops.make_inputs(case, seed=s) for s in range(1, copies)]]
         return self._inputs[case]
+
+
+def used_block_sizes(selections) -> str:
+    """JSON {implementation: config fields} of the block sizes a traced function chose
+    (pallasite.tuning.recording), "" where it chose none (XLA paths, peers)."""
+    from pallasite.tuning import config_to_dict
+
+    used = {impl: dict(config_to_dict(sel.config)) for _, impl, sel in selections}
+    return json.dumps(used, sort_keys=True) if used else ""
 
 
 def _check(case, impl, ctx, inputs, outputs) -> ops.Error:
@@ -115,6 +127,7 @@ def _measure(case, impl, ctx) -> Record:
     sets = ctx.inputs(case)
     fn = impls.build(impl, case, ctx.platform, ctx.options)
     adapted = [impls.adapt(impl, case, s, ctx.options) for s in sets]
+    kw_used: dict = {}
     if impl.framework == "torch":
         sync = lambda _out: peers.torch_sync()  # noqa: E731
         import time
@@ -124,14 +137,18 @@ def _measure(case, impl, ctx) -> Record:
         sync(outputs)
         call, compile_s = fn, time.perf_counter() - start
     else:
+        from pallasite import tuning
+
         sync = harness.jax_sync
-        call, compile_s = harness.compile_jax(fn, adapted[0])
+        with tuning.recording() as selections:
+            call, compile_s = harness.compile_jax(fn, adapted[0])
+        kw_used["used"] = used_block_sizes(selections)
         outputs = call(adapted[0])
         sync(outputs)
     error = _check(case, impl, ctx, sets[0], outputs)
     kw = dict(compile_time=compile_s, input_copies=len(sets), error_max_abs=error.max_abs,
               error_mean_abs=error.mean_abs, error_rel_l2=error.rel_l2,
-              error_reference=error.reference)
+              error_reference=error.reference, **kw_used)
     status = "ok" if error.ok else "wrong"
     if impls.parity_only(impl, ctx.platform):
         return ctx.base(case, impl, status, timing="parity only (interpreter)",

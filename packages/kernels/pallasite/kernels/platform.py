@@ -24,6 +24,17 @@ _TPU_KINDS = (
 )
 
 
+# Shared memory one thread block may use (the opt-in maximum), KiB, per CUDA generation,
+# from the CUDA C Programming Guide's table of compute capabilities. Defaults and
+# admission follow these, not the H200's 227 KiB: an sm86 or sm89 GPU has 99 KiB.
+SHARED_MEMORY_KIB = {"sm80": 163, "sm86": 99, "sm87": 163, "sm89": 99, "sm90": 227,
+                     "sm100": 227, "sm120": 99}
+
+# VMEM one Mosaic TPU program may hold: the scoped default is 16 MiB on v5e, 32 MiB on
+# v6e; the kernels keep to the smaller, which every TPU generation has.
+TPU_VMEM_BYTES = 16 * 1024 * 1024
+
+
 def _default_device() -> Any:
     return jax.devices()[0]
 
@@ -74,3 +85,23 @@ def bf16_dot_runs(device: Any = None) -> bool:
     if device.platform in ("tpu", "cpu"):
         return True
     return triton_runs(device)
+
+
+def shared_memory_bytes(device: Any = None) -> int | None:
+    """Shared memory per thread block of a CUDA device, in bytes; None off CUDA. A CUDA
+    generation missing from SHARED_MEMORY_KIB gets the smallest budget listed."""
+    device = device if device is not None else _default_device()
+    if _cuda_capability(device) is None:
+        return None
+    kib = SHARED_MEMORY_KIB.get(device_generation(device), min(SHARED_MEMORY_KIB.values()))
+    return kib * 1024
+
+
+def triton_shared_memory_budget(device: Any = None) -> int:
+    """The shared memory a Triton block config may use: the device's, or where the device
+    is no CUDA GPU (the CPU interpreter, a lowering for a GPU not known here) the smallest
+    budget of any generation from sm80, so that the choice fits every GPU Triton runs on."""
+    own = shared_memory_bytes(device)
+    if own is not None:
+        return own
+    return min(kib for gen, kib in SHARED_MEMORY_KIB.items() if int(gen[2:]) >= 80) * 1024

@@ -3,7 +3,9 @@ fp32 building blocks every kernel backend is tested against.
 
 Math. Rows of `x[m, k]` are sorted by group; group i owns the next `group_sizes[i]` rows
 and multiplies them by `kernel[i]` (`[k, n]`). Rows past `sum(group_sizes)` belong to no
-group: their output is zero and so is their gradient.
+group: their output is zero and so is their gradient. With `group_offset` (local experts)
+`kernel` holds groups [group_offset, group_offset + g) of the G in `group_sizes`; rows of
+every other group are zero too, with zero gradient.
 
 Numerics contract (docs/grouped_projection.md): operands are cast to `compute`, products accumulate in fp32
 and round once to `compute`. The vjp takes the cotangent in `compute` and the rounded
@@ -72,13 +74,17 @@ def validate_grouped_projection(
     kernel: Shaped[Array, "..."],
     group_sizes: Shaped[Array, "..."],
     compute,
+    *,
+    group_offset=None,
 ) -> None:
     """Refuse bad input with a ValueError/TypeError naming the argument and its shape.
 
     Checks: x rank 2 and floating; kernel rank 3 `[g, k, n]` with g >= 1, floating, and k
-    equal to x's; group_sizes rank 1 of length g and dtype int32; compute a floating dtype.
-    Where group_sizes is concrete (not traced), negative entries and a total above m are
-    refused too. Kernels call this same function before building anything.
+    equal to x's; group_sizes rank 1 of length g (G >= g with a group_offset) and dtype
+    int32; group_offset an integer scalar, within [0, G - g] where it is concrete; compute
+    a floating dtype. Where group_sizes is concrete (not traced), negative entries and a
+    total above m are refused too. Kernels call this same function before building
+    anything.
     """
     xs, ks, gs = _shape(x), _shape(kernel), _shape(group_sizes)
     if len(xs) != 2:
@@ -91,10 +97,12 @@ def validate_grouped_projection(
         raise ValueError(
             f"x and kernel disagree on k: x shape {xs} (k={xs[1]}), kernel shape {ks} (k={ks[1]})"
         )
-    if len(gs) != 1 or gs[0] != ks[0]:
+    if group_offset is None and (len(gs) != 1 or gs[0] != ks[0]):
         raise ValueError(
             f"group_sizes must be rank 1 of length g={ks[0]} (kernel shape {ks}); got shape {gs}"
         )
+    if group_offset is not None:
+        _validate_group_offset(group_offset, gs, ks)
     if _dtype(group_sizes) != np.int32:
         raise TypeError(f"group_sizes must be int32; got {_dtype(group_sizes)} (shape {gs})")
     for name, a in (("x", x), ("kernel", kernel)):
@@ -115,6 +123,21 @@ def validate_grouped_projection(
             raise ValueError(
                 f"group_sizes sum to {total}, more than the m={xs[0]} rows of x (shape {xs})"
             )
+
+
+def _validate_group_offset(group_offset, gs, ks) -> None:
+    if len(gs) != 1 or gs[0] < ks[0]:
+        raise ValueError(
+            f"with group_offset, group_sizes must be rank 1 of length G >= g={ks[0]} (kernel "
+            f"shape {ks}); got shape {gs}")
+    if _shape(group_offset) != () or not jnp.issubdtype(_dtype(group_offset), jnp.integer):
+        raise TypeError(f"group_offset must be an integer scalar; got {group_offset!r}")
+    value = _static_values(group_offset)
+    if value is not None and not 0 <= int(value) <= gs[0] - ks[0]:
+        raise ValueError(
+            f"group_offset={int(value)}: kernel (shape {ks}) holds groups [group_offset, "
+            f"group_offset + {ks[0]}) of the G={gs[0]} in group_sizes, so it must lie in "
+            f"[0, {gs[0] - ks[0]}]")
 
 
 # ------------------------------------------------------------------ fp32 building blocks
@@ -265,6 +288,27 @@ _projection_ragged = _make_projection(gmm_reference, tgmm_reference)
 _projection_per_group = _make_projection(gmm_per_group, tgmm_per_group)
 
 
+def _with_offset(projection, x, kernel, group_sizes, group_offset, compute, precision):
+    """`projection` of local experts: groups [group_offset, group_offset + g) of
+    group_sizes. Written as one more leading group with zero weights over the rows of the
+    earlier groups, and a row mask, so the oracle needs no kernel of its own."""
+    if group_offset is None:
+        return projection(x, kernel, group_sizes, compute, precision)
+    g, total_groups = kernel.shape[0], group_sizes.shape[0]
+    sizes = group_sizes.astype(jnp.int32)
+    offset = jnp.asarray(group_offset, jnp.int32)
+    index = offset + jnp.arange(g, dtype=jnp.int32)
+    local = jnp.where((index >= 0) & (index < total_groups),
+                      sizes[jnp.clip(index, 0, total_groups - 1)], 0)
+    before = jnp.sum(jnp.where(jnp.arange(total_groups) < offset, sizes, 0))
+    head = jnp.zeros((1,) + kernel.shape[1:], kernel.dtype)
+    out = projection(x, jnp.concatenate([head, kernel]), jnp.concatenate([before[None], local]),
+                     compute, precision)
+    rows = jnp.arange(x.shape[0], dtype=jnp.int32)[:, None]
+    mine = (rows >= before) & (rows < before + jnp.sum(local))
+    return jnp.where(mine, out, jnp.zeros((), out.dtype))
+
+
 def grouped_projection(
     x: Float[Array, "m k"],
     kernel: Float[Array, "g k n"],
@@ -272,6 +316,7 @@ def grouped_projection(
     compute,
     *,
     precision=None,
+    group_offset=None,
 ) -> Float[Array, "m n"]:
     """`[m, n]` in `compute`: rows of each group times that group's kernel (ragged_dot form).
 
@@ -282,9 +327,11 @@ def grouped_projection(
     rounded once; rows past the total get zero dx, empty groups zero dkernel.
     `precision=None` is the default matmul precision (TF32 for fp32 on GPU), as the
     contract says; pass `jax.lax.Precision.HIGHEST` for an exact fp32 oracle.
+    group_offset: local experts (module docstring); None: kernel holds every group.
     """
-    validate_grouped_projection(x, kernel, group_sizes, compute)
-    return _projection_ragged(x, kernel, group_sizes, np.dtype(compute), precision)
+    validate_grouped_projection(x, kernel, group_sizes, compute, group_offset=group_offset)
+    return _with_offset(_projection_ragged, x, kernel, group_sizes, group_offset,
+                        np.dtype(compute), precision)
 
 
 def grouped_projection_per_group(
@@ -294,11 +341,13 @@ def grouped_projection_per_group(
     compute,
     *,
     precision=None,
+    group_offset=None,
 ) -> Float[Array, "m n"]:
     """`grouped_projection` written per group with a segment mask and dense dots.
 
     Same contract, values and gradients; independent of ragged_dot so each form checks the
     other. Work is O(g*m*k*n): small shapes only.
     """
-    validate_grouped_projection(x, kernel, group_sizes, compute)
-    return _projection_per_group(x, kernel, group_sizes, np.dtype(compute), precision)
+    validate_grouped_projection(x, kernel, group_sizes, compute, group_offset=group_offset)
+    return _with_offset(_projection_per_group, x, kernel, group_sizes, group_offset,
+                        np.dtype(compute), precision)

@@ -7,7 +7,7 @@ docs/tuning.md for the formats.
 from pallasite.tuning.autotune import Benchmark, Trial, TuneResult
 from pallasite.tuning.cache import autotune_enabled, cache_dir
 from pallasite.tuning.configs import config_from_dict, config_to_dict
-from pallasite.tuning.select import Selection, device_kind, select_block_sizes
+from pallasite.tuning.select import Selection, device_kind, recording, select_block_sizes
 from pallasite.tuning.tables import Table, load_table
 
 __all__ = [
@@ -22,5 +22,6 @@ __all__ = [
     "config_to_dict",
     "device_kind",
     "load_table",
+    "recording",
     "select_block_sizes",
 ]

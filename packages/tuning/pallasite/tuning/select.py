@@ -28,8 +28,10 @@ interpret mode or for a caller's config (docs/tuning.md).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import threading
 from typing import Any, Callable, Mapping, Sequence
 
 from pallasite.tuning import autotune as _autotune
@@ -99,7 +101,34 @@ def _candidate_configs(config_type: type, default: Any, candidates: Sequence[Any
     return list(dict.fromkeys(out))
 
 
-def select_block_sizes(
+_recorders = threading.local()
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect the (op, implementation, Selection) of every choice made on this thread in
+    the block: the block sizes a function traced there actually uses (the benchmark
+    records carry them). The tuner's own candidate runs, on its worker thread, are not
+    collected."""
+    used: list[tuple[str, str, Selection]] = []
+    outer = getattr(_recorders, "active", ())
+    _recorders.active = outer + (used,)
+    try:
+        yield used
+    finally:
+        _recorders.active = outer
+
+
+def select_block_sizes(op: str, implementation: str, **kwargs) -> Selection:
+    """Block sizes for one kernel call, and which source they came from (see module doc
+    and `_select`); noted by every `recording()` active on this thread."""
+    selection = _select(op, implementation, **kwargs)
+    for used in getattr(_recorders, "active", ()):
+        used.append((op, implementation, selection))
+    return selection
+
+
+def _select(
     op: str,
     implementation: str,
     *,

@@ -6,7 +6,9 @@ are compiled):
   cuda: pallas_mosaic_gpu (mosaic_gpu_runs: sm90, 16-bit compute, and
         mosaic_gpu_preferred: at least 256 rows per group on average), then pallas_triton
         (triton_runs: sm80+), then xla;
-  tpu:  pallas_mosaic_tpu, then xla;
+  tpu:  xla (pallas_mosaic_tpu runs by name only: no TPU benchmark has shown it ahead of
+        XLA, and an error that shows only when XLA compiles it would not be caught by the
+        fallback);
   else: xla, or pallas_triton through the interpreter when interpret_on_cpu=True.
 A multi-platform export cannot hold the kernels yet: JAX 0.11.2 lowers every branch of
 a platform_dependent for every platform (cond lowering), and a Triton or Mosaic
@@ -50,7 +52,9 @@ log = logging.getLogger(__name__)
 # on sm90 with 16-bit compute and long enough groups, Triton on sm80+, XLA anywhere). The
 # Mosaic GPU backend's whole GPU parity grid passes on the H200 (2026-11-30, issue 7).
 CUDA_ORDER = ["pallas_mosaic_gpu", "pallas_triton", "xla"]
-TPU_ORDER = ["pallas_mosaic_tpu", "xla"]
+# A backend joins a platform's default order only when a benchmark on that hardware shows
+# it ahead of XLA; the Mosaic TPU kernels have never run on a TPU, so they run by name.
+TPU_ORDER = ["xla"]
 IMPLEMENTATIONS = ops.BACKENDS
 
 # Which backend a bare block-size class belongs to (by class name: the Hopper backend's
@@ -100,10 +104,12 @@ def _refusal(name: str, compute, operands, interpret: bool, check_device: bool =
     return None
 
 
-def _slower_here(name: str, x, kernel) -> str | None:
+def _slower_here(name: str, x, group_sizes) -> str | None:
     """Why the default order passes over backend `name` although it could run (None: it
-    does not): a measured preference, not a capability, so a named backend ignores it."""
-    m, g = x.shape[0], kernel.shape[0]
+    does not): a measured preference, not a capability, so a named backend ignores it.
+    Rows per group count all G groups: with local experts (group_offset) the rows of the
+    kernel's own groups are about m / G each."""
+    m, g = x.shape[0], group_sizes.shape[0]
     if name == "pallas_mosaic_gpu" and not mosaic_gpu_preferred(m, g):
         return (f"pallas_mosaic_gpu: Triton is faster with m/g = {m}/{g} < "
                 f"{MOSAIC_GPU_MIN_ROWS_PER_GROUP} rows per group (mosaic_gpu_preferred)")
@@ -132,13 +138,13 @@ def _blocks_for(name: str, block_sizes):
     return block_sizes if _owner(block_sizes) == name else None
 
 
-def _run(name, x, kernel, group_sizes, compute, block_sizes, interpret):
-    return ops.project(x, kernel, group_sizes, name, np.dtype(compute),
+def _run(name, x, kernel, group_sizes, group_offset, compute, block_sizes, interpret):
+    return ops.project(x, kernel, group_sizes, group_offset, name, np.dtype(compute),
                        _blocks_for(name, block_sizes), interpret)
 
 
-def _try_in_order(names, x, kernel, group_sizes, compute, block_sizes, interpret, strict,
-                  check_device=True):
+def _try_in_order(names, x, kernel, group_sizes, group_offset, compute, block_sizes, interpret,
+                  strict, check_device=True):
     """Run the first backend of `names` that accepts; log each fallback; raise them all.
     With one name (or strict) that backend's own error is raised, not a group of one."""
     errors = []
@@ -147,7 +153,8 @@ def _try_in_order(names, x, kernel, group_sizes, compute, block_sizes, interpret
         try:
             if why is not None:
                 raise RuntimeError(why)
-            return _run(name, x, kernel, group_sizes, compute, block_sizes, interpret)
+            return _run(name, x, kernel, group_sizes, group_offset, compute, block_sizes,
+                        interpret)
         except Exception as e:  # noqa: BLE001 - every backend's failure is reported
             if strict or len(names) == 1:
                 raise
@@ -159,18 +166,18 @@ def _try_in_order(names, x, kernel, group_sizes, compute, block_sizes, interpret
         f"grouped_projection: every implementation failed: {list(names)}", errors)
 
 
-def _default(x, kernel, group_sizes, compute, block_sizes, interpret_on_cpu):
+def _default(x, kernel, group_sizes, group_offset, compute, block_sizes, interpret_on_cpu):
     def branch(names, interpret=False, check_device=True):
         names = [n for n in names if n == "xla" or _importable(n) is None]
 
-        def run(x, kernel, group_sizes):
+        def run(x, kernel, group_sizes, group_offset):
             for name in names:  # the predicates pick; xla always accepts
                 why = (_refusal(name, compute, (x, kernel), interpret, check_device)
-                       or _slower_here(name, x, kernel))
+                       or _slower_here(name, x, group_sizes))
                 if why is None:
                     return _try_in_order(names[names.index(name):], x, kernel, group_sizes,
-                                         compute, block_sizes, interpret, strict=False,
-                                         check_device=check_device)
+                                         group_offset, compute, block_sizes, interpret,
+                                         strict=False, check_device=check_device)
                 log.info("grouped_projection: skipping %s: %s", name, why)
             raise AssertionError("unreachable: xla always accepts")
 
@@ -178,7 +185,7 @@ def _default(x, kernel, group_sizes, compute, block_sizes, interpret_on_cpu):
 
     cpu = ["pallas_triton", "xla"] if interpret_on_cpu else ["xla"]
     return jax.lax.platform_dependent(
-        x, kernel, group_sizes,
+        x, kernel, group_sizes, group_offset,
         cuda=branch(CUDA_ORDER),
         tpu=branch(TPU_ORDER, check_device=False),
         cpu=branch(cpu, interpret=bool(interpret_on_cpu)),
@@ -219,7 +226,7 @@ def _plain_reason(x, kernel, compute) -> str | None:
     return autodiff.beyond_first_order(x, kernel)
 
 
-def _plain(why, implementation, x, kernel, group_sizes, compute):
+def _plain(why, implementation, x, kernel, group_sizes, group_offset, compute):
     """plain.project, unless the caller named only Pallas backends (then say why not)."""
     names = [implementation] if isinstance(implementation, str) else list(implementation or ["xla"])
     if "xla" not in names:
@@ -228,7 +235,7 @@ def _plain(why, implementation, x, kernel, group_sizes, compute):
                                "fp32; implementation='xla' sums in float64")
         raise autodiff.first_order_error("grouped_projection", ", ".join(names), why, "xla")
     log.info("grouped_projection: %s: the plain-JAX path", why)
-    return plain.project(x, kernel, group_sizes, compute)
+    return plain.project(x, kernel, group_sizes, compute, group_offset=group_offset)
 
 
 def grouped_projection(
@@ -238,6 +245,7 @@ def grouped_projection(
     compute,
     interpret_on_cpu: bool = False,
     *,
+    group_offset=None,
     implementation: str | Sequence[str] | None = None,
     block_sizes=None,
 ) -> Float[Array, "m n"]:
@@ -250,32 +258,43 @@ def grouped_projection(
     module docstring). block_sizes: a backend's BlockSizes (used by that backend only) or
     a GroupedProjectionBlockSizes per product; None: the backend's tuned default.
     interpret_on_cpu: on CPU, run the kernel through the Pallas interpreter (tests).
+    group_offset: local experts (expert parallelism). None: `kernel` holds every group of
+    `group_sizes`. Else an int (or int32 scalar, traced allowed, e.g. `axis_index * g`):
+    `kernel` holds groups [group_offset, group_offset + g) of the G >= g in
+    `group_sizes`, which still counts every sorted row of x; rows of other groups are
+    zero with zero gradient, and the kernels spend no matmul on them. Groups past G are
+    empty. Under jit with the kernel's group axis sharded, pallasite sets it per device
+    (docs/sharding.md).
 
     Zero-size m, k or n give zeros (no kernel runs). The backends differentiate in
     first-order reverse mode (jax.grad, jax.vjp, jax.linearize); forward mode (jax.jvp),
-    higher orders and float64 compute under x64 take the plain-JAX path (plain.py), or
-    fail naming 'xla' where only Pallas backends were named. group_sizes are not checked
-    when traced: docs/grouped_projection.md says what each backend does with negative or
-    oversized totals, and `checked_group_sizes` checks them under jax.experimental.checkify.
+    higher orders and float64 compute under x64 take the plain-JAX path (plain.py, which
+    honours group_offset too), or fail naming 'xla' where only Pallas backends were named.
+    group_sizes are not checked when traced: docs/grouped_projection.md says what each
+    backend does with negative or oversized totals, and `checked_group_sizes` checks them
+    under jax.experimental.checkify.
     """
-    validate_grouped_projection(x, kernel, group_sizes, compute)
+    validate_grouped_projection(x, kernel, group_sizes, compute, group_offset=group_offset)
     if implementation is not None:
         _check_names(implementation)
+    if group_offset is not None:
+        group_offset = jnp.asarray(group_offset, jnp.int32)
     if block_sizes is not None:
         _blocks_for("xla", block_sizes)  # a wrong type fails here, before any kernel
         _check_fit(block_sizes, x, kernel, compute)
     if 0 in x.shape or 0 in kernel.shape[1:]:
         return _zeros(x, kernel, compute)
     if (why := _plain_reason(x, kernel, compute)) is not None:
-        return _plain(why, implementation, x, kernel, group_sizes, compute)
+        return _plain(why, implementation, x, kernel, group_sizes, group_offset, compute)
     if implementation is None:
-        return _default(x, kernel, group_sizes, compute, block_sizes, interpret_on_cpu)
+        return _default(x, kernel, group_sizes, group_offset, compute, block_sizes,
+                        interpret_on_cpu)
     interpret = bool(interpret_on_cpu) and jax.default_backend() == "cpu"
     if isinstance(implementation, str):
-        return _try_in_order([implementation], x, kernel, group_sizes, compute, block_sizes,
-                             interpret, strict=True)
-    return _try_in_order(list(implementation), x, kernel, group_sizes, compute, block_sizes,
-                         interpret, strict=False)
+        return _try_in_order([implementation], x, kernel, group_sizes, group_offset, compute,
+                             block_sizes, interpret, strict=True)
+    return _try_in_order(list(implementation), x, kernel, group_sizes, group_offset, compute,
+                         block_sizes, interpret, strict=False)
 
 
 def _check_fit(block_sizes, x, kernel, compute) -> None:

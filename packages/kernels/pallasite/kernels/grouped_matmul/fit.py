@@ -1,15 +1,20 @@
 """Whether a block config fits a grouped product: one rule per backend.
 
-Every config (the caller's, the tuned table's, the autotune cache's, a tuning candidate)
-is checked here before a kernel is built with it (docs/tuning.md). A config that does not
-fit is refused: the caller's with a ValueError naming it, a table or cache entry passed
-over (logged, then re-tuned). Two things are checked:
+Every config (the caller's, the tuned table's, the autotune cache's, a tuning candidate,
+the default) is checked here before a kernel is built with it (docs/tuning.md). A config
+that does not fit is refused: the caller's with a ValueError naming it, a table or cache
+entry passed over (logged, then re-tuned). Two things are checked:
 - no tile is larger than its dimension needs (the dimension rounded up to the tile's
-  granule; 256 is always allowed, so defaults fit small shapes): a block of 2**20 rows would make the interpreters allocate terabytes and the
-  compiled kernels fail to build;
-- the buffers one program holds fit the backend's on-chip budget: Triton shared memory
-  for the device's generation (sm80 163 KiB, sm86/sm89 99 KiB, sm90 227 KiB; 99 KiB where
-  a CUDA generation not listed; none off CUDA, where only the interpreter runs), the Mosaic GPU kernel's own budget, 16 MiB of TPU VMEM.
+  granule; 256 is always allowed, so defaults fit small shapes): a block of 2**20 rows
+  would make the interpreters allocate terabytes and the compiled kernels fail to build;
+- the buffers one program holds fit the backend's on-chip budget. Triton: the shared
+  memory of triton_fit's model within the budget platform gives for the device's
+  generation (platform.SHARED_MEMORY_KIB). pallasite's own choices (default, table,
+  cache, candidates) are held to platform.triton_shared_memory_budget, which off CUDA is
+  the smallest GPU's, so that they fit every GPU; a caller's config to the device's own
+  (platform.shared_memory_bytes; no limit off CUDA, where only the interpreter runs it,
+  and a caller may be exporting for a larger GPU). Mosaic GPU: the kernel's own budget
+  (sm90's shared memory less its barriers). Mosaic TPU: platform.TPU_VMEM_BYTES.
 
 `reason(backend, config, product, dims, dtype)` says why not (None: it fits).
 Products: 'forward' gmm [m, k] x [k, n]; 'dx' gmm [m, n] x [n, k]; 'dkernel' tgmm.
@@ -22,10 +27,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from pallasite.kernels import platform
-
-SHARED_MEMORY = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm89": 99 * 1024,
-                 "sm90": 227 * 1024}
-TPU_VMEM = 16 * 1024 * 1024
+from pallasite.kernels.grouped_matmul import triton_fit
 
 
 # Tiles up to this size are allowed on any dimension, however small: the defaults and the
@@ -54,39 +56,35 @@ def _too_large(named: Mapping[str, tuple[int, int]]) -> str | None:
     return None
 
 
-def _shared_memory() -> int | None:
-    """The shared memory per block of this CUDA generation (99 KiB for one not listed);
-    None off CUDA, where the kernel can only run through the interpreter."""
-    generation = platform.device_generation()
-    if not generation.startswith("sm"):
-        return None
-    return SHARED_MEMORY.get(generation, 99 * 1024)
+def triton_budget(caller: bool = False, device=None) -> int | None:
+    """The shared memory a Triton config may use (module docstring): a caller's config
+    the device's own (None off CUDA: no limit), pallasite's own choices the budget that
+    fits every GPU they may run on."""
+    if caller:
+        return platform.shared_memory_bytes(device)
+    return platform.triton_shared_memory_budget(device)
 
 
-def triton_reason(bs, product: str, dims: Mapping[str, int], dtype) -> str | None:
-    rows, contraction, cols = _product_dims(product, dims)
-    width = np.dtype(dtype).itemsize
-    if product == "dkernel":  # a [block_k, block_n] tile of x^T dy, block_m rows a step
-        sizes = {"block_m": (bs.block_m, _pow2_ceil(rows, 16)),
-                 "block_k": (bs.block_k, _pow2_ceil(dims["k"], 16)),
-                 "block_n": (bs.block_n, _pow2_ceil(dims["n"], 16))}
-        stage = bs.block_m * (bs.block_k + bs.block_n) * width
-    else:
-        sizes = {"block_m": (bs.block_m, _pow2_ceil(rows, 16)),
-                 "block_k": (bs.block_k, _pow2_ceil(contraction, 16)),
-                 "block_n": (bs.block_n, _pow2_ceil(cols, 16))}
-        stage = bs.block_k * (bs.block_m + bs.block_n) * width
+def triton_reason(bs, product: str, dims: Mapping[str, int], dtype, *,
+                  caller: bool = False) -> str | None:
+    rows, contraction, cols = _product_dims(product, dims)  # dkernel: block_m steps m
+    sizes = {"block_m": (bs.block_m, _pow2_ceil(rows, 16)),
+             "block_k": (bs.block_k, _pow2_ceil(contraction, 16)),
+             "block_n": (bs.block_n, _pow2_ceil(cols, 16))}
     if (why := _too_large(sizes)) is not None:
         return why
     if bs.num_warps not in (1, 2, 4, 8, 16):
         return f"num_warps={bs.num_warps} is not 1, 2, 4, 8 or 16"
-    need, budget = bs.num_stages * stage, _shared_memory()
+    need = triton_fit.shared_memory_bytes(bs, np.dtype(dtype).itemsize, product)
+    budget = triton_budget(caller)
     if budget is not None and need > budget:
         return f"{bs.num_stages} stages need {need} bytes of shared memory > {budget}"
     return None
 
 
-def mosaic_gpu_reason(bs, product: str, dims: Mapping[str, int], dtype) -> str | None:
+def mosaic_gpu_reason(bs, product: str, dims: Mapping[str, int], dtype, *,
+                      caller: bool = False) -> str | None:
+    del caller  # one budget: the kernel runs on sm90 only
     from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu  # Hopper only
 
     rows, contraction, cols = _product_dims(product, dims)
@@ -106,7 +104,9 @@ def mosaic_gpu_reason(bs, product: str, dims: Mapping[str, int], dtype) -> str |
     return None
 
 
-def mosaic_tpu_reason(bs, product: str, dims: Mapping[str, int], dtype) -> str | None:
+def mosaic_tpu_reason(bs, product: str, dims: Mapping[str, int], dtype, *,
+                      caller: bool = False) -> str | None:
+    del caller  # one budget: the scoped VMEM every TPU generation has
     rows, contraction, cols = _product_dims(product, dims)
     if product == "dkernel":
         rows, contraction, cols = dims["k"], dims["m"], dims["n"]
@@ -118,8 +118,8 @@ def mosaic_tpu_reason(bs, product: str, dims: Mapping[str, int], dtype) -> str |
     if (why := _too_large(sizes)) is not None:
         return why
     need = (2 * (bs.tm * bs.tk + bs.tk * bs.tn + bs.tm * bs.tn) + bs.tm * bs.tn) * 4
-    if need > TPU_VMEM:
-        return f"tiles need {need} bytes of VMEM > {TPU_VMEM}"
+    if need > platform.TPU_VMEM_BYTES:
+        return f"tiles need {need} bytes of VMEM > {platform.TPU_VMEM_BYTES}"
     return None
 
 
@@ -127,14 +127,16 @@ REASONS = {"pallas_triton": triton_reason, "pallas_mosaic_gpu": mosaic_gpu_reaso
            "pallas_mosaic_tpu": mosaic_tpu_reason}
 
 
-def reason(backend: str, config, product: str, dims: Mapping[str, int], dtype) -> str | None:
-    """Why `config` cannot run `product` of this shape on `backend` (None: it fits)."""
+def reason(backend: str, config, product: str, dims: Mapping[str, int], dtype, *,
+           caller: bool = False) -> str | None:
+    """Why `config` cannot run `product` of this shape on `backend` (None: it fits).
+    caller: the caller's own config (Triton holds it to the device's shared memory)."""
     rule = REASONS.get(backend)
-    return None if rule is None else rule(config, product, dims, dtype)
+    return None if rule is None else rule(config, product, dims, dtype, caller=caller)
 
 
 def check_caller(backend: str, config, product: str, dims: Mapping[str, int], dtype) -> None:
     """ValueError naming the caller's config when it does not fit."""
-    if (why := reason(backend, config, product, dims, dtype)) is not None:
+    if (why := reason(backend, config, product, dims, dtype, caller=True)) is not None:
         raise ValueError(f"block_sizes {config!r} for {backend} does not fit the {product} "
                          f"product of m={dims['m']}, k={dims['k']}, n={dims['n']}: {why}")

@@ -15,11 +15,13 @@ call, in plain JAX (a few small int32 ops, cheap next to the matmul):
 
 The rows past `sum(group_sizes)` form one more pseudo-group, id `num_groups`, when
 `include_tail=True`, so the kernel writes zeros there (the contract) without a second
-pass over the output. `visit_empty=True` gives every empty group one empty visit, which
+pass over the output. With local experts (`group_offset`, see `local_groups`) the groups
+start at `row_start`; the rows before it are a second zero piece with the same id.
+`visit_empty=True` gives every empty group one empty visit, which
 a kernel reducing per group (tgmm) needs to write that group's zeros.
 
 The number of visits is data dependent, but bounded statically: at most
-`cdiv(m, tile) + num_groups + 1` (each of the `num_groups + 1` pieces adds at most one
+`cdiv(m, tile) + num_groups + 2` (each of the `num_groups + 2` pieces adds at most one
 partial tile). Visits past the real count repeat the last real visit's group and tile
 with an empty row range, so a kernel that revisits an output block keeps it resident
 and a per-group reduction does not close early.
@@ -50,13 +52,38 @@ def cdiv(a: int, b: int) -> int:
 
 def num_visits(m: int, num_groups: int, tile: int) -> int:
     """The static bound on visits: the grid size of a grouped kernel."""
-    return cdiv(m, tile) + num_groups + 1
+    return cdiv(m, tile) + num_groups + 2
 
 
-def group_offsets(group_sizes: Int[Array, "g"]) -> Int[Array, "g1"]:
-    """[0, s0, s0+s1, ...]: where each group starts, and the total last."""
+def group_offsets(group_sizes: Int[Array, "g"], row_start=None) -> Int[Array, "g1"]:
+    """[r, r+s0, r+s0+s1, ...] with r = row_start (0 when None): where each group starts,
+    and where the last one ends."""
     ends = jnp.cumsum(group_sizes.astype(jnp.int32), dtype=jnp.int32)
-    return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+    return offsets if row_start is None else offsets + jnp.asarray(row_start, jnp.int32)
+
+
+def local_groups(group_sizes: Int[Array, "G"], group_offset, num_groups: int):
+    """The sizes of groups [group_offset, group_offset + num_groups) of `group_sizes` and
+    the row where the first of them starts: (int32 [num_groups], int32 scalar), or
+    (group_sizes, None) when group_offset is None (all groups, from row 0).
+
+    This is how a kernel holding only some experts' weights (expert parallelism) sees the
+    global sorted rows: its groups are contiguous, from row_start on; every other row
+    belongs to no local group (zero output, never read by tgmm). Indices outside
+    [0, G) are empty groups, so a traced offset never reads out of bounds."""
+    if group_offset is None:
+        return group_sizes, None
+    sizes = group_sizes.astype(jnp.int32)
+    starts = jnp.cumsum(sizes) - sizes
+    index = jnp.asarray(group_offset, jnp.int32) + jnp.arange(num_groups, dtype=jnp.int32)
+    inside = (index >= 0) & (index < sizes.shape[0])
+    picked = jnp.clip(index, 0, sizes.shape[0] - 1)
+    local = jnp.where(inside, sizes[picked], 0)
+    total = jnp.sum(sizes)
+    first = jnp.where(index[0] < 0, 0,
+                      jnp.where(index[0] >= sizes.shape[0], total, starts[picked[0]]))
+    return local.astype(group_sizes.dtype), first.astype(jnp.int32)
 
 
 def make_group_metadata(
@@ -67,16 +94,22 @@ def make_group_metadata(
     aligned: bool,
     include_tail: bool,
     visit_empty: bool = False,
+    row_start=None,
 ) -> GroupMetadata:
-    """The visits of a grouped kernel over `m` rows in tiles of `tile` rows."""
+    """The visits of a grouped kernel over `m` rows in tiles of `tile` rows; the groups
+    start at row `row_start` (0 when None)."""
     num_groups = group_sizes.shape[0]
-    offsets = group_offsets(group_sizes)
+    offsets = group_offsets(group_sizes, row_start)
+    first_row = jnp.minimum(offsets[0], m)
     total = jnp.minimum(offsets[-1], m)
     starts = jnp.minimum(offsets[:-1], m)
     ends = jnp.minimum(offsets[1:], m)
-    if include_tail:  # rows past the total: one more piece, id num_groups
-        starts = jnp.concatenate([starts, total[None]])
-        ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
+    ids = jnp.arange(num_groups, dtype=jnp.int32)
+    if include_tail:  # rows before the groups and past them: zero pieces, id num_groups
+        zero = jnp.zeros((1,), jnp.int32)
+        starts = jnp.concatenate([zero, starts, total[None]])
+        ends = jnp.concatenate([first_row[None], ends, jnp.full((1,), m, jnp.int32)])
+        ids = jnp.concatenate([zero + num_groups, ids, zero + num_groups])
     sizes = ends - starts
 
     if aligned:
@@ -112,7 +145,7 @@ def make_group_metadata(
     tile_id = jnp.clip(tile_id, 0, max(cdiv(m, tile) - 1, 0))
     return GroupMetadata(
         offsets=offsets,
-        group=piece,
+        group=ids[piece],
         start=start.astype(jnp.int32),
         end=end.astype(jnp.int32),
         tile=tile_id.astype(jnp.int32),

@@ -39,23 +39,37 @@ def backend(name: str) -> ModuleType:
     return importlib.import_module(f"pallasite.kernels.grouped_matmul.{name}")
 
 
-def _gmm(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, name, block_sizes, interpret):
+def _offset_operand(group_offset):
+    """(the scalar operand, whether the caller gave one): `run` takes arrays only, and a
+    missing offset must stay statically absent (all groups, the backends' plain path)."""
+    if group_offset is None:
+        return jnp.zeros((), jnp.int32), False
+    return group_offset, True
+
+
+def _gmm(lhs, rhs, group_sizes, group_offset, *, transpose_rhs, out_dtype, name, block_sizes,
+         interpret):
+    offset, given = _offset_operand(group_offset)
     local = functools.partial(backend(name).gmm, transpose_rhs=transpose_rhs,
                               block_sizes=block_sizes, interpret=interpret)
     planner = layouts.gmm_planner(local, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
-                                  shapes=(lhs.shape, rhs.shape))
+                                  shapes=(lhs.shape, rhs.shape), offset_given=given)
     rule = layouts.GMM_TRANSPOSED_RULE if transpose_rhs else layouts.GMM_RULE
-    out, = sharding.run(planner, (lhs, rhs, group_sizes), rule=rule, reduction_factors=("c",),
-                        **sharding.backend_options(name, interpret))
+    out, = sharding.run(planner, (lhs, rhs, group_sizes, offset), rule=rule,
+                        reduction_factors=("c", "e"), **sharding.backend_options(name, interpret))
     return out
 
 
-def _tgmm(lhs, rhs, group_sizes, *, out_dtype, name, block_sizes, interpret):
-    local = functools.partial(backend(name).tgmm, num_groups=group_sizes.shape[0],
-                              block_sizes=block_sizes, interpret=interpret)
-    planner = layouts.tgmm_planner(local, out_dtype=out_dtype, shapes=(lhs.shape, rhs.shape))
-    out, = sharding.run(planner, (lhs, rhs, group_sizes), rule=layouts.TGMM_RULE,
-                        reduction_factors=("m",), **sharding.backend_options(name, interpret))
+def _tgmm(lhs, rhs, group_sizes, group_offset, kernel, *, out_dtype, name, block_sizes,
+          interpret):
+    offset, given = _offset_operand(group_offset)
+    local = functools.partial(backend(name).tgmm, block_sizes=block_sizes, interpret=interpret)
+    planner = layouts.tgmm_planner(local, out_dtype=out_dtype,
+                                   shapes=(lhs.shape, rhs.shape, kernel.shape),
+                                   offset_given=given)
+    out, = sharding.run(planner, (lhs, rhs, group_sizes, offset, kernel), rule=layouts.TGMM_RULE,
+                        reduction_factors=("m", "p", "q"),
+                        **sharding.backend_options(name, interpret))
     return out
 
 
@@ -65,33 +79,35 @@ def _summed(ct_sources, primal, dtype):
     return jnp.float32 if sharding.needs_sum(ct_sources, primal) else dtype
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def project(x, kernel, group_sizes, name, compute, block_sizes, interpret):
-    """grouped projection through backend `name`; see the module docstring."""
-    out, _ = _project_fwd(x, kernel, group_sizes, name, compute, block_sizes, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def project(x, kernel, group_sizes, group_offset, name, compute, block_sizes, interpret):
+    """grouped projection through backend `name`; see the module docstring. group_offset:
+    None, or the int32 index in group_sizes of kernel's first group."""
+    out, _ = _project_fwd(x, kernel, group_sizes, group_offset, name, compute, block_sizes,
+                          interpret)
     return out
 
 
-def _project_fwd(x, kernel, group_sizes, name, compute, block_sizes, interpret):
+def _project_fwd(x, kernel, group_sizes, group_offset, name, compute, block_sizes, interpret):
     xc, kc = x.astype(compute), kernel.astype(compute)
-    out = _gmm(xc, kc, group_sizes, transpose_rhs=False, out_dtype=compute, name=name,
-               block_sizes=block_sizes, interpret=interpret)
+    out = _gmm(xc, kc, group_sizes, group_offset, transpose_rhs=False, out_dtype=compute,
+               name=name, block_sizes=block_sizes, interpret=interpret)
     # Input dtypes ride along as empty arrays (residuals must be pytrees of arrays).
     protos = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), kernel.dtype))
-    return out, (xc, kc, group_sizes, protos)
+    return out, (xc, kc, group_sizes, group_offset, protos)
 
 
 def _project_bwd(name, compute, block_sizes, interpret, residuals, dy):
-    xc, kc, group_sizes, (x_proto, k_proto) = residuals
+    xc, kc, group_sizes, group_offset, (x_proto, k_proto) = residuals
     dy = dy.astype(compute)
     common = dict(name=name, block_sizes=block_sizes, interpret=interpret)
-    dx = _gmm(dy, kc, group_sizes, transpose_rhs=True,
+    dx = _gmm(dy, kc, group_sizes, group_offset, transpose_rhs=True,
               out_dtype=_summed((dy, kc, group_sizes), xc, x_proto.dtype), **common)
-    dk = _tgmm(xc, dy, group_sizes,
+    dk = _tgmm(xc, dy, group_sizes, group_offset, kc,
                out_dtype=_summed((xc, dy, group_sizes), kc, k_proto.dtype), **common)
     dx = sharding.cotangent_like(dx, xc).astype(x_proto.dtype)
     dk = sharding.cotangent_like(dk, kc).astype(k_proto.dtype)
-    return dx, dk, None
+    return dx, dk, None, None
 
 
 project.defvjp(_project_fwd, _project_bwd)

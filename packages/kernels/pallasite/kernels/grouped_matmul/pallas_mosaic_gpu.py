@@ -13,9 +13,10 @@ gmm (forward, and dx = gmm(dy, kernel, transpose_rhs=True): the transposed weigh
   row, valid rows) is built on the device by a few tiny XLA ops before the kernel; the
   kernel reads three scalars per tile instead of unrolling a search over all groups (JAX's
   example kernel does the latter, which costs it most of the gap on g=128/256 shapes, see
-  docs/performance.md). Rows past the total form one extra pseudo-group whose tiles run the
-  same pipeline (against the last group's weights) and store zeros, so every output row is
-  written exactly once, by its owner, and no tile skips its pipeline.
+  docs/performance.md). Only the groups' own rows have tiles, and every tile runs its
+  pipeline (a tile that skipped it stalled the GPU, docs/performance.md); rows of no group
+  (past the total, or of other experts with group_offset) are zeroed by one select after
+  the kernel, run only when there are such rows.
   A persistent grid (one program per SM) walks (row tile, column tile) pairs in a planar
   snake of width grid_block_n column tiles, so concurrently running programs share weight
   and activation tiles in L2. Each tile runs a `stages`-deep TMA -> swizzled SMEM -> wgmma
@@ -24,6 +25,9 @@ gmm (forward, and dx = gmm(dy, kernel, transpose_rhs=True): the transposed weigh
   The TMA load window is clamped into [0, m) (a short last tile of the last group reads a
   few rows before its first row rather than past the array end) so no load is out of
   bounds; the store uses only the group's own rows.
+  With local experts (group_offset: rhs holds groups [offset, offset + g) of the global
+  group_sizes) the table holds the local groups' tiles from their first row on; the other
+  rows, most of them under expert parallelism, cost that select and no matmul.
 
 tgmm (dkernel): one output tile (block_m x block_n of [k, n]) per (group, tile) pair; the
   contraction runs over the group's rows in steps of block_k starting at the group's first
@@ -70,7 +74,8 @@ from jaxtyping import Array, Int, Shaped
 
 from pallasite.kernels import platform
 from pallasite.kernels import sharding
-from pallasite.kernels.grouped_matmul import tuning_benchmarks
+from pallasite.kernels.grouped_matmul import costs, tuning_benchmarks
+from pallasite.kernels.grouped_matmul.group_metadata import group_offsets, local_groups
 
 # H200 SXM has 132 SMs; used when the default device does not report its core count.
 _DEFAULT_NUM_SMS = 132
@@ -244,18 +249,19 @@ def _fit_block(dim: int, block: int) -> int:
     return block
 
 
-def _group_bounds(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
-    """Start and clamped size of each group; totals past m are cut at m."""
-    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
-    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-    return starts, ends - starts
+def _group_bounds(group_sizes: jax.Array, m: int, row_start=None) -> tuple[jax.Array, jax.Array]:
+    """Start and clamped size of each group, the first from row_start (0 when None);
+    totals past m are cut at m."""
+    offsets = jnp.minimum(group_offsets(group_sizes, row_start), m)
+    return offsets[:-1], offsets[1:] - offsets[:-1]
 
 
-def _row_tile_table(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, jax.Array]:
+def _row_tile_table(group_sizes: jax.Array, m: int, block_m: int, row_start=None
+                    ) -> tuple[jax.Array, jax.Array]:
     """Per row tile (segment, load row, first row, valid rows) as int32 [4, T]; count [1].
 
-    Segments are the g groups and one extra for the rows past the total (stored as zeros).
-    A segment's tiles start at its first row rounded down to 8 (TMA loads and the swizzled
+    Segments are the g groups, the first starting at row_start (0 when None); rows of no
+    group get no tile (the caller zeroes them). A segment's tiles start at its first row rounded down to 8 (TMA loads and the swizzled
     SMEM tiles need 8-row alignment; m is padded to a multiple of 8), so a tile holds at
     most block_m rows of one segment and wastes at most 7 leading rows. The load row is
     clamped to m - block_m so no load leaves the array.
@@ -264,17 +270,15 @@ def _row_tile_table(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.A
     if m % 8 or m < block_m:
         raise ValueError(f"_row_tile_table needs m % 8 == 0 and m >= block_m; got {m=}, {block_m=}")
     g = group_sizes.shape[0]
-    starts, sizes = _group_bounds(group_sizes, m)
-    total = starts[-1] + sizes[-1]
-    seg_start = jnp.concatenate([starts, total[None]])
-    seg_end = jnp.concatenate([starts + sizes, jnp.full((1,), m, jnp.int32)])
+    starts, sizes = _group_bounds(group_sizes, m, row_start)
+    seg_start, seg_end = starts, starts + sizes
     seg_base = seg_start // 8 * 8
     seg_tiles = jnp.where(seg_end > seg_start, (seg_end - seg_base + block_m - 1) // block_m, 0)
     tile_end = jnp.cumsum(seg_tiles)
     tile_begin = tile_end - seg_tiles
     bound = (m + (g + 1) * (block_m + 7)) // block_m + 1
     t = jnp.arange(bound, dtype=jnp.int32)
-    seg = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), g).astype(jnp.int32)
+    seg = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), g - 1).astype(jnp.int32)
     window = seg_base[seg] + (t - tile_begin[seg]) * block_m
     first = jnp.maximum(window, seg_start[seg])
     last = jnp.minimum(window + block_m, seg_end[seg])
@@ -344,9 +348,8 @@ def _gmm_kernel(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_rhs: bool):
                     if not delay:
                         plgpu.wgmma_wait(0)
 
-                # Every tile runs the same pipeline, the pseudo-group's too (against the
-                # last group's weights; its rows are zeroed below): a tile that skipped
-                # its pipeline is the suspect for the GPU-only stall with total < m.
+                # Every listed tile runs the whole pipeline: a tile that skipped it was
+                # the cause of a GPU-only stall (docs/performance.md).
                 rhs_spec = (
                     plgpu.BlockSpec((bn, bk), lambda kk: (ni, kk), delay_release=delay)
                     if transpose_rhs
@@ -364,14 +367,13 @@ def _gmm_kernel(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_rhs: bool):
                 return acc_ref[...]
 
             acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
-            acc = _zero_rows_from(acc, jnp.where(seg < g, bm, 0))
             _store_rows(acc, out_gmem, row0, rows, row0 - load0, ni * bn, bm, bn)
 
     return body
 
 
 # sm90's shared memory per block (227 KiB), less room for the pipeline's barriers.
-_SMEM_BYTES = 232448 - 2048
+_SMEM_BYTES = platform.SHARED_MEMORY_KIB["sm90"] * 1024 - 2048
 
 
 def _fit_warp_specialized(bs: MosaicGpuBlockSizes, n: int, in_bytes: int, out_bytes: int
@@ -460,7 +462,7 @@ def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
                     def _(acc_ref):
                         run_pipeline(acc_ref)
-                        acc = _zero_rows_from(acc_ref[...], jnp.where(seg < g, bm, 0))
+                        acc = acc_ref[...]
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slot free again
                         _store_rows_from(acc, o_smem.at[wg], out_gmem, row0, rows,
                                          row0 - load0, ni * cta_n + wg * bn, bm, bn)
@@ -476,22 +478,19 @@ def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_
     return body
 
 
-def _gmm_local(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, bs, interpret):
+def _gmm_local(lhs, rhs, group_sizes, row_start, *, transpose_rhs, out_dtype, bs, interpret):
     """gmm on one device's operands (already padded to the block multiples)."""
     m, k = lhs.shape
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    table, count = _row_tile_table(group_sizes, m, bs.block_m)
-    isz, osz = jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize
-    cost = pl.CostEstimate(
-        flops=2 * m * k * n,
-        transcendentals=0,
-        bytes_accessed=m * k * isz + g * k * n * isz + m * n * osz + table.size * 4 + 4,
-    )
+    table, count = _row_tile_table(group_sizes, m, bs.block_m, row_start)
+    out_type = sharding.out_struct((m, n), out_dtype, like=lhs)
+    cost = costs.gmm(m, k, n, lhs.dtype, transpose_rhs=transpose_rhs,
+                     inputs=(table, count, lhs, rhs), outputs=(out_type,))
     make = _gmm_kernel_warp_specialized if bs.warp_specialized else _gmm_kernel
     call = pl.kernel(
         make(m, k, n, g, bs, transpose_rhs),
-        out_type=sharding.out_struct((m, n), out_dtype, like=lhs),
+        out_type=out_type,
         mesh=_mesh(bs, interpret),
         compiler_params=_compiler_params(),
         interpret=_interpret_params(interpret),
@@ -501,7 +500,7 @@ def _gmm_local(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, bs, interpret
     return call(table, count, lhs, rhs)
 
 
-def _check_gmm(lhs, rhs, group_sizes, transpose_rhs):
+def _check_gmm(lhs, rhs, group_sizes, transpose_rhs, group_offset):
     if lhs.ndim != 2:
         raise ValueError(f"lhs must be [m, k], got shape {lhs.shape}")
     if rhs.ndim != 3:
@@ -511,7 +510,7 @@ def _check_gmm(lhs, rhs, group_sizes, transpose_rhs):
         raise ValueError(
             f"k mismatch: lhs {lhs.shape} vs rhs {rhs.shape} (transpose_rhs={transpose_rhs})"
         )
-    _check_group_sizes(group_sizes, rhs.shape[0])
+    _check_group_sizes(group_sizes, rhs.shape[0], group_offset)
     _check_operand_dtypes(lhs, rhs)
 
 
@@ -522,8 +521,10 @@ def _check_operand_dtypes(lhs, rhs):
         raise TypeError(f"Mosaic GPU kernels take 16-bit operands (bf16/fp16), got {lhs.dtype}")
 
 
-def _check_group_sizes(group_sizes, g):
-    if group_sizes.ndim != 1 or group_sizes.shape[0] != g:
+def _check_group_sizes(group_sizes, g, group_offset=None):
+    if group_offset is not None and group_sizes.ndim == 1 and group_sizes.shape[0] >= g:
+        pass  # local experts: any G >= g
+    elif group_sizes.ndim != 1 or group_sizes.shape[0] != g:
         raise ValueError(f"group_sizes must be [{g}], got shape {group_sizes.shape}")
     if group_sizes.dtype != jnp.int32:
         raise TypeError(f"group_sizes must be int32, got {group_sizes.dtype}")
@@ -532,22 +533,24 @@ def _check_group_sizes(group_sizes, g):
 def gmm(
     lhs: Shaped[Array, "m k"],
     rhs: Shaped[Array, "g kn nk"],
-    group_sizes: Int[Array, " g"],
+    group_sizes: Int[Array, " G"],
     *,
+    group_offset=None,
     transpose_rhs: bool = False,
     out_dtype: Any = None,
     block_sizes: MosaicGpuBlockSizes | None = None,
     interpret: bool = False,
 ) -> Shaped[Array, "m n"]:
-    """Grouped matmul: out[rows of group i] = lhs[rows of group i] @ rhs[i] (or rhs[i]^T)."""
-    _check_gmm(lhs, rhs, group_sizes, transpose_rhs)
+    """Grouped matmul: out[rows of group i] = lhs[rows of group i] @ rhs[i] (or rhs[i]^T).
+    rhs holds groups [group_offset, group_offset + g) of group_sizes (all when None)."""
+    _check_gmm(lhs, rhs, group_sizes, transpose_rhs, group_offset)
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     m, k = lhs.shape
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     product = "dx" if transpose_rhs else "forward"
-    bs = resolve_block_sizes(block_sizes, product=product, m=m, k=k, n=n, g=g, dtype=lhs.dtype,
-                             interpret=interpret)
+    bs = resolve_block_sizes(block_sizes, product=product, m=m, k=k, n=n,
+                             g=group_sizes.shape[0], dtype=lhs.dtype, interpret=interpret)
     bs = dataclasses.replace(bs, block_n=_fit_block(n, bs.block_n))
     if bs.warp_specialized:
         bs = _fit_warp_specialized(bs, n, jnp.dtype(lhs.dtype).itemsize, out_dtype.itemsize)
@@ -558,21 +561,18 @@ def gmm(
     rhs_p = _pad_axis(rhs, 2 if transpose_rhs else 1, bs.block_k)
     rhs_p = _pad_axis(rhs_p, 1 if transpose_rhs else 2, bs.block_n)
 
-    def local(a, b, gs):
-        return _gmm_local(
-            a, b, gs, transpose_rhs=transpose_rhs, out_dtype=out_dtype, bs=bs, interpret=interpret
-        )
-
-    return local(lhs_p, rhs_p, group_sizes)[:m, :n]
+    sizes, row_start = local_groups(group_sizes, group_offset, g)
+    out = _gmm_local(lhs_p, rhs_p, sizes, row_start, transpose_rhs=transpose_rhs,
+                     out_dtype=out_dtype, bs=bs, interpret=interpret)[:m, :n]
+    first = jnp.int32(0) if row_start is None else row_start
+    last = jnp.minimum(first + jnp.sum(sizes, dtype=jnp.int32), m)
+    rows = jnp.arange(m, dtype=jnp.int32)[:, None]
+    return lax.cond((first > 0) | (last < m),
+                    lambda o: jnp.where((rows >= first) & (rows < last), o, jnp.zeros((), o.dtype)),
+                    lambda o: o, out)
 
 
 # --------------------------------------------------------------------------- tgmm
-
-
-def _zero_rows_from(acc, limit):
-    """The accumulator with rows >= limit (a dynamic scalar) set to zero (a select)."""
-    rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, acc.shape, 0), plgpu.Layout.WGMMA)
-    return jnp.where(rows < limit, acc, jnp.zeros_like(acc))
 
 
 def _mask_rows(ref, lo, hi, shape):
@@ -755,21 +755,18 @@ def _tgmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, dtype):
     return body
 
 
-def _tgmm_local(lhs, rhs, group_sizes, *, out_dtype, bs, interpret):
+def _tgmm_local(lhs, rhs, group_sizes, row_start, *, out_dtype, bs, interpret):
     m, k = lhs.shape
     n = rhs.shape[1]
     g = group_sizes.shape[0]
-    starts, sizes = _group_bounds(group_sizes, m)
-    isz, osz = jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize
-    cost = pl.CostEstimate(
-        flops=2 * m * k * n,
-        transcendentals=0,
-        bytes_accessed=m * k * isz + m * n * isz + g * k * n * osz + 8 * g,
-    )
+    starts, sizes = _group_bounds(group_sizes, m, row_start)
+    out_type = sharding.out_struct((g, k, n), out_dtype, like=lhs)
+    cost = costs.tgmm(m, k, n, lhs.dtype, inputs=(starts, sizes, lhs, rhs),
+                      outputs=(out_type,))
     make = _tgmm_kernel_warp_specialized if bs.warp_specialized else _tgmm_kernel
     call = pl.kernel(
         make(m, k, n, g, bs, lhs.dtype),
-        out_type=sharding.out_struct((g, k, n), out_dtype, like=lhs),
+        out_type=out_type,
         mesh=_mesh(bs, interpret),
         compiler_params=_compiler_params(),
         interpret=_interpret_params(interpret),
@@ -782,24 +779,26 @@ def _tgmm_local(lhs, rhs, group_sizes, *, out_dtype, bs, interpret):
 def tgmm(
     lhs: Shaped[Array, "m k"],
     rhs: Shaped[Array, "m n"],
-    group_sizes: Int[Array, " g"],
+    group_sizes: Int[Array, " G"],
     *,
     num_groups: int | None = None,
+    group_offset=None,
     out_dtype: Any = None,
     block_sizes: MosaicGpuBlockSizes | None = None,
     interpret: bool = False,
 ) -> Shaped[Array, "g k n"]:
-    """Ragged contraction: out[i] = lhs[rows of group i]^T @ rhs[rows of group i]."""
+    """Ragged contraction: out[i] = lhs[rows of group i]^T @ rhs[rows of group i], for the
+    num_groups groups [group_offset, group_offset + num_groups) (all when None)."""
     if lhs.ndim != 2 or rhs.ndim != 2 or lhs.shape[0] != rhs.shape[0]:
         raise ValueError(f"lhs [m, k] and rhs [m, n] must share m, got {lhs.shape} and {rhs.shape}")
     g = group_sizes.shape[0] if num_groups is None else num_groups
-    _check_group_sizes(group_sizes, g)
+    _check_group_sizes(group_sizes, g, group_offset)
     _check_operand_dtypes(lhs, rhs)
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     m, k = lhs.shape
     n = rhs.shape[1]
-    bs = resolve_block_sizes(block_sizes, product="dkernel", m=m, k=k, n=n, g=g, dtype=lhs.dtype,
-                             interpret=interpret)
+    bs = resolve_block_sizes(block_sizes, product="dkernel", m=m, k=k, n=n,
+                             g=group_sizes.shape[0], dtype=lhs.dtype, interpret=interpret)
     bs = dataclasses.replace(bs, block_m=_fit_block(k, bs.block_m), block_n=_fit_block(n, bs.block_n))
     if bs.warp_specialized:
         bs = _fit_warp_specialized(bs, n, jnp.dtype(lhs.dtype).itemsize, out_dtype.itemsize)
@@ -810,7 +809,6 @@ def tgmm(
     lhs_p = _pad_axis(_pad_axis(lhs, 0, bs.block_k, bs.block_k), 1, bs.block_m)
     rhs_p = _pad_axis(_pad_axis(rhs, 0, bs.block_k, bs.block_k), 1, bs.block_n)
 
-    def local(a, b, gs):
-        return _tgmm_local(a, b, gs, out_dtype=out_dtype, bs=bs, interpret=interpret)
-
-    return local(lhs_p, rhs_p, group_sizes)[:, :k, :n]
+    sizes, row_start = local_groups(group_sizes, group_offset, g)
+    return _tgmm_local(lhs_p, rhs_p, sizes, row_start, out_dtype=out_dtype, bs=bs,
+                       interpret=interpret)[:, :k, :n]

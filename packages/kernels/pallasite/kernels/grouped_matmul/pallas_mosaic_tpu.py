@@ -28,9 +28,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallasite.kernels import sharding
-from pallasite.kernels.grouped_matmul import config
+from pallasite.kernels.grouped_matmul import config, costs
 from pallasite.kernels.grouped_matmul.group_metadata import (
     cdiv,
+    local_groups,
     make_group_metadata,
     num_visits,
 )
@@ -74,15 +75,6 @@ def _interpret(interpret: bool):
     return pltpu.InterpretParams() if interpret else False
 
 
-def _cost(m, k, n, operands, out_bytes):
-    """2*m*k*n flops; bytes = every operand and the result once."""
-    return pl.CostEstimate(
-        flops=2 * m * k * n,
-        transcendentals=0,
-        bytes_accessed=sum(op.size * op.dtype.itemsize for op in operands) + out_bytes,
-    )
-
-
 def _gmm_kernel(group_ref, start_ref, end_ref, tile_ref, lhs_ref, rhs_ref, out_ref, acc_ref,
                 *, num_groups, tiles_k, tm, tn, transpose_rhs):
     v, ki = pl.program_id(1), pl.program_id(2)
@@ -109,14 +101,17 @@ def _gmm_kernel(group_ref, start_ref, end_ref, tile_ref, lhs_ref, rhs_ref, out_r
 def gmm(
     lhs: Float[Array, "m k"],
     rhs: Float[Array, "g k n"] | Float[Array, "g n k"],
-    group_sizes: Int[Array, "g"],
+    group_sizes: Int[Array, "G"],
     *,
+    group_offset=None,
     transpose_rhs: bool = False,
     out_dtype=None,
     block_sizes=None,
     interpret: bool = False,
 ) -> Float[Array, "m n"]:
-    """[m, k] x [g, k, n] (or [g, n, k] with transpose_rhs) -> [m, n] out_dtype."""
+    """[m, k] x [g, k, n] (or [g, n, k] with transpose_rhs) -> [m, n] out_dtype. rhs holds
+    groups [group_offset, group_offset + g) of group_sizes (all of them when None); rows
+    of other groups are zero visits (no matmul)."""
     m, k = lhs.shape
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -129,7 +124,9 @@ def gmm(
     rhs = _pad_to(_pad_to(rhs, k_axis, tk), n_axis, tn)
     mp, kp = lhs.shape
     np_ = rhs.shape[n_axis]
-    meta = make_group_metadata(group_sizes, mp, tm, aligned=True, include_tail=True)
+    sizes, row_start = local_groups(group_sizes, group_offset, g)
+    meta = make_group_metadata(sizes, mp, tm, aligned=True, include_tail=True,
+                               row_start=row_start)
     visits, tiles_k = num_visits(mp, g, tm), kp // tk
 
     def rhs_map(ni, v, ki, group, start, end, tile):
@@ -156,7 +153,9 @@ def gmm(
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         interpret=_interpret(interpret),
-        cost_estimate=_cost(mp, kp, np_, (*scalars, lhs, rhs), mp * np_ * out_dtype.itemsize),
+        cost_estimate=costs.gmm(mp, kp, np_, lhs.dtype, transpose_rhs=transpose_rhs,
+                                inputs=(*scalars, lhs, rhs),
+                                outputs=(jax.ShapeDtypeStruct((mp, np_), out_dtype),)),
         name="grouped_projection_gmm_dx" if transpose_rhs else "grouped_projection_gmm",
     )(*scalars, lhs, rhs)
     return out[:m, :n]
@@ -189,14 +188,17 @@ def _tgmm_kernel(group_ref, start_ref, end_ref, tile_ref, lhs_ref, rhs_ref, out_
 def tgmm(
     lhs: Float[Array, "m k"],
     rhs: Float[Array, "m n"],
-    group_sizes: Int[Array, "g"],
+    group_sizes: Int[Array, "G"],
     *,
     num_groups: int | None = None,
+    group_offset=None,
     out_dtype=None,
     block_sizes=None,
     interpret: bool = False,
 ) -> Float[Array, "g k n"]:
-    """[m, k], [m, n] -> [g, k, n]: per group lhs_g^T @ rhs_g; empty groups zeros."""
+    """[m, k], [m, n] -> [g, k, n]: per group lhs_g^T @ rhs_g; empty groups zeros. The
+    g = num_groups groups are [group_offset, group_offset + g) of group_sizes (all of
+    them when None)."""
     m, k = lhs.shape
     n = rhs.shape[1]
     g = num_groups or group_sizes.shape[0]
@@ -207,8 +209,9 @@ def tgmm(
     rhs = _pad_to(_pad_to(rhs, 0, tm), 1, tn)
     mp, kp = lhs.shape
     np_ = rhs.shape[1]
-    meta = make_group_metadata(group_sizes, mp, tm, aligned=True, include_tail=False,
-                               visit_empty=True)
+    sizes, row_start = local_groups(group_sizes, group_offset, g)
+    meta = make_group_metadata(sizes, mp, tm, aligned=True, include_tail=False,
+                               visit_empty=True, row_start=row_start)
     scalars = (meta.group, meta.start, meta.end, meta.tile)
     kernel = functools.partial(_tgmm_kernel, tm=tm, tk=tk, tn=tn)
     out = pl.pallas_call(
@@ -228,7 +231,8 @@ def tgmm(
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         interpret=_interpret(interpret),
-        cost_estimate=_cost(mp, kp, np_, (*scalars, lhs, rhs), g * kp * np_ * out_dtype.itemsize),
+        cost_estimate=costs.tgmm(mp, kp, np_, lhs.dtype, inputs=(*scalars, lhs, rhs),
+                                 outputs=(jax.ShapeDtypeStruct((g, kp, np_), out_dtype),)),
         name="grouped_projection_tgmm",
     )(*scalars, lhs, rhs)
     return out[:, :k, :n]

@@ -30,10 +30,11 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallasite.kernels import platform
 from pallasite.kernels import sharding
-from pallasite.kernels.grouped_matmul import config, tuning_benchmarks
+from pallasite.kernels.grouped_matmul import config, costs, fit, triton_fit, tuning_benchmarks
 from pallasite.kernels.grouped_matmul.group_metadata import (
     cdiv,
     group_offsets,
+    local_groups,
     make_group_metadata,
     num_visits,
 )
@@ -48,6 +49,11 @@ GMM_16BIT = config.TritonBlockSizes(128, 256, 64, group_m=8, num_warps=8, num_st
 TGMM_16BIT = config.TritonBlockSizes(64, 128, 128, group_m=1, num_warps=4, num_stages=3)
 TGMM_16BIT_LONG_GROUPS = config.TritonBlockSizes(64, 256, 128, group_m=1, num_warps=8,
                                                  num_stages=3)
+# GPUs with 99 KiB of shared memory per block (sm86, sm89; triton_fit): the gmm tile above
+# needs 144 KiB there. 128x128x32 with 4 stages (64 KiB) is the 128x128 tile the sweep
+# measured at 467 TFLOP/s on mixtral (H200), with a shorter k step; not measured on sm86/89.
+GMM_16BIT_99K = config.TritonBlockSizes(128, 128, 32, group_m=8, num_warps=4, num_stages=4)
+TGMM_16BIT_99K = config.TritonBlockSizes(64, 128, 64, group_m=1, num_warps=4, num_stages=3)
 # fp32 operands take twice the shared memory per stage: the 16-bit tiles ask 256 KiB where
 # sm90 has 227 KiB (seen failing on the H200). Smaller tiles, not yet tuned.
 GMM_32BIT = config.TritonBlockSizes(64, 128, 32, group_m=8, num_warps=4, num_stages=3)
@@ -56,16 +62,22 @@ DEFAULT = GMM_16BIT
 
 
 def default_block_sizes(*, product: str, m: int, k: int, n: int, g: int,
-                        dtype) -> config.TritonBlockSizes:
-    """The measured default for one product and operand width (see above); what a tuned
+                        dtype, device=None) -> config.TritonBlockSizes:
+    """The measured default for one product and operand width (see above), the first that
+    fits the shared memory of `device` (default: JAX's first; off CUDA, every GPU from
+    sm80: fit.triton_budget, the budget of every choice pallasite makes); what a tuned
     table entry must beat."""
     del k, n
-    wide = jnp.dtype(dtype).itemsize > 2
+    itemsize = jnp.dtype(dtype).itemsize
+    wide = itemsize > 2
     if product != "dkernel":
-        return GMM_32BIT if wide else GMM_16BIT
-    if wide:
-        return TGMM_32BIT
-    return TGMM_16BIT_LONG_GROUPS if m >= 2048 * g else TGMM_16BIT
+        order = [GMM_32BIT] if wide else [GMM_16BIT, GMM_16BIT_99K]
+    elif wide:
+        order = [TGMM_32BIT]
+    else:
+        order = ([TGMM_16BIT_LONG_GROUPS] if m >= 2048 * g else []) + [TGMM_16BIT,
+                                                                       TGMM_16BIT_99K]
+    return triton_fit.first_fitting(order, itemsize, product, fit.triton_budget(device=device))
 
 
 def resolve_block_sizes(block_sizes, *, product: str, m: int, k: int, n: int, g: int,
@@ -81,18 +93,6 @@ def resolve_block_sizes(block_sizes, *, product: str, m: int, k: int, n: int, g:
         product=product, dims={"m": m, "k": k, "n": n, "g": g}, dtype=dtype,
         default=default_block_sizes(product=product, m=m, k=k, n=n, g=g, dtype=dtype),
         tune_here=not interpret and platform.triton_runs(),
-    )
-
-
-def cost_estimate(m: int, k: int, n: int, operands, out_bytes: int) -> pl.CostEstimate:
-    """2*m*k*n flops (rows past the total are counted: the grid cannot know the total);
-    bytes = every operand and the result once, the compulsory traffic. Re-reads of
-    weight tiles by other row tiles mostly hit L2 (group_m swizzle), so they are left
-    out rather than guessed."""
-    return pl.CostEstimate(
-        flops=2 * m * k * n,
-        transcendentals=0,
-        bytes_accessed=sum(op.size * op.dtype.itemsize for op in operands) + out_bytes,
     )
 
 
@@ -173,31 +173,38 @@ def _params(bs: config.TritonBlockSizes):
 def gmm(
     lhs: Float[Array, "m k"],
     rhs: Float[Array, "g k n"] | Float[Array, "g n k"],
-    group_sizes: Int[Array, "g"],
+    group_sizes: Int[Array, "G"],
     *,
+    group_offset=None,
     transpose_rhs: bool = False,
     out_dtype=None,
     block_sizes=None,
     interpret: bool = False,
 ) -> Float[Array, "m n"]:
-    """[m, k] x [g, k, n] (or [g, n, k] with transpose_rhs) -> [m, n] out_dtype."""
+    """[m, k] x [g, k, n] (or [g, n, k] with transpose_rhs) -> [m, n] out_dtype. rhs holds
+    groups [group_offset, group_offset + g) of group_sizes (all of them when None); rows
+    of other groups are zero tiles (no matmul)."""
     m, k = lhs.shape
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     bs = resolve_block_sizes(block_sizes, product="dx" if transpose_rhs else "forward",
-                             m=m, k=k, n=n, g=g, dtype=lhs.dtype, interpret=interpret)
-    meta = make_group_metadata(group_sizes, m, bs.block_m, aligned=False, include_tail=True)
+                             m=m, k=k, n=n, g=group_sizes.shape[0], dtype=lhs.dtype,
+                             interpret=interpret)
+    sizes, row_start = local_groups(group_sizes, group_offset, g)
+    meta = make_group_metadata(sizes, m, bs.block_m, aligned=False, include_tail=True,
+                               row_start=row_start)
     num_tiles = num_visits(m, g, bs.block_m)
     kernel = functools.partial(
         _gmm_kernel, bs=bs, m=m, k=k, n=n, num_groups=g, num_tiles=num_tiles,
         transpose_rhs=transpose_rhs,
     )
-    cost = cost_estimate(m, k, n, (meta.group, meta.start, meta.end, lhs, rhs),
-                         (m * n * out_dtype.itemsize))
+    out_shape = sharding.out_struct((m, n), out_dtype, like=lhs)
+    cost = costs.gmm(m, k, n, lhs.dtype, transpose_rhs=transpose_rhs,
+                     inputs=(meta.group, meta.start, meta.end, lhs, rhs), outputs=(out_shape,))
     return pl.pallas_call(
         kernel,
-        out_shape=sharding.out_struct((m, n), out_dtype, like=lhs),
+        out_shape=out_shape,
         grid=(num_tiles * cdiv(n, bs.block_n),),
         compiler_params=_params(bs),
         interpret=interpret,
@@ -230,29 +237,33 @@ def _tgmm_kernel(offsets_ref, lhs_ref, rhs_ref, out_ref, *, bs, k, n):
 def tgmm(
     lhs: Float[Array, "m k"],
     rhs: Float[Array, "m n"],
-    group_sizes: Int[Array, "g"],
+    group_sizes: Int[Array, "G"],
     *,
     num_groups: int | None = None,
+    group_offset=None,
     out_dtype=None,
     block_sizes=None,
     interpret: bool = False,
 ) -> Float[Array, "g k n"]:
     """[m, k], [m, n] -> [g, k, n]: per group lhs_g^T @ rhs_g; empty groups zeros.
-    Rows past the total belong to no group and are never read."""
+    The g = num_groups groups are [group_offset, group_offset + g) of group_sizes (all of
+    them when None). Rows of no such group are never read."""
     m, k = lhs.shape
     n = rhs.shape[1]
     g = num_groups or group_sizes.shape[0]
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
-    bs = resolve_block_sizes(block_sizes, product="dkernel", m=m, k=k, n=n, g=g, dtype=lhs.dtype,
-                             interpret=interpret)
-    offsets = group_offsets(group_sizes)
+    bs = resolve_block_sizes(block_sizes, product="dkernel", m=m, k=k, n=n,
+                             g=group_sizes.shape[0], dtype=lhs.dtype, interpret=interpret)
+    sizes, row_start = local_groups(group_sizes, group_offset, g)
+    offsets = group_offsets(sizes, row_start)
     offsets = jnp.minimum(offsets, m)  # a total past m (caller error) never reads past m
     kernel = functools.partial(_tgmm_kernel, bs=bs, k=k, n=n)
     tiles_k, tiles_n = cdiv(k, bs.block_k), cdiv(n, bs.block_n)
-    cost = cost_estimate(m, k, n, (offsets, lhs, rhs), g * k * n * out_dtype.itemsize)
+    out_shape = sharding.out_struct((g, k, n), out_dtype, like=lhs)
+    cost = costs.tgmm(m, k, n, lhs.dtype, inputs=(offsets, lhs, rhs), outputs=(out_shape,))
     return pl.pallas_call(
         kernel,
-        out_shape=sharding.out_struct((g, k, n), out_dtype, like=lhs),
+        out_shape=out_shape,
         grid=(g, tiles_k, tiles_n),
         compiler_params=_params(bs),
         interpret=interpret,

@@ -103,9 +103,11 @@ def select_block_sizes(backend: ModuleType, name: str, config_type: type, block_
                        product: str, dims: Mapping[str, int], dtype, default,
                        tune_here: bool):
     """The GPU backends' one way to pick a product's blocks (pallasite.tuning's order):
-    the caller's (which must be `config_type` and fit: fit.check_caller), else the table / cache entry, else a
-    bounded autotune with `benchmark` when `tune_here` (the kernel runs compiled on the
-    backend's GPU) and the caller gave none, else `default`."""
+    the caller's (which must be `config_type` and fit: fit.check_caller), else the table /
+    cache entry, else a bounded autotune with `benchmark` when `tune_here` (the kernel runs
+    compiled on the backend's GPU) and the caller gave none, else `default`. Table, cache
+    and candidate configs pass the backend's fit rule (fit.reason: tile sizes and, for
+    Triton, the shared memory of the device's generation) or are passed over."""
     chosen = config.for_product(block_sizes, product)
     if chosen is not None and not isinstance(chosen, config_type):
         raise TypeError(f"block_sizes for {name} must be {config_type.__name__}, got {chosen!r}")
@@ -117,5 +119,6 @@ def select_block_sizes(backend: ModuleType, name: str, config_type: type, block_
     return tuning.select_block_sizes(
         "grouped_projection", f"{name}:{product}", device_kind=tuning.device_kind(),
         dtypes=(dtype,), shape=dims, config_type=config_type, caller=chosen, default=default,
-        measure=measure, fits=lambda cfg, shape: fit.reason(name, cfg, product, shape, dtype) is None,
+        measure=measure,
+        fits=lambda cfg, shape: fit.reason(name, cfg, product, shape, dtype) is None,
     ).config

@@ -12,26 +12,41 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from pallasite.kernels.grouped_matmul.group_metadata import local_groups
+
 _DIMS = jax.lax.RaggedDotDimensionNumbers
 
 
-def _row_mask(m: int, group_sizes: Int[Array, "g"]) -> jax.Array:
-    total = jnp.sum(group_sizes, dtype=jnp.int32)
-    return (jnp.arange(m, dtype=jnp.int32) < total)[:, None]
+def _row_mask(m: int, group_sizes: Int[Array, "g"], row_start=None) -> jax.Array:
+    """[m, 1]: the rows of some group, [row_start, row_start + total)."""
+    rows = jnp.arange(m, dtype=jnp.int32)
+    first = jnp.int32(0) if row_start is None else row_start
+    return ((rows >= first) & (rows < first + jnp.sum(group_sizes, dtype=jnp.int32)))[:, None]
+
+
+def _from_row_zero(group_sizes, row_start):
+    """ragged_dot's group sizes start at row 0: the rows before row_start join the first
+    group (their results are masked out, so they only cost ragged_dot's work)."""
+    if row_start is None:
+        return group_sizes
+    return group_sizes.at[0].add(row_start.astype(group_sizes.dtype))
 
 
 def gmm(
     lhs: Float[Array, "m k"],
     rhs: Float[Array, "g k n"] | Float[Array, "g n k"],
-    group_sizes: Int[Array, "g"],
+    group_sizes: Int[Array, "G"],
     *,
+    group_offset=None,
     transpose_rhs: bool = False,
     out_dtype=None,
     block_sizes=None,
     interpret: bool = False,
 ) -> Float[Array, "m n"]:
-    """[m, k] x [g, k, n] (or [g, n, k] with transpose_rhs) -> [m, n], per group of rows."""
+    """[m, k] x [g, k, n] (or [g, n, k] with transpose_rhs) -> [m, n], per group of rows;
+    rhs holds groups [group_offset, group_offset + g) of group_sizes (all when None)."""
     del block_sizes, interpret
+    group_sizes, row_start = local_groups(group_sizes, group_offset, rhs.shape[0])
     out_dtype = out_dtype or lhs.dtype
     rhs_contract = 2 if transpose_rhs else 1
     dims = _DIMS(
@@ -40,26 +55,34 @@ def gmm(
         rhs_group_dimensions=[0],
     )
     out = jax.lax.ragged_dot_general(
-        lhs, rhs, group_sizes, dims, preferred_element_type=jnp.float32
+        lhs, rhs, _from_row_zero(group_sizes, row_start), dims,
+        preferred_element_type=jnp.float32
     )
-    return jnp.where(_row_mask(lhs.shape[0], group_sizes), out, 0).astype(out_dtype)
+    return jnp.where(_row_mask(lhs.shape[0], group_sizes, row_start), out, 0).astype(out_dtype)
 
 
 def tgmm(
     lhs: Float[Array, "m k"],
     rhs: Float[Array, "m n"],
-    group_sizes: Int[Array, "g"],
+    group_sizes: Int[Array, "G"],
     *,
     num_groups: int | None = None,
+    group_offset=None,
     out_dtype=None,
     block_sizes=None,
     interpret: bool = False,
 ) -> Float[Array, "g k n"]:
-    """[m, k], [m, n] -> [g, k, n]: per group, lhs_g^T @ rhs_g (zeros for empty groups)."""
+    """[m, k], [m, n] -> [g, k, n]: per group, lhs_g^T @ rhs_g (zeros for empty groups);
+    the groups are [group_offset, group_offset + g) of group_sizes (all when None)."""
     del block_sizes, interpret
     num_groups = num_groups or group_sizes.shape[0]
     out_dtype = out_dtype or lhs.dtype
-    lhs = jnp.where(_row_mask(lhs.shape[0], group_sizes), lhs, 0)
+    group_sizes, row_start = local_groups(group_sizes, group_offset, num_groups)
+    mine = _row_mask(lhs.shape[0], group_sizes, row_start)
+    lhs = jnp.where(mine, lhs, 0)
+    if row_start is not None:  # rows before the groups join the first one: mask both sides
+        rhs = jnp.where(mine, rhs, 0)
+    group_sizes = _from_row_zero(group_sizes, row_start)
     dims = _DIMS(
         dot_dimension_numbers=(([0], [0]), ([], [])),
         lhs_ragged_dimensions=[0],

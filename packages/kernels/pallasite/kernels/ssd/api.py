@@ -4,8 +4,8 @@
 backends' contract (see pallasite.kernels.ssd.xla) and differentiates by the backend's own
 hand-written backward: the forward saves the inputs and each chunk's entry state, nothing
 of the [C, C] work. `platform` names the backend ("xla", "pallas_mosaic_tpu",
-"pallas_triton"), or is a (name, interpret) pair; by default a Pallas backend interprets
-when JAX's default backend is the CPU.
+"pallas_triton"), or is a (name, interpret) pair or (name, interpret, block_sizes) triple;
+by default a Pallas backend interprets when JAX's default backend is the CPU.
 
 Every backend (XLA included) runs through `pallasite.kernels.sharding.run` with the
 planners of `layouts`: inside a caller's shard_map on the local arrays; under jit over
@@ -78,17 +78,22 @@ def _backend(name: str):
 
 
 def _platform(platform) -> tuple[str, bool]:
-    """(backend name, interpret?) from a name or a (name, interpret) pair."""
+    """(backend name, interpret?) from a name, a (name, interpret) pair or a
+    (name, interpret, block_sizes) triple."""
     if isinstance(platform, tuple):
-        return platform
+        return platform[:2]
     return platform, platform != "xla" and jax.default_backend() == "cpu"
 
 
 def _local(platform, pass_name):
-    """The backend's forward or backward on local arrays."""
+    """The backend's forward or backward on local arrays (with the platform's block sizes,
+    where it names them)."""
     name, interpret = _platform(platform)
     fn = getattr(_backend(name), pass_name)
-    return fn if name == "xla" else functools.partial(fn, interpret=interpret)
+    if name == "xla":
+        return fn
+    blocks = platform[2] if isinstance(platform, tuple) and len(platform) > 2 else None
+    return functools.partial(fn, interpret=interpret, block_sizes=blocks)
 
 
 def _run_options(platform) -> dict:
@@ -100,6 +105,24 @@ def _empty(x, b) -> bool:
     head count or width): the XLA path returns its zeros (and the initial state as the
     final one) without launching a kernel on an empty grid."""
     return x.size == 0 or b.size == 0
+
+
+def _blocks_owner(block_sizes) -> str:
+    """The backend whose BlockSizes class `block_sizes` is (TypeError for anything else)."""
+    module = type(block_sizes).__module__
+    owner = module.rpartition(".")[2]
+    if not module.startswith("pallasite.kernels.ssd.") or owner not in predicates.BACKENDS:
+        raise TypeError("block_sizes must be an SSD backend's BlockSizes (pallas_triton."
+                        f"BlockSizes or pallas_mosaic_tpu.BlockSizes); got {block_sizes!r}")
+    return owner
+
+
+def _with_blocks(name: str, block_sizes):
+    """ssd_chunk_scan's platform for backend `name`: the name, or (name, interpret,
+    block_sizes) where the blocks are that backend's (another backend keeps its own)."""
+    if block_sizes is None or _blocks_owner(block_sizes) != name:
+        return name
+    return (*_platform(name), block_sizes)
 
 
 def _forward(platform, x, a, b, c, initial_state):
@@ -215,13 +238,19 @@ def chunk_ssd(
     chunk_size: int = 256,
     initial_state: Float[Array, "batch heads head_dim state"] | None = None,
     implementation: str | Sequence[str] | None = None,
+    block_sizes=None,
 ) -> tuple[Float[Array, "batch length heads head_dim"], Float[Array, "batch heads head_dim state"]]:
     """(y [batch, length, heads, head_dim] in x.dtype, final_state fp32).
 
     implementation: one name (refused geometry or device -> ValueError at once; an error
-    while it runs is raised as it is), a sequence (tried in order, each fallback logged, all failures raised together), or None
-    (ssd_kernel_platform's choice, then "xla").
+    while it runs is raised as it is), a sequence (tried in order, each fallback logged,
+    all failures raised together), or None (ssd_kernel_platform's choice, then "xla").
+    block_sizes: a backend's BlockSizes (pallas_triton.BlockSizes, pallas_mosaic_tpu.
+    BlockSizes), used by that backend in place of its tuned table and default; other
+    backends, and the XLA path, ignore it. None: the backend's own choice.
     """
+    if block_sizes is not None:
+        _blocks_owner(block_sizes)  # a wrong type fails here, before any kernel
     check_sequence(x, a, b, c, initial_state, chunk_size)
     bsz, length, h, p = x.shape
     g, n = b.shape[-2:]
@@ -237,7 +266,8 @@ def chunk_ssd(
         reason = _refusal(name, chunk_size, p, n)
         if reason is None:
             try:
-                y, final = ssd_chunk_scan(*chunked, initial_state, name)
+                y, final = ssd_chunk_scan(*chunked, initial_state,
+                                          _with_blocks(name, block_sizes))
                 return y.reshape(bsz, padded, h, p)[:, :length], final
             except Exception as error:  # noqa: BLE001 - try the next, raise all at the end
                 if len(names) == 1:

@@ -44,8 +44,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float
 
-from pallasite.kernels import sharding
-from pallasite.kernels.ssd import decay
+from pallasite.kernels import cost, sharding
+from pallasite.kernels.ssd import costs, decay
 
 _F32 = jnp.float32
 _HI = jax.lax.Precision.HIGHEST
@@ -237,39 +237,19 @@ def _interpret(interpret):
     return interpret or False
 
 
-def forward_cost(shape_x, groups, n, x_bytes, bc_bytes) -> pl.CostEstimate:
-    """Flops of the chunk matmuls (C B^T, M x, C S^T, x^T B), exps, and HBM bytes.
-
-    B and C are read once per head (each head's program reads its group's block).
-    """
+def forward_cost(shape_x, groups, n, inputs, outputs) -> pl.CostEstimate:
+    """The forward program's work (costs.tpu_forward) and the call's bytes. B and C are
+    read once per head (each head's program reads its group's block)."""
+    del groups
     bsz, nc, size, h, p = shape_x
-    programs = bsz * h * nc
-    flops = programs * (2 * size * size * (n + p) + 4 * size * n * p)
-    exps = programs * (size * size + 2 * size + 1)
-    tokens = bsz * nc * size * h
-    bytes_ = (2 * tokens * p * x_bytes  # x in, y out
-              + 2 * programs * size * n * bc_bytes  # B, C per head
-              + 4 * tokens * 4  # acs (hi, lo) as rows and columns
-              + programs * p * n * 4  # chunk states out
-              + 2 * bsz * h * p * n * 4)  # initial and final state
-    return pl.CostEstimate(flops=int(flops), transcendentals=int(exps), bytes_accessed=int(bytes_))
+    return costs.tpu_forward(bsz * h * nc, size, p, n, inputs=inputs, outputs=outputs)
 
 
-def backward_cost(shape_x, groups, n, x_bytes, bc_bytes) -> pl.CostEstimate:
-    """Recomputed C B^T, dy x^T, B dS'^T, C S^T, and dx, dC, dB, dS, d acs matmuls."""
+def backward_cost(shape_x, groups, n, inputs, outputs) -> pl.CostEstimate:
+    """The backward program's work (costs.tpu_backward) and the call's bytes."""
+    del groups
     bsz, nc, size, h, p = shape_x
-    programs = bsz * h * nc
-    flops = programs * (size * size * (6 * n + 4 * p + 16) + 10 * size * n * p
-                        + 16 * size * (n + p))  # + the 8-row ones matmuls for d acs
-    exps = programs * (size * size + 2 * size + 1)
-    tokens = bsz * nc * size * h
-    bytes_ = (4 * tokens * p * x_bytes  # x, dy in, dx out (dy counted at x's width)
-              + 2 * programs * size * n * bc_bytes  # B, C per head in
-              + 2 * programs * size * n * 4  # dB, dC per head out
-              + 5 * tokens * 4  # acs (hi, lo) rows and columns, d acs
-              + programs * p * n * 4  # chunk states in
-              + 2 * bsz * h * p * n * 4)  # d final in, d initial out
-    return pl.CostEstimate(flops=int(flops), transcendentals=int(exps), bytes_accessed=int(bytes_))
+    return costs.tpu_backward(bsz * h * nc, size, p, n, inputs=inputs, outputs=outputs)
 
 
 def forward(
@@ -288,18 +268,20 @@ def forward(
     groups, n = b.shape[-2], b.shape[-1]
     specs = _specs(x.shape, groups)
     row, col = _cumsums(a)
+    out_shapes = [sharding.out_struct((bsz, h, nc, size, p), x.dtype, like=x),
+                  sharding.out_struct((bsz, h, p, n), _F32, like=x),
+                  sharding.out_struct((bsz, nc, h, p, n), _F32, like=x)]
     y, final, states = pl.pallas_call(
         functools.partial(_forward_kernel, num_chunks=nc),
         grid=(bsz, h, nc),
         in_specs=[specs["x"](False, p), specs["bc"](False, n), specs["bc"](False, n),
                   specs["row"](False), specs["col"](False), specs["state"](n)],
         out_specs=[specs["x"](False, p), specs["state"](n), specs["chunk_state"](False, n)],
-        out_shape=[sharding.out_struct((bsz, h, nc, size, p), x.dtype, like=x),
-                   sharding.out_struct((bsz, h, p, n), _F32, like=x),
-                   sharding.out_struct((bsz, nc, h, p, n), _F32, like=x)],
+        out_shape=out_shapes,
         scratch_shapes=[pltpu.VMEM((p, n), _F32)],
         compiler_params=_params(block_sizes),
-        cost_estimate=forward_cost(x.shape, groups, n, x.dtype.itemsize, b.dtype.itemsize),
+        cost_estimate=forward_cost(x.shape, groups, n, outputs=out_shapes, inputs=(
+            x, b, c, row, col, cost.struct(initial_state.shape, _F32))),
         interpret=_interpret(interpret),
         name="ssd_forward_mosaic_tpu",
     )(_head_major(x), _head_major(b), _head_major(c), row, col, initial_state.astype(_F32))
@@ -326,6 +308,9 @@ def backward(
     specs = _specs(x.shape, groups)
     row, col = _cumsums(a)
     per_head = sharding.out_struct((bsz, h, nc, size, n), _F32, like=x)
+    out_shapes = [sharding.out_struct((bsz, h, nc, size, p), x.dtype, like=x), per_head,
+                  per_head, sharding.out_struct((bsz, h, nc, 1, size), _F32, like=x),
+                  sharding.out_struct((bsz, h, p, n), _F32, like=x)]
     dx, db, dc, dacs, dinit = pl.pallas_call(
         functools.partial(_backward_kernel, num_chunks=nc),
         grid=(bsz, h, nc),
@@ -334,12 +319,12 @@ def backward(
                   specs["x"](True, p), specs["state"](n)],
         out_specs=[specs["x"](True, p), specs["x"](True, n), specs["x"](True, n),
                    specs["dacs"](True), specs["state"](n)],
-        out_shape=[sharding.out_struct((bsz, h, nc, size, p), x.dtype, like=x), per_head, per_head,
-                   sharding.out_struct((bsz, h, nc, 1, size), _F32, like=x),
-                   sharding.out_struct((bsz, h, p, n), _F32, like=x)],
+        out_shape=out_shapes,
         scratch_shapes=[pltpu.VMEM((p, n), _F32)],
         compiler_params=_params(block_sizes),
-        cost_estimate=backward_cost(x.shape, groups, n, x.dtype.itemsize, b.dtype.itemsize),
+        cost_estimate=backward_cost(x.shape, groups, n, outputs=out_shapes, inputs=(
+            x, b, c, row, col, cost.struct(chunk_states.shape, _F32), x,
+            cost.struct(dfinal_state.shape, _F32))),
         interpret=_interpret(interpret),
         name="ssd_backward_mosaic_tpu",
     )(_head_major(x), _head_major(b), _head_major(c), row, col, chunk_states.astype(_F32),

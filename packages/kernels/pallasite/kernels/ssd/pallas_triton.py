@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import sys
 
 import jax
@@ -60,7 +59,7 @@ from jaxtyping import Array, Float
 from pallasite import tuning
 from pallasite.kernels import platform
 from pallasite.kernels import sharding
-from pallasite.kernels.ssd import decay, predicates, tuning_benchmarks
+from pallasite.kernels.ssd import costs, decay, predicates, tuning_benchmarks
 
 F32 = jnp.float32
 
@@ -85,6 +84,34 @@ class BlockSizes:
 
 
 DEFAULT_BLOCK_SIZES = BlockSizes()
+# Where the default's programs do not fit the device's shared memory (p=64, n=128 needs
+# 104 KiB at block_m 64; sm86/sm89 have 99 KiB): 32-row blocks, 56 KiB there. The H200
+# sweep measured block_m 32 1.24 / 4.48 ms against the default's 0.96 / 2.70 (fwd /
+# fwd+bwd); not measured on sm86/89.
+SMALL_SMEM_BLOCK_SIZES = BlockSizes(block_m=predicates.TRITON_MIN_BLOCK_M)
+
+
+def fits(bs: BlockSizes, head_dim: int, state: int, device=None, chunk: int | None = None,
+         itemsize: int = 2) -> bool:
+    """Whether pallasite may choose `bs` (default, table, cache, candidates): the fit rule
+    predicates.triton_block_sizes_reason on `device`'s shared memory (platform's budget);
+    chunk: the chunk its blocks are clamped to (None: as given); itemsize: of the matmul
+    operands."""
+    return predicates.triton_block_sizes_reason(bs, chunk, head_dim, state, device,
+                                                itemsize=itemsize) is None
+
+
+def default_block_sizes(head_dim: int, state: int, device=None, itemsize: int = 2
+                        ) -> BlockSizes:
+    """The measured default where it fits `device`'s shared memory, else 32-row blocks."""
+    if fits(DEFAULT_BLOCK_SIZES, head_dim, state, device, itemsize=itemsize):
+        return DEFAULT_BLOCK_SIZES
+    return SMALL_SMEM_BLOCK_SIZES
+
+
+def _itemsize(x, b) -> int:
+    """The widest matmul operand's bytes (the kernels' dots take x and B/C as given)."""
+    return max(jnp.dtype(x.dtype).itemsize, jnp.dtype(b.dtype).itemsize)
 
 
 def resolve_block_sizes(block_sizes: BlockSizes | None, chunk: int, *, x=None, b=None,
@@ -98,12 +125,14 @@ def resolve_block_sizes(block_sizes: BlockSizes | None, chunk: int, *, x=None, b
     caller's with a ValueError naming it, a table or cache entry passed over.
     `interpret` defaults to True, "do not tune"; forward and backward pass theirs."""
     if block_sizes is not None and x is not None:
-        why = predicates.triton_block_sizes_reason(block_sizes, chunk, x.shape[4], b.shape[4])
+        why = predicates.triton_block_sizes_reason(block_sizes, chunk, x.shape[4], b.shape[4],
+                                                   caller=True, itemsize=_itemsize(x, b))
         if why is not None:
             raise ValueError(f"block_sizes {block_sizes!r} does not fit chunk={chunk}, "
                              f"head_dim={x.shape[4]}, state={b.shape[4]}: {why}")
     if block_sizes is None and x is not None:
         bsz, nc, c, h, p = x.shape
+        width = _itemsize(x, b)
         shape = {"length": nc * c, "heads": h, "head_dim": p, "state": b.shape[4], "chunk": c,
                  "batch": bsz, "groups": b.shape[3]}
         measure = None
@@ -114,9 +143,10 @@ def resolve_block_sizes(block_sizes: BlockSizes | None, chunk: int, *, x=None, b
             measure = lambda: make(sys.modules[__name__], shape, dtype)  # noqa: E731
         block_sizes = tuning.select_block_sizes(
             "ssd", f"pallas_triton:{pass_name}", device_kind=tuning.device_kind(),
-            dtypes=(x.dtype,), shape=shape, config_type=BlockSizes, default=DEFAULT_BLOCK_SIZES,
-            measure=measure, fits=lambda cfg, sh: predicates.triton_block_sizes_reason(
-                cfg, sh["chunk"], sh["head_dim"], sh["state"]) is None,
+            dtypes=(x.dtype,), shape=shape, config_type=BlockSizes,
+            default=default_block_sizes(p, shape["state"], itemsize=width), measure=measure,
+            fits=lambda bs, dims: fits(bs, dims["head_dim"], dims["state"],
+                                       chunk=dims["chunk"], itemsize=width),
         ).config
     bs = block_sizes or DEFAULT_BLOCK_SIZES
     return dataclasses.replace(
@@ -154,10 +184,6 @@ def _check_inputs(x, a, b, c, state, state_name: str) -> None:
                 f"{name} = {v} (x {x.shape}, b {b.shape}) must be a power of 2 >= 16 "
                 "for the Triton kernels"
             )
-
-
-def _nbytes(*arrays) -> int:
-    return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in arrays))
 
 
 def _dot(a, b, trans_a=False, trans_b=False):
@@ -208,11 +234,8 @@ def _chunk_state(u, v, w, bs: BlockSizes, interpret: bool):
         out_specs=pl.BlockSpec((None, None, None, p, n), lambda i, j, k: (i, j, k, 0, 0)),
         compiler_params=_params(bs),
         interpret=interpret,
-        cost_estimate=pl.CostEstimate(
-            flops=2 * bsz * nc * h * chunk * p * n + bsz * nc * h * chunk * n,
-            transcendentals=0,
-            bytes_accessed=_nbytes(u, v, w, out_shape),
-        ),
+        cost_estimate=costs.chunk_state(bsz * nc * h, chunk, p, n, u.dtype, inputs=(u, v, w),
+                                        outputs=(out_shape,)),
         name="ssd_chunk_state",
     )(u, v, w)
 
@@ -245,11 +268,8 @@ def _state_pass(local, decay, init, bs: BlockSizes, interpret: bool):
         out_specs=[seq, one],
         compiler_params=_params(bs),
         interpret=interpret,
-        cost_estimate=pl.CostEstimate(
-            flops=2 * local.size,
-            transcendentals=0,
-            bytes_accessed=_nbytes(local, decay, init, *shapes),
-        ),
+        cost_estimate=costs.state_pass(local.size, inputs=(local, decay, init),
+                                       outputs=shapes),
         name="ssd_state_pass",
     )(local, decay, init.astype(F32))
 
@@ -288,11 +308,9 @@ def _state_pass_reverse(dlocal, decay, states, dfinal, bs: BlockSizes, interpret
         out_specs=[seq, vec, one],
         compiler_params=_params(bs),
         interpret=interpret,
-        cost_estimate=pl.CostEstimate(
-            flops=4 * dlocal.size,
-            transcendentals=0,
-            bytes_accessed=_nbytes(dlocal, decay, states, dfinal, *shapes),
-        ),
+        cost_estimate=costs.state_pass_reverse(dlocal.size,
+                                               inputs=(dlocal, decay, states, dfinal),
+                                               outputs=shapes),
         name="ssd_state_pass_reverse",
     )(dlocal, decay, states, dfinal.astype(F32))
 
@@ -349,7 +367,6 @@ def _chunk_output(x, b, c, acs, states, bs: BlockSizes, interpret: bool):
     hpg, bm = h // g, bs.block_m
     out_shape = sharding.out_struct(x.shape, x.dtype, like=x)
     grp = pl.BlockSpec((None, None, chunk, None, n), lambda i, j, k, r: (i, j, 0, k // hpg, 0))
-    tri = bsz * nc * h * (chunk * (chunk + bm) // 2)  # causal tile entries computed
     return pl.pallas_call(
         functools.partial(_chunk_output_kernel, bm=bm),
         out_shape=out_shape,
@@ -365,11 +382,8 @@ def _chunk_output(x, b, c, acs, states, bs: BlockSizes, interpret: bool):
         out_specs=pl.BlockSpec((None, None, bm, None, p), lambda i, j, k, r: (i, j, r, k, 0)),
         compiler_params=_params(bs),
         interpret=interpret,
-        cost_estimate=pl.CostEstimate(
-            flops=tri * 2 * (n + p) + 2 * bsz * nc * h * chunk * p * n,
-            transcendentals=tri + bsz * nc * h * chunk,
-            bytes_accessed=_nbytes(x, b, c, *acs, states, out_shape),
-        ),
+        cost_estimate=costs.chunk_output(bsz * nc * h, chunk, bm, p, n, x.dtype,
+                                         inputs=(x, b, c, *acs, states), outputs=(out_shape,)),
         name="ssd_chunk_output",
     )(x, b, c, *acs, states)
 
@@ -488,17 +502,6 @@ def _group_specs(x, b, bm):
     return heads, grp, acs, st, rows_heads, rows_grp, rows_acs
 
 
-def _bwd_cost(x, b, bm, matmuls_per_tile: int, arrays):
-    bsz, nc, chunk, h, p = x.shape
-    n = b.shape[4]
-    tri = bsz * nc * h * (chunk * (chunk + bm) // 2)
-    flops = tri * 2 * matmuls_per_tile * max(n, p) + 4 * bsz * nc * h * chunk * p * n
-    return pl.CostEstimate(
-        flops=flops, transcendentals=tri + bsz * nc * h * chunk,
-        bytes_accessed=_nbytes(*arrays),
-    )
-
-
 def _bwd_rows_j(x, dy, b, c, acs, grads, bs: BlockSizes, interpret: bool, db_dtype=None):
     bsz, nc, chunk, h, p = x.shape
     g = b.shape[3]
@@ -518,7 +521,8 @@ def _bwd_rows_j(x, dy, b, c, acs, grads, bs: BlockSizes, interpret: bool, db_dty
         out_specs=[rows_heads, rows_grp, rows_acs, rows_acs],
         compiler_params=_params(bs),
         interpret=interpret,
-        cost_estimate=_bwd_cost(x, b, bm, 4, (x, dy, b, c, *acs, grads, *shapes)),
+        cost_estimate=costs.bwd_rows_j(bsz * nc * h, chunk, bm, p, b.shape[4], x.dtype,
+                                       inputs=(x, dy, b, c, *acs, grads), outputs=shapes),
         name="ssd_bwd_rows_j",
     )(x, dy, b, c, *acs, grads)
 
@@ -540,7 +544,8 @@ def _bwd_rows_i(x, dy, b, c, acs, states, bs: BlockSizes, interpret: bool, dc_dt
         out_specs=[rows_grp, rows_acs],
         compiler_params=_params(bs),
         interpret=interpret,
-        cost_estimate=_bwd_cost(x, b, bm, 3, (x, dy, b, c, *acs, states, *shapes)),
+        cost_estimate=costs.bwd_rows_i(bsz * nc * h, chunk, bm, p, b.shape[4], x.dtype,
+                                       inputs=(x, dy, b, c, *acs, states), outputs=shapes),
         name="ssd_bwd_rows_i",
     )(x, dy, b, c, *acs, states)
 

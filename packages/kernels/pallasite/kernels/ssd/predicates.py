@@ -12,7 +12,7 @@ Two questions, kept apart:
 
 Admission today (see ADMITTED): the Pallas Triton kernels on a GPU from sm80, for the
 geometries GEOMETRY["pallas_triton"] builds (chunk 64-256, head_dim and state >= 16, the
-shared-memory budget). Measured on an H200 at chunk 256, head_dim 64, state 128 (the three
+device's shared memory per block). Measured on an H200 at chunk 256, head_dim 64, state 128 (the three
 TARGETS rows): 4.4x to 6.1x ahead of the XLA path, forward and forward+backward; smaller
 chunks run the same kernels with fewer tiles per row and are not separately measured. The
 Mosaic TPU kernel is correct (interpret parity, TPU lowering) but no TPU has measured it
@@ -58,14 +58,16 @@ class Geometry:
       (~0.05 us at v5e's 819 GB/s) and does ~0.8 MFLOP, so overhead would be ~7x the work;
       at C=64 it is ~2x and falls with C^2 for the matmuls. The same argument holds on the
       GPU for a launch slice (the GPU owner may tighten it with measurements).
-    budget_bytes: per program: VMEM (scoped default 16 MiB on v5e, 32 MiB on v6e; the
-      kernel asks for 32 MiB and we keep 16 as the safe figure) or Triton shared memory
-      (227 KiB per block on sm90).
+    budget_bytes: per program: VMEM (platform.TPU_VMEM_BYTES, 16 MiB: the scoped default
+      on v5e, 32 MiB on v6e; the kernel asks for 32 MiB and we keep 16 as the safe
+      figure), or None for Triton: the
+      device's shared memory per block (platform.triton_shared_memory_budget: 163 KiB on
+      sm80, 99 KiB on sm86/sm89, 227 KiB on sm90; off CUDA, the smallest of them).
     """
 
     min_chunk: int
     max_chunk: int
-    budget_bytes: int
+    budget_bytes: int | None
     program_bytes: object  # (chunk, head_dim, state) -> bytes one program holds
     min_width: int = 8  # head_dim and state; Triton's tensor-core dots need 16
 
@@ -85,25 +87,39 @@ def _mosaic_tpu_bytes(chunk: int, head_dim: int, state: int) -> int:
     return 2 * blocks + head_dim * state * f32 + temps
 
 
-def _triton_bytes(chunk: int, head_dim: int, state: int) -> int:
+# The smallest row block the Triton kernels are admitted with (their BlockSizes.block_m):
+# a geometry is admitted where a program of this block fits the device's shared memory.
+TRITON_MIN_BLOCK_M = 32
+
+
+def triton_program_bytes(head_dim: int, state: int, block_m: int = 64,
+                         num_stages: int = 2, itemsize: int = 2) -> int:
     """Shared memory of the largest Triton program (the backward's rows-j kernel, issue 8).
 
-    The kernels never hold a [C, C] tile: they walk it in 64 x 64 blocks, so the chunk
-    length sets the trip count, not the footprint. Per program (bf16 operands): the row
-    block of x and B [64, p + n], two pipeline stages of the streamed C and dy blocks
-    [64, n + p], two [64, 64] tiles staged for the dots, and one head's state [p, n].
-    At p=64, n=128: 104 KiB, below sm90's 227 KiB (it compiled and ran on the H200);
-    p = n = 256 would need 336 KiB and is refused.
+    The kernels never hold a [C, C] tile: they walk it in block_m x block_m blocks, so the
+    chunk length sets the trip count, not the footprint. Per program (bf16 operands): the
+    row block of x and B [block_m, p + n], num_stages pipeline stages of the streamed C
+    and dy blocks [block_m, n + p], two [block_m, block_m] tiles staged for the dots, and
+    one head's state [p, n]. At p=64, n=128: 104 KiB with block_m 64 (it compiled and ran
+    on the H200: sm90 has 227 KiB), 56 KiB with block_m 32 (inside sm89's 99 KiB);
+    p = n = 256 needs 228 KiB even at block_m 32 and is refused everywhere. itemsize: of
+    the matmul operands (2 for bf16/fp16; fp32 operands, 4, stage everything twice as
+    wide). Admission (the geometry rule) counts 16-bit operands.
     """
+    rows = block_m * (head_dim + state) * itemsize
+    return (rows + num_stages * rows + 2 * block_m * block_m * itemsize
+            + head_dim * state * itemsize)
+
+
+def _triton_bytes(chunk: int, head_dim: int, state: int) -> int:
+    """The admission footprint: a program of the smallest admitted row block."""
     del chunk
-    bm, stages, bf16 = 64, 2, 2
-    rows = bm * (head_dim + state) * bf16
-    return rows + stages * rows + 2 * bm * bm * bf16 + head_dim * state * bf16
+    return triton_program_bytes(head_dim, state, TRITON_MIN_BLOCK_M)
 
 
 GEOMETRY: dict[str, Geometry] = {
-    "pallas_mosaic_tpu": Geometry(64, 512, 16 * 1024 * 1024, _mosaic_tpu_bytes),
-    "pallas_triton": Geometry(64, 256, 227 * 1024, _triton_bytes, min_width=16),
+    "pallas_mosaic_tpu": Geometry(64, 512, platform.TPU_VMEM_BYTES, _mosaic_tpu_bytes),
+    "pallas_triton": Geometry(64, 256, None, _triton_bytes, min_width=16),
 }
 
 
@@ -111,8 +127,10 @@ def _power_of_two(value: int) -> bool:
     return value >= 1 and value & (value - 1) == 0
 
 
-def ssd_kernel_reason(chunk_size: int, head_dim: int, state_size: int, backend: str) -> str | None:
-    """None when `backend` can build this geometry; otherwise the reason it cannot."""
+def ssd_kernel_reason(chunk_size: int, head_dim: int, state_size: int, backend: str,
+                      device=None) -> str | None:
+    """None when `backend` can build this geometry; otherwise the reason it cannot.
+    `device` (default: JAX's first) sets the Triton shared-memory budget."""
     if backend not in GEOMETRY:
         return f"unknown SSD backend {backend!r}; known: {sorted(GEOMETRY)}"
     geo = GEOMETRY[backend]
@@ -128,39 +146,52 @@ def ssd_kernel_reason(chunk_size: int, head_dim: int, state_size: int, backend: 
     if chunk_size > geo.max_chunk:
         return f"chunk_size={chunk_size} > {geo.max_chunk}: [C, C] tiles exceed the program"
     need = geo.program_bytes(chunk_size, head_dim, state_size)
-    if need > geo.budget_bytes:
-        return f"one program needs {need} bytes > {backend} budget {geo.budget_bytes}"
+    budget = geo.budget_bytes or platform.triton_shared_memory_budget(device)
+    if need > budget:
+        return f"one program needs {need} bytes > {backend} budget {budget}"
     return None
 
 
-def triton_block_sizes_reason(block_sizes, chunk_size: int, head_dim: int,
-                              state_size: int) -> str | None:
-    """Why a pallas_triton BlockSizes cannot run this geometry (None: it fits): the
-    program's shared memory within the budget of GEOMETRY (the fit part of the geometry
-    rule; the chunk-length preference is not a fit), tiles that are powers of two from 16
-    (Triton's dots) no larger than the chunk needs, and warps and stages Triton takes.
-    Checked for the caller's config (a ValueError naming it) and for table, cache and
-    tuning entries (passed over)."""
-    geo = GEOMETRY["pallas_triton"]
-    need = geo.program_bytes(chunk_size, head_dim, state_size)
-    if need > geo.budget_bytes:
-        return f"one program needs {need} bytes > pallas_triton budget {geo.budget_bytes}"
+def triton_block_sizes_reason(block_sizes, chunk_size: int | None, head_dim: int,
+                              state_size: int, device=None, *, caller: bool = False,
+                              itemsize: int = 2) -> str | None:
+    """Why a pallas_triton BlockSizes cannot run this geometry (None: it fits): tiles that
+    are powers of two from 16 (Triton's dots) no larger than the largest chunk, warps and
+    stages Triton takes, and the shared memory of its programs (triton_program_bytes at
+    the config's block_m, clamped to the chunk, and num_stages) within the device's
+    budget. pallasite's own choices (default, table, cache, candidates) are held to
+    platform.triton_shared_memory_budget (off CUDA the smallest GPU's, so that they fit
+    every GPU); the caller's config (`caller`, a ValueError naming it) to the device's
+    own, platform.shared_memory_bytes (no limit off CUDA, where only the interpreter runs
+    it). chunk_size None: the config as given, unclamped; itemsize: of the matmul
+    operands."""
+    max_chunk = GEOMETRY["pallas_triton"].max_chunk
     for name in ("block_m", "block_t"):
         value = getattr(block_sizes, name)
         if not (_power_of_two(value) and value >= 16):
             return f"{name}={value} is not a power of two >= 16"
-        if value > GEOMETRY["pallas_triton"].max_chunk:  # larger ones are clamped to the chunk
-            return f"{name}={value} exceeds the largest chunk, {GEOMETRY['pallas_triton'].max_chunk}"
+        if value > max_chunk:  # larger ones would only be clamped to the chunk
+            return f"{name}={value} exceeds the largest chunk, {max_chunk}"
     if block_sizes.num_warps not in (1, 2, 4, 8, 16):
         return f"num_warps={block_sizes.num_warps} is not 1, 2, 4, 8 or 16"
     if not 1 <= block_sizes.num_stages <= 8:
         return f"num_stages={block_sizes.num_stages} is not in [1, 8]"
+    block_m = block_sizes.block_m if chunk_size is None else min(block_sizes.block_m,
+                                                                  chunk_size)
+    need = triton_program_bytes(head_dim, state_size, block_m, block_sizes.num_stages,
+                                itemsize)
+    budget = (platform.shared_memory_bytes(device) if caller
+              else platform.triton_shared_memory_budget(device))
+    if budget is not None and need > budget:
+        return f"one program needs {need} bytes of shared memory > {budget}"
     return None
 
 
-def ssd_kernel_runs(chunk_size: int, head_dim: int, state_size: int, backend: str) -> bool:
-    """Whether `backend` builds (chunk_size, head_dim, state_size) and it pays for a program."""
-    return ssd_kernel_reason(chunk_size, head_dim, state_size, backend) is None
+def ssd_kernel_runs(chunk_size: int, head_dim: int, state_size: int, backend: str,
+                    device=None) -> bool:
+    """Whether `backend` builds (chunk_size, head_dim, state_size) and it pays for a program
+    (on `device`'s shared memory, for Triton)."""
+    return ssd_kernel_reason(chunk_size, head_dim, state_size, backend, device) is None
 
 
 def _device_backend(device=None) -> str | None:
@@ -183,7 +214,8 @@ def ssd_kernel_platform(chunk_size: int, head_dim: int, state_size: int,
     backend = _device_backend(device)
     if backend is None:
         choice, why = None, f"no SSD kernel for {platform.device_generation(device)}"
-    elif (reason := ssd_kernel_reason(chunk_size, head_dim, state_size, backend)) is not None:
+    elif (reason := ssd_kernel_reason(chunk_size, head_dim, state_size, backend,
+                                      device)) is not None:
         choice, why = None, f"{backend} refused: {reason}"
     elif not ADMITTED[backend][0]:
         choice, why = None, f"{backend} not admitted: {ADMITTED[backend][1]}"

@@ -95,14 +95,16 @@ def backward_benchmark(backend: ModuleType, dims: Mapping[str, int], dtype="bflo
                        interpret: bool = False) -> Benchmark:
     """`backend.backward` alone (dx, da, db, dc, dinitial) under the candidate's blocks; the
     chunk states come from one forward with the default blocks (explicit, so building this
-    benchmark never tunes the forward). Reference: the XLA backend's forward and backward
+    benchmark never tunes the forward; the default that fits the device). Reference: the XLA backend's forward and backward
     in fp32 on the same (rounded) inputs."""
     from pallasite.kernels.ssd import xla as ssd_xla
 
     _, chunked, init = synthetic_inputs(dims, dtype)
     dy = jax.random.normal(jax.random.key(2), chunked[0].shape, dtype)
     dfinal = jax.random.normal(jax.random.key(3), init.shape, jnp.float32)
-    fwd = jax.jit(lambda *t: backend.forward(*t, block_sizes=backend.DEFAULT_BLOCK_SIZES,
+    default = backend.default_block_sizes(dims["head_dim"], dims["state"],
+                                          itemsize=jnp.dtype(dtype).itemsize)
+    fwd = jax.jit(lambda *t: backend.forward(*t, block_sizes=default,
                                              interpret=interpret)[2])
     states = fwd(*chunked, init)
 

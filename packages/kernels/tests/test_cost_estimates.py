@@ -1,0 +1,177 @@
+"""Every pallas_call's cost estimate (14 calls: the grouped gmm and tgmm of three backends,
+six SSD Triton kernels, the SSD Mosaic TPU forward and backward) against a hand count.
+
+The estimates come from pl.estimate_cost on each call's body-equivalent function and the
+bytes of the call's operands and results (pallasite.kernels.cost). The hand counts below
+are written from the kernels: 2*m*k*n per matmul, one flop per element of an elementwise
+op, one transcendental per exp; selects, casts and reductions are not counted.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallasite.kernels import cost
+from pallasite.kernels.grouped_matmul import group_metadata
+from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu, pallas_mosaic_tpu, pallas_triton
+from pallasite.kernels.ssd import costs as ssd_costs
+from pallasite.kernels.ssd import pallas_mosaic_tpu as ssd_tpu
+from pallasite.kernels.ssd import pallas_triton as ssd_triton
+
+S = jax.ShapeDtypeStruct
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+def _calls(fn, *args):
+    """{name: CostEstimate} of every pallas_call `fn` traces (names are unique per fn)."""
+    found = {}
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in ("pallas_call", "mpmd_map"):  # mpmd_map: pl.kernel
+                found.setdefault(str(eqn.params["name"]), []).append(eqn.params["cost_estimate"])
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def _bytes(*shapes_and_dtypes):
+    return sum(math.prod(s) * np.dtype(d).itemsize for s, d in shapes_and_dtypes)
+
+
+def _check(estimate, flops, transcendentals, bytes_accessed):
+    assert (estimate.flops, estimate.transcendentals, estimate.bytes_accessed) == (
+        flops, transcendentals, bytes_accessed)
+
+
+def test_io_bytes_and_estimate():
+    x = S((3, 5), BF16)
+    est = cost.estimate(lambda a: jnp.exp(a) * a, x, inputs=(x, None), outputs=(S((2,), F32),))
+    _check(est, 15, 15, 3 * 5 * 2 + 2 * 4)
+
+
+# ------------------------------------------------------------------- grouped matmuls
+
+M, K, N, G = 100, 48, 40, 3
+SIZES = jnp.array([30, 0, 50], jnp.int32)
+SMALL = pallas_triton.config.TritonBlockSizes(16, 16, 16, group_m=2)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_grouped_triton(transpose_rhs):
+    lhs, dy = S((M, K), BF16), S((M, N), BF16)
+    rhs = S((G, N, K) if transpose_rhs else (G, K, N), BF16)
+    (gmm,), = _calls(lambda a, w: pallas_triton.gmm(
+        a, w, SIZES, transpose_rhs=transpose_rhs, block_sizes=SMALL), lhs, rhs).values()
+    visits = group_metadata.num_visits(M, G, SMALL.block_m)
+    _check(gmm, 2 * M * K * N, 0, 3 * visits * 4 + _bytes(((M, K), BF16), ((G, K, N), BF16),
+                                                           ((M, N), BF16)))
+    (tgmm,), = _calls(lambda a, b: pallas_triton.tgmm(a, b, SIZES, block_sizes=SMALL),
+                      lhs, dy).values()
+    _check(tgmm, 2 * M * K * N, 0, (G + 1) * 4 + _bytes(((M, K), BF16), ((M, N), BF16),
+                                                        ((G, K, N), BF16)))
+
+
+def test_grouped_mosaic_tpu():
+    """The padded problem (tiles of 128): m 100 -> 128, k 48 -> 128, n 40 -> 128."""
+    lhs, rhs, dy = S((M, K), BF16), S((G, K, N), BF16), S((M, N), BF16)
+    mp = kp = np_ = 128
+    visits = group_metadata.num_visits(mp, G, 128)
+    (gmm,), = _calls(lambda a, w: pallas_mosaic_tpu.gmm(a, w, SIZES), lhs, rhs).values()
+    _check(gmm, 2 * mp * kp * np_, 0, 4 * visits * 4 + _bytes(
+        ((mp, kp), BF16), ((G, kp, np_), BF16), ((mp, np_), BF16)))
+    (tgmm,), = _calls(lambda a, b: pallas_mosaic_tpu.tgmm(a, b, SIZES), lhs, dy).values()
+    _check(tgmm, 2 * mp * kp * np_, 0, 4 * visits * 4 + _bytes(
+        ((mp, kp), BF16), ((mp, np_), BF16), ((G, kp, np_), BF16)))
+
+
+def test_grouped_mosaic_gpu():
+    """The padded problem (64-blocks): m 100 -> 104 (8-aligned), k 48 -> 64, n 40 -> 64;
+    the row-tile table [4, T] and its count ride along (gmm), the group bounds (tgmm)."""
+    bs = pallas_mosaic_gpu.MosaicGpuBlockSizes(64, 64, 64, stages=2, grid_block_n=2)
+    lhs, rhs, dy = S((M, K), BF16), S((G, K, N), BF16), S((M, N), BF16)
+    mp, kp, np_ = 104, 64, 64
+    (gmm,), = _calls(lambda a, w: pallas_mosaic_gpu.gmm(a, w, SIZES, block_sizes=bs),
+                     lhs, rhs).values()
+    table, count = jax.eval_shape(
+        lambda s: pallas_mosaic_gpu._row_tile_table(s, mp, 64), SIZES)
+    _check(gmm, 2 * mp * kp * np_, 0, _bytes(
+        (table.shape, jnp.int32), (count.shape, jnp.int32), ((mp, kp), BF16),
+        ((G, kp, np_), BF16), ((mp, np_), BF16)))
+    (tgmm,), = _calls(lambda a, b: pallas_mosaic_gpu.tgmm(a, b, SIZES, block_sizes=bs),
+                      lhs, dy).values()
+    mr = 128  # rows padded to a 64-multiple
+    _check(tgmm, 2 * mr * kp * np_, 0, 2 * G * 4 + _bytes(
+        ((mr, kp), BF16), ((mr, np_), BF16), ((G, kp, np_), BF16)))
+
+
+# ---------------------------------------------------------------------------- SSD
+
+B, NC, C, H, P, NS, GR = 1, 2, 64, 2, 16, 32, 1
+BM = 32
+Z = B * NC * H
+T = ssd_costs.tiles(C, BM)
+
+
+def _ssd_args(dtype=BF16):
+    return (S((B, NC, C, H, P), dtype), S((B, NC, C, H), F32), S((B, NC, C, GR, NS), dtype),
+            S((B, NC, C, GR, NS), dtype), S((B, H, P, NS), F32))
+
+
+def test_ssd_triton():
+    x, a, b, c, s0 = _ssd_args()
+    blocks = ssd_triton.BlockSizes(block_m=BM, block_t=BM)
+    states = S((B, NC, H, P, NS), F32)
+    fwd = _calls(lambda *t: ssd_triton.forward(*t, block_sizes=blocks), x, a, b, c, s0)
+    bwd = _calls(lambda *t: ssd_triton.backward(*t, block_sizes=blocks), x, a, b, c, states,
+                 x, s0)
+    xb, acs_b = _bytes(((B, NC, C, H, P), BF16)), _bytes(((B, NC, C, H), F32))
+    bcb, stb = _bytes(((B, NC, C, GR, NS), BF16)), _bytes(((B, NC, H, P, NS), F32))
+    sb, decb = _bytes(((B, H, P, NS), F32)), _bytes(((B, NC, H), F32))
+    # chunk state: x^T (B * w) per (batch, chunk, head); forward (x, B) and backward (dy, C).
+    for chunk_state in fwd["ssd_chunk_state"] + bwd["ssd_chunk_state"]:
+        _check(chunk_state, 2 * Z * C * P * NS + Z * C * NS, 0, xb + bcb + acs_b + stb)
+    (sp,) = fwd["ssd_state_pass"]
+    _check(sp, 2 * Z * P * NS, 0, stb + decb + sb + stb + sb)
+    (spr,) = bwd["ssd_state_pass_reverse"]
+    _check(spr, 3 * Z * P * NS, 0, stb + decb + stb + sb + stb + decb + sb)
+    # The cumulative sums enter as double-float (hi, lo) pairs (ssd.decay): two [b, nc, C, h]
+    # operands, a segment sum (hi_i - hi_j) + (lo_i - lo_j) is 3 flops and exp(acs) is
+    # exp(hi + lo), 1 flop.
+    (out,) = fwd["ssd_chunk_output"]
+    _check(out, Z * T * BM * BM * (2 * NS + 2 * P + 4) + Z * C * (2 * NS * P + P + 1),
+           Z * T * BM * BM + Z * C, xb + 2 * bcb + 2 * acs_b + stb + xb)
+    (rows_j,) = bwd["ssd_bwd_rows_j"]
+    _check(rows_j, Z * T * BM * BM * (4 * NS + 4 * P + 6) + Z * C * (4 * NS * P + 2 * P + NS + 3),
+           Z * T * BM * BM + Z * C, 2 * xb + 2 * bcb + 2 * acs_b + stb + xb + bcb + 2 * acs_b)
+    (rows_i,) = bwd["ssd_bwd_rows_i"]
+    _check(rows_i, Z * T * BM * BM * (4 * NS + 2 * P + 5) + Z * C * (4 * NS * P + NS + 2 * P + 1),
+           Z * T * BM * BM + Z * C, 2 * xb + 2 * bcb + 2 * acs_b + stb + bcb + acs_b)
+
+
+def test_ssd_mosaic_tpu():
+    x, a, b, c, s0 = _ssd_args(F32)
+    states = S((B, NC, H, P, NS), F32)
+    (fwd,), = _calls(lambda *t: ssd_tpu.forward(*t), x, a, b, c, s0).values()
+    (bwd,), = _calls(lambda *t: ssd_tpu.backward(*t), x, a, b, c, states, x, s0).values()
+    progs = B * H * NC
+    xb, bcb = _bytes(((B, NC, C, H, P), F32)), _bytes(((B, NC, C, GR, NS), F32))
+    acs2 = 2 * _bytes(((B, H, NC, 2, C), F32))  # hi/lo as rows and as columns
+    sb, stb = _bytes(((B, H, P, NS), F32)), _bytes(((B, NC, H, P, NS), F32))
+    _check(fwd, progs * (C * C * (2 * NS + 2 * P + 4) + C * (4 * NS * P + 3 * P + 4)
+                         + 2 * P * NS + 1),
+           progs * (C * C + 2 * C + 1), xb + 2 * bcb + acs2 + sb + xb + sb + stb)
+    per_head = _bytes(((B, H, NC, C, NS), F32))
+    _check(bwd, progs * (C * C * (6 * NS + 4 * P + 22) + 10 * C * NS * P + 37 * C * P
+                         + 4 * C * NS + 20 * C + 2 * P * NS + 1),
+           progs * (C * C + 2 * C + 1),
+           xb + 2 * bcb + acs2 + stb + xb + sb + xb + 2 * per_head
+           + _bytes(((B, H, NC, 1, C), F32)) + sb)

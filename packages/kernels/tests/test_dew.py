@@ -1,0 +1,210 @@
+"""pallasite.kernels.dew: dew's `dew.nn.kernels` names and behaviour, on pallasite's kernels.
+
+Each expectation comes from dew's documented behaviour (its docstrings and signatures):
+generations from a device's compute capability or TPU kind, unknown kinds unchanged;
+bf16 dots from sm80; Triton on a process whose GPUs are all sm80+; the SSD scan in the
+chunk-major layout with fp32 results and `platform` a JAX platform name, interpreted
+where the process has no such device; integer group sizes of any width.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallasite import kernels
+from pallasite.kernels import dew, platform
+from pallasite.reference.inputs import grouped_projection_inputs
+
+
+def _gpu(cc):
+    return types.SimpleNamespace(platform="gpu", device_kind="NVIDIA GPU", compute_capability=cc)
+
+
+def _tpu(kind):
+    return types.SimpleNamespace(platform="tpu", device_kind=kind)
+
+
+@pytest.fixture
+def devices(monkeypatch):
+    """Pretend the process holds the given devices (dew asks jax.devices())."""
+    def use(*fake):
+        monkeypatch.setattr(dew, "_devices", lambda: list(fake))
+        monkeypatch.setattr(platform, "_default_device", lambda: fake[0])
+    return use
+
+
+def test_every_dew_name_with_its_signature():
+    expected = {
+        "bf16_dot_runs": ["generation"],
+        "device_generation": [],
+        "grouped_projection": ["x", "kernel", "group_sizes", "compute", "interpret_on_cpu"],
+        "ragged_dot_runs": ["compute", "operands", "precision"],
+        "sm_version": ["generation"],
+        "ssd_chunk_scan": ["x_c", "b_c", "c_c", "a_c", "state", "platform"],
+        "ssd_kernel_platform": ["chunk_size", "head_dim", "state_size"],
+        "ssd_kernel_runs": ["chunk_size", "head_dim", "state_size", "backend"],
+        "triton_runs": [],
+    }
+    assert sorted(dew.__all__) == sorted(expected)
+    for name, params in expected.items():
+        assert list(inspect.signature(getattr(dew, name)).parameters) == params, name
+    assert dew.ssd_chunk_scan.nondiff_argnums == (5,)
+
+
+@pytest.mark.parametrize("device,generation", [
+    (_gpu("8.9"), "sm89"), (_gpu("9.0"), "sm90"), (_tpu("TPU v5 lite"), "v5e"),
+    (_tpu("TPU v6 lite"), "v6e"), (_tpu("TPU v5p"), "v5p"), (_tpu("TPU7x"), "TPU7x"),
+    (_tpu(""), "tpu"), (types.SimpleNamespace(platform="cpu", device_kind="cpu"), "cpu")])
+def test_device_generation_keeps_unknown_tpu_kinds(devices, device, generation):
+    devices(device)
+    assert dew.device_generation() == generation
+
+
+def test_sm_version_and_bf16_dot_runs(devices):
+    assert dew.sm_version("sm89") == 89 and dew.sm_version("v5e") is None
+    assert dew.sm_version("cpu") is None
+    assert not dew.bf16_dot_runs("sm75")
+    assert all(dew.bf16_dot_runs(g) for g in ("sm80", "sm89", "sm90", "v5e", "cpu"))
+    devices(_gpu("7.5"))
+    assert not dew.bf16_dot_runs()
+
+
+def test_triton_runs_needs_every_gpu_from_sm80(devices):
+    assert not dew.triton_runs()  # this CPU
+    devices(_gpu("8.0"), _gpu("8.9"))
+    assert dew.triton_runs()
+    devices(_gpu("9.0"), _gpu("7.5"))
+    assert not dew.triton_runs()
+
+
+def test_ragged_dot_runs():
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    assert dew.ragged_dot_runs(bf16, (bf16, bf16), None)
+    assert dew.ragged_dot_runs(bf16, (f32, f32), jax.lax.Precision.HIGHEST)
+    assert dew.ragged_dot_runs(f32, (f32,), None)
+    assert not dew.ragged_dot_runs(f32, (f32,), jax.lax.Precision.HIGHEST)
+    assert not dew.ragged_dot_runs(jnp.float64, (), None)
+    with jax.enable_x64(True):
+        assert not dew.ragged_dot_runs(bf16, (bf16,), None)
+
+
+def test_ssd_kernel_runs_speaks_platforms(devices):
+    assert dew.ssd_kernel_runs(128, 64, 128, "tpu")
+    assert dew.ssd_kernel_runs(128, 64, 128, "gpu")  # no GPU here: the interpreter
+    assert not dew.ssd_kernel_runs(128, 64, 128, "cpu")
+    assert not dew.ssd_kernel_runs(128, 64, 128, "pallas_triton")
+    assert not dew.ssd_kernel_runs(32, 64, 128, "tpu")  # too short to pay for a program
+    assert not dew.ssd_kernel_runs(128, 48, 128, "tpu")  # not a power of two
+    devices(_gpu("7.5"))
+    assert not dew.ssd_kernel_runs(128, 64, 128, "gpu")
+
+
+def test_ssd_kernel_platform(devices, monkeypatch):
+    assert dew.ssd_kernel_platform(128, 64, 128) is None  # CPU: the XLA path
+    devices(_gpu("9.0"))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert dew.ssd_kernel_platform(128, 64, 128) == "gpu"
+    assert dew.ssd_kernel_platform(32, 64, 128) is None
+    devices(_tpu("TPU v6 lite"))
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    # Geometry fits, but pallasite admits no TPU kernel by default until one is measured.
+    assert dew.ssd_kernel_runs(128, 64, 128, "tpu")
+    assert dew.ssd_kernel_platform(128, 64, 128) is None
+
+
+def _ssd_operands(dtype=jnp.float32, nc=2, bsz=1, chunk=16, h=2, p=16, n=16):
+    keys = jax.random.split(jax.random.key(0), 5)
+    x_c = jax.random.normal(keys[0], (nc, bsz, chunk, h, p), dtype)
+    b_c = jax.random.normal(keys[1], (nc, bsz, chunk, h, n), dtype)
+    c_c = jax.random.normal(keys[2], (nc, bsz, chunk, h, n), dtype)
+    a_c = -jax.random.uniform(keys[3], (nc, bsz, h, chunk), jnp.float32, 0.01, 0.3)
+    state = jax.random.normal(keys[4], (bsz, h, p, n), jnp.float32)
+    return x_c, b_c, c_c, a_c.astype(dtype), state
+
+
+def _oracle(x_c, b_c, c_c, a_c, state):
+    """pallasite's XLA scan in its own (batch-major, Mamba order) layout."""
+    major = lambda t: jnp.swapaxes(t, 0, 1).astype(jnp.float32)  # noqa: E731
+    y, final = kernels.ssd_chunk_scan(major(x_c), jnp.transpose(a_c, (1, 0, 3, 2)).astype(
+        jnp.float32), major(b_c), major(c_c), state, "xla")
+    return jnp.swapaxes(y, 0, 1), final
+
+
+# ids other than "gpu"/"tpu": those are the accelerator marks' names (conftest skips them).
+@pytest.mark.parametrize("platform_name", ["gpu", "tpu"], ids=["triton", "mosaic_tpu"])
+def test_ssd_chunk_scan_values_and_gradients(platform_name):
+    args = _ssd_operands()
+    y, final = jax.jit(dew.ssd_chunk_scan, static_argnums=5)(*args, platform_name)
+    y_ref, final_ref = _oracle(*args)
+    assert y.shape == args[0].shape and y.dtype == jnp.float32 and final.dtype == jnp.float32
+    np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(final, final_ref, rtol=1e-4, atol=1e-4)
+
+    def loss(fn):
+        return lambda *t: sum(jnp.sum(o * o) for o in fn(*t))
+
+    grads = jax.jit(jax.grad(loss(lambda *t: dew.ssd_chunk_scan(*t, platform_name)),
+                             argnums=(0, 1, 2, 3, 4)))(*args)
+    grads_ref = jax.grad(loss(_oracle), argnums=(0, 1, 2, 3, 4))(*args)
+    for got, want in zip(grads, grads_ref):
+        np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
+
+
+def test_ssd_chunk_scan_returns_fp32_for_bf16_operands():
+    y, final = dew.ssd_chunk_scan(*_ssd_operands(jnp.bfloat16), "gpu")
+    assert y.dtype == jnp.float32 and final.dtype == jnp.float32
+
+
+def test_ssd_chunk_scan_names_a_bad_platform():
+    with pytest.raises(ValueError, match="platform"):
+        dew.ssd_chunk_scan(*_ssd_operands(), "pallas_triton")
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint8, jnp.int16, jnp.int32])
+def test_grouped_projection_casts_integer_group_sizes(dtype):
+    x, kernel, sizes = grouped_projection_inputs(jax.random.key(1), 40, 32, 16, 3, jnp.float32)
+    want = kernels.grouped_projection(x, kernel, sizes, jnp.bfloat16)
+    got = dew.grouped_projection(x, kernel, sizes.astype(dtype), jnp.bfloat16, False)
+    np.testing.assert_array_equal(got, want)
+    dx, dk = jax.grad(lambda x, k: jnp.sum(dew.grouped_projection(
+        x, k, sizes.astype(dtype), jnp.bfloat16, True).astype(jnp.float32)), argnums=(0, 1))(
+        x, kernel)
+    assert dx.shape == x.shape and dk.shape == kernel.shape
+
+
+def test_grouped_projection_refuses_float_group_sizes():
+    x, kernel, sizes = grouped_projection_inputs(jax.random.key(1), 40, 32, 16, 3, jnp.float32)
+    with pytest.raises(TypeError, match="group_sizes"):
+        dew.grouped_projection(x, kernel, sizes.astype(jnp.float32), jnp.bfloat16, False)
+
+
+# ----------------------------------------------------------------------------- the GPU
+
+
+@pytest.mark.gpu
+def test_gpu_ssd_chunk_scan_runs_the_compiled_kernel():
+    """On a GPU, platform "gpu" runs the compiled Triton kernels (not the interpreter)."""
+    assert not dew._interpreting("gpu")
+    args = _ssd_operands(nc=4, bsz=2, chunk=64, h=4, p=64, n=128)
+    y, final = jax.jit(dew.ssd_chunk_scan, static_argnums=5)(*args, "gpu")
+    y_ref, final_ref = _oracle(*args)
+    np.testing.assert_allclose(y, y_ref, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(final, final_ref, rtol=2e-2, atol=2e-2)
+    text = jax.jit(dew.ssd_chunk_scan, static_argnums=5).lower(*args, "gpu").as_text()
+    assert "triton" in text
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_projection_int16_sizes():
+    x, kernel, sizes = grouped_projection_inputs(jax.random.key(1), 512, 256, 128, 4,
+                                                 jnp.bfloat16)
+    want = kernels.grouped_projection(x, kernel, sizes, jnp.bfloat16)
+    got = jax.jit(lambda x, k, s: dew.grouped_projection(x, k, s, jnp.bfloat16, False))(
+        x, kernel, sizes.astype(jnp.int16))
+    np.testing.assert_array_equal(got, want)
