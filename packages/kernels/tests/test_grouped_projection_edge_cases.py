@@ -204,11 +204,9 @@ def test_non_finite_weights_stay_in_their_group_plain_path(value):
     _check_rows(y, sizes)
 
 
-@pytest.mark.xfail(strict=True, reason="the XLA backend (xla.py) multiplies every group's "
-                   "weights by the zeroed rows of the others inside jax.lax.ragged_dot; "
-                   "containment there needs xla.gmm to mask as plain.project does")
-def test_non_finite_weights_stay_in_their_group_xla_backend():
-    _check_contained(_project("xla"), np.nan)
+@pytest.mark.parametrize("value", [np.nan, np.inf], ids=["nan", "inf"])
+def test_non_finite_weights_stay_in_their_group_xla_backend(value):
+    _check_contained(_project("xla"), value)
 
 
 def _check_contained(f, value):
@@ -313,7 +311,7 @@ def _check_offset_rows(y):
     assert np.isfinite(np.delete(group4, 7, axis=1)).all()
 
 
-@pytest.mark.parametrize("name", ["pallas_triton", "pallas_mosaic_tpu", "plain"])
+@pytest.mark.parametrize("name", ["xla", "pallas_triton", "pallas_mosaic_tpu", "plain"])
 @pytest.mark.parametrize("value", [np.nan, np.inf], ids=["nan", "inf"])
 def test_non_finite_weights_stay_in_their_group_with_group_offset(name, value):
     x, kernel, sizes = _offset_inputs()

@@ -4,6 +4,14 @@ The fallback for every platform and input the kernels refuse. Same gmm/tgmm cont
 the Pallas backends: fp32 accumulation (preferred_element_type), one rounding, rows past
 the total zero, empty groups zero. On the H200 it is far slower than the kernels and runs
 out of memory on the DeepSeek-V3 shape (see docs/performance.md), so it is last in line.
+
+Non-finite weights stay in their group's rows (`ragged_product`, which the plain-JAX path
+shares): ragged_dot may multiply a group's weights by the zeroed rows of other groups
+(0 * inf = NaN in every row), so the product runs on the finite part of the weights, and
+each row of a group whose weights hold a non-finite value in a column's contraction is
+NaN in that column, as the kernels give. Rows of no group (past the total, other experts
+with a group_offset) stay zero. The cost is one elementwise pass over the weights (and a
+masked copy of them) and a [g, n] lookup per row, small next to the product.
 """
 
 from __future__ import annotations
@@ -32,6 +40,34 @@ def _from_row_zero(group_sizes, row_start):
     return group_sizes.at[0].add(row_start.astype(group_sizes.dtype))
 
 
+def ragged_product(lhs, rhs, group_sizes, row_start=None, *, transpose_rhs: bool = False,
+                   accumulate=jnp.float32) -> jax.Array:
+    """[m, n] in `accumulate`: rows [row_start, row_start + sum(group_sizes)) times their
+    group's rhs ([g, k, n], or [g, n, k] with transpose_rhs), every other row zero; a
+    non-finite weight reaches only its own group's rows (module docstring). Plain JAX
+    with no custom rules: JAX differentiates it to any order (plain.py)."""
+    rhs_contract = 2 if transpose_rhs else 1
+    dims = _DIMS(
+        dot_dimension_numbers=(([1], [rhs_contract]), ([], [])),
+        lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[0],
+    )
+    finite = jnp.isfinite(rhs)
+    out = jax.lax.ragged_dot_general(
+        lhs, jnp.where(finite, rhs, jnp.zeros((), rhs.dtype)),
+        _from_row_zero(group_sizes, row_start), dims, preferred_element_type=accumulate)
+    # [g, n]: the group's weights feeding column j hold a non-finite value; looked up
+    # per row by its group (rows of no group are masked below).
+    bad = ~finite.all(axis=rhs_contract)
+    first = jnp.int32(0) if row_start is None else row_start
+    ends = first + jnp.cumsum(group_sizes.astype(jnp.int32))
+    rows = jnp.arange(lhs.shape[0], dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(ends, rows, side="right"), rhs.shape[0] - 1)
+    out = jnp.where(bad[group], jnp.asarray(jnp.nan, out.dtype), out)
+    return jnp.where(_row_mask(lhs.shape[0], group_sizes, row_start), out,
+                     jnp.zeros((), out.dtype))
+
+
 def gmm(
     lhs: Float[Array, "m k"],
     rhs: Float[Array, "g k n"] | Float[Array, "g n k"],
@@ -47,18 +83,8 @@ def gmm(
     rhs holds groups [group_offset, group_offset + g) of group_sizes (all when None)."""
     del block_sizes, interpret
     group_sizes, row_start = local_groups(group_sizes, group_offset, rhs.shape[0])
-    out_dtype = out_dtype or lhs.dtype
-    rhs_contract = 2 if transpose_rhs else 1
-    dims = _DIMS(
-        dot_dimension_numbers=(([1], [rhs_contract]), ([], [])),
-        lhs_ragged_dimensions=[0],
-        rhs_group_dimensions=[0],
-    )
-    out = jax.lax.ragged_dot_general(
-        lhs, rhs, _from_row_zero(group_sizes, row_start), dims,
-        preferred_element_type=jnp.float32
-    )
-    return jnp.where(_row_mask(lhs.shape[0], group_sizes, row_start), out, 0).astype(out_dtype)
+    out = ragged_product(lhs, rhs, group_sizes, row_start, transpose_rhs=transpose_rhs)
+    return out.astype(out_dtype or lhs.dtype)
 
 
 def tgmm(
