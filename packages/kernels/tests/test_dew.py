@@ -178,10 +178,43 @@ def test_grouped_projection_casts_integer_group_sizes(dtype):
     assert dx.shape == x.shape and dk.shape == kernel.shape
 
 
+def test_grouped_projection_under_jit_takes_traced_group_sizes():
+    """Traced int16 sizes: their dtype is read, never converted to numpy (a tracer would
+    raise)."""
+    x, kernel, sizes = grouped_projection_inputs(jax.random.key(1), 40, 32, 16, 3, jnp.float32)
+    want = kernels.grouped_projection(x, kernel, sizes, jnp.bfloat16)
+    got = jax.jit(lambda x, k, s: dew.grouped_projection(x, k, s, jnp.bfloat16, False))(
+        x, kernel, sizes.astype(jnp.int16))
+    np.testing.assert_array_equal(got, want)
+
+
 def test_grouped_projection_refuses_float_group_sizes():
     x, kernel, sizes = grouped_projection_inputs(jax.random.key(1), 40, 32, 16, 3, jnp.float32)
     with pytest.raises(TypeError, match="group_sizes"):
         dew.grouped_projection(x, kernel, sizes.astype(jnp.float32), jnp.bfloat16, False)
+
+
+def test_ssd_chunk_scan_gpu_path_lowers_for_cuda(devices, monkeypatch):
+    """The path the GPU test takes (compiled Triton kernels, no interpreter) traced under
+    jit and lowered for an abstract H200 from this host, forward and gradient: nothing
+    in it needs a concrete value."""
+    from jax.export import DisabledSafetyCheck
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    devices(types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H200",
+                                  compute_capability="9.0"))
+    monkeypatch.setattr(dew, "_interpreting", lambda name: False)
+    args = _ssd_operands(nc=4, bsz=2, chunk=64, h=4, p=64, n=128)
+    specs = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in args]
+    call = "__gpu$xla.gpu.triton"
+    loss = lambda *t: sum(jnp.sum(o * o) for o in dew.ssd_chunk_scan(*t, "gpu"))  # noqa: E731
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
+    with jax.sharding.use_abstract_mesh(mesh):
+        for fn in (lambda *t: dew.ssd_chunk_scan(*t, "gpu"),
+                   jax.grad(loss, argnums=(0, 1, 2, 3, 4))):
+            exported = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+                DisabledSafetyCheck.custom_call(call)])(*specs)
+            assert call in exported.mlir_module()
 
 
 # ----------------------------------------------------------------------------- the GPU

@@ -205,7 +205,10 @@ def grouped_projection(
     """pallasite.kernels.grouped_projection with group sizes of any integer dtype (cast to
     int32, as dew does): [m, n] in `compute`, fp32 sums rounded once, differentiable in x
     and kernel."""
-    dtype = np.dtype(getattr(group_sizes, "dtype", np.asarray(group_sizes).dtype))
+    # hasattr, not getattr with a default: the default would be evaluated eagerly, and
+    # np.asarray of a tracer (group sizes under jit) raises.
+    dtype = np.dtype(group_sizes.dtype if hasattr(group_sizes, "dtype")
+                     else np.asarray(group_sizes).dtype)
     if not np.issubdtype(dtype, np.integer):
         raise TypeError(f"group_sizes must be integers; got {dtype} "
                         f"(shape {tuple(np.shape(group_sizes))})")
