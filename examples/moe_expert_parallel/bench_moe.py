@@ -19,13 +19,21 @@ import dataclasses
 import datetime
 import functools
 import json
+import os
 import time
 
-import jax
-import jax.numpy as jnp
+# XLA's default GPU lowering of ragged-all-to-all (jaxlib 0.11.2) took 206 ms for this
+# block's fwd+bwd dispatch on one H200, its decomposer 5.6 ms (docs/performance.md): on
+# unless the caller's XLA_FLAGS say otherwise. Read when JAX starts, so set before import.
+RAGGED_DECOMPOSER = "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer"
+if RAGGED_DECOMPOSER not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {RAGGED_DECOMPOSER}=true".strip()
 
-import moe
-from pallasite.bench import harness
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import moe  # noqa: E402
+from pallasite.bench import harness  # noqa: E402
 
 CONFIGS = {
     # Mixtral 8x7B's FFN: 8 experts of 4096 -> 14336, top 2.
@@ -80,7 +88,8 @@ def run(config_name, devices, project_name, dispatch, capacity_factor, tokens, s
         **dataclasses.asdict(config), "tokens_per_device": tokens, "project": project_name,
         "dispatch": dispatch, "capacity_factor": capacity_factor,
         "median_s": timing.median_s, "p10_s": timing.p10_s, "p90_s": timing.p90_s,
-        "compile_s": round(compile_s, 1), "tokens_per_s": total / timing.median_s,
+        "compile_s": round(compile_s, 1), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "tokens_per_s": total / timing.median_s,
         "model_tflops": flops / timing.median_s / 1e12,
     }
 
@@ -91,7 +100,7 @@ def main(argv=None):
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--project", choices=sorted(PROJECTS), nargs="+",
                         default=["pallasite", "ragged_dot"])
-    parser.add_argument("--dispatch", choices=moe.DISPATCHES, default="ragged")
+    parser.add_argument("--dispatch", choices=moe.DISPATCHES, nargs="+", default=["ragged"])
     parser.add_argument("--capacity-factor", nargs="+", default=["none", "1.25"],
                         help="receive rows per device as a multiple of the average; none: "
                              "the worst case (nothing dropped); one device always takes none")
@@ -99,20 +108,22 @@ def main(argv=None):
     parser.add_argument("--out", help="append the JSON records here")
     args = parser.parse_args(argv)
     factors = [None if f == "none" else float(f) for f in args.capacity_factor]
-    for devices in args.devices:
-        for factor in (factors if devices > 1 else [None]):  # one device receives every row
-            for project in args.project:
-                try:
-                    record = run(args.config, devices, project, args.dispatch, factor,
-                                 args.tokens)
-                except Exception as e:  # noqa: BLE001 - one variant's failure is reported
-                    record = {"config": args.config, "devices": devices, "project": project,
-                              "capacity_factor": factor, "error": f"{type(e).__name__}: {e}"}
-                line = json.dumps(record)
-                print(line, flush=True)
-                if args.out:
-                    with open(args.out, "a") as f:
-                        f.write(line + "\n")
+    variants = [(devices, dispatch, factor, project)
+                for devices in args.devices for dispatch in args.dispatch
+                for factor in (factors if devices > 1 else [None])  # one device: every row
+                for project in args.project]
+    for devices, dispatch, factor, project in variants:
+        try:
+            record = run(args.config, devices, project, dispatch, factor, args.tokens)
+        except Exception as e:  # noqa: BLE001 - one variant's failure is reported
+            record = {"config": args.config, "devices": devices, "project": project,
+                      "dispatch": dispatch, "capacity_factor": factor,
+                      "error": f"{type(e).__name__}: {e}"}
+        line = json.dumps(record)
+        print(line, flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(line + "\n")
 
 
 if __name__ == "__main__":

@@ -10,12 +10,38 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from pallasite.kernels.grouped_matmul import (
+    GroupedProjectionBlockSizes,
+    MosaicTpuBlockSizes,
+    TritonBlockSizes,
+)
+from pallasite.kernels.grouped_matmul.pallas_mosaic_gpu import MosaicGpuBlockSizes
+
 AUTO, EXPLICIT = AxisType.Auto, AxisType.Explicit
+
+# grouped_projection's backends with blocks small enough for the sharding tests' shapes.
+GROUPED_BLOCKS = {
+    "xla": None,
+    "pallas_triton": TritonBlockSizes(block_m=16, block_n=16, block_k=16, group_m=2),
+    "pallas_mosaic_gpu": MosaicGpuBlockSizes(block_m=64, block_n=64, block_k=64, stages=2,
+                                             grid_block_n=2),
+    "pallas_mosaic_tpu": GroupedProjectionBlockSizes(
+        forward=MosaicTpuBlockSizes(16, 128, 128), dx=MosaicTpuBlockSizes(16, 128, 128),
+        dkernel=MosaicTpuBlockSizes(16, 128, 128)),
+}
+GROUPED_ON_CPU = ("xla", "pallas_triton")  # run for values on CPU
+GROUPED_MOSAIC = ("pallas_mosaic_gpu", "pallas_mosaic_tpu")  # compiled for collectives
+
+
+def bf16_exact(t):
+    """Values bf16 holds exactly: bf16 and fp32 products then differ only in summation."""
+    return t.astype(jnp.bfloat16).astype(jnp.float32)
 
 _COLLECTIVE = re.compile(
     r"=\s*(?P<type>\([^=]*?\)|[a-z0-9]+\[[0-9,]*\][^ ]*)\s+"

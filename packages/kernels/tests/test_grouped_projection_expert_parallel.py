@@ -20,33 +20,17 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import sharding_testlib as st
-from pallasite.kernels.grouped_matmul import (
-    GroupedProjectionBlockSizes,
-    MosaicTpuBlockSizes,
-    TritonBlockSizes,
-    grouped_projection,
-)
-from pallasite.kernels.grouped_matmul.pallas_mosaic_gpu import MosaicGpuBlockSizes
+from pallasite.kernels.grouped_matmul import grouped_projection
 from pallasite.reference.grouped_projection import grouped_projection as reference
 
 M, K, N, G = 64, 128, 256, 8
 SIZES = np.array([9, 0, 11, 4, 0, 13, 7, 12], np.int32)  # total 56 < M, empty groups
-BLOCKS = {
-    "xla": None,
-    "pallas_triton": TritonBlockSizes(block_m=16, block_n=16, block_k=16, group_m=2),
-    "pallas_mosaic_gpu": MosaicGpuBlockSizes(block_m=64, block_n=64, block_k=64, stages=2,
-                                             grid_block_n=2),
-    "pallas_mosaic_tpu": GroupedProjectionBlockSizes(
-        forward=MosaicTpuBlockSizes(16, 128, 128), dx=MosaicTpuBlockSizes(16, 128, 128),
-        dkernel=MosaicTpuBlockSizes(16, 128, 128)),
-}
-RUNS_ON_CPU = ("xla", "pallas_triton")
-MOSAIC = ("pallas_mosaic_gpu", "pallas_mosaic_tpu")
+BLOCKS = st.GROUPED_BLOCKS
+RUNS_ON_CPU = st.GROUPED_ON_CPU
+MOSAIC = st.GROUPED_MOSAIC
 
 
-def _exact(t):
-    """Values bf16 holds exactly: bf16 and fp32 products then differ only in summation."""
-    return t.astype(jnp.bfloat16).astype(jnp.float32)
+_exact = st.bf16_exact
 
 
 def _inputs(seed=0):

@@ -33,30 +33,16 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import sharding_testlib as st
-from pallasite.kernels.grouped_matmul import (
-    GroupedProjectionBlockSizes,
-    MosaicTpuBlockSizes,
-    TritonBlockSizes,
-    grouped_projection,
-)
-from pallasite.kernels.grouped_matmul.pallas_mosaic_gpu import MosaicGpuBlockSizes
+from pallasite.kernels.grouped_matmul import grouped_projection
 from pallasite.reference.grouped_projection import grouped_projection as reference
 
 M, K, N, G = 64, 128, 256, 4
 SIZES = np.array([20, 0, 27, 9], np.int32)  # total 56 < M: rows 56.. are zero
 _HI = jax.lax.Precision.HIGHEST
 
-BLOCKS = {
-    "xla": None,
-    "pallas_triton": TritonBlockSizes(block_m=16, block_n=16, block_k=16, group_m=2),
-    "pallas_mosaic_gpu": MosaicGpuBlockSizes(block_m=64, block_n=64, block_k=64, stages=2,
-                                             grid_block_n=2),
-    "pallas_mosaic_tpu": GroupedProjectionBlockSizes(
-        forward=MosaicTpuBlockSizes(16, 128, 128), dx=MosaicTpuBlockSizes(16, 128, 128),
-        dkernel=MosaicTpuBlockSizes(16, 128, 128)),
-}
-RUNS_ON_CPU = ("xla", "pallas_triton")
-MOSAIC = ("pallas_mosaic_gpu", "pallas_mosaic_tpu")
+BLOCKS = st.GROUPED_BLOCKS
+RUNS_ON_CPU = st.GROUPED_ON_CPU
+MOSAIC = st.GROUPED_MOSAIC
 # Mosaic GPU takes 16-bit operands only; the others are checked in fp32.
 COMPUTE = {"pallas_mosaic_gpu": jnp.bfloat16}
 
@@ -71,9 +57,7 @@ def _project(name, compute=None):
                              block_sizes=BLOCKS[name])
 
 
-def _bf16_exact(t):
-    """Values bf16 holds exactly, so a bf16 product differs from fp32 only in summation."""
-    return t.astype(jnp.bfloat16).astype(jnp.float32)
+_bf16_exact = st.bf16_exact
 
 
 def _inputs(seed=0):

@@ -11,8 +11,8 @@ _DOC = os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "shardi
 _BLOCKS = re.findall(r"```python\n(.*?)```", open(_DOC).read(), flags=re.S)
 
 
-def test_the_doc_has_an_example_per_way_in():
-    assert len(_BLOCKS) == 3
+def test_the_doc_has_an_example_per_way_in_and_for_expert_parallelism():
+    assert len(_BLOCKS) == 4
 
 
 @pytest.mark.parametrize("index", range(len(_BLOCKS)))
