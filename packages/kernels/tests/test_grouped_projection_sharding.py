@@ -315,7 +315,10 @@ def test_gpus(mode, name):
                 st.put(weights, mesh, "d"))
         check = mode == "shard_map_vma"
         got = _manual_loss(project, mesh, (P("d"), P()), P("d"), check)(*args)
-        want = _manual_loss(_dense, mesh, (P("d"), P()), P("d"), check)(*args)
+        # y rounded to bf16 as the op's is: the loss sums 4M products of either sign, so
+        # y's rounding alone moves it by more than 1% of its value.
+        dense_bf16 = lambda x, w, s: _dense(x, w, s).astype(jnp.bfloat16)  # noqa: E731
+        want = _manual_loss(dense_bf16, mesh, (P("d"), P()), P("d"), check)(*args)
     else:
         explicit = mode == "tokens_explicit"
         mesh = st.mesh((2,), ("d",), st.EXPLICIT if explicit else st.AUTO, devices)
