@@ -315,10 +315,15 @@ def test_gpus(mode, name):
                 st.put(weights, mesh, "d"))
         check = mode == "shard_map_vma"
         got = _manual_loss(project, mesh, (P("d"), P()), P("d"), check)(*args)
-        # y rounded to bf16 as the op's is: the loss sums 4M products of either sign, so
-        # y's rounding alone moves it by more than 1% of its value.
+        # The loss sums 4M products of either sign, so y's rounding alone moves it by more
+        # than 1% of its value: the Pallas kernels store y in bf16, while XLA may keep y's
+        # fp32 value where the consumer upcasts it (xla_allow_excess_precision). The
+        # value must match one of the two; the gradients do not depend on y's rounding.
         dense_bf16 = lambda x, w, s: _dense(x, w, s).astype(jnp.bfloat16)  # noqa: E731
         want = _manual_loss(dense_bf16, mesh, (P("d"), P()), P("d"), check)(*args)
+        unrounded = _manual_loss(_dense, mesh, (P("d"), P()), P("d"), check)(*args)[0]
+        if abs(float(got[0]) - float(unrounded)) <= 1e-3 * abs(float(unrounded)):
+            want = (unrounded, want[1])
     else:
         explicit = mode == "tokens_explicit"
         mesh = st.mesh((2,), ("d",), st.EXPLICIT if explicit else st.AUTO, devices)
