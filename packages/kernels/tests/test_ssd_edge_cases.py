@@ -163,3 +163,42 @@ def test_gpu_minus_inf_reset_and_zero_sizes():
     test_gradients_through_a_reset_are_finite_and_match("pallas_triton")
     test_zero_size_batch_or_length("pallas_triton", 0, 128)
     test_zero_size_batch_or_length("pallas_triton", 2, 0)
+
+
+# ------------------------------------------------------------------- differentiation
+
+
+def _scan_sum(implementation):
+    def f(x, a, b, c, s0):
+        y, final = chunk_ssd(x, a, b, c, chunk_size=64, initial_state=s0,
+                             implementation=implementation)
+        return jnp.sum(jnp.sin(y)) + jnp.sum(final ** 2)
+    return f
+
+
+def test_forward_mode_and_second_order_take_the_plain_scan():
+    """jvp and a second derivative on the default order: equal to the sequential
+    definition's (which JAX differentiates itself)."""
+    x, a, b, c, s0 = _inputs(3, length=128)
+    want = _scan_sum("xla")
+
+    def sequential(x, a, b, c, s0):
+        y, final = ssd_sequential(x, a, b, c, s0)
+        return jnp.sum(jnp.sin(y)) + jnp.sum(final ** 2)
+
+    tangent = tuple(jnp.ones_like(t) * 0.1 for t in (x, a, b, c, s0))
+    _, got = jax.jvp(_scan_sum(None), (x, a, b, c, s0), tangent)
+    _, ref = jax.jvp(sequential, (x, a, b, c, s0), tangent)
+    assert abs(float(got) - float(ref)) <= 1e-4 * abs(float(ref))
+    second = jax.grad(lambda x: jnp.sum(jax.grad(want)(x, a, b, c, s0) ** 2))(x)
+    second_ref = jax.grad(lambda x: jnp.sum(jax.grad(sequential)(x, a, b, c, s0) ** 2))(x)
+    assert rel_l2(second, second_ref) < 1e-4
+
+
+@pytest.mark.parametrize("backend", ["pallas_triton", "pallas_mosaic_tpu"])
+def test_a_named_kernel_says_first_order_reverse_mode(backend):
+    x, a, b, c, s0 = _inputs(3, length=128)
+    with pytest.raises(NotImplementedError, match="first-order reverse mode.*'xla'"):
+        jax.jvp(_scan_sum(backend), (x, a, b, c, s0), (x, a, b, c, s0))
+    with pytest.raises(NotImplementedError, match="first-order reverse mode"):
+        jax.grad(lambda x: jnp.sum(jax.grad(_scan_sum(backend))(x, a, b, c, s0)))(x)

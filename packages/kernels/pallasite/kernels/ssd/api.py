@@ -30,9 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from pallasite.kernels import sharding
-from pallasite.kernels.ssd import layouts, predicates
-from pallasite.reference.ssd import validate_ssd, validate_ssd_chunked
+from pallasite.kernels import autodiff, sharding
+from pallasite.kernels.ssd import decay, layouts, predicates
+from pallasite.reference.ssd import ssd_chunk_scan_reference, validate_ssd, validate_ssd_chunked
 
 _LOG = logging.getLogger("pallasite.ssd")
 
@@ -229,6 +229,13 @@ def _pad(t, length, padded):
     return jnp.pad(t, widths)
 
 
+def _plain(x, a, b, c, initial_state):
+    """The chunked scan in plain JAX (the reference's), which JAX differentiates in any
+    mode and to any order; resets clamped as every backend clamps them (ssd.decay)."""
+    return ssd_chunk_scan_reference(x, decay.clamp_resets(a).astype(a.dtype), b, c,
+                                    initial_state)
+
+
 def chunk_ssd(
     x: Float[Array, "batch length heads head_dim"],
     a: Float[Array, "batch length heads"],
@@ -248,6 +255,10 @@ def chunk_ssd(
     block_sizes: a backend's BlockSizes (pallas_triton.BlockSizes, pallas_mosaic_tpu.
     BlockSizes), used by that backend in place of its tuned table and default; other
     backends, and the XLA path, ignore it. None: the backend's own choice.
+    Differentiation: first-order reverse mode (jax.grad, jax.vjp) through the chosen
+    backend; forward mode (jax.jvp) and higher orders take a plain-JAX form of the scan
+    where "xla" is among the implementations (the default), and otherwise stop with an
+    error that says so.
     """
     if block_sizes is not None:
         _blocks_owner(block_sizes)  # a wrong type fails here, before any kernel
@@ -261,6 +272,12 @@ def chunk_ssd(
     padded = nc * chunk_size
     chunked = [_pad(t, length, padded).reshape(bsz, nc, chunk_size, *t.shape[2:])
                for t in (x, a, b, c)]
+    why = autodiff.beyond_first_order(x, a, b, c, initial_state)
+    if why is not None:  # the custom_vjp is first-order reverse mode only
+        if "xla" not in names:
+            raise autodiff.first_order_error("chunk_ssd", ", ".join(names), why, "xla")
+        y, final = _plain(*chunked, initial_state)
+        return y.reshape(bsz, padded, h, p)[:, :length], final
     failures = []
     for name in names:
         reason = _refusal(name, chunk_size, p, n)
