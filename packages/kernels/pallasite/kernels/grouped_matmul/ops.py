@@ -15,6 +15,11 @@ product summed once over the axes that split what it contracts. Inside a shard_m
 check_vma, a cotangent that varies over axes its primal does not (dkernel of replicated
 weights from sharded tokens, dx of replicated tokens through column-sharded weights) is
 summed over them in fp32 and rounded once, as jax.grad does for a dot.
+
+group_offset (local experts) rides through every product: the kernel holds groups
+[offset, offset + g) of the global group_sizes. Where the kernel's group axis is sharded
+(expert parallelism) the planners add each device's own first expert to it; dkernel's
+tgmm takes the kernel as a layout-only operand so it stays sharded like the kernel.
 """
 
 from __future__ import annotations
