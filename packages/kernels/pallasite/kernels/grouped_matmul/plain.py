@@ -20,15 +20,11 @@ It is not sharding-aware: under a sharded jit XLA's partitioner lays out ragged_
 
 from __future__ import annotations
 
-import numpy as np
 from jaxtyping import Array, Float, Int
 
 from pallasite.kernels.grouped_matmul import xla
 from pallasite.kernels.grouped_matmul.group_metadata import local_groups
-
-
-def accumulation(compute) -> np.dtype:
-    return np.dtype(np.float64) if np.dtype(compute) == np.float64 else np.dtype(np.float32)
+from pallasite.reference.grouped_projection import accumulation_dtype
 
 
 def project(
@@ -43,5 +39,5 @@ def project(
     every group) or the index in group_sizes of kernel's first group."""
     sizes, row_start = local_groups(group_sizes, group_offset, kernel.shape[0])
     out = xla.ragged_product(x.astype(compute), kernel.astype(compute), sizes, row_start,
-                             accumulate=accumulation(compute))
+                             accumulate=accumulation_dtype(compute))
     return out.astype(compute)
