@@ -105,6 +105,10 @@ def test_bad_inputs_fail_before_any_kernel():
         mgpu.tgmm(x, dy[:32], gs)
     with pytest.raises(ValueError, match="group_sizes"):
         mgpu.tgmm(x, dy, gs, num_groups=3)
+    with pytest.raises(ValueError, match=r"G >= 2"):  # local experts: G >= g
+        mgpu.gmm(x, w, gs[:1], group_offset=jnp.int32(0))
+    with pytest.raises(ValueError, match=r"must be \[2\]"):  # without an offset: G == g
+        mgpu.gmm(x, w, jnp.array([10, 10, 10], jnp.int32))
 
 
 # ----------------------------------------------------------------------------- tile table

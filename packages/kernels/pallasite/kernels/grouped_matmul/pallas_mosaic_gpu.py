@@ -522,10 +522,12 @@ def _check_operand_dtypes(lhs, rhs):
 
 
 def _check_group_sizes(group_sizes, g, group_offset=None):
-    if group_offset is not None and group_sizes.ndim == 1 and group_sizes.shape[0] >= g:
-        pass  # local experts: any G >= g
-    elif group_sizes.ndim != 1 or group_sizes.shape[0] != g:
-        raise ValueError(f"group_sizes must be [{g}], got shape {group_sizes.shape}")
+    """[g] int32, or [G >= g] with a group_offset (local experts)."""
+    local = group_offset is not None
+    count = group_sizes.shape[0] if group_sizes.ndim == 1 else -1
+    if count < g or (count != g and not local):
+        want = f"G >= {g}" if local else str(g)
+        raise ValueError(f"group_sizes must be [{want}], got shape {group_sizes.shape}")
     if group_sizes.dtype != jnp.int32:
         raise TypeError(f"group_sizes must be int32, got {group_sizes.dtype}")
 
