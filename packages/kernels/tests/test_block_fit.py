@@ -183,8 +183,16 @@ def test_ssd_fit_rule():
 def test_ssd_fit_budgets(monkeypatch):
     """p=64, n=128 at 64-row blocks: 104 KiB in bf16, 208 KiB in fp32. Off CUDA pallasite's
     own choice fits every GPU (99 KiB: refused) while a caller's blocks have no limit; on
-    an H200 (227 KiB) both widths fit, on an L4 (99 KiB) neither does."""
-    ok = ssd_triton.BlockSizes()
+    an H200 (227 KiB) both widths fit, on an L4 (99 KiB) neither does. Two heads per output
+    program (the default) need 128 KiB in bf16 and 256 KiB in fp32, where the default
+    falls back to one."""
+    ok = ssd_triton.BlockSizes(heads=1)
+    assert predicates.triton_program_bytes(64, 128, 64, heads=2) == 128 * 1024
+    assert predicates.triton_program_bytes(64, 128, 64, itemsize=4, heads=2) == 256 * 1024
+    monkeypatch.setattr(platform, "_default_device", lambda: H200)
+    assert ssd_triton.default_block_sizes(64, 128) == ssd_triton.DEFAULT_BLOCK_SIZES
+    assert ssd_triton.default_block_sizes(64, 128, itemsize=4) == ok
+    monkeypatch.undo()
     assert predicates.triton_program_bytes(64, 128, 64) == 104 * 1024
     assert predicates.triton_program_bytes(64, 128, 64, itemsize=4) == 208 * 1024
     assert predicates.triton_block_sizes_reason(ok, 256, 64, 128) is not None

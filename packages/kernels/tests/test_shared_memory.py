@@ -149,7 +149,7 @@ def test_ssd_defaults_admission_and_candidates_fit(generation, head_dim, state):
         for raw in table.candidates_for(f"pallas_triton:{pass_name}"):
             bs = config_from_dict(ssd_triton.BlockSizes, raw)
             need = ssd_predicates.triton_program_bytes(head_dim, state, bs.block_m,
-                                                       bs.num_stages)
+                                                       bs.num_stages, heads=bs.heads)
             assert ssd_triton.fits(bs, head_dim, state, device) is (
                 need <= KIB[generation] * 1024)
 

@@ -7,6 +7,8 @@ GPU (-m gpu): the TARGETS shapes scaled down, bf16, groups 1 and 8, compiled ker
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -101,6 +103,29 @@ def test_interpret_matches_oracle(shape, dtype, chunk, bm, tol):
     _check(shape, dtype, chunk, tol, interpret=True, block_sizes=bs)
 
 
+@pytest.mark.parametrize(
+    "shape,heads,block_n",
+    [
+        ((1, 64, 8, 16, 32, 2), 2, 16),  # 2 heads per output program, state in 2 columns
+        ((1, 64, 8, 16, 32, 1), 4, 32),  # 4 heads sharing each C B^T block
+        ((1, 64, 6, 16, 32, 2), 4, 16),  # 3 heads a group: falls back to 1 per program
+        ((1, 64, 4, 16, 32, 1), 1, 32),  # one head per program, one column block
+    ],
+)
+def test_interpret_heads_and_state_columns(shape, heads, block_n):
+    """Output programs holding one or several heads of a group, and the state scan whole
+    or split over state columns, all against the oracle."""
+    bs = pt.BlockSizes(block_m=16, block_t=16, heads=heads, block_n=block_n)
+    _check(shape, jnp.float32, 32, 2e-5, interpret=True, block_sizes=bs)
+
+
+def test_output_heads_divides_the_group():
+    assert pt.output_heads(pt.BlockSizes(heads=4), 32, 1) == 4
+    assert pt.output_heads(pt.BlockSizes(heads=4), 64, 8) == 4
+    assert pt.output_heads(pt.BlockSizes(heads=4), 12, 2) == 2
+    assert pt.output_heads(pt.BlockSizes(heads=4), 6, 2) == 1
+
+
 # The shared SSD test base (the same comparisons every backend meets), at widths the
 # Triton dots take (>= 16): the backend contract directly, and through ssd.api's custom_vjp.
 _BASE_CASES = [
@@ -151,10 +176,13 @@ def test_cuda_lowering_on_cpu():
     s0 = S((1, 4, 64, 128), jnp.float32)
     st = S((1, 2, 4, 64, 128), jnp.float32)
     check = [DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    wide = pt.BlockSizes(heads=4, block_n=128, block_t=64, num_warps=8)
     with jax.sharding.use_abstract_mesh(mesh):
         for fn, args, kernels in (
-            (pt.forward, (x, a, b, b, s0), 3),
-            (pt.backward, (x, a, b, b, st, x, s0), 4),
+            (pt.forward, (x, a, b, b, s0), 2),
+            (pt.backward, (x, a, b, b, st, x, s0), 3),
+            (functools.partial(pt.forward, block_sizes=wide), (x, a, b, b, s0), 2),
+            (functools.partial(pt.backward, block_sizes=wide), (x, a, b, b, st, x, s0), 3),
         ):
             exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=check)(*args)
             assert exp.mlir_module().count("__gpu$xla.gpu.triton") >= kernels

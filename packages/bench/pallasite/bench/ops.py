@@ -91,8 +91,9 @@ class Case:
 
 # How grouped_projection's rows are split over the groups (the same split for every seed):
 # "dirichlet" is docs/targets.md's Dirichlet(4.0) split; "skewed" puts 90% of the rows in one
-# group and splits the rest, the load imbalance a router produces early in training.
-GROUPINGS = ("dirichlet", "skewed")
+# group and splits the rest, the load imbalance a router produces early in training; "zipf"
+# gives the group of rank r a share proportional to 1/r (a router's long tail).
+GROUPINGS = ("dirichlet", "skewed", "zipf")
 
 
 def gp_case(name, m, k, n, g, direction="fwd", dtype="bfloat16",
@@ -174,8 +175,9 @@ def make_inputs(case: Case, seed: int) -> dict[str, Any]:
     if case.op == GP:
         x, kernel, _ = ref_inputs.grouped_projection_inputs(
             k_in, d["m"], d["k"], d["n"], d["g"], dt)
-        split = (ref_inputs.skewed_group_sizes if case.grouping == "skewed"
-                 else ref_inputs.random_group_sizes)
+        split = {"skewed": ref_inputs.skewed_group_sizes,
+                 "zipf": ref_inputs.zipf_group_sizes}.get(case.grouping,
+                                                          ref_inputs.random_group_sizes)
         group_sizes = split(jax.random.key(1234), d["m"], d["g"])
         out = {"x": x, "kernel": kernel, "group_sizes": group_sizes}
         if case.direction == "fwd_bwd":

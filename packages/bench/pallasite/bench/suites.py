@@ -2,9 +2,11 @@
 
 - "targets": every shape of docs/targets.md (grouped_projection: mixtral, dsv3, qwen3,
   olmoe; chunk_ssd: its three Mamba-2 rows, chunk 256), forward and forward+backward.
-- "extra": grouped_projection beyond docs/targets.md: the mixtral and dsv3 shapes with skewed
-  groups (90% of the rows in one group), and small-m (decode-like) mixtral and dsv3 shapes,
-  forward and forward+backward.
+- "extra": grouped_projection beyond docs/targets.md, forward and forward+backward: the
+  mixtral and dsv3 shapes with skewed groups (90% of the rows in one group) and with a
+  Zipf split; widths that are multiples of 64 but not of 256 (1408 and 5504, as input or
+  output width); small-m shapes (a decode step's batch: a few hundred rows over a handful
+  of groups, and a few rows per group over many).
 - "quick": one small shape per op a GPU runs in seconds (still TARGETS-like proportions).
 - "cpu": tiny shapes the Pallas interpreters get through in seconds on two cores; the default
   on a machine without an accelerator whatever else was asked.
@@ -36,9 +38,24 @@ _EXTRA_GP_SKEWED = (
     ("mixtral_skewed", 32768, 4096, 14336, 8),
     ("dsv3_skewed", 65536, 7168, 2048, 256),
 )
-_EXTRA_GP_SMALL_M = (  # a few rows per group: a decode step's batch
+_EXTRA_GP_SMALL_M = (  # a decode step's batch
     ("mixtral_small_m", 1024, 4096, 14336, 8),
     ("dsv3_small_m", 2048, 7168, 2048, 256),
+    ("mixtral_decode", 256, 4096, 14336, 8),
+    ("qwen3_decode", 384, 2048, 768, 8),
+)
+# Widths that split into 64 but not 256 (DeepSeek-V2-Lite / Qwen1.5-MoE experts: 1408; a
+# 5504-wide expert), up (the width is n) and down (it is k).
+_EXTRA_GP_WIDTHS = (
+    ("w1408_up", 32768, 2048, 1408, 64),
+    ("w1408_down", 32768, 1408, 2048, 64),
+    ("w5504_up", 32768, 2048, 5504, 16),
+    ("w5504_down", 32768, 5504, 2048, 16),
+)
+
+_EXTRA_GP_ZIPF = (
+    ("mixtral_zipf", 32768, 4096, 14336, 8),
+    ("dsv3_zipf", 65536, 7168, 2048, 256),
 )
 
 _QUICK_GP = (("quick", 8192, 1024, 1024, 16),)
@@ -81,9 +98,11 @@ def suite(name: str, devices: int = 2) -> list[ops.Case]:
     if name == "targets":
         return _cases(_TARGET_GP, _TARGET_SSD, ops.DIRECTIONS)
     if name == "extra":
-        return [gp_case(*s, direction=d, grouping="skewed")
-                for d in ops.DIRECTIONS for s in _EXTRA_GP_SKEWED] + _cases(
-                    _EXTRA_GP_SMALL_M, (), ops.DIRECTIONS)
+        return [gp_case(*s, direction=d, grouping=grouping)
+                for d in ops.DIRECTIONS for grouping, shapes in (
+                    ("skewed", _EXTRA_GP_SKEWED), ("zipf", _EXTRA_GP_ZIPF))
+                for s in shapes] + _cases(_EXTRA_GP_WIDTHS + _EXTRA_GP_SMALL_M, (),
+                                          ops.DIRECTIONS)
     if name == "quick":
         return _cases(_QUICK_GP, _QUICK_SSD, ops.DIRECTIONS)
     if name == "cpu":
@@ -108,6 +127,7 @@ def filter_cases(cases: list[ops.Case], *, ops_: list[str] | None = None,
 
 
 def shape_names() -> list[str]:
-    names = [s[0] for s in _TARGET_GP + _TARGET_SSD + _EXTRA_GP_SKEWED + _EXTRA_GP_SMALL_M
+    names = [s[0] for s in _TARGET_GP + _TARGET_SSD + _EXTRA_GP_SKEWED + _EXTRA_GP_ZIPF
+             + _EXTRA_GP_WIDTHS + _EXTRA_GP_SMALL_M
              + _QUICK_GP + _CPU_GP + _CPU_SSD]
     return list(dict.fromkeys(names))

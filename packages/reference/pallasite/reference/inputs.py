@@ -27,6 +27,7 @@ from jaxtyping import Array, Float, Int
 __all__ = [
     "random_group_sizes",
     "skewed_group_sizes",
+    "zipf_group_sizes",
     "one_group_sizes",
     "grouped_projection_inputs",
     "ssd_inputs",
@@ -119,6 +120,18 @@ def skewed_group_sizes(
     sizes = np.array(random_group_sizes(key, total - hot_rows, g, empty=(hot,)))
     sizes[hot] += hot_rows
     return jnp.asarray(sizes)
+
+
+def zipf_group_sizes(
+    key: jax.Array, m: int, g: int, *, exponent: float = 1.0, total: int | None = None,
+) -> Int[Array, "g"]:
+    """Rows split by Zipf's law: the group of rank r gets a share proportional to
+    r^-exponent, ranks shuffled over the groups by `key` (a router's long tail: at g = 256
+    and exponent 1 the largest group holds about 16% of the rows, the median group 0.13%)."""
+    total = _total(m, total)
+    seed = int(jax.random.randint(key, (), 0, 2**31 - 1))
+    ranks = np.random.default_rng(seed).permutation(g) + 1
+    return jnp.asarray(_split(ranks.astype(np.float64) ** -float(exponent), total))
 
 
 def one_group_sizes(m: int, g: int, *, index: int = 0, total: int | None = None) -> Int[Array, "g"]:

@@ -32,26 +32,29 @@ def tiles(chunk: int, bm: int) -> int:
 # ------------------------------------------------------------------------------ Triton
 
 
-def chunk_state(z, chunk, p, n, dtype, *, inputs, outputs):
-    """out[p, n] = u^T (v * w) per (batch, chunk, head): 2 Z C p n + Z C n flops."""
-    def body(u, v, w):
-        return _ein("zcp,zcn->zpn", u, (v * w[..., None]).astype(u.dtype))
+def state_scan(z, chunk, p, n, dtype, *, inputs, outputs):
+    """Per (batch, chunk, head): the chunk's contribution u^T (v * w) (2 C p n + C n flops)
+    and S' = decay S + contribution (2 p n flops)."""
+    def body(u, v, w, decay, s):
+        local = _ein("zcp,zcn->zpn", u, (v * w[..., None]).astype(u.dtype))
+        return decay[:, None, None] * s + local
 
     return cost.estimate(body, cost.struct((z, chunk, p), dtype),
                          cost.struct((z, chunk, n), F32), cost.struct((z, chunk), F32),
+                         cost.struct((z,), F32), cost.struct((z, p, n), F32),
                          inputs=inputs, outputs=outputs)
 
 
-def state_pass(size, *, inputs, outputs):
-    """S' = decay S + local over every chunk's [p, n] state: 2 flops per element."""
-    return cost.estimate(lambda local, decay, s: decay * s + local,
-                         *(cost.struct((size,), F32),) * 3, inputs=inputs, outputs=outputs)
+def state_scan_reverse(z, chunk, p, n, dtype, *, inputs, outputs):
+    """state_scan's flops plus <G, S> per element (1 flop; the sum is not counted)."""
+    def body(u, v, w, decay, g, s):
+        local = _ein("zcp,zcn->zpn", u, (v * w[..., None]).astype(u.dtype))
+        return decay[:, None, None] * g + local, g * s
 
-
-def state_pass_reverse(size, *, inputs, outputs):
-    """G' = decay G + dlocal and <G, S>: 3 flops per element (the sum is not counted)."""
-    return cost.estimate(lambda g, decay, dlocal, s: (decay * g + dlocal, g * s),
-                         *(cost.struct((size,), F32),) * 4, inputs=inputs, outputs=outputs)
+    return cost.estimate(body, cost.struct((z, chunk, p), dtype),
+                         cost.struct((z, chunk, n), F32), cost.struct((z, chunk), F32),
+                         cost.struct((z,), F32), cost.struct((z, p, n), F32),
+                         cost.struct((z, p, n), F32), inputs=inputs, outputs=outputs)
 
 
 def _segment(later, earlier):
@@ -63,22 +66,24 @@ def _pair(shape):
     return cost.struct(shape, F32), cost.struct(shape, F32)
 
 
-def chunk_output(z, chunk, bm, p, n, dtype, *, inputs, outputs):
+def chunk_output(z, chunk, bm, p, n, dtype, *, heads=1, inputs, outputs):
     """y = sum over causal blocks of ((C_i B_j^T) * exp(acs_i - acs_j)) x_j, plus
-    exp(acs_i) C_i S^T: Z T bm^2 (2n + 2p + 4) + Z C (2 n p + p + 1) flops, Z T bm^2 + Z C
-    exps."""
+    exp(acs_i) C_i S^T, with each C_i B_j^T block formed once for `heads` heads:
+    Z T bm^2 (2n / heads + 2p + 4) + Z C (2 n p + p + 1) flops, Z T bm^2 + Z C exps."""
     t = tiles(chunk, bm)
 
     def body(c_i, b_j, x_j, acs_i, acs_j, c, s, acs):
         decay = jnp.exp(_segment([v[..., :, None] for v in acs_i],
                                  [v[..., None, :] for v in acs_j]))
-        m = _ein("ztin,ztjn->ztij", c_i, b_j) * decay
+        cb = _ein("ztin,ztjn->ztij", c_i, b_j)
+        m = (cb[:, None] * decay.reshape(z // heads, heads, *decay.shape[1:])).reshape(decay.shape)
         blocks = _ein("ztij,ztjp->ztip", m.astype(dtype), x_j)
         carried = _ein("zin,zpn->zip", c, s.astype(dtype)) * jnp.exp(acs[0] + acs[1])[..., None]
         return blocks, carried
 
     blk = lambda w, dt=dtype: cost.struct((z, t, bm, w), dt)  # noqa: E731
-    return cost.estimate(body, blk(n), blk(n), blk(p), _pair((z, t, bm)), _pair((z, t, bm)),
+    shared = cost.struct((z // heads, t, bm, n), dtype)
+    return cost.estimate(body, shared, shared, blk(p), _pair((z, t, bm)), _pair((z, t, bm)),
                          cost.struct((z, chunk, n), dtype), cost.struct((z, p, n), F32),
                          _pair((z, chunk)), inputs=inputs, outputs=outputs)
 

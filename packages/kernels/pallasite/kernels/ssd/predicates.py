@@ -93,8 +93,9 @@ TRITON_MIN_BLOCK_M = 32
 
 
 def triton_program_bytes(head_dim: int, state: int, block_m: int = 64,
-                         num_stages: int = 2, itemsize: int = 2) -> int:
-    """Shared memory of the largest Triton program (the backward's rows-j kernel, issue 8).
+                         num_stages: int = 2, itemsize: int = 2, heads: int = 1) -> int:
+    """Shared memory of the largest Triton program: the backward's rows-j kernel (issue 8),
+    or the output kernel where it holds several heads (`heads`, BlockSizes.heads).
 
     The kernels never hold a [C, C] tile: they walk it in block_m x block_m blocks, so the
     chunk length sets the trip count, not the footprint. Per program (bf16 operands): the
@@ -107,8 +108,14 @@ def triton_program_bytes(head_dim: int, state: int, block_m: int = 64,
     wide). Admission (the geometry rule) counts 16-bit operands.
     """
     rows = block_m * (head_dim + state) * itemsize
-    return (rows + num_stages * rows + 2 * block_m * block_m * itemsize
-            + head_dim * state * itemsize)
+    rows_j = (rows + num_stages * rows + 2 * block_m * block_m * itemsize
+              + head_dim * state * itemsize)
+    # Per head of an output program: its x block and the two [block_m, block_m] tiles
+    # staged for the dots, and its state; the C rows and streamed B blocks once. At p=64,
+    # n=128, block_m 64: 8 heads asked the H200 for 308 KiB (refused at 227), 4 ran.
+    output = (heads * (2 * block_m * head_dim + block_m * block_m + head_dim * state)
+              + (1 + num_stages) * block_m * state) * itemsize
+    return max(rows_j, output)
 
 
 def _triton_bytes(chunk: int, head_dim: int, state: int) -> int:
@@ -172,6 +179,10 @@ def triton_block_sizes_reason(block_sizes, chunk_size: int | None, head_dim: int
             return f"{name}={value} is not a power of two >= 16"
         if value > max_chunk:  # larger ones would only be clamped to the chunk
             return f"{name}={value} exceeds the largest chunk, {max_chunk}"
+    if not (_power_of_two(block_sizes.block_n) and block_sizes.block_n >= 16):
+        return f"block_n={block_sizes.block_n} is not a power of two >= 16"
+    if not (_power_of_two(block_sizes.heads) and block_sizes.heads <= 8):
+        return f"heads={block_sizes.heads} is not a power of two <= 8"
     if block_sizes.num_warps not in (1, 2, 4, 8, 16):
         return f"num_warps={block_sizes.num_warps} is not 1, 2, 4, 8 or 16"
     if not 1 <= block_sizes.num_stages <= 8:
@@ -179,7 +190,7 @@ def triton_block_sizes_reason(block_sizes, chunk_size: int | None, head_dim: int
     block_m = block_sizes.block_m if chunk_size is None else min(block_sizes.block_m,
                                                                   chunk_size)
     need = triton_program_bytes(head_dim, state_size, block_m, block_sizes.num_stages,
-                                itemsize)
+                                itemsize, block_sizes.heads)
     budget = (platform.shared_memory_bytes(device) if caller
               else platform.triton_shared_memory_budget(device))
     if budget is not None and need > budget:
