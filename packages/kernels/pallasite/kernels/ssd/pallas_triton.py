@@ -7,24 +7,32 @@ Per chunk, with acs the inclusive cumulative sum of a inside the chunk:
     y_i  = sum_{j<=i} (C_i.B_j) exp(acs_i - acs_j) x_j + exp(acs_i) S C_i
     S'   = exp(acs_last) S + sum_j exp(acs_last - acs_j) x_j B_j^T
 
-Why this shape (issue 8): one program per (batch, head) looping over chunks starves an
-H200 (132 SMs) and overflows shared memory at C = 256. Everything here is parallel over
-(batch, chunk, head) except the inter-chunk state pass, which is a short sequential loop
-per (batch, head) over [p, n] fp32 tiles. The stages:
+Why this shape (issues 8 and 18): one program per (batch, head) looping over chunks starves
+an H200 (132 SMs) and overflows shared memory at C = 256. The output and backward kernels
+are parallel over (batch, chunk, head or group, row block); the inter-chunk state pass is a
+sequential loop per (batch, head, state column block) that forms each chunk's own
+contribution where it adds it. The stages:
 
-  forward   1. acs = cumsum(a) per chunk (XLA; [b, nc, C, h] fp32, a few MB)
-            2. _chunk_state: local_c = x^T (B * exp(acs_last - acs))   [p, n] per chunk
-            3. _state_pass:  S_{c+1} = exp(acs_last_c) S_c + local_c    (sequential in c)
-            4. _chunk_output: y rows in blocks of block_m; the [block_m, block_m] tiles of
-               (C B^T * L) live in registers only, never in HBM.
-  backward  1. _chunk_state again: dlocal_c = dy^T (C * exp(acs))
-            2. _state_pass_reverse: G_c = dS_{c+1} (gradient of the state a chunk leaves
-               with), dinitial, and <G_c, S_c> for d(acs_last)
-            3. _bwd_rows_j: dx, dB and the column part of d(acs) (one program per
+  forward   1. acs = cumsum(a) per chunk (XLA; [b, nc, C, h] fp32 pairs, a few MB)
+            2. _state_scan: per chunk c in order, states[c] = S_c, then
+               S_{c+1} = exp(acs_last_c) S_c + x_c^T (B_c * exp(acs_last - acs))
+            3. _chunk_output: y rows in blocks of block_m for `heads` heads of one group;
+               each C_i B_j^T block is formed once for those heads, and the
+               [block_m, block_m] tiles of (C B^T * L) live in registers only.
+  backward  1. _state_scan_reverse: per chunk in reverse, G_c = dS_{c+1} (gradient of the
+               state a chunk leaves with), <G_c, S_c> for d(acs_last), then
+               G_{c-1} = exp(acs_last_c) G_c + dy_c^T (C_c * exp(acs)); dinitial
+            2. _bwd_rows_j: dx, dB and the column part of d(acs) (one program per
                (batch, chunk, group, row block), looping over the group's heads so dB sums
                over heads in registers, not through a per-head HBM buffer)
-            4. _bwd_rows_i: dC and the row part of d(acs), the same way
-            5. da = reverse cumsum of d(acs) inside the chunk (XLA, tiny)
+            3. _bwd_rows_i: dC and the row part of d(acs), the same way
+            4. da = reverse cumsum of d(acs) inside the chunk (XLA, tiny)
+
+Grid order matters here: Pallas Triton folds all but the last two grid axes into CUDA's x
+axis (first axis fastest), and blocks launch in x, y, z order. The output kernel's grid is
+(row block, head block, batch, chunk), so one (batch, chunk, head)'s row blocks and a
+group's heads run side by side and read their state, x and B/C through L2 rather than
+HBM; the state scans put the state column blocks first for the same reason.
 
 Matmul operands are the inputs' dtype (bf16 on the tensor cores) with fp32 accumulation;
 fp32 operands multiply at full fp32 precision, not TF32; decays, cumulative sums and
@@ -35,13 +43,19 @@ difference and no [C, C] masked cumsum. The plain difference of fp32 cumulative 
 -1e4); the pair form is within 5e-7 there, as the XLA path is (docs/ssd.md). `a = -inf`
 is an exact state reset (clamped by ssd.decay, so no exponent is ever NaN).
 
-Measured (H200, 2026-11-30, docs/performance.md, bf16, C = 256, p = 64, n = 128): forward
-0.96 / 1.63 / 1.96 ms and forward+backward 2.70 / 4.96 / 6.29 ms on the three TARGETS
-rows, 4.4x to 5.6x ahead of the XLA path; in the bench harness beside mamba_ssm's Triton
-kernels (same process): forward 0.697 / 1.439 / 1.741 ms vs 1.082 / 1.274 / 1.438,
-forward+backward 2.336 / 4.649 ms vs 4.216 / 6.098 on rows 1-2. Tried and reverted: C B^T once per (batch,
-chunk, group) through HBM, shared by the group's heads: forward no faster (0.96 ms on row
-1), forward+backward 1.4x slower (3.76 ms; the backward reads that tile transposed).
+Measured (H200, 2026-12-01, docs/performance.md "issue 18", bf16, C = 256, p = 64,
+n = 128, the bench harness with mamba_ssm's Triton kernels in the same process): forward
+0.562 / 1.104 / 1.483 ms against mamba_ssm's 0.963 / 1.523 / 1.409 on the three TARGETS
+rows, forward+backward 2.249 / 4.000 / 5.983 against 5.653 / 6.121 / 6.159 (commit
+b8838a6). Before this structure (a parallel per-chunk state kernel writing [p, n] fp32
+per chunk to HBM, a separate state pass, one head per output program, batch-first grids)
+the same inputs took 0.77 / 1.55 / 1.95 and 2.55 / 5.06 / 6.63 ms. Tried and reverted:
+C B^T once per (batch, chunk, group) through HBM, shared by all of the group's heads
+(forward 2.19 against 1.72 ms on row 3 with two heads per program; 2026-11-30 it was also
+1.4x slower in the backward, which reads that tile transposed); four heads per output
+program (2.94 against 1.46 ms on row 3); the masked and unmasked causal
+blocks split apart in the backward's loops as the forward does (7.80 against 6.04 ms on
+row 3: the split loop loses Triton's pipelining).
 """
 
 from __future__ import annotations
@@ -70,11 +84,17 @@ class BlockSizes:
 
     block_m: rows (and columns) of the [C, C] tile one step handles in the output and
       backward kernels; the causal loop skips the tiles above the diagonal.
-    block_t: time steps per matmul step in the chunk-state kernel.
+    block_t: time steps per matmul step in the state scans' per-chunk contribution.
+    block_n: state columns per state-scan program (more programs walk the chunks at once).
+    heads: heads per output program, all of one group, sharing each C_i B_j^T block (cut
+      to a power of two dividing the heads per group).
 
-    Defaults from a sweep on the H200, first TARGETS row (fwd / fwd+bwd): (64, 64, 4
-    warps) 0.96 / 2.70 ms; block_m 128 with 8 warps 0.99 / 3.26; block_m 64 with 8 warps
-    1.17 / 4.07; block_m 32 1.24 / 4.48.
+    Defaults measured on the H200 (2026-12-01, docs/performance.md "issue 18"), forward /
+    forward+backward ms on the TARGETS rows 3, 1, 2: the default 1.458 / 0.570 / 1.105
+    forward; one head per program 1.724 / 0.668 / 1.295; block_n 128 1.508 / 0.576 /
+    1.122; heads 4 2.94 / 1.31 / 2.52; block_m 128 with 8 warps 2.30 / 1.02 / 2.02. On
+    2026-11-30 (then row 1, other kernels): block_m 64 with 8 warps and block_m 32 were
+    slower than 64 with 4 warps in both directions.
     """
 
     block_m: int = 64
@@ -87,9 +107,10 @@ class BlockSizes:
 
 DEFAULT_BLOCK_SIZES = BlockSizes()
 # Where the default's programs do not fit the device's shared memory (p=64, n=128 needs
-# 104 KiB at block_m 64; sm86/sm89 have 99 KiB): 32-row blocks, 56 KiB there. The H200
-# sweep measured block_m 32 1.24 / 4.48 ms against the default's 0.96 / 2.70 (fwd /
-# fwd+bwd); not measured on sm86/89.
+# 128 KiB at block_m 64 with two heads per output program, 104 KiB with one; sm86/sm89
+# have 99 KiB): 32-row blocks, one head, 56 KiB there. On 2026-11-30 (the kernels of
+# then) the H200 measured block_m 32 at 1.24 / 4.48 ms against 64's 0.96 / 2.70 (fwd /
+# fwd+bwd, row 1); not measured on sm86/89.
 SMALL_SMEM_BLOCK_SIZES = BlockSizes(block_m=predicates.TRITON_MIN_BLOCK_M, heads=1)
 
 
