@@ -119,6 +119,13 @@ def test_interpret_heads_and_state_columns(shape, heads, block_n):
     _check(shape, jnp.float32, 32, 2e-5, interpret=True, block_sizes=bs)
 
 
+def test_interpret_head_dim_128_groups_8_chunk_128():
+    """The extra bench geometry (head_dim 128, 8 groups, chunk 128) with the default
+    blocks: two heads per output program, 64 state columns per scan program."""
+    _check((1, 256, 16, 128, 128, 8), jnp.bfloat16, 128, 2e-2, interpret=True,
+           block_sizes=pt.BlockSizes())
+
+
 def test_output_heads_divides_the_group():
     assert pt.output_heads(pt.BlockSizes(heads=4), 32, 1) == 4
     assert pt.output_heads(pt.BlockSizes(heads=4), 64, 8) == 4
@@ -177,12 +184,19 @@ def test_cuda_lowering_on_cpu():
     st = S((1, 2, 4, 64, 128), jnp.float32)
     check = [DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     wide = pt.BlockSizes(heads=4, block_n=128, block_t=64, num_warps=8)
+    x128 = S((1, 2, 128, 16, 128), jnp.bfloat16)
+    a128 = S((1, 2, 128, 16), jnp.float32)
+    b128 = S((1, 2, 128, 8, 128), jnp.bfloat16)
+    s128 = S((1, 16, 128, 128), jnp.float32)
+    st128 = S((1, 2, 16, 128, 128), jnp.float32)
     with jax.sharding.use_abstract_mesh(mesh):
         for fn, args, kernels in (
             (pt.forward, (x, a, b, b, s0), 2),
             (pt.backward, (x, a, b, b, st, x, s0), 3),
             (functools.partial(pt.forward, block_sizes=wide), (x, a, b, b, s0), 2),
             (functools.partial(pt.backward, block_sizes=wide), (x, a, b, b, st, x, s0), 3),
+            (pt.forward, (x128, a128, b128, b128, s128), 2),
+            (pt.backward, (x128, a128, b128, b128, st128, x128, s128), 3),
         ):
             exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=check)(*args)
             assert exp.mlir_module().count("__gpu$xla.gpu.triton") >= kernels

@@ -6,7 +6,8 @@
   mixtral and dsv3 shapes with skewed groups (90% of the rows in one group) and with a
   Zipf split; widths that are multiples of 64 but not of 256 (1408 and 5504, as input or
   output width); small-m shapes (a decode step's batch: a few hundred rows over a handful
-  of groups, and a few rows per group over many).
+  of groups, and a few rows per group over many). chunk_ssd at head_dim 128 with 8 groups
+  and a 128-step chunk (a geometry beside the TARGETS rows' 64 / 1-8 / 256).
 - "quick": one small shape per op a GPU runs in seconds (still TARGETS-like proportions).
 - "cpu": tiny shapes the Pallas interpreters get through in seconds on two cores; the default
   on a machine without an accelerator whatever else was asked.
@@ -52,6 +53,9 @@ _EXTRA_GP_WIDTHS = (
     ("w5504_up", 32768, 2048, 5504, 16),
     ("w5504_down", 32768, 5504, 2048, 16),
 )
+
+_EXTRA_SSD = (("mamba2_p128_g8_c128", 4, 8192, 32, 128, 128, 8),)  # chunk 128
+_EXTRA_SSD_CHUNK = 128
 
 _EXTRA_GP_ZIPF = (
     ("mixtral_zipf", 32768, 4096, 14336, 8),
@@ -102,7 +106,8 @@ def suite(name: str, devices: int = 2) -> list[ops.Case]:
                 for d in ops.DIRECTIONS for grouping, shapes in (
                     ("skewed", _EXTRA_GP_SKEWED), ("zipf", _EXTRA_GP_ZIPF))
                 for s in shapes] + _cases(_EXTRA_GP_WIDTHS + _EXTRA_GP_SMALL_M, (),
-                                          ops.DIRECTIONS)
+                                          ops.DIRECTIONS) + _cases(
+                    (), _EXTRA_SSD, ops.DIRECTIONS, chunk=_EXTRA_SSD_CHUNK)
     if name == "quick":
         return _cases(_QUICK_GP, _QUICK_SSD, ops.DIRECTIONS)
     if name == "cpu":
@@ -128,6 +133,6 @@ def filter_cases(cases: list[ops.Case], *, ops_: list[str] | None = None,
 
 def shape_names() -> list[str]:
     names = [s[0] for s in _TARGET_GP + _TARGET_SSD + _EXTRA_GP_SKEWED + _EXTRA_GP_ZIPF
-             + _EXTRA_GP_WIDTHS + _EXTRA_GP_SMALL_M
+             + _EXTRA_GP_WIDTHS + _EXTRA_GP_SMALL_M + _EXTRA_SSD
              + _QUICK_GP + _CPU_GP + _CPU_SSD]
     return list(dict.fromkeys(names))
