@@ -227,8 +227,8 @@ def _params(bs: BlockSizes):
 
 def _local_state(u_ref, v_ref, w_ref, ci, block_t):
     """sum_t u[ci, t, :]^T (v[ci, t, :] * w[ci, t]) over chunk ci: [p, bn] fp32. The chunk is
-    walked in block_t steps unrolled at trace time, so the loop over chunks around it is
-    the one Triton pipelines (the next chunk's loads do not wait on the state)."""
+    walked in block_t steps unrolled at trace time, so a scan program has one loop, over
+    the chunks, whose loads do not depend on the state it carries."""
     chunk = u_ref.shape[1]
     acc = None
     for t0 in range(0, chunk, block_t):
@@ -242,7 +242,7 @@ def _local_state(u_ref, v_ref, w_ref, ci, block_t):
 
 def _state_scan_kernel(x_ref, b_ref, w_ref, decay_ref, init_ref, states_ref, final_ref, *,
                        block_t):
-    """One (batch, head, state column block) walks the chunks in order:
+    """One (state column block, head, batch) walks the chunks in order:
     states[c] = S_c, S_{c+1} = decay_c S_c + x_c^T (B_c * w_c)."""
     nc = x_ref.shape[0]
 
@@ -254,7 +254,8 @@ def _state_scan_kernel(x_ref, b_ref, w_ref, decay_ref, init_ref, states_ref, fin
 
 
 def _scan_specs(u, v, bn):
-    """BlockSpecs of a (batch, head, state column block) grid over whole sequences: u
+    """BlockSpecs of a (state column block, head, batch) grid over whole sequences (the
+    column blocks of one head first, so they read its x through L2): u
     [b, nc, C, h, p] per head, v [b, nc, C, g, n] per group, w [b, nc, C, h], per-chunk
     scalars [b, nc, h], states [b, nc, h, p, n] and one state [b, h, p, n]."""
     bsz, nc, chunk, h, p = u.shape
