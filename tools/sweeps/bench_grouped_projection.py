@@ -17,9 +17,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 import traceback
 
 # Time the configs named here (or the table/defaults), never an autotune on a miss.
@@ -32,6 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from pallasite.bench import harness  # noqa: E402
 from pallasite.kernels.grouped_matmul import grouped_projection  # noqa: E402
 from pallasite.kernels.grouped_matmul import pallas_triton as pt  # noqa: E402
 from pallasite.kernels.grouped_matmul.config import (  # noqa: E402
@@ -67,16 +66,10 @@ PEER_BACKWARD = os.environ.get("BENCH_PEER_BACKWARD", "1") == "1"
 
 
 def timeit(fn, *args, warmup=1, runs=5):
-    out = None
-    for _ in range(warmup):
-        out = jax.block_until_ready(fn(*args))
-    del out
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Seconds per call by the bench harness's queued method (N calls back to back, one
+    synchronisation; median over `runs` samples)."""
+    return harness.steady_state(lambda _: fn(*args), [None], harness.jax_sync, compile_s=0.0,
+                                warmup=warmup, samples=runs).median_s
 
 
 def record(out, **fields):

@@ -7,7 +7,9 @@ carried, not vendored):
 
 For each TARGETS row (bf16, chunk 256): forward and forward+backward of the Pallas Triton
 backend, the XLA path (pallasite.kernels.ssd.xla) and mamba_ssm's
-mamba_chunk_scan_combined, medians of timed runs after warm-up; the kernel's error against
+mamba_chunk_scan_combined, each timed by the bench harness's queued method
+(pallasite.bench.harness.steady_state: N calls back to back, one synchronisation; median
+over samples), the same for all three; the kernel's error against
 the XLA path; bytes moved and the fraction of the 4.3 TB/s copy rate. Writes JSON lines
 to FOLDER/ssd_bench.jsonl with --out FOLDER.
 """
@@ -15,9 +17,9 @@ to FOLDER/ssd_bench.jsonl with --out FOLDER.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -32,6 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from pallasite.bench import harness  # noqa: E402
 from pallasite.kernels.ssd import pallas_triton as pt  # noqa: E402
 from pallasite.kernels.ssd import xla as sx  # noqa: E402
 from pallasite.reference.inputs import ssd_inputs  # noqa: E402
@@ -49,15 +52,15 @@ def emit(rec):
             f.write(json.dumps(rec) + "\n")
 
 
-def time_jax(fn, args, warmup=3, iters=25):
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
+def time_queued(call, sync, warmup=3, samples=15):
+    """ms per call: harness.steady_state on one input set (the call closes over it)."""
+    timing = harness.steady_state(lambda _: call(), [None], sync, compile_s=0.0,
+                                  warmup=warmup, samples=samples)
+    return timing.median_s * 1e3
+
+
+def time_jax(fn, args, warmup=3, iters=15):
+    return time_queued(lambda: fn(*args), harness.jax_sync, warmup, iters)
 
 
 def nbytes(*arrays):
@@ -94,7 +97,6 @@ def rel(u, v):
 def mamba_times(row):
     try:
         import torch
-        import triton
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
     except Exception as e:  # noqa: BLE001
         return {"mamba_error": repr(e)}
@@ -108,20 +110,18 @@ def mamba_times(row):
     C = torch.randn(bsz, length, g, n, device=dev, generator=gen).to(torch.bfloat16)
     dy = torch.randn_like(x)
     out = {}
+    sync = lambda _: torch.cuda.synchronize()  # noqa: E731
     with torch.no_grad():
-        f = lambda: mamba_chunk_scan_combined(x, dt, A, B, C, CHUNK)
-        out["mamba_fwd_ms"] = triton.testing.do_bench(f, warmup=50, rep=200, return_mode="median")
+        out["mamba_fwd_ms"] = time_queued(
+            lambda: mamba_chunk_scan_combined(x, dt, A, B, C, CHUNK), sync)
     leaves = [t.detach().requires_grad_() for t in (x, dt, A, B, C)]
 
     def fb():
-        y = mamba_chunk_scan_combined(*leaves, CHUNK)
-        y.backward(dy)
+        for t in leaves:
+            t.grad = None
+        mamba_chunk_scan_combined(*leaves, CHUNK).backward(dy)
 
-    out["mamba_fwdbwd_ms"] = triton.testing.do_bench(
-        fb, warmup=50, rep=200, grad_to_none=leaves, return_mode="median"
-    )
-    del x, dt, A, B, C, dy, leaves
-    torch.cuda.empty_cache()
+    out["mamba_fwdbwd_ms"] = time_queued(fb, sync)
     return out
 
 
@@ -158,26 +158,26 @@ def bench_row(row, bs=None, peers=True):
 
 
 def stages(row, bs=None):
-    """Each pallas_call of the default config alone (ms)."""
+    """Each pallas_call of the default config alone (ms), and the XLA prologue."""
     x, a, b, c, s0, dy, dfin = inputs(row)
     bs = pt.resolve_block_sizes(bs, CHUNK)
-    acs = jnp.cumsum(a, axis=2)
-    last = acs[:, :, -1, :]
-    w = jnp.exp(last[:, :, None, :] - acs)
-    local = pt._chunk_state(x, b, w, bs, False)
-    states, _ = pt._state_pass(local, jnp.exp(last), s0, bs, False)
-    grads, _, _ = pt._state_pass_reverse(local, jnp.exp(last), states, dfin, bs, False)
-    e = jnp.exp(last)
+    acs, last = pt._cumsums(a)
+    w_out = jnp.exp(pt._segment(tuple(t[:, :, None, :] for t in last), acs))
+    w_in = jnp.exp(acs[0] + acs[1])
+    e = jnp.exp(last[0] + last[1])
+    states, _ = pt._state_scan(x, b, w_out, e, s0, bs, False)
+    grads, _, _ = pt._state_scan_reverse(dy, c, w_in, e, states, dfin, bs, False)
     fns = {
-        "chunk_state": (lambda x, b, w: pt._chunk_state(x, b, w, bs, False), (x, b, w)),
-        "state_pass": (lambda l, e, s0: pt._state_pass(l, e, s0, bs, False), (local, e, s0)),
+        "prologue": (pt._cumsums, (a,)),
+        "state_scan": (lambda x, b, w, e, s0: pt._state_scan(x, b, w, e, s0, bs, False),
+                       (x, b, w_out, e, s0)),
         "chunk_output": (
             lambda x, b, c, acs, st: pt._chunk_output(x, b, c, acs, st, bs, False),
             (x, b, c, acs, states),
         ),
-        "state_pass_reverse": (
-            lambda l, e, st, d: pt._state_pass_reverse(l, e, st, d, bs, False),
-            (local, e, states, dfin),
+        "state_scan_reverse": (
+            lambda d, c, w, e, st, f: pt._state_scan_reverse(d, c, w, e, st, f, bs, False),
+            (dy, c, w_in, e, states, dfin),
         ),
         "bwd_rows_j": (
             lambda *t: pt._bwd_rows_j(*t, bs, False), (x, dy, b, c, acs, grads)
@@ -204,7 +204,6 @@ def main():
         os.makedirs(OUT, exist_ok=True)
     if opts.smoke:
         global CHUNK, ROWS
-        import functools
         CHUNK, ROWS = 32, [(2, 64, 4, 16, 16, 1), (1, 64, 4, 16, 16, 2), (1, 64, 2, 16, 16, 1)]
         pt.forward = functools.partial(pt.forward, interpret=True)
         pt.backward = functools.partial(pt.backward, interpret=True)
@@ -222,8 +221,8 @@ def main():
         stages(ROWS[0])
     if opts.sweep:
         sweep = [
-            dict(block_m=64, num_warps=8), dict(block_m=128, num_warps=8),
-            dict(block_m=32), dict(block_t=128),
+            dict(heads=1), dict(block_n=128), dict(block_t=64), dict(block_m=128, num_warps=8),
+            dict(block_m=32),
         ]
         for i in (0,):
             for cfg in sweep:
