@@ -43,6 +43,16 @@ def bf16_exact(t):
     """Values bf16 holds exactly: bf16 and fp32 products then differ only in summation."""
     return t.astype(jnp.bfloat16).astype(jnp.float32)
 
+
+def grouped_inputs(seed, m, k, n, g):
+    """(x [m, k], kernel [g, k, n], loss weights [m, n]) for grouped_projection: fp32
+    arrays of bf16-exact values, the kernel scaled by 1/sqrt(k), drawn from key(seed)."""
+    kx, kw, kr = jax.random.split(jax.random.key(seed), 3)
+    x = bf16_exact(jax.random.normal(kx, (m, k), jnp.float32))
+    w = bf16_exact(jax.random.normal(kw, (g, k, n), jnp.float32) / np.sqrt(k))
+    weights = bf16_exact(jax.random.normal(kr, (m, n), jnp.float32))
+    return x, w, weights
+
 _COLLECTIVE = re.compile(
     r"=\s*(?P<type>\([^=]*?\)|[a-z0-9]+\[[0-9,]*\][^ ]*)\s+"
     r"(?P<op>all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")

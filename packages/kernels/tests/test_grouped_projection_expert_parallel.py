@@ -30,14 +30,8 @@ RUNS_ON_CPU = st.GROUPED_ON_CPU
 MOSAIC = st.GROUPED_MOSAIC
 
 
-_exact = st.bf16_exact
-
-
 def _inputs(seed=0):
-    kx, kw, kr = jax.random.split(jax.random.key(seed), 3)
-    x = _exact(jax.random.normal(kx, (M, K), jnp.float32))
-    w = _exact(jax.random.normal(kw, (G, K, N), jnp.float32) / np.sqrt(K))
-    weights = _exact(jax.random.normal(kr, (M, N), jnp.float32))
+    x, w, weights = st.grouped_inputs(seed, M, K, N, G)
     return x, w, jnp.asarray(SIZES), weights
 
 
@@ -215,10 +209,7 @@ def test_gpus(layout, name):
     """Experts over two GPUs (Explicit axes), bf16 compute, against the unsharded call."""
     devices = st.gpus(two=True)
     m, k, n, g = 4096, 512, 1024, 8
-    kx, kw, kr = jax.random.split(jax.random.key(5), 3)
-    x = _exact(jax.random.normal(kx, (m, k), jnp.float32))
-    w = _exact(jax.random.normal(kw, (g, k, n), jnp.float32) / np.sqrt(k))
-    weights = _exact(jax.random.normal(kr, (m, n), jnp.float32))
+    x, w, weights = st.grouped_inputs(5, m, k, n, g)
     sizes = jnp.asarray([700, 0, 900, 300, 512, 600, 400, 500], jnp.int32)  # 3912 < m
     mesh = st.mesh((2,), ("expert",), st.EXPLICIT, devices)
     tokens = "expert" if layout == "tokens_experts" else None

@@ -57,15 +57,9 @@ def _project(name, compute=None):
                              block_sizes=BLOCKS[name])
 
 
-_bf16_exact = st.bf16_exact
-
-
 def _inputs(seed=0):
-    kx, kw, kr = jax.random.split(jax.random.key(seed), 3)
-    x = jax.random.normal(kx, (M, K), jnp.float32)
-    w = jax.random.normal(kw, (G, K, N), jnp.float32) / np.sqrt(K)
-    weights = jax.random.normal(kr, (M, N), jnp.float32)
-    return _bf16_exact(x), _bf16_exact(w), jnp.asarray(SIZES), _bf16_exact(weights)
+    x, w, weights = st.grouped_inputs(seed, M, K, N, G)
+    return x, w, jnp.asarray(SIZES), weights
 
 
 def _loss(project):
@@ -300,10 +294,7 @@ def test_gpus(mode, name):
     values and gradients against the unsharded call."""
     devices = st.gpus(two=not mode.startswith("shard_map"))
     m, k, n, g = 4096, 512, 1024, 8
-    kx, kw, kr = jax.random.split(jax.random.key(5), 3)
-    x = _bf16_exact(jax.random.normal(kx, (m, k), jnp.float32))
-    w = _bf16_exact(jax.random.normal(kw, (g, k, n), jnp.float32) / np.sqrt(k))
-    weights = _bf16_exact(jax.random.normal(kr, (m, n), jnp.float32))
+    x, w, weights = st.grouped_inputs(5, m, k, n, g)
     sizes = jnp.asarray([700, 0, 900, 300, 512, 600, 400, 500], jnp.int32)  # 3912 < m
     project = functools.partial(grouped_projection, compute=jnp.bfloat16, implementation=name)
     if mode.startswith("shard_map"):

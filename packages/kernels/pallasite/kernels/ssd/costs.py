@@ -32,12 +32,16 @@ def tiles(chunk: int, bm: int) -> int:
 # ------------------------------------------------------------------------------ Triton
 
 
+def _contribution(u, v, w):
+    """A chunk's own state contribution u^T (v * w): 2 C p n + C n flops."""
+    return _ein("zcp,zcn->zpn", u, (v * w[..., None]).astype(u.dtype))
+
+
 def state_scan(z, chunk, p, n, dtype, *, inputs, outputs):
     """Per (batch, chunk, head): the chunk's contribution u^T (v * w) (2 C p n + C n flops)
     and S' = decay S + contribution (2 p n flops)."""
     def body(u, v, w, decay, s):
-        local = _ein("zcp,zcn->zpn", u, (v * w[..., None]).astype(u.dtype))
-        return decay[:, None, None] * s + local
+        return decay[:, None, None] * s + _contribution(u, v, w)
 
     return cost.estimate(body, cost.struct((z, chunk, p), dtype),
                          cost.struct((z, chunk, n), F32), cost.struct((z, chunk), F32),
@@ -48,8 +52,7 @@ def state_scan(z, chunk, p, n, dtype, *, inputs, outputs):
 def state_scan_reverse(z, chunk, p, n, dtype, *, inputs, outputs):
     """state_scan's flops plus <G, S> per element (1 flop; the sum is not counted)."""
     def body(u, v, w, decay, g, s):
-        local = _ein("zcp,zcn->zpn", u, (v * w[..., None]).astype(u.dtype))
-        return decay[:, None, None] * g + local, g * s
+        return decay[:, None, None] * g + _contribution(u, v, w), g * s
 
     return cost.estimate(body, cost.struct((z, chunk, p), dtype),
                          cost.struct((z, chunk, n), F32), cost.struct((z, chunk), F32),
