@@ -130,34 +130,35 @@ def _ssd_args(dtype=BF16):
 def test_ssd_triton(heads):
     x, a, b, c, s0 = _ssd_args()
     blocks = ssd_triton.BlockSizes(block_m=BM, block_t=BM, heads=heads)
-    states = S((B, NC, H, P, NS), F32)
+    states = S((B, NC, H, P, NS), BF16)  # the entry states leave in the operand dtype
     fwd = _calls(lambda *t: ssd_triton.forward(*t, block_sizes=blocks), x, a, b, c, s0)
     bwd = _calls(lambda *t: ssd_triton.backward(*t, block_sizes=blocks), x, a, b, c, states,
                  x, s0)
     xb, acs_b = _bytes(((B, NC, C, H, P), BF16)), _bytes(((B, NC, C, H), F32))
     bcb, stb = _bytes(((B, NC, C, GR, NS), BF16)), _bytes(((B, NC, H, P, NS), F32))
     sb, decb = _bytes(((B, H, P, NS), F32)), _bytes(((B, NC, H), F32))
+    entry = _bytes(((B, NC, H, P, NS), BF16))  # entry states; stb: the fp32 dS per chunk
     # The state scan: per (batch, chunk, head) the chunk's x^T (B * w) and decay S + it;
     # forward (x, B) and backward (dy, C, with <G, S> and the per-column-block partials).
     (scan,) = fwd["ssd_state_scan"]
     _check(scan, Z * (2 * C * P * NS + C * NS + 2 * P * NS), 0,
-           xb + bcb + acs_b + decb + sb + stb + sb)
+           xb + bcb + acs_b + decb + sb + entry + sb)
     (rscan,) = bwd["ssd_state_scan_reverse"]
     _check(rscan, Z * (2 * C * P * NS + C * NS + 3 * P * NS), 0,
-           xb + bcb + acs_b + decb + stb + sb + stb + decb + sb)
+           xb + bcb + acs_b + decb + entry + sb + stb + decb + sb)
     # The cumulative sums enter as double-float (hi, lo) pairs (ssd.decay): two [b, nc, C, h]
     # operands, a segment sum (hi_i - hi_j) + (lo_i - lo_j) is 3 flops and exp(acs) is
     # exp(hi + lo), 1 flop.
     # Each C_i B_j^T block serves `heads` heads of its group (2n of the block's 2n + 2p + 4).
     (out,) = fwd["ssd_chunk_output"]
     _check(out, Z * T * BM * BM * (2 * NS // heads + 2 * P + 4) + Z * C * (2 * NS * P + P + 1),
-           Z * T * BM * BM + Z * C, xb + 2 * bcb + 2 * acs_b + stb + xb)
+           Z * T * BM * BM + Z * C, xb + 2 * bcb + 2 * acs_b + entry + xb)
     (rows_j,) = bwd["ssd_bwd_rows_j"]
     _check(rows_j, Z * T * BM * BM * (4 * NS + 4 * P + 6) + Z * C * (4 * NS * P + 2 * P + NS + 3),
            Z * T * BM * BM + Z * C, 2 * xb + 2 * bcb + 2 * acs_b + stb + xb + bcb + 2 * acs_b)
     (rows_i,) = bwd["ssd_bwd_rows_i"]
     _check(rows_i, Z * T * BM * BM * (4 * NS + 2 * P + 5) + Z * C * (4 * NS * P + NS + 2 * P + 1),
-           Z * T * BM * BM + Z * C, 2 * xb + 2 * bcb + 2 * acs_b + stb + bcb + acs_b)
+           Z * T * BM * BM + Z * C, 2 * xb + 2 * bcb + 2 * acs_b + entry + bcb + acs_b)
 
 
 def test_ssd_mosaic_tpu():

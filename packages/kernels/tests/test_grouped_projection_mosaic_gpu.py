@@ -70,11 +70,15 @@ def test_resolve_block_sizes():
     from pallasite.kernels.grouped_matmul import config
 
     pick = mgpu.resolve_block_sizes
-    # Output widths that split into 256-column tiles: the warp-specialised kernel.
+    # Output widths of whole 128-column halves: the warp-specialised kernel (1408 and
+    # 5504 are odd counts, the last tile's second half idle).
     assert pick(None, product="forward", m=32768, k=4096, n=14336, g=8) == mgpu.GMM_WARP_SPECIALIZED
     assert pick(None, product="dx", m=65536, k=2048, n=768, g=128) == mgpu.GMM_WARP_SPECIALIZED
+    assert pick(None, product="forward", m=32768, k=2048, n=1408, g=64) == mgpu.GMM_WARP_SPECIALIZED
+    assert pick(None, product="dx", m=32768, k=2048, n=5504, g=16) == mgpu.GMM_WARP_SPECIALIZED
+    assert pick(None, product="dkernel", m=32768, k=2048, n=1408, g=64) == mgpu.TGMM_WARP_SPECIALIZED
     # Otherwise the one-warpgroup kernel, by rows per group.
-    assert pick(None, product="forward", m=32768, k=4096, n=14208, g=8) == mgpu.GMM_LARGE_GROUPS
+    assert pick(None, product="forward", m=32768, k=4096, n=14272, g=8) == mgpu.GMM_LARGE_GROUPS
     assert pick(None, product="dx", m=65536, k=2048, n=320, g=128) == mgpu.GMM_SMALL_GROUPS
     assert pick(None, product="dkernel", m=65536, k=2048, n=768, g=128) == mgpu.TGMM_WARP_SPECIALIZED
     assert pick(None, product="dkernel", m=65536, k=2048, n=320, g=128) == mgpu.TGMM_DEFAULT
@@ -169,11 +173,14 @@ def test_interpret_gmm_and_dx(m, k, n, sizes):
 
 SMALL_WS = mgpu.MosaicGpuBlockSizes(block_m=64, block_n=64, block_k=64, stages=2,
                                     grid_block_n=2, warp_specialized=True)
-# k and n multiples of 2 * 64, so both gmm and dx take the warp-specialised kernel.
+# k and n multiples of 64, so both gmm and dx take the warp-specialised kernel; an odd
+# number of 64-column halves (192, 64) leaves the last tile's second half past the edge.
 INTERPRET_WS_CASES = [
     (200, 128, 256, [70, 0, 100]),
     (131, 128, 128, [3, 60, 1, 0, 57]),
     (96, 128, 128, [0, 0, 0]),
+    (200, 192, 192, [70, 0, 100]),
+    (131, 64, 64, [3, 60, 1, 0, 57]),
 ]
 
 
@@ -202,7 +209,8 @@ def test_interpret_warp_specialized_gmm_and_dx(m, k, n, sizes, monkeypatch):
     (1024, 2, 2, True, 3),   # 3 x 48 KiB operands + 64 KiB output slots fit 227 KiB
     (1024, 2, 4, True, 2),   # fp32 output slots leave room for 2 stages
     (1024, 4, 4, False, 4),  # not even 2 stages: the one-warpgroup kernel
-    (384, 2, 2, False, 4),   # 384 columns do not split into 2 x 128
+    (384, 2, 2, True, 3),    # three 128-column halves: the last tile's second is past n
+    (320, 2, 2, False, 4),   # 320 columns are not whole 128-column halves
 ])
 def test_fit_warp_specialized(n, in_bytes, out_bytes, ws, stages):
     fitted = mgpu._fit_warp_specialized(_WS4, n, in_bytes, out_bytes)
@@ -215,8 +223,8 @@ _WS4 = mgpu.MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=4,
 
 def test_warp_specialized_falls_back_when_n_does_not_split(monkeypatch):
     monkeypatch.setattr(mgpu, "_gmm_kernel_warp_specialized",
-                        lambda *a: pytest.fail("n = 64 cannot split over two consumers"))
-    x, w, _ = _operands(jax.random.key(2), 64, 64, 64, 2)
+                        lambda *a: pytest.fail("n = 96 is not whole 64-column halves"))
+    x, w, _ = _operands(jax.random.key(2), 64, 64, 96, 2)
     gs = jnp.array([30, 20], jnp.int32)
     out = mgpu.gmm(x, w, gs, out_dtype=jnp.float32, block_sizes=SMALL_WS, interpret=True)
     assert_close(out, gmm_reference(*_f32(x, w), gs), dtype=jnp.float32, tol=EXACT_FP32,
@@ -299,11 +307,23 @@ def test_lowers_for_cuda_from_cpu(product, blocks, monkeypatch):
     """Layout inference and the wgmma/TMA lowering run for every product: the default
     (warp-specialised gmm at 3 stages of 128x256, which fits shared memory), its delayed
     release, and the one-warpgroup gmm."""
+    _export_for_cuda(product, _BLOCKS[blocks], (4096, 512, 1024, 8), monkeypatch)
+
+
+@pytest.mark.parametrize("product", ["forward", "dx", "dkernel"])
+def test_odd_halves_lower_for_cuda_from_cpu(product, monkeypatch):
+    """k = n = 1408, eleven 128-column halves: every product's default is the
+    warp-specialised kernel with the last tile's second half past the edge."""
+    assert mgpu.default_block_sizes(product=product, m=4096, k=1408, n=1408, g=8
+                                    ).warp_specialized
+    _export_for_cuda(product, None, (4096, 1408, 1408, 8), monkeypatch)
+
+
+def _export_for_cuda(product, blocks, dims, monkeypatch):
     monkeypatch.setattr(mgpu, "_num_programs", lambda interpret: 132)
-    m, k, n, g = 4096, 512, 1024, 8
+    m, k, n, g = dims
     s = jax.ShapeDtypeStruct
     gs = s((g,), jnp.int32)
-    blocks = _BLOCKS[blocks]
     if product == "forward":
         f = lambda a, b, c: mgpu.gmm(a, b, c, block_sizes=blocks)  # noqa: E731
         args = (s((m, k), BF16), s((g, k, n), BF16), gs)

@@ -37,7 +37,7 @@ tgmm (dkernel): one output tile (block_m x block_n of [k, n]) per (group, tile) 
   groups average out across programs without split-k (see docs/performance.md).
 
 Warp-specialised variants (MosaicGpuBlockSizes.warp_specialized, the H200 default for gmm,
-dx and tgmm wherever the output width splits into 2 x block_n columns): a producer
+dx and tgmm wherever the output width is whole block_n columns): a producer
 warpgroup issues the TMA loads and runs ahead into the next tile while two consumer
 warpgroups each own half of a block_m x 2*block_n tile; a consumer waits for its previous
 tile's stores to leave SMEM only when it next needs its slot, so epilogue and refill overlap
@@ -96,8 +96,9 @@ class MosaicGpuBlockSizes:
 
     warp_specialized: a producer warpgroup issues the TMA loads while two consumer
     warpgroups each own a block_m x block_n half of a block_m x 2*block_n tile, so one
-    tile's epilogue overlaps the next tile's loads. Needs n to be a multiple of 2*block_n
-    (else the one-warpgroup kernel runs); stages are cut to what fits shared memory.
+    tile's epilogue overlaps the next tile's loads. Needs n to be a multiple of block_n
+    (else the one-warpgroup kernel runs; an odd count leaves the last tile's second half
+    idle); stages are cut to what fits shared memory.
     delay_release (warp-specialised gmm only, 0 or 1): wgmma groups a consumer leaves in
     flight when it hands a stage back to the producer (1: the buffer is released a step
     later; kept 0 for pipelines of a single k step).
@@ -185,9 +186,9 @@ def default_block_sizes(*, product: str, m: int, k: int, n: int, g: int) -> Mosa
     """The H200-measured default for the product, output width n and group sizes (above)."""
     del k
     if product == "dkernel":
-        splits = n % (2 * TGMM_WARP_SPECIALIZED.block_n) == 0
+        splits = n % TGMM_WARP_SPECIALIZED.block_n == 0
         return TGMM_WARP_SPECIALIZED if splits else TGMM_DEFAULT
-    if n % (2 * GMM_WARP_SPECIALIZED.block_n) == 0:
+    if n % GMM_WARP_SPECIALIZED.block_n == 0:
         return GMM_WARP_SPECIALIZED
     return GMM_LARGE_GROUPS if m >= 1024 * max(g, 1) else GMM_SMALL_GROUPS
 
@@ -379,10 +380,11 @@ _SMEM_BYTES = platform.SHARED_MEMORY_KIB["sm90"] * 1024 - 2048
 def _fit_warp_specialized(bs: MosaicGpuBlockSizes, n: int, in_bytes: int, out_bytes: int
                           ) -> MosaicGpuBlockSizes:
     """bs with as many stages as fit shared memory (at least 2), or the one-warpgroup
-    kernel when n does not split into 2*block_n columns or even 2 stages do not fit.
+    kernel when n does not split into block_n columns or even 2 stages do not fit.
     Shared memory: stages x (lhs block_m x block_k + rhs block_k x 2 block_n) operand
-    buffers plus one block_m x block_n output slot per consumer."""
-    if n % (2 * bs.block_n):
+    buffers plus one block_m x block_n output slot per consumer. Where n is an odd number
+    of block_n columns the last tile's second half lies past n (see _live_half)."""
+    if n % bs.block_n:
         return dataclasses.replace(bs, warp_specialized=False)
     per_stage = (bs.block_m * bs.block_k + bs.block_k * 2 * bs.block_n) * in_bytes
     out_slots = 2 * bs.block_m * bs.block_n * out_bytes
@@ -390,6 +392,19 @@ def _fit_warp_specialized(bs: MosaicGpuBlockSizes, n: int, in_bytes: int, out_by
     if stages < 2:
         return dataclasses.replace(bs, warp_specialized=False)
     return dataclasses.replace(bs, stages=int(stages))
+
+
+def _live_half(ni, wg, bs: MosaicGpuBlockSizes, n: int):
+    """Whether consumer `wg`'s half of column tile `ni` (block_n columns from
+    (2 ni + wg) block_n) holds any of the n output columns.
+
+    Where n is an odd number of block_n columns (1408 = 11 x 128, 5504 = 43 x 128) the
+    last block_m x 2 block_n tile reaches block_n columns past n: TMA fills those operand
+    columns with zeros (and the interpreter with NaN), that half's products are never
+    stored, and the rest of the tile runs as usual. This costs one half tile of tensor
+    work per row tile (1408 columns run as 1536), where the one-warpgroup kernel that ran
+    those widths before cost its whole epilogue on every tile."""
+    return (2 * ni + wg) * bs.block_n < n
 
 
 def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_rhs: bool):
@@ -404,7 +419,7 @@ def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_
     """
     bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
     cta_n = 2 * bn
-    grid_n = n // cta_n
+    grid_n = pl.cdiv(n, cta_n)
     rhs_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
     rhs_index = (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0))
     # A one-step pipeline with a delayed release breaks the stage barriers' phases (seen
@@ -464,8 +479,11 @@ def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_
                         run_pipeline(acc_ref)
                         acc = acc_ref[...]
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slot free again
-                        _store_rows_from(acc, o_smem.at[wg], out_gmem, row0, rows,
-                                         row0 - load0, ni * cta_n + wg * bn, bm, bn)
+
+                        @pl.when(_live_half(ni, wg, bs, n))
+                        def _():
+                            _store_rows_from(acc, o_smem.at[wg], out_gmem, row0, rows,
+                                             row0 - load0, ni * cta_n + wg * bn, bm, bn)
 
                 weights = rhs_gmem.at[jnp.minimum(seg, g - 1)]
                 weights = (weights.at[pl.ds(ni * cta_n, cta_n)] if transpose_rhs
@@ -688,7 +706,7 @@ def _tgmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, dtype):
     """
     bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
     cta_n = 2 * bn
-    grid_m, grid_n = k // bm, n // cta_n
+    grid_m, grid_n = k // bm, pl.cdiv(n, cta_n)
     transforms = _swizzle_transforms(dtype)
 
     def pipeline(step, compute_context, base, steps):
@@ -741,11 +759,15 @@ def _tgmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, dtype):
                         run_pipeline(acc_ref)
                         acc = acc_ref[...]
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slot free again
-                        o_smem[wg] = acc.astype(o_smem.dtype)
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(
-                            o_smem.at[wg],
-                            out_gmem.at[gi, pl.ds(mi * bm, bm), pl.ds(ni * cta_n + wg * bn, bn)])
+
+                        @pl.when(_live_half(ni, wg, bs, n))
+                        def _():
+                            o_smem[wg] = acc.astype(o_smem.dtype)
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(
+                                o_smem.at[wg],
+                                out_gmem.at[gi, pl.ds(mi * bm, bm),
+                                            pl.ds(ni * cta_n + wg * bn, bn)])
 
                 # An empty group runs one fully masked step (zeros), as in _tgmm_kernel.
                 pipeline(step, compute_context, base, jnp.maximum(steps, 1))(

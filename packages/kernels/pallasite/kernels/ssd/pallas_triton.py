@@ -247,7 +247,7 @@ def _state_scan_kernel(x_ref, b_ref, w_ref, decay_ref, init_ref, states_ref, fin
     nc = x_ref.shape[0]
 
     def step(ci, s):
-        states_ref[ci] = s
+        states_ref[ci] = s.astype(states_ref.dtype)
         return decay_ref[ci] * s + _local_state(x_ref, b_ref, w_ref, ci, block_t)
 
     final_ref[...] = jax.lax.fori_loop(0, nc, step, init_ref[...])
@@ -272,15 +272,18 @@ def _scan_specs(u, v, bn):
 
 
 def _state_scan(x, b, w, decay, init, bs: BlockSizes, interpret: bool):
-    """(states [b, nc, h, p, n] entering each chunk, final [b, h, p, n]), fp32, with each
-    chunk's own contribution x_c^T (B_c * w_c) formed where it is added (never in HBM).
-    w = exp(acs_last - acs) [b, nc, C, h], decay = exp(acs_last) [b, nc, h]."""
+    """(states [b, nc, h, p, n] entering each chunk in x.dtype, final [b, h, p, n] fp32),
+    carried in fp32, with each chunk's own contribution x_c^T (B_c * w_c) formed where it
+    is added (never in HBM). w = exp(acs_last - acs) [b, nc, C, h], decay = exp(acs_last)
+    [b, nc, h]. The entry states leave rounded to the matmul operand dtype: every kernel
+    that reads them multiplies them in that dtype, so y is the same to the bit and the
+    traffic (and the residual) is half of fp32's at bf16."""
     bsz, nc, chunk, h, p = x.shape
     n = b.shape[4]
     bn = min(bs.block_n, n)
     specs = _scan_specs(x, b, bn)
     shapes = (
-        sharding.out_struct((bsz, nc, h, p, n), F32, like=x),
+        sharding.out_struct((bsz, nc, h, p, n), x.dtype, like=x),
         sharding.out_struct((bsz, h, p, n), F32, like=x),
     )
     return pl.pallas_call(
@@ -306,7 +309,7 @@ def _state_scan_reverse_kernel(dy_ref, c_ref, w_ref, decay_ref, states_ref, dfin
     def step(k, gr):
         ci = nc - 1 - k
         grads_ref[ci] = gr
-        gs_ref[ci] = jnp.sum(jnp.sum(gr * states_ref[ci], axis=1), axis=0)
+        gs_ref[ci] = jnp.sum(jnp.sum(gr * states_ref[ci].astype(F32), axis=1), axis=0)
         return decay_ref[ci] * gr + _local_state(dy_ref, c_ref, w_ref, ci, block_t)
 
     dinit_ref[...] = jax.lax.fori_loop(0, nc, step, dfinal_ref[...])
@@ -663,8 +666,9 @@ def forward(
     interpret: bool = False,
     block_sizes: BlockSizes | None = None,
 ) -> tuple[Float[Array, "b nc C h p"], Float[Array, "b h p n"], Float[Array, "b nc h p n"]]:
-    """(y in x.dtype, final_state fp32, chunk_states fp32 = the state each chunk entered
-    with). b and c are cast to x.dtype (the matmul operand dtype)."""
+    """(y in x.dtype, final_state fp32, chunk_states = the state each chunk entered with,
+    in x.dtype: the dtype the output and backward kernels multiply it in, see _state_scan).
+    b and c are cast to x.dtype (the matmul operand dtype)."""
     _check_inputs(x, a, b, c, initial_state, "initial_state")
     bs = resolve_block_sizes(block_sizes, x.shape[2], x=x, b=b, pass_name="forward",
                              interpret=interpret)
@@ -708,7 +712,7 @@ def backward(
     fn = functools.partial(_backward_local, bs=bs, interpret=interpret,
                            grad_dtypes=(b.dtype, c.dtype))
     args = (
-        x, a, b.astype(x.dtype), c.astype(x.dtype), chunk_states.astype(F32), dy,
+        x, a, b.astype(x.dtype), c.astype(x.dtype), chunk_states.astype(x.dtype), dy,
         dfinal_state.astype(F32),
     )
     dx, da, db, dc, dinit = fn(*args)
