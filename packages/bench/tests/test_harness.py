@@ -45,3 +45,18 @@ def test_compile_jax_times_ahead_of_time():
     assert compiled({"a": jnp.ones(3)}).tolist() == [2.0, 2.0, 2.0]
     with pytest.raises(Exception):
         compiled({"a": jnp.ones(4)})  # compiled for one shape only
+
+
+def test_issue_time_tells_host_bound_from_device_bound():
+    """A call that holds the host (dispatch slower than the device) issues as slowly as it
+    runs; one that returns at once and waits in the sync does not."""
+    import time
+
+    slow_issue = harness.steady_state(lambda x: time.sleep(2e-3), [0], lambda o: None,
+                                      compile_s=0.0, warmup=1, samples=3, sample_s=4e-3)
+    assert harness.host_bound(slow_issue.issue_s, slow_issue.median_s)
+    slow_device = harness.steady_state(lambda x: x, [0], lambda o: time.sleep(4e-3),
+                                       compile_s=0.0, warmup=1, samples=3, sample_s=1e-9)
+    assert slow_device.issue_s < 0.5 * slow_device.median_s
+    assert not harness.host_bound(slow_device.issue_s, slow_device.median_s)
+    assert not harness.host_bound(None, 1.0) and not harness.host_bound(1.0, None)

@@ -85,3 +85,14 @@ def test_refusals_are_unsupported_and_raises_are_crashed():
     assert not runner._unsupported_message(raised)
     assert runner._unsupported_message(NotImplementedError("x"))
     assert not runner._unsupported_message(RuntimeError("CUDA error"))
+
+
+def test_table_marks_host_bound_records():
+    """A record whose calls took the host as long to issue as to run says so in the table."""
+    from pallasite.bench import cli
+
+    bound = _record(timing="device", steady_state_time=1e-3, host_issue_time=0.95e-3)
+    free = _record(implementation="torch", timing="device", steady_state_time=1e-3,
+                   host_issue_time=0.1e-3)
+    lines = cli.table([bound, free]).splitlines()
+    assert lines[2].endswith("device host-bound") and lines[3].endswith("device")

@@ -20,7 +20,7 @@ import sys
 import textwrap
 import time
 
-from pallasite.bench import impls, ops, peers, records, suites
+from pallasite.bench import harness, impls, ops, peers, records, suites
 
 CPU_NOTE = ("No GPU or TPU here: the Pallas kernels run through the interpreters on small "
             "shapes for parity only; the XLA paths are timed on the CPU. Kernel timings "
@@ -88,6 +88,8 @@ def table(recs: list[records.Record], width: int = TABLE_WIDTH) -> str:
         op, _, direction = r.kernel.partition(".")
         impl = r.implementation + ("*" if r.peer else "") + (f" @{r.mesh}" if r.mesh else "")
         note = " ".join((r.reason or r.timing).split())  # one line per record
+        if harness.host_bound(r.host_issue_time, r.steady_state_time):
+            note += " host-bound"
         rows.append((f"{_SHORT_OP.get(op, op)}.{direction}", r.shape.split("[")[0], impl,
                      r.status, _fmt(r.compile_time, ".2f"),
                      _fmt(r.steady_state_time, ".4g", 1e3), _fmt(r.tflops, ".3g"),

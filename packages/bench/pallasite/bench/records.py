@@ -49,6 +49,7 @@ class Record:
     time_min: float | None = None
     samples: int | None = None
     calls_per_sample: int | None = None
+    host_issue_time: float | None = None  # seconds per call the host took to issue calls
     input_copies: int | None = None
     flops: float = 0.0
     bytes: float = 0.0

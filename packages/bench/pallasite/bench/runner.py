@@ -161,6 +161,6 @@ def _measure(case, impl, ctx) -> Record:
     return ctx.base(
         case, impl, status, timing="host" if ctx.platform.backend == "cpu" else "device",
         steady_state_time=t.median_s, time_p10=t.p10_s, time_p90=t.p90_s, time_min=t.min_s,
-        samples=t.samples, calls_per_sample=t.calls_per_sample,
+        samples=t.samples, calls_per_sample=t.calls_per_sample, host_issue_time=t.issue_s,
         tflops=case.flops / t.median_s / 1e12, tbps=case.bytes / t.median_s / 1e12,
         bound=cls.bound, roofline_fraction=cls.fraction, **kw)

@@ -137,7 +137,8 @@ class MosaicGpuBlockSizes:
 
 
 # Defaults measured on one H200 (docs/performance.md, issue 7). Forward and dx where the
-# output width splits into 256-column tiles: the warp-specialised kernel, 128x(2x128)
+# output width is whole 128-column halves (an odd count since 2026-12-01, _live_half;
+# measured then on 256-column multiples): the warp-specialised kernel, 128x(2x128)
 # tiles, 3 stages, width 8; 2026-11-30 18:2x UTC, TFLOP/s against the one-warpgroup
 # default in the same process: forward mixtral 666/632, dsv3 509/480, qwen3 486/454,
 # olmoe 479/446; dx 655/644, 490/428, 464/379, 449/393. Otherwise, the one-warpgroup
@@ -148,7 +149,7 @@ GMM_WARP_SPECIALIZED = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64,
                                            grid_block_n=8, warp_specialized=True)
 GMM_LARGE_GROUPS = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=4, grid_block_n=8)
 GMM_SMALL_GROUPS = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=5, grid_block_n=4)
-# dkernel where n splits into 256-column tiles: the warp-specialised kernel, 3 stages,
+# dkernel where n is whole 128-column halves (odd counts too): the warp-specialised kernel, 3 stages,
 # width 4; 2026-11-30 18:2x UTC, ms against the one-warpgroup kernel (the table's
 # dsv3 entry, 5 stages / width 4, elsewhere TGMM_DEFAULT) in the same process: dsv3 5.93 /
 # 6.96, qwen3 0.490 / 0.543, olmoe 0.316 / 0.360, mixtral 6.06 / 6.19 (at width 8 the
@@ -403,7 +404,10 @@ def _live_half(ni, wg, bs: MosaicGpuBlockSizes, n: int):
     columns with zeros (and the interpreter with NaN), that half's products are never
     stored, and the rest of the tile runs as usual. This costs one half tile of tensor
     work per row tile (1408 columns run as 1536), where the one-warpgroup kernel that ran
-    those widths before cost its whole epilogue on every tile."""
+    those widths before cost its whole epilogue on every tile. Measured on the H200
+    (2026-12-01, docs/performance.md "odd counts of 128-column halves"), TFLOP/s against
+    the one-warpgroup default in one process: w5504_up forward 542 / 492, fwd+bwd 576 /
+    559; w5504_down fwd+bwd 594 / 553; w1408_up forward 0.421 / 0.446 ms."""
     return (2 * ni + wg) * bs.block_n < n
 
 

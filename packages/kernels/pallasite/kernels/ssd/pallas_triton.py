@@ -45,9 +45,11 @@ is an exact state reset (clamped by ssd.decay, so no exponent is ever NaN).
 
 Measured (H200, 2026-12-01, docs/performance.md "issue 18", bf16, C = 256, p = 64,
 n = 128, the bench harness with mamba_ssm's Triton kernels in the same process): forward
-0.562 / 1.104 / 1.483 ms against mamba_ssm's 0.963 / 1.523 / 1.409 on the three TARGETS
-rows, forward+backward 2.249 / 4.000 / 5.983 against 5.653 / 6.121 / 6.159 (commit
-b8838a6). Before this structure (a parallel per-chunk state kernel writing [p, n] fp32
+0.520 / 0.991 / 1.325 ms against mamba_ssm's 1.507 / 1.254 / 1.626 on the three TARGETS
+rows, forward+backward 2.108 / 3.824 / 5.614 against 5.730 / 6.027 / 6.298; at p = 128,
+8 groups, C = 128 (b4 l8192 h32): 0.965 / 3.844 against 1.066 / 5.749 (commit 2fe3d5d,
+entry states in the operand dtype; with fp32 entry states, b8838a6: 0.562 / 1.104 /
+1.483 and 2.249 / 4.000 / 5.983). Before this structure (a parallel per-chunk state kernel writing [p, n] fp32
 per chunk to HBM, a separate state pass, one head per output program, batch-first grids)
 the same inputs took 0.77 / 1.55 / 1.95 and 2.55 / 5.06 / 6.63 ms. Tried and reverted:
 C B^T once per (batch, chunk, group) through HBM, shared by all of the group's heads
