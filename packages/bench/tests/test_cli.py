@@ -80,6 +80,8 @@ def test_cli_gpu_times_on_the_device(tmp_path):
     recs = {r.implementation: r for r in records.load(folder)}
     rd = recs["jax.lax.ragged_dot"]
     assert rd.status == "ok" and rd.timing == "device" and rd.tflops > 0
+    # the host's issue time per call is recorded beside the device time it bounds
+    assert 0 < rd.host_issue_time and rd.steady_state_time > 0
     assert json.loads(rd.backend_env)["jax"]
 
 
