@@ -94,5 +94,8 @@ def test_table_marks_host_bound_records():
     bound = _record(timing="device", steady_state_time=1e-3, host_issue_time=0.95e-3)
     free = _record(implementation="torch", timing="device", steady_state_time=1e-3,
                    host_issue_time=0.1e-3)
-    lines = cli.table([bound, free]).splitlines()
+    cpu = _record(implementation="jax.lax.ragged_dot", timing="host", steady_state_time=1e-3,
+                  host_issue_time=0.99e-3)
+    lines = cli.table([bound, free, cpu]).splitlines()
     assert lines[2].endswith("device host-bound") and lines[3].endswith("device")
+    assert lines[4].endswith("host")  # on a CPU the host runs the work itself

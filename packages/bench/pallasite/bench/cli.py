@@ -88,8 +88,9 @@ def table(recs: list[records.Record], width: int = TABLE_WIDTH) -> str:
         op, _, direction = r.kernel.partition(".")
         impl = r.implementation + ("*" if r.peer else "") + (f" @{r.mesh}" if r.mesh else "")
         note = " ".join((r.reason or r.timing).split())  # one line per record
-        if harness.host_bound(r.host_issue_time, r.steady_state_time):
-            note += " host-bound"
+        if r.timing == "device" and harness.host_bound(r.host_issue_time,
+                                                       r.steady_state_time):
+            note += " host-bound"  # a CPU run's dispatch and work share the host anyway
         rows.append((f"{_SHORT_OP.get(op, op)}.{direction}", r.shape.split("[")[0], impl,
                      r.status, _fmt(r.compile_time, ".2f"),
                      _fmt(r.steady_state_time, ".4g", 1e3), _fmt(r.tflops, ".3g"),
