@@ -11,7 +11,7 @@
   synchronisation, per call (median over samples). Where it reaches HOST_BOUND of the
   per-call time the device was waiting on the host, not the other way round: the time is
   the dispatch's, an upper bound on the kernel's (`host_bound`). On the H200 machines of
-  2026-12-01 one jitted call of the Mosaic GPU grouped projection cost the host 0.2-0.65
+  2026-12-01 one jitted call of the Mosaic GPU grouped projection cost the host 0.2-0.67
   ms to issue (a jitted add: 0.06-0.09 ms), so calls shorter than that read as that.
 - Input rotation: call i reads input set i mod R. R copies are drawn (different seeds,
   never zeros) so that together they exceed the last-level cache several times over, so no
