@@ -50,14 +50,15 @@ def state_scan(z, chunk, p, n, dtype, *, inputs, outputs):
 
 
 def state_scan_reverse(z, chunk, p, n, dtype, *, inputs, outputs):
-    """state_scan's flops plus <G, S> per element (1 flop; the sum is not counted)."""
+    """state_scan's flops plus <G, S> per element (1 flop; the sum is not counted); the
+    entry states S are in the operand dtype, G in fp32."""
     def body(u, v, w, decay, g, s):
-        return decay[:, None, None] * g + _contribution(u, v, w), g * s
+        return decay[:, None, None] * g + _contribution(u, v, w), g * s.astype(F32)
 
     return cost.estimate(body, cost.struct((z, chunk, p), dtype),
                          cost.struct((z, chunk, n), F32), cost.struct((z, chunk), F32),
                          cost.struct((z,), F32), cost.struct((z, p, n), F32),
-                         cost.struct((z, p, n), F32), inputs=inputs, outputs=outputs)
+                         cost.struct((z, p, n), dtype), inputs=inputs, outputs=outputs)
 
 
 def _segment(later, earlier):
@@ -87,7 +88,7 @@ def chunk_output(z, chunk, bm, p, n, dtype, *, heads=1, inputs, outputs):
     blk = lambda w, dt=dtype: cost.struct((z, t, bm, w), dt)  # noqa: E731
     shared = cost.struct((z // heads, t, bm, n), dtype)
     return cost.estimate(body, shared, shared, blk(p), _pair((z, t, bm)), _pair((z, t, bm)),
-                         cost.struct((z, chunk, n), dtype), cost.struct((z, p, n), F32),
+                         cost.struct((z, chunk, n), dtype), cost.struct((z, p, n), dtype),
                          _pair((z, chunk)), inputs=inputs, outputs=outputs)
 
 
@@ -138,7 +139,7 @@ def bwd_rows_i(z, chunk, bm, p, n, dtype, *, inputs, outputs):
     blk = lambda w: cost.struct((z, t, bm, w), dtype)  # noqa: E731
     return cost.estimate(body, blk(n), blk(n), blk(p), blk(p), _pair((z, t, bm)),
                          _pair((z, t, bm)), cost.struct((z, chunk, n), dtype),
-                         cost.struct((z, chunk, p), dtype), cost.struct((z, p, n), F32),
+                         cost.struct((z, chunk, p), dtype), cost.struct((z, p, n), dtype),
                          _pair((z, chunk)), inputs=inputs, outputs=outputs)
 
 
