@@ -92,8 +92,11 @@ class Case:
 # How grouped_projection's rows are split over the groups (the same split for every seed):
 # "dirichlet" is docs/targets.md's Dirichlet(4.0) split; "skewed" puts 90% of the rows in one
 # group and splits the rest, the load imbalance a router produces early in training; "zipf"
-# gives the group of rank r a share proportional to 1/r (a router's long tail).
-GROUPINGS = ("dirichlet", "skewed", "zipf")
+# gives the group of rank r a share proportional to 1/r (a router's long tail). Each names
+# its pallasite.reference.inputs function (imported where the inputs are drawn).
+_GROUP_SPLITS = {"dirichlet": "random_group_sizes", "skewed": "skewed_group_sizes",
+                 "zipf": "zipf_group_sizes"}
+GROUPINGS = tuple(_GROUP_SPLITS)
 
 
 def gp_case(name, m, k, n, g, direction="fwd", dtype="bfloat16",
@@ -175,9 +178,7 @@ def make_inputs(case: Case, seed: int) -> dict[str, Any]:
     if case.op == GP:
         x, kernel, _ = ref_inputs.grouped_projection_inputs(
             k_in, d["m"], d["k"], d["n"], d["g"], dt)
-        split = {"skewed": ref_inputs.skewed_group_sizes,
-                 "zipf": ref_inputs.zipf_group_sizes}.get(case.grouping,
-                                                          ref_inputs.random_group_sizes)
+        split = getattr(ref_inputs, _GROUP_SPLITS[case.grouping])
         group_sizes = split(jax.random.key(1234), d["m"], d["g"])
         out = {"x": x, "kernel": kernel, "group_sizes": group_sizes}
         if case.direction == "fwd_bwd":
