@@ -139,8 +139,9 @@ def test_row_tile_table_covers_each_group_row_once(sizes, m, bm):
         assert (owner[r] == seg[t]).all(), f"tile {t} straddles segments"
         assert load[t] % 8 == 0 and 0 <= load[t] <= m - bm
         assert load[t] <= first[t] and first[t] + rows[t] <= load[t] + bm
-    # Each row of a group once; rows past the total none (the select after the kernel).
-    np.testing.assert_array_equal(seen, owner < g)
+    # Every row once: a group's by its tiles, rows past the total by zero tiles (seg g).
+    np.testing.assert_array_equal(seen, np.ones(m, np.int32))
+    assert (rows[:count] > 0).all() and (rows[count:] == 0).all()
 
 
 # ----------------------------------------------------------------------------- interpreter
@@ -317,6 +318,26 @@ def test_odd_halves_lower_for_cuda_from_cpu(product, monkeypatch):
     assert mgpu.default_block_sizes(product=product, m=4096, k=1408, n=1408, g=8
                                     ).warp_specialized
     _export_for_cuda(product, None, (4096, 1408, 1408, 8), monkeypatch)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_gmm_lowers_without_a_data_dependent_branch(transpose_rhs, monkeypatch):
+    """Rows of no group (past the total, other experts' rows) are zeroed by the kernel's
+    own tiles, not by a conditional after it: the host waited for the device on every
+    call to read such a branch's predicate (docs/performance.md, "no host wait")."""
+    monkeypatch.setattr(mgpu, "_num_programs", lambda interpret: 132)
+    m, k, n, g = 4096, 512, 1024, 8
+    s = jax.ShapeDtypeStruct
+    rhs = s((g, n, k) if transpose_rhs else (g, k, n), BF16)
+
+    def f(x, w, sizes, offset):
+        return mgpu.gmm(x, w, sizes, group_offset=offset, transpose_rhs=transpose_rhs)
+
+    with jax.sharding.use_abstract_mesh(_h200_mesh()):
+        text = export.export(jax.jit(f), platforms=["cuda"])(
+            s((m, k), BF16), rhs, s((2 * g,), jnp.int32), s((), jnp.int32)).mlir_module()
+    assert "mosaic_gpu" in text
+    assert "stablehlo.if" not in text and "stablehlo.case" not in text
 
 
 def _export_for_cuda(product, blocks, dims, monkeypatch):

@@ -13,10 +13,11 @@ gmm (forward, and dx = gmm(dy, kernel, transpose_rhs=True): the transposed weigh
   row, valid rows) is built on the device by a few tiny XLA ops before the kernel; the
   kernel reads three scalars per tile instead of unrolling a search over all groups (JAX's
   example kernel does the latter, which costs it most of the gap on g=128/256 shapes, see
-  docs/performance.md). Only the groups' own rows have tiles, and every tile runs its
-  pipeline (a tile that skipped it stalled the GPU, docs/performance.md); rows of no group
-  (past the total, or of other experts with group_offset) are zeroed by one select after
-  the kernel, run only when there are such rows.
+  docs/performance.md). Rows of no group (past the total, or of other experts with
+  group_offset) have tiles too, which skip the matmul and store zeros: the forward has no
+  data-dependent branch after the kernel, whose predicate would make the host wait for
+  the device on every call. Every tile runs a pipeline, a zero tile the shortest (a tile
+  that skipped it stalled the GPU, docs/performance.md).
   A persistent grid (one program per SM) walks (row tile, column tile) pairs in a planar
   snake of width grid_block_n column tiles, so concurrently running programs share weight
   and activation tiles in L2. Each tile runs a `stages`-deep TMA -> swizzled SMEM -> wgmma
@@ -27,7 +28,7 @@ gmm (forward, and dx = gmm(dy, kernel, transpose_rhs=True): the transposed weigh
   bounds; the store uses only the group's own rows.
   With local experts (group_offset: rhs holds groups [offset, offset + g) of the global
   group_sizes) the table holds the local groups' tiles from their first row on; the other
-  rows, most of them under expert parallelism, cost that select and no matmul.
+  rows, most of them under expert parallelism, cost a zero store and no matmul.
 
 tgmm (dkernel): one output tile (block_m x block_n of [k, n]) per (group, tile) pair; the
   contraction runs over the group's rows in steps of block_k starting at the group's first
@@ -262,31 +263,48 @@ def _row_tile_table(group_sizes: jax.Array, m: int, block_m: int, row_start=None
                     ) -> tuple[jax.Array, jax.Array]:
     """Per row tile (segment, load row, first row, valid rows) as int32 [4, T]; count [1].
 
-    Segments are the g groups, the first starting at row_start (0 when None); rows of no
-    group get no tile (the caller zeroes them). A segment's tiles start at its first row rounded down to 8 (TMA loads and the swizzled
-    SMEM tiles need 8-row alignment; m is padded to a multiple of 8), so a tile holds at
-    most block_m rows of one segment and wastes at most 7 leading rows. The load row is
-    clamped to m - block_m so no load leaves the array.
-    T = (m + (g+1)(block_m+7)) // block_m + 1 bounds sum_s ceil((size_s + 7) / block_m).
+    The segments cover every row of [0, m) in order: the rows before the first group
+    (row_start, 0 when None), the g groups, then the rows past the last group. A group's
+    tiles carry its index; the two segments of no group carry g, and their tiles store
+    zeros (the contract) without a matmul. Covering those rows in the kernel keeps the
+    forward free of a data-dependent branch after it: a lax.cond on the rows' presence
+    made the host wait for the device on every call (docs/performance.md, "no host
+    wait"). A segment's tiles start at its first row rounded down to 8 (TMA loads and the
+    swizzled SMEM tiles need 8-row alignment; m is padded to a multiple of 8), so a tile
+    holds at most block_m rows of one segment and wastes at most 7 leading rows. The load
+    row is clamped to m - block_m so no load leaves the array.
+    T = (m + (g+3)(block_m+7)) // block_m + 1 bounds sum_s ceil((size_s + 7) / block_m)
+    over the g + 2 segments.
     """
     if m % 8 or m < block_m:
         raise ValueError(f"_row_tile_table needs m % 8 == 0 and m >= block_m; got {m=}, {block_m=}")
     g = group_sizes.shape[0]
     starts, sizes = _group_bounds(group_sizes, m, row_start)
-    seg_start, seg_end = starts, starts + sizes
+    first_row = starts[:1]
+    last_row = starts[-1:] + sizes[-1:]
+    seg_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), starts, last_row])
+    seg_end = jnp.concatenate([first_row, starts + sizes, jnp.full((1,), m, jnp.int32)])
+    seg_id = jnp.concatenate([jnp.full((1,), g, jnp.int32), jnp.arange(g, dtype=jnp.int32),
+                              jnp.full((1,), g, jnp.int32)])
     seg_base = seg_start // 8 * 8
     seg_tiles = jnp.where(seg_end > seg_start, (seg_end - seg_base + block_m - 1) // block_m, 0)
     tile_end = jnp.cumsum(seg_tiles)
     tile_begin = tile_end - seg_tiles
-    bound = (m + (g + 1) * (block_m + 7)) // block_m + 1
+    bound = (m + (g + 3) * (block_m + 7)) // block_m + 1
     t = jnp.arange(bound, dtype=jnp.int32)
-    seg = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), g - 1).astype(jnp.int32)
-    window = seg_base[seg] + (t - tile_begin[seg]) * block_m
-    first = jnp.maximum(window, seg_start[seg])
-    last = jnp.minimum(window + block_m, seg_end[seg])
+    s = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), g + 1)
+    window = seg_base[s] + (t - tile_begin[s]) * block_m
+    first = jnp.maximum(window, seg_start[s])
+    last = jnp.minimum(window + block_m, seg_end[s])
     load = jnp.minimum(window, m - block_m)
-    table = jnp.stack([seg, load, first, jnp.maximum(last - first, 0)]).astype(jnp.int32)
+    table = jnp.stack([seg_id[s], load, first, jnp.maximum(last - first, 0)]).astype(jnp.int32)
     return table, tile_end[-1:].astype(jnp.int32)
+
+
+def _k_steps(live, k_steps: int, delay: int):
+    """Pipeline steps of a row tile: all k_steps for a group's rows; for rows of no group
+    (zeros, no matmul) the fewest a pipeline with `delay` releases in flight takes."""
+    return jnp.where(live, k_steps, min(k_steps, 1 + delay))
 
 
 # --------------------------------------------------------------------------- gmm
@@ -343,15 +361,19 @@ def _gmm_kernel(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_rhs: bool):
             load0 = pl.multiple_of(table_gmem[1, mi], 8)
             row0 = table_gmem[2, mi]
             rows = table_gmem[3, mi]
+            live = seg < g  # else rows of no group: the accumulator stays zero
 
             def acc_scope(acc_ref):
                 def mma(_, a_smem, b_smem):
-                    plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)) if transpose_rhs else b_smem)
-                    if not delay:
-                        plgpu.wgmma_wait(0)
+                    @pl.when(live)
+                    def _():
+                        plgpu.wgmma(acc_ref, a_smem,
+                                    b_smem.transpose((1, 0)) if transpose_rhs else b_smem)
+                        if not delay:
+                            plgpu.wgmma_wait(0)
 
-                # Every listed tile runs the whole pipeline: a tile that skipped it was
-                # the cause of a GPU-only stall (docs/performance.md).
+                # Every listed tile runs a pipeline (a zero tile the shortest one): a tile
+                # that skipped it was the cause of a GPU-only stall (docs/performance.md).
                 rhs_spec = (
                     plgpu.BlockSpec((bn, bk), lambda kk: (ni, kk), delay_release=delay)
                     if transpose_rhs
@@ -359,7 +381,7 @@ def _gmm_kernel(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_rhs: bool):
                 )
                 plgpu.emit_pipeline(
                     mma,
-                    grid=(k // bk,),
+                    grid=(_k_steps(live, k // bk, delay),),
                     in_specs=[
                         plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), delay_release=delay),
                         rhs_spec,
@@ -430,10 +452,10 @@ def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_
     # in the interpreter), so a single k step always waits.
     delay = bs.delay_release if k // bk > 1 else 0
 
-    def pipeline(mma, compute_context):
+    def pipeline(mma, compute_context, steps=k // bk):
         return plgpu.emit_pipeline_warp_specialized(
             mma,
-            grid=(k // bk,),
+            grid=(steps,),
             memory_registers=40,
             in_specs=[
                 plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), memory_space=plgpu.SMEM,
@@ -469,12 +491,17 @@ def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_
                 load0 = pl.multiple_of(table_gmem[1, mi], 8)
                 row0 = table_gmem[2, mi]
                 rows = table_gmem[3, mi]
+                live = seg < g  # else rows of no group: the accumulator stays zero
                 cols = pl.ds(wg * bn, bn)
 
                 def mma(_, a_smem, b_smem, acc_ref):
                     b = b_smem.at[cols].transpose((1, 0)) if transpose_rhs else b_smem.at[:, cols]
-                    plgpu.wgmma(acc_ref, a_smem, b)
-                    plgpu.wgmma_wait(delay)
+
+                    @pl.when(live)
+                    def _():
+                        plgpu.wgmma(acc_ref, a_smem, b)
+                        plgpu.wgmma_wait(delay)
+
                     return acc_ref
 
                 def compute_context(run_pipeline):
@@ -492,7 +519,7 @@ def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_
                 weights = rhs_gmem.at[jnp.minimum(seg, g - 1)]
                 weights = (weights.at[pl.ds(ni * cta_n, cta_n)] if transpose_rhs
                            else weights.at[:, pl.ds(ni * cta_n, cta_n)])
-                pipeline(mma, compute_context)(
+                pipeline(mma, compute_context, _k_steps(live, k // bk, delay))(
                     lhs_gmem.at[pl.ds(load0, bm)], weights, allocations=allocations)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -578,7 +605,7 @@ def gmm(
     bs = dataclasses.replace(bs, block_n=_fit_block(n, bs.block_n))
     if bs.warp_specialized:
         bs = _fit_warp_specialized(bs, n, jnp.dtype(lhs.dtype).itemsize, out_dtype.itemsize)
-    if m == 0 or n == 0:
+    if m == 0 or n == 0 or g == 0:
         return jnp.zeros((m, n), out_dtype)
     # Pad only where a dimension is not a block multiple (none of the TARGETS shapes).
     lhs_p = _pad_axis(_pad_axis(lhs, 1, bs.block_k), 0, 8, bs.block_m)
@@ -586,14 +613,8 @@ def gmm(
     rhs_p = _pad_axis(rhs_p, 1 if transpose_rhs else 2, bs.block_n)
 
     sizes, row_start = local_groups(group_sizes, group_offset, g)
-    out = _gmm_local(lhs_p, rhs_p, sizes, row_start, transpose_rhs=transpose_rhs,
-                     out_dtype=out_dtype, bs=bs, interpret=interpret)[:m, :n]
-    first = jnp.int32(0) if row_start is None else row_start
-    last = jnp.minimum(first + jnp.sum(sizes, dtype=jnp.int32), m)
-    rows = jnp.arange(m, dtype=jnp.int32)[:, None]
-    return lax.cond((first > 0) | (last < m),
-                    lambda o: jnp.where((rows >= first) & (rows < last), o, jnp.zeros((), o.dtype)),
-                    lambda o: o, out)
+    return _gmm_local(lhs_p, rhs_p, sizes, row_start, transpose_rhs=transpose_rhs,
+                      out_dtype=out_dtype, bs=bs, interpret=interpret)[:m, :n]
 
 
 # --------------------------------------------------------------------------- tgmm
