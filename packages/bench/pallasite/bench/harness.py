@@ -10,9 +10,11 @@
 - Host issue time: how long the host took to issue a sample's calls, before the
   synchronisation, per call (median over samples). Where it reaches HOST_BOUND of the
   per-call time the device was waiting on the host, not the other way round: the time is
-  the dispatch's, an upper bound on the kernel's (`host_bound`). On the H200 machines of
-  2026-12-01 one jitted call of the Mosaic GPU grouped projection cost the host 0.2-0.67
-  ms to issue (a jitted add: 0.06-0.09 ms), so calls shorter than that read as that.
+  the dispatch's, an upper bound on the kernel's (`host_bound`). It also shows a host
+  that waits for the device inside a call (a data-dependent branch): issue time then
+  equals the whole time even on long calls. On the H200 machines of 2026-12-01 one jitted
+  call of a grouped projection kernel cost the host 0.2-0.4 ms to issue (a jitted add:
+  0.05-0.09 ms), so calls shorter than that read as that.
 - Input rotation: call i reads input set i mod R. R copies are drawn (different seeds,
   never zeros) so that together they exceed the last-level cache several times over, so no
   call finds its operands in the L2 left there by the one before (H200: 60 MB of L2).
