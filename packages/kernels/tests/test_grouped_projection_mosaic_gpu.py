@@ -325,7 +325,6 @@ def test_gmm_lowers_without_a_data_dependent_branch(transpose_rhs, monkeypatch):
     """Rows of no group (past the total, other experts' rows) are zeroed by the kernel's
     own tiles, not by a conditional after it: the host waited for the device on every
     call to read such a branch's predicate (docs/performance.md, "no host wait")."""
-    monkeypatch.setattr(mgpu, "_num_programs", lambda interpret: 132)
     m, k, n, g = 4096, 512, 1024, 8
     s = jax.ShapeDtypeStruct
     rhs = s((g, n, k) if transpose_rhs else (g, k, n), BF16)
@@ -333,15 +332,12 @@ def test_gmm_lowers_without_a_data_dependent_branch(transpose_rhs, monkeypatch):
     def f(x, w, sizes, offset):
         return mgpu.gmm(x, w, sizes, group_offset=offset, transpose_rhs=transpose_rhs)
 
-    with jax.sharding.use_abstract_mesh(_h200_mesh()):
-        text = export.export(jax.jit(f), platforms=["cuda"])(
-            s((m, k), BF16), rhs, s((2 * g,), jnp.int32), s((), jnp.int32)).mlir_module()
-    assert "mosaic_gpu" in text
+    text = _cuda_module(f, (s((m, k), BF16), rhs, s((2 * g,), jnp.int32), s((), jnp.int32)),
+                        monkeypatch)
     assert "stablehlo.if" not in text and "stablehlo.case" not in text
 
 
 def _export_for_cuda(product, blocks, dims, monkeypatch):
-    monkeypatch.setattr(mgpu, "_num_programs", lambda interpret: 132)
     m, k, n, g = dims
     s = jax.ShapeDtypeStruct
     gs = s((g,), jnp.int32)
@@ -355,9 +351,17 @@ def _export_for_cuda(product, blocks, dims, monkeypatch):
     else:
         f = lambda a, b, c: mgpu.tgmm(a, b, c, num_groups=g, block_sizes=blocks)  # noqa: E731
         args = (s((m, k), BF16), s((m, n), BF16), gs)
+    _cuda_module(f, args, monkeypatch)
+
+
+def _cuda_module(f, args, monkeypatch):
+    """f lowered for an H200 (132 SMs) from this CPU: its module text, which must hold a
+    Mosaic GPU kernel."""
+    monkeypatch.setattr(mgpu, "_num_programs", lambda interpret: 132)
     with jax.sharding.use_abstract_mesh(_h200_mesh()):
         text = export.export(jax.jit(f), platforms=["cuda"])(*args).mlir_module()
     assert "mosaic_gpu" in text
+    return text
 
 
 # ----------------------------------------------------------------------------- GPU
