@@ -57,6 +57,9 @@ def test_block_sizes_validation():
     for bad in (2, -1, True):
         with pytest.raises(ValueError, match="delay_release"):
             mgpu.MosaicGpuBlockSizes(delay_release=bad)
+    for bad in (0, 32, 96, 256, True):
+        with pytest.raises(ValueError, match="epilogue_block_n"):
+            mgpu.MosaicGpuBlockSizes(block_n=128, epilogue_block_n=bad)
     bs = mgpu.MosaicGpuBlockSizes()
     with pytest.raises(dataclasses_error()):
         bs.block_m = 64  # frozen
@@ -174,6 +177,11 @@ def test_interpret_gmm_and_dx(m, k, n, sizes):
 
 SMALL_WS = mgpu.MosaicGpuBlockSizes(block_m=64, block_n=64, block_k=64, stages=2,
                                     grid_block_n=2, warp_specialized=True)
+# 128-column halves stored in two 64-column strips through one slot per consumer (where
+# n is whole 128-column halves; 64-column widths fit block_n to 64, one strip).
+STRIPED_WS = dataclasses.replace(SMALL_WS, block_n=128, epilogue_block_n=64)
+# ... with each stage released a step late (the H200 dkernel default's shape).
+STRIPED_WS_DELAYED = dataclasses.replace(STRIPED_WS, delay_release=1)
 # k and n multiples of 64, so both gmm and dx take the warp-specialised kernel; an odd
 # number of 64-column halves (192, 64) leaves the last tile's second half past the edge.
 INTERPRET_WS_CASES = [
@@ -185,17 +193,19 @@ INTERPRET_WS_CASES = [
 ]
 
 
+@pytest.mark.parametrize("blocks", [SMALL_WS, STRIPED_WS], ids=["whole", "strips"])
 @pytest.mark.parametrize("m,k,n,sizes", INTERPRET_WS_CASES)
-def test_interpret_warp_specialized_gmm_and_dx(m, k, n, sizes, monkeypatch):
-    """The producer / two-consumer kernel: same values, zero rows past the total."""
+def test_interpret_warp_specialized_gmm_and_dx(m, k, n, sizes, blocks, monkeypatch):
+    """The producer / two-consumer kernel, its epilogue whole or in strips: same values,
+    zero rows past the total."""
     built = []
     real = mgpu._gmm_kernel_warp_specialized
     monkeypatch.setattr(mgpu, "_gmm_kernel_warp_specialized",
                         lambda *a: built.append(a) or real(*a))
     gs = jnp.array(sizes, jnp.int32)
     x, w, dy = _operands(jax.random.key(m), m, k, n, len(sizes))
-    out = mgpu.gmm(x, w, gs, out_dtype=jnp.float32, block_sizes=SMALL_WS, interpret=True)
-    dx = mgpu.gmm(dy, w, gs, transpose_rhs=True, out_dtype=jnp.float32, block_sizes=SMALL_WS,
+    out = mgpu.gmm(x, w, gs, out_dtype=jnp.float32, block_sizes=blocks, interpret=True)
+    dx = mgpu.gmm(dy, w, gs, transpose_rhs=True, out_dtype=jnp.float32, block_sizes=blocks,
                   interpret=True)
     assert len(built) == 2  # forward and dx both took it
     assert_close(out, gmm_reference(*_f32(x, w), gs), dtype=jnp.float32, tol=EXACT_FP32,
@@ -216,6 +226,16 @@ def test_interpret_warp_specialized_gmm_and_dx(m, k, n, sizes, monkeypatch):
 def test_fit_warp_specialized(n, in_bytes, out_bytes, ws, stages):
     fitted = mgpu._fit_warp_specialized(_WS4, n, in_bytes, out_bytes)
     assert (fitted.warp_specialized, fitted.stages) == (ws, stages)
+
+
+def test_epilogue_strips_make_room_for_a_fourth_stage():
+    """4 x 48 KiB operand stages + two 128x64 bf16 slots (32 KiB) fit 227 KiB; with
+    whole 128-column slots (64 KiB) only 3 stages do."""
+    striped = dataclasses.replace(_WS4, epilogue_block_n=64)
+    assert mgpu._fit_warp_specialized(striped, 1024, 2, 2).stages == 4
+    # a strip that no longer divides the fitted block_n becomes the whole block_n
+    assert mgpu._fit_block_n(dataclasses.replace(_WS4, block_n=192, epilogue_block_n=192),
+                             1024).epilogue_block_n is None
 
 
 _WS4 = mgpu.MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=4,
@@ -248,8 +268,10 @@ def test_interpret_tgmm(m, k, n, sizes):
     assert (np.asarray(dk)[empty] == 0).all()
 
 
+@pytest.mark.parametrize("blocks", [SMALL_WS, STRIPED_WS, STRIPED_WS_DELAYED],
+                         ids=["whole", "strips", "strips_delayed"])
 @pytest.mark.parametrize("m,k,n,sizes", INTERPRET_WS_CASES + [(200, 64, 128, [70, 0, 100])])
-def test_interpret_warp_specialized_tgmm(m, k, n, sizes, monkeypatch):
+def test_interpret_warp_specialized_tgmm(m, k, n, sizes, blocks, monkeypatch):
     """The producer / two-consumer dkernel: each group's rows only (NaN rows past the
     total and a neighbour's rows masked in both operands), empty groups zero."""
     built = []
@@ -262,7 +284,7 @@ def test_interpret_warp_specialized_tgmm(m, k, n, sizes, monkeypatch):
     x = x.at[total:].set(jnp.nan)
     dy = dy.at[total:].set(jnp.nan)
     dk = mgpu.tgmm(x, dy, gs, num_groups=len(sizes), out_dtype=jnp.float32,
-                   block_sizes=SMALL_WS, interpret=True)
+                   block_sizes=blocks, interpret=True)
     assert len(built) == 1
     ref = tgmm_reference(*_f32(x[:total], dy[:total]), gs, len(sizes))
     assert_close(dk, ref, dtype=jnp.float32, tol=EXACT_FP32, what="tgmm")
@@ -294,6 +316,7 @@ _BLOCKS = {
     "default": None,
     "ws": mgpu.GMM_WARP_SPECIALIZED,
     "ws_delayed": dataclasses.replace(mgpu.GMM_WARP_SPECIALIZED, delay_release=1),
+    "ws_strips": dataclasses.replace(mgpu.GMM_WARP_SPECIALIZED, stages=4, epilogue_block_n=64),
     "one_wg": mgpu.GMM_LARGE_GROUPS,
     "small": mgpu.MosaicGpuBlockSizes(block_m=64, block_n=64, stages=3, grid_block_n=4),
 }
@@ -302,7 +325,7 @@ _BLOCKS = {
 @pytest.mark.parametrize("product,blocks", [
     ("forward", "default"), ("dx", "default"), ("dkernel", "default"),
     ("forward", "ws_delayed"), ("dx", "ws_delayed"), ("forward", "one_wg"), ("dx", "one_wg"),
-    ("dkernel", "ws"),
+    ("dkernel", "ws"), ("forward", "ws_strips"), ("dx", "ws_strips"), ("dkernel", "ws_strips"),
 ])
 def test_lowers_for_cuda_from_cpu(product, blocks, monkeypatch):
     """Layout inference and the wgmma/TMA lowering run for every product: the default

@@ -43,7 +43,10 @@ warpgroup issues the TMA loads and runs ahead into the next tile while two consu
 warpgroups each own half of a block_m x 2*block_n tile; a consumer waits for its previous
 tile's stores to leave SMEM only when it next needs its slot, so epilogue and refill overlap
 the tensor-core work instead of following it. That fixed per-tile cost is what limited the
-one-warpgroup kernels on short k loops (dsv3's dkernel: about 4 row steps per tile).
+one-warpgroup kernels on short k loops (dsv3's dkernel: about 4 row steps per tile). The
+dkernel default stores each consumer's tile in two 64-column strips through one 32 KiB
+slot, which leaves room for a 4th pipeline stage, and releases each stage a step late
+(epilogue_block_n, delay_release); that made it 7-11% faster on every measured shape.
 
 Measured on one H200 (2026-11-30, docs/performance.md issue 7), bench harness (rotated
 inputs, every peer in one process), TFLOP/s forward with the default: mixtral 643, dsv3
@@ -100,9 +103,14 @@ class MosaicGpuBlockSizes:
     tile's epilogue overlaps the next tile's loads. Needs n to be a multiple of block_n
     (else the one-warpgroup kernel runs; an odd count leaves the last tile's second half
     idle); stages are cut to what fits shared memory.
-    delay_release (warp-specialised gmm only, 0 or 1): wgmma groups a consumer leaves in
-    flight when it hands a stage back to the producer (1: the buffer is released a step
-    later; kept 0 for pipelines of a single k step).
+    delay_release (warp-specialised kernels only, 0 or 1): wgmma groups a consumer leaves
+    in flight when it hands a stage back to the producer (1: the buffer is released a step
+    later; gmm keeps 0 for pipelines of a single k step, tgmm runs at least two steps).
+    epilogue_block_n (warp-specialised kernels only; None: block_n): columns per store
+    strip of a consumer's epilogue. A strip narrower than block_n shrinks each consumer's
+    output slot (the strips go out one after another through it), and the shared memory
+    freed holds one more pipeline stage: 4 stages of 128x(2x128)x64 fit beside 64-column
+    strips, 3 beside whole 128-column tiles.
     """
 
     block_m: int = 128
@@ -112,6 +120,7 @@ class MosaicGpuBlockSizes:
     grid_block_n: int = 8
     warp_specialized: bool = False
     delay_release: int = 0
+    epilogue_block_n: int | None = None
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k", "stages", "grid_block_n"):
@@ -130,6 +139,11 @@ class MosaicGpuBlockSizes:
                     f"MosaicGpuBlockSizes.{name} must be a multiple of 64 (wgmma warpgroup "
                     f"rows, 128-byte swizzle of bf16), got {getattr(self, name)}"
                 )
+        strip = self.epilogue_block_n
+        if strip is not None and (not isinstance(strip, (int, np.integer)) or isinstance(strip, bool)
+                                  or strip < 64 or strip % 64 or self.block_n % strip):
+            raise ValueError(f"MosaicGpuBlockSizes.epilogue_block_n must be None or a multiple "
+                             f"of 64 dividing block_n={self.block_n}, got {strip!r}")
         if self.block_m * self.block_n > _MAX_ACC_ELEMS:
             raise ValueError(
                 f"MosaicGpuBlockSizes block_m*block_n={self.block_m * self.block_n} exceeds "
@@ -150,15 +164,20 @@ GMM_WARP_SPECIALIZED = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64,
                                            grid_block_n=8, warp_specialized=True)
 GMM_LARGE_GROUPS = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=4, grid_block_n=8)
 GMM_SMALL_GROUPS = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=5, grid_block_n=4)
-# dkernel where n is whole 128-column halves (odd counts too): the warp-specialised kernel, 3 stages,
-# width 4; 2026-11-30 18:2x UTC, ms against the one-warpgroup kernel (the table's
-# dsv3 entry, 5 stages / width 4, elsewhere TGMM_DEFAULT) in the same process: dsv3 5.93 /
-# 6.96, qwen3 0.490 / 0.543, olmoe 0.316 / 0.360, mixtral 6.06 / 6.19 (at width 8 the
-# warp-specialised kernel lost on mixtral, 6.46). Otherwise, one warpgroup: 64-row steps,
+# dkernel where n is whole 128-column halves (odd counts too): the warp-specialised kernel,
+# width 4; 2026-11-30 18:2x UTC at 3 stages, ms against the one-warpgroup kernel (the
+# table's dsv3 entry, 5 stages / width 4, elsewhere TGMM_DEFAULT) in the same process: dsv3
+# 5.93 / 6.96, qwen3 0.490 / 0.543, olmoe 0.316 / 0.360, mixtral 6.06 / 6.19 (at width 8
+# the warp-specialised kernel lost on mixtral, 6.46). Since 2026-12-01 4 stages beside
+# 64-column epilogue strips, with a delayed release; ms against the 3-stage kernel in one
+# process (docs/performance.md "dkernel: a fourth stage"): dsv3 5.24 / 5.92, mixtral 5.83 /
+# 6.41, qwen3 0.473 / 0.511, olmoe 0.307 / 0.339, w1408_up 0.437 / 0.482, w5504_up 1.225 /
+# 1.350. Otherwise, one warpgroup: 64-row steps,
 # 4 stages, width 8 beat 128-row steps (mixtral 625 vs 578, dsv3 269 vs 218 TFLOP/s) and
 # 6 stages / width 16 (557, 264).
-TGMM_WARP_SPECIALIZED = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=3,
-                                            grid_block_n=4, warp_specialized=True)
+TGMM_WARP_SPECIALIZED = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=4,
+                                            grid_block_n=4, warp_specialized=True,
+                                            delay_release=1, epilogue_block_n=64)
 TGMM_DEFAULT = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=4, grid_block_n=8)
 
 
@@ -252,6 +271,20 @@ def _fit_block(dim: int, block: int) -> int:
     return block
 
 
+def _fit_block_n(bs: MosaicGpuBlockSizes, n: int) -> MosaicGpuBlockSizes:
+    """bs with block_n fitted to n (_fit_block); an epilogue strip that no longer divides
+    it becomes the whole block_n."""
+    block_n = _fit_block(n, bs.block_n)
+    strip = bs.epilogue_block_n
+    return dataclasses.replace(bs, block_n=block_n,
+                               epilogue_block_n=None if strip is None or block_n % strip else strip)
+
+
+def _epilogue_strip(bs: MosaicGpuBlockSizes) -> int:
+    """Columns per epilogue store strip (MosaicGpuBlockSizes.epilogue_block_n)."""
+    return bs.epilogue_block_n or bs.block_n
+
+
 def _group_bounds(group_sizes: jax.Array, m: int, row_start=None) -> tuple[jax.Array, jax.Array]:
     """Start and clamped size of each group, the first from row_start (0 when None);
     totals past m are cut at m."""
@@ -322,28 +355,42 @@ def _store_rows(acc, out_gmem, row0, rows, smem_off, col0, block_m: int, block_n
 
     @functools.partial(pl.run_scoped, o_smem=o_type)
     def _(o_smem):
-        _store_rows_from(acc, o_smem, out_gmem, row0, rows, smem_off, col0, block_m, block_n)
+        _store_rows_from(acc, o_smem, out_gmem, row0, rows, smem_off, col0, block_m)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _store_rows_from(acc, o_smem, out_gmem, row0, rows, smem_off, col0, block_m: int,
-                     block_n: int):
-    """Write acc to the SMEM tile o_smem, then issue (not wait for) the TMA row boxes."""
-    o_smem[...] = acc.astype(o_smem.dtype)
+def _store_rows_from(acc, o_smem, out_gmem, row0, rows, smem_off, col0, block_m: int):
+    """Write acc to the SMEM slot o_smem, then issue (not wait for) the TMA row boxes.
+
+    A slot narrower than acc (a sub-tiled epilogue) takes acc strip by strip (_fill_slot)."""
+    acc = acc.astype(o_smem.dtype)
+    strip = o_smem.shape[-1]
+    for j in range(acc.shape[-1] // strip):
+        _fill_slot(acc, o_smem, j)
+        done = jnp.int32(0)
+        box = 1 << (block_m.bit_length() - 1)
+        while box:
+
+            @pl.when(rows & box != 0)
+            def _(box=box, done=done, col=col0 + j * strip):
+                plgpu.copy_smem_to_gmem(
+                    o_smem.at[pl.ds(smem_off + done, box)],
+                    out_gmem.at[pl.ds(row0 + done, box), pl.ds(col, strip)],
+                )
+
+            done = done + (rows & box)
+            box //= 2
+
+
+def _fill_slot(acc, o_smem, j: int):
+    """Write column strip j (o_smem's width) of acc to the SMEM slot o_smem. The caller
+    frees the slot for strip 0; a later strip first waits until the stores issued from the
+    slot have read it."""
+    strip = o_smem.shape[-1]
+    if j:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    o_smem[...] = acc[:, j * strip:(j + 1) * strip]
     plgpu.commit_smem()
-    done = jnp.int32(0)
-    box = 1 << (block_m.bit_length() - 1)
-    while box:
-
-        @pl.when(rows & box != 0)
-        def _(box=box, done=done):
-            plgpu.copy_smem_to_gmem(
-                o_smem.at[pl.ds(smem_off + done, box)],
-                out_gmem.at[pl.ds(row0 + done, box), pl.ds(col0, block_n)],
-            )
-
-        done = done + (rows & box)
-        box //= 2
 
 
 def _gmm_kernel(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_rhs: bool):
@@ -405,12 +452,12 @@ def _fit_warp_specialized(bs: MosaicGpuBlockSizes, n: int, in_bytes: int, out_by
     """bs with as many stages as fit shared memory (at least 2), or the one-warpgroup
     kernel when n does not split into block_n columns or even 2 stages do not fit.
     Shared memory: stages x (lhs block_m x block_k + rhs block_k x 2 block_n) operand
-    buffers plus one block_m x block_n output slot per consumer. Where n is an odd number
-    of block_n columns the last tile's second half lies past n (see _live_half)."""
+    buffers plus one block_m x epilogue strip output slot per consumer. Where n is an odd
+    number of block_n columns the last tile's second half lies past n (see _live_half)."""
     if n % bs.block_n:
         return dataclasses.replace(bs, warp_specialized=False)
     per_stage = (bs.block_m * bs.block_k + bs.block_k * 2 * bs.block_n) * in_bytes
-    out_slots = 2 * bs.block_m * bs.block_n * out_bytes
+    out_slots = 2 * bs.block_m * _epilogue_strip(bs) * out_bytes
     stages = min(bs.stages, (_SMEM_BYTES - out_slots) // per_stage)
     if stages < 2:
         return dataclasses.replace(bs, warp_specialized=False)
@@ -477,7 +524,7 @@ def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_
             lhs_gmem.at[pl.ds(0, bm)],
             rhs_gmem.at[0, pl.ds(0, cta_n)] if transpose_rhs else rhs_gmem.at[0, :, pl.ds(0, cta_n)],
         )
-        o_type = plgpu.SMEM((2, bm, bn), out_gmem.dtype,
+        o_type = plgpu.SMEM((2, bm, _epilogue_strip(bs)), out_gmem.dtype,
                             transforms=_swizzle_transforms(out_gmem.dtype, rows=1))
 
         @functools.partial(pl.run_scoped, allocations=allocs, o_smem=o_type,
@@ -514,7 +561,7 @@ def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_
                         @pl.when(_live_half(ni, wg, bs, n))
                         def _():
                             _store_rows_from(acc, o_smem.at[wg], out_gmem, row0, rows,
-                                             row0 - load0, ni * cta_n + wg * bn, bm, bn)
+                                             row0 - load0, ni * cta_n + wg * bn, bm)
 
                 weights = rhs_gmem.at[jnp.minimum(seg, g - 1)]
                 weights = (weights.at[pl.ds(ni * cta_n, cta_n)] if transpose_rhs
@@ -602,7 +649,7 @@ def gmm(
     product = "dx" if transpose_rhs else "forward"
     bs = resolve_block_sizes(block_sizes, product=product, m=m, k=k, n=n,
                              g=group_sizes.shape[0], dtype=lhs.dtype, interpret=interpret)
-    bs = dataclasses.replace(bs, block_n=_fit_block(n, bs.block_n))
+    bs = _fit_block_n(bs, n)
     if bs.warp_specialized:
         bs = _fit_warp_specialized(bs, n, jnp.dtype(lhs.dtype).itemsize, out_dtype.itemsize)
     if m == 0 or n == 0 or g == 0:
@@ -733,6 +780,7 @@ def _tgmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, dtype):
     cta_n = 2 * bn
     grid_m, grid_n = k // bm, pl.cdiv(n, cta_n)
     transforms = _swizzle_transforms(dtype)
+    delay = bs.delay_release
 
     def pipeline(step, compute_context, base, steps):
         def row_block(r):
@@ -744,9 +792,11 @@ def _tgmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, dtype):
             memory_registers=40,
             in_specs=[
                 plgpu.BlockSpec((pl.Element(bk), bm), lambda r: (row_block(r), 0),
-                                transforms=transforms, memory_space=plgpu.SMEM),
+                                transforms=transforms, memory_space=plgpu.SMEM,
+                                delay_release=delay),
                 plgpu.BlockSpec((pl.Element(bk), cta_n), lambda r: (row_block(r), 0),
-                                transforms=transforms, memory_space=plgpu.SMEM),
+                                transforms=transforms, memory_space=plgpu.SMEM,
+                                delay_release=delay),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -759,7 +809,8 @@ def _tgmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, dtype):
         ignore = lambda *_, **__: None  # noqa: E731 - allocations do not depend on the body
         allocs = pipeline(ignore, ignore, 0, bs.stages).get_allocations(
             lhs_gmem.at[:, pl.ds(0, bm)], rhs_gmem.at[:, pl.ds(0, cta_n)])
-        o_type = plgpu.SMEM((2, bm, bn), out_gmem.dtype,
+        strip = _epilogue_strip(bs)
+        o_type = plgpu.SMEM((2, bm, strip), out_gmem.dtype,
                             transforms=_swizzle_transforms(out_gmem.dtype))
 
         @functools.partial(pl.run_scoped, allocations=allocs, o_smem=o_type,
@@ -775,7 +826,7 @@ def _tgmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, dtype):
                     rhs_cols = rhs_smem.at[:, cols]
                     _mask_outside_group(idx[0], start, size, base, bk, lhs_smem, rhs_cols)
                     plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), rhs_cols)
-                    plgpu.wgmma_wait(0)
+                    plgpu.wgmma_wait(delay)
                     return acc_ref
 
                 def compute_context(run_pipeline):
@@ -787,15 +838,19 @@ def _tgmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, dtype):
 
                         @pl.when(_live_half(ni, wg, bs, n))
                         def _():
-                            o_smem[wg] = acc.astype(o_smem.dtype)
-                            plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(
-                                o_smem.at[wg],
-                                out_gmem.at[gi, pl.ds(mi * bm, bm),
-                                            pl.ds(ni * cta_n + wg * bn, bn)])
+                            out = acc.astype(o_smem.dtype)
+                            for j in range(bn // strip):
+                                _fill_slot(out, o_smem.at[wg], j)
+                                plgpu.copy_smem_to_gmem(
+                                    o_smem.at[wg],
+                                    out_gmem.at[gi, pl.ds(mi * bm, bm),
+                                                pl.ds(ni * cta_n + wg * bn + j * strip, strip)])
 
-                # An empty group runs one fully masked step (zeros), as in _tgmm_kernel.
-                pipeline(step, compute_context, base, jnp.maximum(steps, 1))(
+                # An empty group runs one fully masked step (zeros), as in _tgmm_kernel;
+                # with a delayed release every tile runs at least two (a one-step pipeline
+                # with a release in flight breaks the stage barriers' phases), the second
+                # of a one-step group fully masked.
+                pipeline(step, compute_context, base, jnp.maximum(steps, 1 + delay))(
                     lhs_gmem.at[:, pl.ds(mi * bm, bm)], rhs_gmem.at[:, pl.ds(ni * cta_n, cta_n)],
                     allocations=allocations)
 
@@ -848,7 +903,7 @@ def tgmm(
     n = rhs.shape[1]
     bs = resolve_block_sizes(block_sizes, product="dkernel", m=m, k=k, n=n,
                              g=group_sizes.shape[0], dtype=lhs.dtype, interpret=interpret)
-    bs = dataclasses.replace(bs, block_m=_fit_block(k, bs.block_m), block_n=_fit_block(n, bs.block_n))
+    bs = _fit_block_n(dataclasses.replace(bs, block_m=_fit_block(k, bs.block_m)), n)
     if bs.warp_specialized:
         bs = _fit_warp_specialized(bs, n, jnp.dtype(lhs.dtype).itemsize, out_dtype.itemsize)
     if g == 0 or k == 0 or n == 0:
