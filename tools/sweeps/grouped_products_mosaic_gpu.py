@@ -3,8 +3,8 @@ torch._grouped_mm's forward, dx and dkernel, every time by the queued method (N 
 to back, one synchronisation, time / N; median of 5).
 
 A variant is a "+"-joined list of changes to the product's default blocks: stagesN, gbnN
-(snake width), delayN (delay_release), epiN (epilogue_block_n), bmN (block_m), onewg (the
-one-warpgroup kernel); "default" changes nothing. Each variant's output is compared with
+(snake width), delayN (delay_release), epiN (epilogue_block_n), bmN (block_m), pingpong
+(the ping-pong gmm and dx), onewg (the one-warpgroup kernel); "default" changes nothing. Each variant's output is compared with
 the first variant's (max_diff_vs_default; the same accumulation order gives 0.0). Two
 diagnostic variants compute wrong values on purpose, to show what a part of the kernel
 costs: nostore (the warp-specialised kernels store nothing) and nomask (the dkernel skips
@@ -92,6 +92,8 @@ def bs_for(variant, prod, m, k, n, g):
             bs = dataclasses.replace(bs, epilogue_block_n=int(part[3:]))
         if part.startswith("delay"):
             bs = dataclasses.replace(bs, delay_release=int(part[5:]))
+        if part == "pingpong":
+            bs = dataclasses.replace(bs, warp_specialized=True, pingpong=True)
     return bs
 
 

@@ -111,6 +111,11 @@ class MosaicGpuBlockSizes:
     output slot (the strips go out one after another through it), and the shared memory
     freed holds one more pipeline stage: 4 stages of 128x(2x128)x64 fit beside 64-column
     strips, 3 beside whole 128-column tiles.
+    pingpong (gmm and dx only; implies warp_specialized): the two consumer warpgroups
+    take alternate block_m x block_n tiles instead of halves of one, fed in order by the
+    producer through one ring of `stages` buffers that is never drained between tiles,
+    so one consumer's epilogue overlaps the other's wgmma (_gmm_kernel_pingpong). Runs
+    by name only until an H200 benchmark admits it.
     """
 
     block_m: int = 128
@@ -121,15 +126,20 @@ class MosaicGpuBlockSizes:
     warp_specialized: bool = False
     delay_release: int = 0
     epilogue_block_n: int | None = None
+    pingpong: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k", "stages", "grid_block_n"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"MosaicGpuBlockSizes.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.warp_specialized, (bool, np.bool_)):
-            raise ValueError(f"MosaicGpuBlockSizes.warp_specialized must be a bool, "
-                             f"got {self.warp_specialized!r}")
+        for name in ("warp_specialized", "pingpong"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise ValueError(f"MosaicGpuBlockSizes.{name} must be a bool, "
+                                 f"got {getattr(self, name)!r}")
+        if self.pingpong and not self.warp_specialized:
+            raise ValueError("MosaicGpuBlockSizes.pingpong needs warp_specialized=True (a "
+                             "producer and two consumer warpgroups)")
         if self.delay_release not in (0, 1) or isinstance(self.delay_release, bool):
             raise ValueError(f"MosaicGpuBlockSizes.delay_release must be 0 or 1, "
                              f"got {self.delay_release!r}")
@@ -453,14 +463,17 @@ def _fit_warp_specialized(bs: MosaicGpuBlockSizes, n: int, in_bytes: int, out_by
     kernel when n does not split into block_n columns or even 2 stages do not fit.
     Shared memory: stages x (lhs block_m x block_k + rhs block_k x 2 block_n) operand
     buffers plus one block_m x epilogue strip output slot per consumer. Where n is an odd
-    number of block_n columns the last tile's second half lies past n (see _live_half)."""
+    number of block_n columns the last tile's second half lies past n (see _live_half).
+    A ping-pong kernel's stage holds one block_k x block_n rhs block (its tiles are
+    block_n wide)."""
     if n % bs.block_n:
-        return dataclasses.replace(bs, warp_specialized=False)
-    per_stage = (bs.block_m * bs.block_k + bs.block_k * 2 * bs.block_n) * in_bytes
+        return dataclasses.replace(bs, warp_specialized=False, pingpong=False)
+    cta_n = bs.block_n if bs.pingpong else 2 * bs.block_n
+    per_stage = (bs.block_m * bs.block_k + bs.block_k * cta_n) * in_bytes
     out_slots = 2 * bs.block_m * _epilogue_strip(bs) * out_bytes
     stages = min(bs.stages, (_SMEM_BYTES - out_slots) // per_stage)
     if stages < 2:
-        return dataclasses.replace(bs, warp_specialized=False)
+        return dataclasses.replace(bs, warp_specialized=False, pingpong=False)
     return dataclasses.replace(bs, stages=int(stages))
 
 
@@ -574,6 +587,137 @@ def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_
     return body
 
 
+def _gmm_kernel_pingpong(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_rhs: bool,
+                         num_programs: int):
+    """gmm with a TMA producer warpgroup and two consumer warpgroups on alternate tiles.
+
+    The row-tile table and snake are _gmm_kernel's (tiles block_m x block_n). Program p
+    takes the linear tiles p, p + P, p + 2P, ...; its j-th tile belongs to consumer j % 2.
+    The producer walks those tiles in order and streams each tile's k steps through one
+    ring of `stages` (lhs, rhs) buffers, slot q % stages for the program's q-th step, never
+    waiting for a tile to drain: it waits only for the consumer of step q - stages to
+    release that slot. So consumer 1's first steps arrive while consumer 0 finishes its
+    last ones, and each consumer's epilogue (registers -> SMEM -> TMA row stores) runs
+    while the other's wgmmas keep the tensor cores busy.
+
+    Barriers: full[c * stages + s] (the two TMA copies of a step in slot s for consumer c)
+    and empty[s] (its consumer has read slot s). Each consumer waits only on its own full
+    barriers and in order, and the producer waits on every phase of every empty barrier,
+    so the per-thread phase bits stay in step. A consumer releases a slot one step late
+    (after the next wgmma is issued and the previous one retired). Rows of no group are
+    zero tiles with no loads and no matmul: their consumer stores its zero accumulator.
+    """
+    bm, bn, bk, stages = bs.block_m, bs.block_n, bs.block_k, bs.stages
+    grid_n = n // bn
+    k_steps = k // bk
+
+    def body(table_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem):
+        transforms = _swizzle_transforms(lhs_gmem.dtype)
+        num_tiles = count_gmem[0]
+        program = lax.axis_index("sm")
+        mine = jnp.maximum(num_tiles * grid_n - program + num_programs - 1, 0) // num_programs
+        wg = lax.axis_index("wg")
+
+        def tile(j):
+            mi, ni = plgpu.planar_snake(program + j * num_programs, (num_tiles, grid_n), 1,
+                                        bs.grid_block_n)
+            seg = table_gmem[0, mi]
+            live = seg < g  # else rows of no group: no steps, the accumulator stays zero
+            return mi, ni, seg, jnp.where(live, k_steps, 0)
+
+        rhs_block = (bn, bk) if transpose_rhs else (bk, bn)
+
+        @functools.partial(
+            pl.run_scoped,
+            lhs_smem=plgpu.SMEM((stages, bm, bk), lhs_gmem.dtype, transforms=transforms),
+            rhs_smem=plgpu.SMEM((stages, *rhs_block), rhs_gmem.dtype, transforms=transforms),
+            o_smem=plgpu.SMEM((2, bm, _epilogue_strip(bs)), out_gmem.dtype,
+                              transforms=_swizzle_transforms(out_gmem.dtype, rows=1)),
+            full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * stages),
+            empty=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+            collective_axes="wg",
+        )
+        def _(lhs_smem, rhs_smem, o_smem, full, empty):
+            @pl.when(wg == 2)
+            def _producer():
+                plgpu.set_max_registers(40, action="decrease")
+
+                def load_tile(j, q):
+                    mi, ni, seg, steps = tile(j)
+                    load0 = pl.multiple_of(table_gmem[1, mi], 8)
+                    weights = rhs_gmem.at[jnp.minimum(seg, g - 1)]
+                    first = lax.rem(j, 2) * stages  # consumer j % 2's full barriers
+
+                    @pl.loop(0, steps)
+                    def _(kk):
+                        slot = lax.rem(q + kk, stages)
+
+                        @pl.when(q + kk >= stages)
+                        def _():
+                            plgpu.barrier_wait(empty.at[slot])
+
+                        cols = pl.ds(pl.multiple_of(kk * bk, bk), bk)
+                        plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(load0, bm), cols],
+                                                lhs_smem.at[slot], full.at[first + slot])
+                        block = (weights.at[pl.ds(ni * bn, bn), cols] if transpose_rhs
+                                 else weights.at[cols, pl.ds(ni * bn, bn)])
+                        plgpu.copy_gmem_to_smem(block, rhs_smem.at[slot], full.at[first + slot])
+
+                    return q + steps
+
+                issued = lax.fori_loop(0, mine, load_tile, jnp.int32(0))
+
+                # Observe the last releases, so no barrier is left mid-phase.
+                @pl.loop(jnp.maximum(issued - stages, 0), issued)
+                def _(q):
+                    plgpu.barrier_wait(empty.at[lax.rem(q, stages)])
+
+            @pl.when(wg < 2)
+            def _consumer():
+                plgpu.set_max_registers(232, action="increase")
+
+                def run_tile(j, q):
+                    mi, ni, seg, steps = tile(j)
+
+                    @pl.when(lax.rem(j, 2) == wg)
+                    def _():
+                        def acc_scope(acc_ref):
+                            @pl.loop(0, steps)
+                            def _(kk):
+                                slot = lax.rem(q + kk, stages)
+                                plgpu.barrier_wait(full.at[wg * stages + slot])
+                                b = rhs_smem.at[slot]
+                                plgpu.wgmma(acc_ref, lhs_smem.at[slot],
+                                            b.transpose((1, 0)) if transpose_rhs else b)
+                                plgpu.wgmma_wait(1)
+
+                                @pl.when(kk > 0)
+                                def _():
+                                    plgpu.barrier_arrive(empty.at[lax.rem(q + kk - 1, stages)])
+
+                            plgpu.wgmma_wait(0)
+
+                            @pl.when(steps > 0)
+                            def _():
+                                plgpu.barrier_arrive(empty.at[lax.rem(q + steps - 1, stages)])
+
+                            return acc_ref[...]
+
+                        acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn), jnp.float32))
+                        load0 = table_gmem[1, mi]
+                        row0 = table_gmem[2, mi]
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slot free again
+                        _store_rows_from(acc, o_smem.at[wg], out_gmem, row0, table_gmem[3, mi],
+                                         row0 - load0, ni * bn, bm)
+
+                    return q + steps
+
+                lax.fori_loop(0, mine, run_tile, jnp.int32(0))
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    return body
+
+
 def _gmm_local(lhs, rhs, group_sizes, row_start, *, transpose_rhs, out_dtype, bs, interpret):
     """gmm on one device's operands (already padded to the block multiples)."""
     m, k = lhs.shape
@@ -583,9 +727,14 @@ def _gmm_local(lhs, rhs, group_sizes, row_start, *, transpose_rhs, out_dtype, bs
     out_type = sharding.out_struct((m, n), out_dtype, like=lhs)
     cost = costs.gmm(m, k, n, lhs.dtype, transpose_rhs=transpose_rhs,
                      inputs=(table, count, lhs, rhs), outputs=(out_type,))
-    make = _gmm_kernel_warp_specialized if bs.warp_specialized else _gmm_kernel
+    if bs.pingpong:
+        body = _gmm_kernel_pingpong(m, k, n, g, bs, transpose_rhs, _num_programs(interpret))
+    elif bs.warp_specialized:
+        body = _gmm_kernel_warp_specialized(m, k, n, g, bs, transpose_rhs)
+    else:
+        body = _gmm_kernel(m, k, n, g, bs, transpose_rhs)
     call = pl.kernel(
-        make(m, k, n, g, bs, transpose_rhs),
+        body,
         out_type=out_type,
         mesh=_mesh(bs, interpret),
         compiler_params=_compiler_params(),
@@ -903,7 +1052,9 @@ def tgmm(
     n = rhs.shape[1]
     bs = resolve_block_sizes(block_sizes, product="dkernel", m=m, k=k, n=n,
                              g=group_sizes.shape[0], dtype=lhs.dtype, interpret=interpret)
-    bs = _fit_block_n(dataclasses.replace(bs, block_m=_fit_block(k, bs.block_m)), n)
+    # The dkernel has no ping-pong kernel: a pingpong config runs the cooperative one.
+    bs = dataclasses.replace(bs, block_m=_fit_block(k, bs.block_m), pingpong=False)
+    bs = _fit_block_n(bs, n)
     if bs.warp_specialized:
         bs = _fit_warp_specialized(bs, n, jnp.dtype(lhs.dtype).itemsize, out_dtype.itemsize)
     if g == 0 or k == 0 or n == 0:
