@@ -57,6 +57,10 @@ def test_block_sizes_validation():
     for bad in (2, -1, True):
         with pytest.raises(ValueError, match="delay_release"):
             mgpu.MosaicGpuBlockSizes(delay_release=bad)
+    with pytest.raises(ValueError, match="pingpong needs warp_specialized"):
+        mgpu.MosaicGpuBlockSizes(pingpong=True)
+    with pytest.raises(ValueError, match="pingpong must be a bool"):
+        mgpu.MosaicGpuBlockSizes(warp_specialized=True, pingpong=1)
     for bad in (0, 32, 96, 256, True):
         with pytest.raises(ValueError, match="epilogue_block_n"):
             mgpu.MosaicGpuBlockSizes(block_n=128, epilogue_block_n=bad)
@@ -216,6 +220,54 @@ def test_interpret_warp_specialized_gmm_and_dx(m, k, n, sizes, blocks, monkeypat
     assert (np.asarray(dx)[total:] == 0).all() and (np.asarray(out)[total:] == 0).all()
 
 
+PINGPONG = dataclasses.replace(SMALL_WS, pingpong=True)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("m,k,n,sizes", INTERPRET_WS_CASES)
+def test_interpret_pingpong_gmm_and_dx(m, k, n, sizes, stages, monkeypatch):
+    """The ping-pong kernel (consumers on alternate tiles, one ring of stages shared in
+    order): same values, zero rows past the total and in all-empty groupings, whether a
+    program's tiles are even or odd in number and k is one step or several."""
+    built = []
+    real = mgpu._gmm_kernel_pingpong
+    monkeypatch.setattr(mgpu, "_gmm_kernel_pingpong", lambda *a: built.append(a) or real(*a))
+    blocks = dataclasses.replace(PINGPONG, stages=stages)
+    gs = jnp.array(sizes, jnp.int32)
+    x, w, dy = _operands(jax.random.key(m + stages), m, k, n, len(sizes))
+    out = mgpu.gmm(x, w, gs, out_dtype=jnp.float32, block_sizes=blocks, interpret=True)
+    dx = mgpu.gmm(dy, w, gs, transpose_rhs=True, out_dtype=jnp.float32, block_sizes=blocks,
+                  interpret=True)
+    assert len(built) == 2
+    assert_close(out, gmm_reference(*_f32(x, w), gs), dtype=jnp.float32, tol=EXACT_FP32,
+                 what="gmm")
+    assert_close(dx, gmm_reference(*_f32(dy, w), gs, transpose_rhs=True), dtype=jnp.float32,
+                 tol=EXACT_FP32, what="dx")
+    total = sum(sizes)
+    assert (np.asarray(dx)[total:] == 0).all() and (np.asarray(out)[total:] == 0).all()
+
+
+def test_pingpong_fit_and_dkernel(monkeypatch):
+    """A ping-pong stage holds one 128-column rhs block: 5 stages of 32 KiB beside two
+    whole bf16 output slots fit 227 KiB (3 with fp32 slots). The dkernel has no ping-pong
+    kernel and runs the cooperative one."""
+    pp = dataclasses.replace(_WS4, stages=6, pingpong=True)
+    assert mgpu._fit_warp_specialized(pp, 1024, 2, 2).stages == 5
+    assert mgpu._fit_warp_specialized(pp, 1024, 2, 4).stages == 3
+    assert not mgpu._fit_warp_specialized(pp, 320, 2, 2).pingpong  # 320 is not whole blocks
+    built = []
+    real = mgpu._tgmm_kernel_warp_specialized
+    monkeypatch.setattr(mgpu, "_tgmm_kernel_warp_specialized",
+                        lambda *a: built.append(a) or real(*a))
+    gs = jnp.array([40, 0, 60], jnp.int32)
+    x, _, dy = _operands(jax.random.key(3), 128, 64, 128, 3)
+    dk = mgpu.tgmm(x, dy, gs, num_groups=3, out_dtype=jnp.float32, block_sizes=PINGPONG,
+                   interpret=True)
+    assert len(built) == 1 and not built[0][4].pingpong
+    assert_close(dk, tgmm_reference(*_f32(x, dy), gs, 3), dtype=jnp.float32, tol=EXACT_FP32,
+                 what="tgmm")
+
+
 @pytest.mark.parametrize("n,in_bytes,out_bytes,ws,stages", [
     (1024, 2, 2, True, 3),   # 3 x 48 KiB operands + 64 KiB output slots fit 227 KiB
     (1024, 2, 4, True, 2),   # fp32 output slots leave room for 2 stages
@@ -319,6 +371,9 @@ _BLOCKS = {
     "ws_strips": dataclasses.replace(mgpu.GMM_WARP_SPECIALIZED, stages=4, epilogue_block_n=64),
     "one_wg": mgpu.GMM_LARGE_GROUPS,
     "small": mgpu.MosaicGpuBlockSizes(block_m=64, block_n=64, stages=3, grid_block_n=4),
+    # the ping-pong gmm and dx at the config measured on the H200 (docs/performance.md,
+    # "ping-pong"); its dkernel is the cooperative one
+    "pingpong": dataclasses.replace(mgpu.GMM_WARP_SPECIALIZED, pingpong=True, stages=5),
 }
 
 
@@ -326,6 +381,7 @@ _BLOCKS = {
     ("forward", "default"), ("dx", "default"), ("dkernel", "default"),
     ("forward", "ws_delayed"), ("dx", "ws_delayed"), ("forward", "one_wg"), ("dx", "one_wg"),
     ("dkernel", "ws"), ("forward", "ws_strips"), ("dx", "ws_strips"), ("dkernel", "ws_strips"),
+    ("forward", "pingpong"), ("dx", "pingpong"),
 ])
 def test_lowers_for_cuda_from_cpu(product, blocks, monkeypatch):
     """Layout inference and the wgmma/TMA lowering run for every product: the default
@@ -411,6 +467,7 @@ _GPU_BLOCK_CASES = {
     "ws_delayed": ("dirichlet", "total_lt_m", "all_empty"),
     "one_wg": ("dirichlet", "many_small", "total_lt_m"),
     "ws": ("many_small", "skewed", "one_group"),
+    "pingpong": ("dirichlet", "many_small", "total_lt_m", "all_empty", "odd_m"),
 }
 
 

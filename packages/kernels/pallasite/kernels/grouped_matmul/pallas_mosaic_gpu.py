@@ -47,6 +47,10 @@ one-warpgroup kernels on short k loops (dsv3's dkernel: about 4 row steps per ti
 dkernel default stores each consumer's tile in two 64-column strips through one 32 KiB
 slot, which leaves room for a 4th pipeline stage, and releases each stage a step late
 (epilogue_block_n, delay_release); that made it 7-11% faster on every measured shape.
+A ping-pong gmm and dx (MosaicGpuBlockSizes.pingpong, by config only): the consumers take
+alternate tiles fed through one ring that is never drained, so one's epilogue overlaps
+the other's wgmma; on the H200 0.4-7% faster than the default on the 1408 and 5504 widths
+at snake width 8, 14% slower on mixtral at width 16 (docs/performance.md "ping-pong").
 
 Measured on one H200 (2026-11-30, docs/performance.md issue 7), bench harness (rotated
 inputs, every peer in one process), TFLOP/s forward with the default: mixtral 643, dsv3
