@@ -197,48 +197,32 @@ INTERPRET_WS_CASES = [
 ]
 
 
-@pytest.mark.parametrize("blocks", [SMALL_WS, STRIPED_WS], ids=["whole", "strips"])
+# The ping-pong kernel (consumers on alternate tiles, one ring of stages shared in order),
+# with 2 and 3 stages: a program's tiles even or odd in number, k one step or several.
+PINGPONG = dataclasses.replace(SMALL_WS, pingpong=True)
+_WS_GMM_KERNELS = {
+    "whole": ("_gmm_kernel_warp_specialized", SMALL_WS),
+    "strips": ("_gmm_kernel_warp_specialized", STRIPED_WS),
+    "pingpong2": ("_gmm_kernel_pingpong", PINGPONG),
+    "pingpong3": ("_gmm_kernel_pingpong", dataclasses.replace(PINGPONG, stages=3)),
+}
+
+
+@pytest.mark.parametrize("variant", list(_WS_GMM_KERNELS))
 @pytest.mark.parametrize("m,k,n,sizes", INTERPRET_WS_CASES)
-def test_interpret_warp_specialized_gmm_and_dx(m, k, n, sizes, blocks, monkeypatch):
-    """The producer / two-consumer kernel, its epilogue whole or in strips: same values,
-    zero rows past the total."""
+def test_interpret_warp_specialized_gmm_and_dx(m, k, n, sizes, variant, monkeypatch):
+    """The producer / two-consumer kernels (the epilogue whole or in strips, or ping-pong):
+    same values, zero rows past the total."""
+    kernel, blocks = _WS_GMM_KERNELS[variant]
     built = []
-    real = mgpu._gmm_kernel_warp_specialized
-    monkeypatch.setattr(mgpu, "_gmm_kernel_warp_specialized",
-                        lambda *a: built.append(a) or real(*a))
+    real = getattr(mgpu, kernel)
+    monkeypatch.setattr(mgpu, kernel, lambda *a: built.append(a) or real(*a))
     gs = jnp.array(sizes, jnp.int32)
-    x, w, dy = _operands(jax.random.key(m), m, k, n, len(sizes))
+    x, w, dy = _operands(jax.random.key(m + blocks.stages), m, k, n, len(sizes))
     out = mgpu.gmm(x, w, gs, out_dtype=jnp.float32, block_sizes=blocks, interpret=True)
     dx = mgpu.gmm(dy, w, gs, transpose_rhs=True, out_dtype=jnp.float32, block_sizes=blocks,
                   interpret=True)
     assert len(built) == 2  # forward and dx both took it
-    assert_close(out, gmm_reference(*_f32(x, w), gs), dtype=jnp.float32, tol=EXACT_FP32,
-                 what="gmm")
-    assert_close(dx, gmm_reference(*_f32(dy, w), gs, transpose_rhs=True), dtype=jnp.float32,
-                 tol=EXACT_FP32, what="dx")
-    total = sum(sizes)
-    assert (np.asarray(dx)[total:] == 0).all() and (np.asarray(out)[total:] == 0).all()
-
-
-PINGPONG = dataclasses.replace(SMALL_WS, pingpong=True)
-
-
-@pytest.mark.parametrize("stages", [2, 3])
-@pytest.mark.parametrize("m,k,n,sizes", INTERPRET_WS_CASES)
-def test_interpret_pingpong_gmm_and_dx(m, k, n, sizes, stages, monkeypatch):
-    """The ping-pong kernel (consumers on alternate tiles, one ring of stages shared in
-    order): same values, zero rows past the total and in all-empty groupings, whether a
-    program's tiles are even or odd in number and k is one step or several."""
-    built = []
-    real = mgpu._gmm_kernel_pingpong
-    monkeypatch.setattr(mgpu, "_gmm_kernel_pingpong", lambda *a: built.append(a) or real(*a))
-    blocks = dataclasses.replace(PINGPONG, stages=stages)
-    gs = jnp.array(sizes, jnp.int32)
-    x, w, dy = _operands(jax.random.key(m + stages), m, k, n, len(sizes))
-    out = mgpu.gmm(x, w, gs, out_dtype=jnp.float32, block_sizes=blocks, interpret=True)
-    dx = mgpu.gmm(dy, w, gs, transpose_rhs=True, out_dtype=jnp.float32, block_sizes=blocks,
-                  interpret=True)
-    assert len(built) == 2
     assert_close(out, gmm_reference(*_f32(x, w), gs), dtype=jnp.float32, tol=EXACT_FP32,
                  what="gmm")
     assert_close(dx, gmm_reference(*_f32(dy, w), gs, transpose_rhs=True), dtype=jnp.float32,
