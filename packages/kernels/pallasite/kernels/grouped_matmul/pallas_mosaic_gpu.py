@@ -118,8 +118,9 @@ class MosaicGpuBlockSizes:
     pingpong (gmm and dx only; implies warp_specialized): the two consumer warpgroups
     take alternate block_m x block_n tiles instead of halves of one, fed in order by the
     producer through one ring of `stages` buffers that is never drained between tiles,
-    so one consumer's epilogue overlaps the other's wgmma (_gmm_kernel_pingpong). Runs
-    by name only until an H200 benchmark admits it.
+    so one consumer's epilogue overlaps the other's wgmma (_gmm_kernel_pingpong). By
+    config only: no default picks it until the GPU suite has run with it (its H200
+    figures: docs/performance.md, "ping-pong").
     """
 
     block_m: int = 128
