@@ -24,8 +24,10 @@ _EXEC_PROPERTIES = {
 
 def py_pytest(name, srcs, deps = [], args = [], data = [], platforms = ["cpu"], size = "medium", **kwargs):
     """`size` is the cpu target's, from its measured run time on a 2-core machine: "small"
-    under about 25 s, "medium" above. Files that take 30-60 s stay medium (small's 60 s
-    limit would leave no margin), so Bazel's note "specified size is too big" lists them.
+    under about 25 s, "medium" above, "large" from about 200 s (medium's 300 s limit
+    would leave too little margin on a loaded machine). Files that take 30-60 s stay
+    medium (small's 60 s limit would leave no margin), so Bazel's note "specified size
+    is too big" lists them.
     The gpu and tpu targets run whole parity grids and are "large"."""
     for platform in platforms:
         py_test(
