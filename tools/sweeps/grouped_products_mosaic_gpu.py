@@ -4,11 +4,11 @@ to back, one synchronisation, time / N; median of 5).
 
 A variant is a "+"-joined list of changes to the product's default blocks: stagesN, gbnN
 (snake width), delayN (delay_release), epiN (epilogue_block_n), bmN (block_m), pingpong
-(the ping-pong gmm and dx), onewg (the one-warpgroup kernel); "default" changes nothing. Each variant's output is compared with
-the first variant's (max_diff_vs_default; the same accumulation order gives 0.0). Two
-diagnostic variants compute wrong values on purpose, to show what a part of the kernel
-costs: nostore (the warp-specialised kernels store nothing) and nomask (the dkernel skips
-its boundary-row masks).
+(the ping-pong gmm and dx), onewg (the one-warpgroup kernel); "default" changes nothing.
+Each variant's output is compared with the first variant's (max_diff_vs_default; the
+same accumulation order gives 0.0). Two diagnostic variants compute wrong values on
+purpose, to show what a part of the kernel costs: nostore (the warp-specialised kernels
+store nothing) and nomask (the dkernel skips its boundary-row masks).
 
   OUT=FOLDER SHAPES=dsv3,mixtral VARIANTS=default,epi64+stages4 \
       [VARIANTS_DK=...] [PRODUCTS=fwd,dx,dk] [TORCH=0] \
