@@ -4,7 +4,10 @@ to back, one synchronisation, time / N; median of 5).
 
 A variant is a "+"-joined list of changes to the product's default blocks: stagesN, gbnN
 (snake width), delayN (delay_release), epiN (epilogue_block_n), bmN (block_m), pingpong
-(the ping-pong gmm and dx), onewg (the one-warpgroup kernel); "default" changes nothing.
+(the ping-pong gmm and dx), coop (the cooperative warp-specialised gmm and dx instead),
+onewg (the one-warpgroup kernel); or to the dkernel's boundary masks: chunkN (rows per
+masked chunk) and fullmask (whole blocks in the accumulator layout, the form before
+2026-12-02); "default" changes nothing.
 Each variant's output is compared with the first variant's (max_diff_vs_default; the
 same accumulation order gives 0.0). Two diagnostic variants compute wrong values on
 purpose, to show what a part of the kernel costs: nostore (the warp-specialised kernels
@@ -30,6 +33,10 @@ for pkg in ("reference", "kernels", "tuning", "bench"):
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+
+from jax import lax  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
+from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
 from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu as M
 from pallasite.reference.inputs import random_group_sizes
@@ -64,12 +71,34 @@ def queued(fn, *args, n=None, sync=None):
     return float(np.median(reps))
 
 
-_orig = {"mask": M._mask_outside_group, "live": M._live_half}
+def _full_block_mask(step, start, size, base, bk, lhs_smem, rhs_smem):
+    """The boundary masks before 2026-12-02: both whole blocks through the wgmma
+    accumulator layout on every boundary step."""
+    lo = start - base - step * bk
+    hi = start + size - base - step * bk
+
+    @pl.when((lo > 0) | (hi < bk))
+    def _():
+        for ref in (lhs_smem, rhs_smem):
+            rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, ref.shape, 0),
+                                     plgpu.Layout.WGMMA)
+            x = ref[...]
+            ref[...] = jnp.where((rows >= lo) & (rows < hi), x, jnp.zeros_like(x))
+        plgpu.commit_smem()
+
+
+_orig = {"mask": M._mask_outside_group, "live": M._live_half, "chunk": M._MASK_CHUNK_ROWS}
 
 
 def apply(variant):
     M._mask_outside_group = _orig["mask"]
     M._live_half = _orig["live"]
+    M._MASK_CHUNK_ROWS = _orig["chunk"]
+    for part in variant.split("+"):
+        if part.startswith("chunk"):
+            M._MASK_CHUNK_ROWS = int(part[5:])
+    if "fullmask" in variant:
+        M._mask_outside_group = _full_block_mask
     if "nomask" in variant:
         M._mask_outside_group = lambda *a, **k: None
     if "nostore" in variant:
@@ -94,6 +123,8 @@ def bs_for(variant, prod, m, k, n, g):
             bs = dataclasses.replace(bs, delay_release=int(part[5:]))
         if part == "pingpong":
             bs = dataclasses.replace(bs, warp_specialized=True, pingpong=True)
+        if part == "coop":
+            bs = dataclasses.replace(M.GMM_WARP_SPECIALIZED, grid_block_n=bs.grid_block_n)
     return bs
 
 
@@ -110,7 +141,7 @@ def main():
         for variant in VARIANTS:
             apply(variant)
             for prod in PRODUCTS:
-                if "nomask" in variant and prod != "dk":
+                if any(p in variant for p in ("nomask", "fullmask", "chunk")) and prod != "dk":
                     continue
                 if variant not in os.environ.get(f"VARIANTS_{prod.upper()}", ",".join(VARIANTS)).split(","):
                     continue

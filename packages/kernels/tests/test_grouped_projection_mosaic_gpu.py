@@ -77,12 +77,14 @@ def test_resolve_block_sizes():
     from pallasite.kernels.grouped_matmul import config
 
     pick = mgpu.resolve_block_sizes
-    # Output widths of whole 128-column halves: the warp-specialised kernel (1408 and
-    # 5504 are odd counts, the last tile's second half idle).
+    # Output widths of an even count of 128-column halves: the cooperative
+    # warp-specialised kernel; an odd count (1408, 5504): the ping-pong kernel, whose
+    # 128-column tiles leave no half idle.
     assert pick(None, product="forward", m=32768, k=4096, n=14336, g=8) == mgpu.GMM_WARP_SPECIALIZED
     assert pick(None, product="dx", m=65536, k=2048, n=768, g=128) == mgpu.GMM_WARP_SPECIALIZED
-    assert pick(None, product="forward", m=32768, k=2048, n=1408, g=64) == mgpu.GMM_WARP_SPECIALIZED
-    assert pick(None, product="dx", m=32768, k=2048, n=5504, g=16) == mgpu.GMM_WARP_SPECIALIZED
+    assert pick(None, product="forward", m=32768, k=2048, n=1408, g=64) == mgpu.GMM_PINGPONG
+    assert pick(None, product="dx", m=32768, k=2048, n=5504, g=16) == mgpu.GMM_PINGPONG
+    assert pick(None, product="dx", m=32768, k=1408, n=2048, g=64) == mgpu.GMM_WARP_SPECIALIZED
     assert pick(None, product="dkernel", m=32768, k=2048, n=1408, g=64) == mgpu.TGMM_WARP_SPECIALIZED
     # Otherwise the one-warpgroup kernel, by rows per group.
     assert pick(None, product="forward", m=32768, k=4096, n=14272, g=8) == mgpu.GMM_LARGE_GROUPS
@@ -328,6 +330,35 @@ def test_interpret_warp_specialized_tgmm(m, k, n, sizes, blocks, monkeypatch):
     assert (np.asarray(dk)[empty] == 0).all()
 
 
+# The H200 dkernel's shape at interpreter size: 128x(2x128) tiles, 64-column strips, a
+# delayed release; its boundary masks rewrite 16-row chunks (32 where a block is 64 wide).
+H200_LIKE_TGMM = dataclasses.replace(STRIPED_WS_DELAYED, block_m=128)
+
+
+@pytest.mark.parametrize("blocks", [SMALL, STRIPED_WS_DELAYED, H200_LIKE_TGMM],
+                         ids=["one_wg", "strips_delayed", "h200_like"])
+@pytest.mark.parametrize("poisoned", [1, 3])
+def test_interpret_tgmm_keeps_a_groups_non_finite_rows_to_itself(blocks, poisoned):
+    """NaN in one group's rows of x and Inf in its rows of dy (group starts off the 8-row
+    grid, so both boundary steps of each neighbour hold some of them): that group's
+    dkernel is non-finite, every other group's matches the clean reference exactly."""
+    sizes = [37, 50, 0, 77, 36]
+    m, k, n = 200, 256, 256
+    gs = jnp.array(sizes, jnp.int32)
+    x, _, dy = _operands(jax.random.key(poisoned), m, k, n, len(sizes))
+    start = sum(sizes[:poisoned])
+    rows = slice(start, start + sizes[poisoned])
+    bad_x = x.at[rows].set(jnp.nan)
+    bad_dy = dy.at[rows].set(jnp.inf)
+    dk = mgpu.tgmm(bad_x, bad_dy, gs, num_groups=len(sizes), out_dtype=jnp.float32,
+                   block_sizes=blocks, interpret=True)
+    ref = tgmm_reference(*_f32(x, dy), gs, len(sizes))
+    others = [i for i in range(len(sizes)) if i != poisoned]
+    assert_close(dk[np.array(others)], ref[np.array(others)], dtype=jnp.float32,
+                 tol=EXACT_FP32, what="tgmm, clean groups")
+    assert not np.isfinite(np.asarray(dk[poisoned])).any()
+
+
 def test_interpret_bf16_output_rounds_once():
     gs = jnp.array([20, 44], jnp.int32)
     x, w, _ = _operands(jax.random.key(7), 64, 128, 64, 2)
@@ -376,10 +407,11 @@ def test_lowers_for_cuda_from_cpu(product, blocks, monkeypatch):
 
 @pytest.mark.parametrize("product", ["forward", "dx", "dkernel"])
 def test_odd_halves_lower_for_cuda_from_cpu(product, monkeypatch):
-    """k = n = 1408, eleven 128-column halves: every product's default is the
-    warp-specialised kernel with the last tile's second half past the edge."""
-    assert mgpu.default_block_sizes(product=product, m=4096, k=1408, n=1408, g=8
-                                    ).warp_specialized
+    """k = n = 1408, eleven 128-column halves: the forward and dx default to the
+    ping-pong kernel (128-column tiles), the dkernel to the cooperative one with the last
+    tile's second half past the edge."""
+    bs = mgpu.default_block_sizes(product=product, m=4096, k=1408, n=1408, g=8)
+    assert bs.warp_specialized and bs.pingpong == (product != "dkernel")
     _export_for_cuda(product, None, (4096, 1408, 1408, 8), monkeypatch)
 
 

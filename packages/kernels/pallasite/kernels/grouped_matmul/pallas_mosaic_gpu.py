@@ -177,6 +177,14 @@ class MosaicGpuBlockSizes:
 # groups of ~256 rows) 5 stages / width 4 gave 480 against 450 for both 4-stage configs.
 GMM_WARP_SPECIALIZED = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=3,
                                            grid_block_n=8, warp_specialized=True)
+# Forward and dx where the output width is an odd number of 128-column halves (1408 = 11,
+# 5504 = 43; the cooperative kernel's last 256-column tile leaves a half idle): the
+# ping-pong kernel, 128x128 tiles, 5 stages, snake width 8. 2026-12-02 00:4x UTC, ms
+# against the cooperative default in one process (docs/performance.md "ping-pong"):
+# forward w1408_up 0.393 / 0.417, w5504_up 1.210 / 1.259; dx (output width 1408, 5504)
+# w1408_down 0.395 / 0.425, w5504_down 1.205 / 1.275.
+GMM_PINGPONG = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=5,
+                                   grid_block_n=8, warp_specialized=True, pingpong=True)
 GMM_LARGE_GROUPS = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=4, grid_block_n=8)
 GMM_SMALL_GROUPS = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=5, grid_block_n=4)
 # dkernel where n is whole 128-column halves (odd counts too): the warp-specialised kernel,
@@ -224,8 +232,9 @@ def default_block_sizes(*, product: str, m: int, k: int, n: int, g: int) -> Mosa
     if product == "dkernel":
         splits = n % TGMM_WARP_SPECIALIZED.block_n == 0
         return TGMM_WARP_SPECIALIZED if splits else TGMM_DEFAULT
-    if n % GMM_WARP_SPECIALIZED.block_n == 0:
-        return GMM_WARP_SPECIALIZED
+    halves, rest = divmod(n, GMM_WARP_SPECIALIZED.block_n)
+    if rest == 0:
+        return GMM_PINGPONG if halves % 2 else GMM_WARP_SPECIALIZED
     return GMM_LARGE_GROUPS if m >= 1024 * max(g, 1) else GMM_SMALL_GROUPS
 
 
@@ -821,11 +830,26 @@ def gmm(
 # --------------------------------------------------------------------------- tgmm
 
 
-def _mask_rows(ref, lo, hi, shape):
-    """Zero the rows outside [lo, hi) of an SMEM tile in place (a select: NaN-safe)."""
-    rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, shape, 0), plgpu.Layout.WGMMA)
+# Rows per boundary-mask chunk (_mask_outside_group): 16 rows of a 128-column operand
+# block are one (16, 128) piece the copy layout moves in 16-byte vectors; 64-column blocks
+# need 32-row pieces (the layout spreads 4 tiles of (8, 64) over a warpgroup's warps).
+_MASK_CHUNK_ROWS = 16
+
+
+def _mask_rows(ref, lo, hi):
+    """Zero the rows outside [lo, hi) of an SMEM tile in place (a select: NaN-safe).
+
+    The rows move through registers in the shared-memory copy layout (16-byte vectors,
+    conflict-free over the 128-byte swizzle), not the wgmma accumulator layout."""
+    layout = plgpu.Layout.SMEM_GMEM_COPY(ref.shape, ref.dtype, 128)
+    rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, ref.shape, 0), layout)
     x = ref[...]
     ref[...] = jnp.where((rows >= lo) & (rows < hi), x, jnp.zeros_like(x))
+
+
+def _mask_chunk_rows(cols: int) -> int:
+    """Rows per masked piece of a block `cols` wide (_MASK_CHUNK_ROWS above)."""
+    return _MASK_CHUNK_ROWS if cols % 128 == 0 else max(_MASK_CHUNK_ROWS, 32)
 
 
 def _tgmm_tile(info, starts_gmem, sizes_gmem, grid_m, grid_n, bs: MosaicGpuBlockSizes):
@@ -843,16 +867,23 @@ def _tgmm_tile(info, starts_gmem, sizes_gmem, grid_m, grid_n, bs: MosaicGpuBlock
 
 def _mask_outside_group(step, start, size, base, bk, lhs_smem, rhs_smem):
     """Zero the rows of this contraction step that are not the group's, in both operand
-    blocks. Rows [lo, hi) of the step belong to the group; only the first and last steps
-    can hold a neighbour's rows (or TMA's zero fill)."""
+    blocks. Rows [lo, hi) of the step belong to the group; only the first step (fewer
+    than 8 leading rows: the window starts at the group's first row rounded down to 8)
+    and the last (rows past the group's end, or TMA's zero fill) can hold others. Only
+    the row chunks that hold such rows are rewritten: masking whole 64-row blocks in the
+    accumulator layout cost 12% of dsv3's dkernel (docs/performance.md, "dkernel: a
+    fourth stage"); see "boundary masks by chunk" there for this form's figures."""
     lo = start - base - step * bk
     hi = start + size - base - step * bk
+    refs = (lhs_smem, rhs_smem)
+    chunk = min(bk, max(_mask_chunk_rows(ref.shape[1]) for ref in refs))
+    for c0 in range(0, bk, chunk):
 
-    @pl.when((lo > 0) | (hi < bk))
-    def _():
-        _mask_rows(lhs_smem, lo, hi, lhs_smem.shape)
-        _mask_rows(rhs_smem, lo, hi, rhs_smem.shape)
-        plgpu.commit_smem()
+        @pl.when((lo > c0) | (hi < c0 + chunk))
+        def _(c0=c0):
+            for ref in refs:
+                _mask_rows(ref.at[pl.ds(c0, chunk)], lo - c0, hi - c0)
+            plgpu.commit_smem()
 
 
 def _tgmm_kernel(m, k, n, g, bs: MosaicGpuBlockSizes, dtype):
