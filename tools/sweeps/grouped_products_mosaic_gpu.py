@@ -6,9 +6,8 @@ A variant is a "+"-joined list of changes to the product's default blocks: stage
 (snake width), delayN (delay_release), epiN (epilogue_block_n), bmN (block_m), pingpong
 (the ping-pong gmm and dx), coop (the cooperative warp-specialised gmm and dx instead),
 onewg (the one-warpgroup kernel); or to the dkernel's boundary masks: chunkN (rows per
-masked chunk), fullmask (whole blocks in the accumulator layout, the form before
-2026-12-02) and norotate (the warp-specialised dkernel's row steps in order, the first
-one first); "default" changes nothing.
+masked chunk) and fullmask (whole blocks in the accumulator layout, the form before
+2026-12-02); "default" changes nothing.
 Each variant's output is compared with the first variant's (max_diff_vs_default; the
 same accumulation order gives 0.0). Two diagnostic variants compute wrong values on
 purpose, to show what a part of the kernel costs: nostore (the warp-specialised kernels
@@ -88,17 +87,13 @@ def _full_block_mask(step, start, size, base, bk, lhs_smem, rhs_smem):
         plgpu.commit_smem()
 
 
-_orig = {"mask": M._mask_outside_group, "live": M._live_half, "chunk": M._MASK_CHUNK_ROWS,
-         "order": M._step_order}
+_orig = {"mask": M._mask_outside_group, "live": M._live_half, "chunk": M._MASK_CHUNK_ROWS}
 
 
 def apply(variant):
     M._mask_outside_group = _orig["mask"]
     M._live_half = _orig["live"]
     M._MASK_CHUNK_ROWS = _orig["chunk"]
-    M._step_order = _orig["order"]
-    if "norotate" in variant:
-        M._step_order = lambda r, steps: r
     for part in variant.split("+"):
         if part.startswith("chunk"):
             M._MASK_CHUNK_ROWS = int(part[5:])
@@ -146,7 +141,7 @@ def main():
         for variant in VARIANTS:
             apply(variant)
             for prod in PRODUCTS:
-                if any(p in variant for p in ("mask", "chunk", "rotate")) and prod != "dk":
+                if any(p in variant for p in ("nomask", "fullmask", "chunk")) and prod != "dk":
                     continue
                 if variant not in os.environ.get(f"VARIANTS_{prod.upper()}", ",".join(VARIANTS)).split(","):
                     continue

@@ -951,15 +951,6 @@ def _tgmm_kernel(m, k, n, g, bs: MosaicGpuBlockSizes, dtype):
     return body
 
 
-def _step_order(r, steps):
-    """The row step a warp-specialised tgmm tile takes r-th: its steps from the second
-    on, then the first (r + 1 mod steps). A tile's two boundary steps, the only ones
-    masked, then both run while an earlier step's wgmma is in flight, which hides the
-    masks' shared-memory round trip; in order, the first step's mask ran with the tensor
-    core idle (no wgmma in flight at a tile's start)."""
-    return lax.rem(r + 1, steps)
-
-
 def _tgmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, dtype):
     """tgmm with a TMA producer warpgroup and two wgmma consumer warpgroups per program.
 
@@ -978,7 +969,7 @@ def _tgmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, dtype):
 
     def pipeline(step, compute_context, base, steps):
         def row_block(r):
-            return pl.multiple_of(base + _step_order(r, steps) * bk, 8)
+            return pl.multiple_of(base + r * bk, 8)
 
         return plgpu.emit_pipeline_warp_specialized(
             step,
@@ -1014,17 +1005,11 @@ def _tgmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, dtype):
             def _(info):
                 gi, mi, ni, start, size, base, steps = _tgmm_tile(
                     info, starts_gmem, sizes_gmem, grid_m, grid_n, bs)
-                # An empty group runs one fully masked step (zeros), as in _tgmm_kernel;
-                # with a delayed release every tile runs at least two (a one-step pipeline
-                # with a release in flight breaks the stage barriers' phases), the second
-                # of a one-step group fully masked.
-                steps = jnp.maximum(steps, 1 + delay)
                 cols = pl.ds(wg * bn, bn)
 
                 def step(idx, lhs_smem, rhs_smem, acc_ref):
                     rhs_cols = rhs_smem.at[:, cols]
-                    _mask_outside_group(_step_order(idx[0], steps), start, size, base, bk,
-                                        lhs_smem, rhs_cols)
+                    _mask_outside_group(idx[0], start, size, base, bk, lhs_smem, rhs_cols)
                     plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), rhs_cols)
                     plgpu.wgmma_wait(delay)
                     return acc_ref
@@ -1046,7 +1031,11 @@ def _tgmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, dtype):
                                     out_gmem.at[gi, pl.ds(mi * bm, bm),
                                                 pl.ds(ni * cta_n + wg * bn + j * strip, strip)])
 
-                pipeline(step, compute_context, base, steps)(
+                # An empty group runs one fully masked step (zeros), as in _tgmm_kernel;
+                # with a delayed release every tile runs at least two (a one-step pipeline
+                # with a release in flight breaks the stage barriers' phases), the second
+                # of a one-step group fully masked.
+                pipeline(step, compute_context, base, jnp.maximum(steps, 1 + delay))(
                     lhs_gmem.at[:, pl.ds(mi * bm, bm)], rhs_gmem.at[:, pl.ds(ni * cta_n, cta_n)],
                     allocations=allocations)
 
