@@ -80,7 +80,10 @@ def test_resolve_block_sizes():
     # Output widths of an even count of 128-column halves: the cooperative
     # warp-specialised kernel; an odd count (1408, 5504): the ping-pong kernel, whose
     # 128-column tiles leave no half idle.
-    assert pick(None, product="forward", m=32768, k=4096, n=14336, g=8) == mgpu.GMM_WARP_SPECIALIZED
+    # 192-row tiles where groups average 1024 rows or more.
+    assert pick(None, product="forward", m=32768, k=4096, n=14336, g=8) == mgpu.GMM_LARGE_TILES
+    assert pick(None, product="dx", m=32768, k=2048, n=5504, g=32) == mgpu.GMM_PINGPONG
+    assert pick(None, product="forward", m=65536, k=7168, n=2048, g=256) == mgpu.GMM_WARP_SPECIALIZED
     assert pick(None, product="dx", m=65536, k=2048, n=768, g=128) == mgpu.GMM_WARP_SPECIALIZED
     assert pick(None, product="forward", m=32768, k=2048, n=1408, g=64) == mgpu.GMM_PINGPONG
     assert pick(None, product="dx", m=32768, k=2048, n=5504, g=16) == mgpu.GMM_PINGPONG
@@ -207,6 +210,8 @@ _WS_GMM_KERNELS = {
     "strips": ("_gmm_kernel_warp_specialized", STRIPED_WS),
     "pingpong2": ("_gmm_kernel_pingpong", PINGPONG),
     "pingpong3": ("_gmm_kernel_pingpong", dataclasses.replace(PINGPONG, stages=3)),
+    # 192-row tiles in strips, the H200 default's shape where groups are large
+    "tall_strips": ("_gmm_kernel_warp_specialized", dataclasses.replace(STRIPED_WS, block_m=192)),
 }
 
 
@@ -264,6 +269,13 @@ def test_pingpong_fit_and_dkernel(monkeypatch):
 def test_fit_warp_specialized(n, in_bytes, out_bytes, ws, stages):
     fitted = mgpu._fit_warp_specialized(_WS4, n, in_bytes, out_bytes)
     assert (fitted.warp_specialized, fitted.stages) == (ws, stages)
+
+
+def test_large_tiles_fit_three_stages_beside_strips():
+    """192x(2x128)x64 stages take 56 KiB: 3 fit beside two 192x64 bf16 strips (48 KiB),
+    2 beside fp32 ones (96 KiB)."""
+    assert mgpu._fit_warp_specialized(mgpu.GMM_LARGE_TILES, 14336, 2, 2).stages == 3
+    assert mgpu._fit_warp_specialized(mgpu.GMM_LARGE_TILES, 14336, 2, 4).stages == 2
 
 
 def test_epilogue_strips_make_room_for_a_fourth_stage():
@@ -389,6 +401,8 @@ _BLOCKS = {
     # the ping-pong gmm and dx at the config measured on the H200 (docs/performance.md,
     # "ping-pong"); its dkernel is the cooperative one
     "pingpong": dataclasses.replace(mgpu.GMM_WARP_SPECIALIZED, pingpong=True, stages=5),
+    # the forward and dx default where groups average 1024 rows or more
+    "large_tiles": mgpu.GMM_LARGE_TILES,
 }
 
 
@@ -396,7 +410,8 @@ _BLOCKS = {
     ("forward", "default"), ("dx", "default"), ("dkernel", "default"),
     ("forward", "ws_delayed"), ("dx", "ws_delayed"), ("forward", "one_wg"), ("dx", "one_wg"),
     ("dkernel", "ws"), ("forward", "ws_strips"), ("dx", "ws_strips"), ("dkernel", "ws_strips"),
-    ("forward", "pingpong"), ("dx", "pingpong"),
+    ("forward", "pingpong"), ("dx", "pingpong"), ("forward", "large_tiles"),
+    ("dx", "large_tiles"),
 ])
 def test_lowers_for_cuda_from_cpu(product, blocks, monkeypatch):
     """Layout inference and the wgmma/TMA lowering run for every product: the default
@@ -484,6 +499,7 @@ _GPU_BLOCK_CASES = {
     "one_wg": ("dirichlet", "many_small", "total_lt_m"),
     "ws": ("many_small", "skewed", "one_group"),
     "pingpong": ("dirichlet", "many_small", "total_lt_m", "all_empty", "odd_m"),
+    "large_tiles": ("dirichlet", "skewed", "total_lt_m", "one_group", "odd_m"),
 }
 
 

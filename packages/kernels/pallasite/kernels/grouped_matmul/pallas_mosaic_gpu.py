@@ -183,6 +183,16 @@ GMM_WARP_SPECIALIZED = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64,
 # against the cooperative default in one process (docs/performance.md "ping-pong"):
 # forward w1408_up 0.393 / 0.417, w5504_up 1.210 / 1.259; dx (output width 1408, 5504)
 # w1408_down 0.395 / 0.425, w5504_down 1.205 / 1.275.
+# Forward and dx with an even count of halves where groups average 1024 rows or more:
+# 192x(2x128) tiles (a third fewer operand loads per flop), 3 stages beside 64-column
+# epilogue strips (_fit_warp_specialized). 2026-12-02 04:2x-04:3x UTC, ms against the
+# 128-row default in one process, two runs: mixtral forward 5.860 / 5.964 and 5.796 /
+# 5.894, dx 5.716 / 5.807; w5504_down forward 1.152 / 1.217; w5504_up dx 1.185 / 1.234.
+# Where groups average 512 rows (olmoe, qwen3, the 1408 widths) it tied or lost (olmoe
+# forward 0.314 / 0.296): a 192-row tile wastes more of each group's last tile.
+GMM_LARGE_TILES = MosaicGpuBlockSizes(block_m=192, block_n=128, block_k=64, stages=3,
+                                      grid_block_n=8, warp_specialized=True,
+                                      epilogue_block_n=64)
 GMM_PINGPONG = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=5,
                                    grid_block_n=8, warp_specialized=True, pingpong=True)
 GMM_LARGE_GROUPS = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=4, grid_block_n=8)
@@ -232,10 +242,13 @@ def default_block_sizes(*, product: str, m: int, k: int, n: int, g: int) -> Mosa
     if product == "dkernel":
         splits = n % TGMM_WARP_SPECIALIZED.block_n == 0
         return TGMM_WARP_SPECIALIZED if splits else TGMM_DEFAULT
+    large_groups = m >= 1024 * max(g, 1)
     halves, rest = divmod(n, GMM_WARP_SPECIALIZED.block_n)
+    if rest == 0 and halves % 2:
+        return GMM_PINGPONG
     if rest == 0:
-        return GMM_PINGPONG if halves % 2 else GMM_WARP_SPECIALIZED
-    return GMM_LARGE_GROUPS if m >= 1024 * max(g, 1) else GMM_SMALL_GROUPS
+        return GMM_LARGE_TILES if large_groups else GMM_WARP_SPECIALIZED
+    return GMM_LARGE_GROUPS if large_groups else GMM_SMALL_GROUPS
 
 
 # --------------------------------------------------------------------------- helpers
