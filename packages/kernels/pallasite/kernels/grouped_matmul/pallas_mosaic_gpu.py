@@ -32,8 +32,9 @@ gmm (forward, and dx = gmm(dy, kernel, transpose_rhs=True): the transposed weigh
 
 tgmm (dkernel): one output tile (block_m x block_n of [k, n]) per (group, tile) pair; the
   contraction runs over the group's rows in steps of block_k starting at the group's first
-  row; the last step masks rows past the group's end in both operands (a select, so a NaN
-  in a neighbour's rows cannot leak in as 0*NaN). An empty group runs one fully masked step
+  row rounded down to 8; the first and last steps mask the rows not the group's in both
+  operands (a select, so a NaN in a neighbour's rows cannot leak in as 0*NaN), rewriting
+  only the 16-row chunks that hold such rows. An empty group runs one fully masked step
   and stores zeros. On every TARGETS shape there are >= 28k output tiles for 132 SMs, so uneven
   groups average out across programs without split-k (see docs/performance.md).
 
@@ -47,10 +48,13 @@ one-warpgroup kernels on short k loops (dsv3's dkernel: about 4 row steps per ti
 dkernel default stores each consumer's tile in two 64-column strips through one 32 KiB
 slot, which leaves room for a 4th pipeline stage, and releases each stage a step late
 (epilogue_block_n, delay_release); that made it 7-11% faster on every measured shape.
-A ping-pong gmm and dx (MosaicGpuBlockSizes.pingpong, by config only): the consumers take
-alternate tiles fed through one ring that is never drained, so one's epilogue overlaps
-the other's wgmma; on the H200 0.4-7% faster than the default on the 1408 and 5504 widths
-at snake width 8, 14% slower on mixtral at width 16 (docs/performance.md "ping-pong").
+Where groups average 1024 rows or more the forward and dx take 192x(2x128) tiles in
+64-column strips (GMM_LARGE_TILES). A ping-pong gmm and dx (MosaicGpuBlockSizes.pingpong,
+the default where the output width is an odd count of 128-column halves): the consumers
+take alternate tiles fed through one ring that is never drained, so one's epilogue
+overlaps the other's wgmma; on the H200 3-6% faster than the cooperative kernel on those
+widths, 12-25% slower on even counts (docs/performance.md "ping-pong", "boundary masks
+by chunk").
 
 Measured on one H200 (2026-11-30, docs/performance.md issue 7), bench harness (rotated
 inputs, every peer in one process), TFLOP/s forward with the default: mixtral 643, dsv3
@@ -118,9 +122,8 @@ class MosaicGpuBlockSizes:
     pingpong (gmm and dx only; implies warp_specialized): the two consumer warpgroups
     take alternate block_m x block_n tiles instead of halves of one, fed in order by the
     producer through one ring of `stages` buffers that is never drained between tiles,
-    so one consumer's epilogue overlaps the other's wgmma (_gmm_kernel_pingpong). By
-    config only: no default picks it until the GPU suite has run with it (its H200
-    figures: docs/performance.md, "ping-pong").
+    so one consumer's epilogue overlaps the other's wgmma (_gmm_kernel_pingpong). The
+    default where the output width is an odd count of block_n columns (GMM_PINGPONG).
     """
 
     block_m: int = 128
