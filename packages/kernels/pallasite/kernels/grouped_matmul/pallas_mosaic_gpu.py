@@ -185,7 +185,10 @@ GMM_WARP_SPECIALIZED = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64,
 # ping-pong kernel, 128x128 tiles, 5 stages, snake width 8. 2026-12-02 00:4x UTC, ms
 # against the cooperative default in one process (docs/performance.md "ping-pong"):
 # forward w1408_up 0.393 / 0.417, w5504_up 1.210 / 1.259; dx (output width 1408, 5504)
-# w1408_down 0.395 / 0.425, w5504_down 1.205 / 1.275.
+# w1408_down 0.395 / 0.425, w5504_down 1.205 / 1.275; again at 04:2x UTC: forward 0.405 /
+# 0.431 and 1.238 / 1.288, dx tied (0.437 / 0.434, 1.283 / 1.282).
+GMM_PINGPONG = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=5,
+                                   grid_block_n=8, warp_specialized=True, pingpong=True)
 # Forward and dx with an even count of halves where groups average 1024 rows or more:
 # 192x(2x128) tiles (a third fewer operand loads per flop), 3 stages beside 64-column
 # epilogue strips (_fit_warp_specialized). 2026-12-02 04:2x-04:3x UTC, ms against the
@@ -196,8 +199,6 @@ GMM_WARP_SPECIALIZED = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64,
 GMM_LARGE_TILES = MosaicGpuBlockSizes(block_m=192, block_n=128, block_k=64, stages=3,
                                       grid_block_n=8, warp_specialized=True,
                                       epilogue_block_n=64)
-GMM_PINGPONG = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=5,
-                                   grid_block_n=8, warp_specialized=True, pingpong=True)
 GMM_LARGE_GROUPS = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=4, grid_block_n=8)
 GMM_SMALL_GROUPS = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=5, grid_block_n=4)
 # dkernel where n is whole 128-column halves (odd counts too): the warp-specialised kernel,
