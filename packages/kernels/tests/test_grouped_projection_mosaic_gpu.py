@@ -78,9 +78,9 @@ def test_resolve_block_sizes():
 
     pick = mgpu.resolve_block_sizes
     # Output widths of an even count of 128-column halves: the cooperative
-    # warp-specialised kernel; an odd count (1408, 5504): the ping-pong kernel, whose
-    # 128-column tiles leave no half idle.
-    # 192-row tiles where groups average 1024 rows or more.
+    # warp-specialised kernel, with 192-row tiles where groups average 1024 rows or
+    # more; an odd count (1408, 5504): the ping-pong kernel, whose 128-column tiles
+    # leave no half idle, whatever the group sizes.
     assert pick(None, product="forward", m=32768, k=4096, n=14336, g=8) == mgpu.GMM_LARGE_TILES
     assert pick(None, product="dx", m=32768, k=2048, n=5504, g=32) == mgpu.GMM_PINGPONG
     assert pick(None, product="forward", m=65536, k=7168, n=2048, g=256) == mgpu.GMM_WARP_SPECIALIZED
