@@ -130,6 +130,15 @@ def test_bad_inputs_fail_before_any_kernel():
 # ----------------------------------------------------------------------------- tile table
 
 
+def test_row_tile_table_has_no_loop():
+    """The tile table is one pass of compares, not a binary search: that is a while loop
+    of tiny kernels the host issues one by one, which made a short forward host-bound
+    (docs/performance.md, "one-pass tile table")."""
+    table = lambda s: mgpu._row_tile_table(s, 4096, 128, jnp.int32(40))  # noqa: E731
+    text = str(jax.make_jaxpr(table)(jnp.ones((64,), jnp.int32)))
+    assert "scan[" not in text and "while[" not in text
+
+
 @pytest.mark.parametrize("sizes,m,bm", [
     ([70, 0, 100], 200, 64),
     ([0, 0, 0], 128, 64),

@@ -3,6 +3,7 @@ blocks, so the grid has many tiles per group) and the real kernels on a GPU (gpu
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -42,6 +43,16 @@ def test_group_metadata_covers_each_row_once(aligned):
                 assert start // tile == tile_id == (end - 1) // tile
     expect = np.searchsorted(offsets[1:], np.arange(m), side="right")  # tail -> 6
     np.testing.assert_array_equal(owner, expect)
+
+
+def test_group_metadata_has_no_loop():
+    """The visit table is one pass of compares, not a binary search: that is a while loop
+    of tiny kernels the host issues one by one (docs/performance.md, "one-pass tile
+    table")."""
+    make = lambda s: group_metadata.make_group_metadata(  # noqa: E731
+        s, 4096, 64, aligned=False, include_tail=True)
+    text = str(jax.make_jaxpr(make)(jnp.ones((64,), jnp.int32)))
+    assert "scan[" not in text and "while[" not in text
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])

@@ -127,7 +127,9 @@ def make_group_metadata(
     v = jnp.arange(bound, dtype=jnp.int32)
     # Visits past the real count are padding: copies of the last real visit.
     vv = jnp.maximum(jnp.minimum(v, real - 1), 0)
-    piece = jnp.searchsorted(visit_ends, vv, side="right")
+    # compare_all: one fused compare-and-count, not a while loop of tiny kernels that
+    # the host issues one by one (docs/performance.md, "one-pass tile table").
+    piece = jnp.searchsorted(visit_ends, vv, side="right", method="compare_all")
     piece = jnp.clip(piece, 0, starts.shape[0] - 1).astype(jnp.int32)
     local = jnp.maximum(vv - (visit_ends[piece] - counts[piece]), 0)
 

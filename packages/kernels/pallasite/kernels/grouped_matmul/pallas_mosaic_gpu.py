@@ -366,7 +366,9 @@ def _row_tile_table(group_sizes: jax.Array, m: int, block_m: int, row_start=None
     tile_begin = tile_end - seg_tiles
     bound = (m + (g + 3) * (block_m + 7)) // block_m + 1
     t = jnp.arange(bound, dtype=jnp.int32)
-    s = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), g + 1)
+    # compare_all: one fused compare-and-count. The default binary search is a while
+    # loop of tiny kernels before the matmul (docs/performance.md, "one-pass tile table").
+    s = jnp.minimum(jnp.searchsorted(tile_end, t, side="right", method="compare_all"), g + 1)
     window = seg_base[s] + (t - tile_begin[s]) * block_m
     first = jnp.maximum(window, seg_start[s])
     last = jnp.minimum(window + block_m, seg_end[s])
