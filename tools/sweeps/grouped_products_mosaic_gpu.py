@@ -107,7 +107,12 @@ def apply(variant):
 
 def bs_for(variant, prod, m, k, n, g):
     product = {"fwd": "forward", "dx": "dx", "dk": "dkernel"}[prod]
-    bs = M.default_block_sizes(product=product, m=m, k=k, n=n, g=g)
+    # The dx is a gmm whose output is k wide and whose contraction is n: its default is
+    # picked from those, as gmm picks it (before 2026-12-02 this passed the forward's
+    # k and n, which timed another config as the dx "default" where k and n differ in
+    # kind; docs/performance.md, "one-pass tile table").
+    kk, nn = (n, k) if prod == "dx" else (k, n)
+    bs = M.default_block_sizes(product=product, m=m, k=kk, n=nn, g=g)
     for part in variant.split("+"):
         if part.startswith("stages"):
             bs = dataclasses.replace(bs, stages=int(part[6:]))
