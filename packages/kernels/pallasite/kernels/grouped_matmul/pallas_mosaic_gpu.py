@@ -52,7 +52,7 @@ Where groups average 1024 rows or more the forward and dx take 192x(2x128) tiles
 64-column strips (GMM_LARGE_TILES). A ping-pong gmm and dx (MosaicGpuBlockSizes.pingpong,
 the default where the output width is an odd count of 128-column halves): the consumers
 take alternate tiles fed through one ring that is never drained, so one's epilogue
-overlaps the other's wgmma; on the H200 3-6% faster than the cooperative kernel on those
+overlaps the other's wgmma; on the H200 4-7% faster than the cooperative kernel on those
 widths, 12-25% slower on even counts (docs/performance.md "ping-pong", "boundary masks
 by chunk").
 
@@ -185,15 +185,17 @@ GMM_WARP_SPECIALIZED = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64,
 # ping-pong kernel, 128x128 tiles, 5 stages, snake width 8. 2026-12-02 00:4x UTC, ms
 # against the cooperative default in one process (docs/performance.md "ping-pong"):
 # forward w1408_up 0.393 / 0.417, w5504_up 1.210 / 1.259; dx (output width 1408, 5504)
-# w1408_down 0.395 / 0.425, w5504_down 1.205 / 1.275; again at 04:2x UTC: forward 0.405 /
-# 0.431 and 1.238 / 1.288, dx tied (0.437 / 0.434, 1.283 / 1.282).
+# w1408_down 0.395 / 0.425, w5504_down 1.205 / 1.275; the forward again at 04:2x UTC:
+# 0.405 / 0.431 and 1.238 / 1.288. (That run's dx pair timed the cooperative kernel
+# twice, a sweep bug fixed since: docs/performance.md, "one-pass tile table".)
 GMM_PINGPONG = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=5,
                                    grid_block_n=8, warp_specialized=True, pingpong=True)
 # Forward and dx with an even count of halves where groups average 1024 rows or more:
 # 192x(2x128) tiles (a third fewer operand loads per flop), 3 stages beside 64-column
 # epilogue strips (_fit_warp_specialized). 2026-12-02 04:2x-04:3x UTC, ms against the
 # 128-row default in one process, two runs: mixtral forward 5.860 / 5.964 and 5.796 /
-# 5.894, dx 5.716 / 5.807; w5504_down forward 1.152 / 1.217; w5504_up dx 1.185 / 1.234.
+# 5.894, dx 5.716 / 5.807; w5504_down forward 1.152 / 1.217. (w5504_up's dx, which takes
+# these tiles too, was only timed end to end: fwd+bwd 645 against torch's 640 TFLOP/s.)
 # Where groups average 512 rows (olmoe, qwen3, the 1408 widths) it tied or lost (olmoe
 # forward 0.314 / 0.296): a 192-row tile wastes more of each group's last tile.
 GMM_LARGE_TILES = MosaicGpuBlockSizes(block_m=192, block_n=128, block_k=64, stages=3,
