@@ -63,6 +63,17 @@ def group_offsets(group_sizes: Int[Array, "g"], row_start=None) -> Int[Array, "g
     return offsets if row_start is None else offsets + jnp.asarray(row_start, jnp.int32)
 
 
+def segment_of(ends: Int[Array, "s"], positions: Int[Array, "t"]) -> Int[Array, "t"]:
+    """For each position, how many of the non-decreasing segment `ends` are <= it: the
+    index of the segment it falls in (searchsorted, side="right").
+
+    One fused compare-and-count over every (position, segment) pair. jnp.searchsorted's
+    default binary search is a while loop of tiny kernels that the host issues one by
+    one, which made short grouped calls host-bound (docs/performance.md, "one-pass tile
+    table")."""
+    return jnp.searchsorted(ends, positions, side="right", method="compare_all")
+
+
 def local_groups(group_sizes: Int[Array, "G"], group_offset, num_groups: int):
     """The sizes of groups [group_offset, group_offset + num_groups) of `group_sizes` and
     the row where the first of them starts: (int32 [num_groups], int32 scalar), or
@@ -127,9 +138,7 @@ def make_group_metadata(
     v = jnp.arange(bound, dtype=jnp.int32)
     # Visits past the real count are padding: copies of the last real visit.
     vv = jnp.maximum(jnp.minimum(v, real - 1), 0)
-    # compare_all: one fused compare-and-count, not a while loop of tiny kernels that
-    # the host issues one by one (docs/performance.md, "one-pass tile table").
-    piece = jnp.searchsorted(visit_ends, vv, side="right", method="compare_all")
+    piece = segment_of(visit_ends, vv)
     piece = jnp.clip(piece, 0, starts.shape[0] - 1).astype(jnp.int32)
     local = jnp.maximum(vv - (visit_ends[piece] - counts[piece]), 0)
 

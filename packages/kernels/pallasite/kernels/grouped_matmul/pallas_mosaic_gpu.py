@@ -87,7 +87,11 @@ from jaxtyping import Array, Int, Shaped
 from pallasite.kernels import platform
 from pallasite.kernels import sharding
 from pallasite.kernels.grouped_matmul import costs, tuning_benchmarks
-from pallasite.kernels.grouped_matmul.group_metadata import group_offsets, local_groups
+from pallasite.kernels.grouped_matmul.group_metadata import (
+    group_offsets,
+    local_groups,
+    segment_of,
+)
 
 # H200 SXM has 132 SMs; used when the default device does not report its core count.
 _DEFAULT_NUM_SMS = 132
@@ -368,9 +372,7 @@ def _row_tile_table(group_sizes: jax.Array, m: int, block_m: int, row_start=None
     tile_begin = tile_end - seg_tiles
     bound = (m + (g + 3) * (block_m + 7)) // block_m + 1
     t = jnp.arange(bound, dtype=jnp.int32)
-    # compare_all: one fused compare-and-count. The default binary search is a while
-    # loop of tiny kernels before the matmul (docs/performance.md, "one-pass tile table").
-    s = jnp.minimum(jnp.searchsorted(tile_end, t, side="right", method="compare_all"), g + 1)
+    s = jnp.minimum(segment_of(tile_end, t), g + 1)
     window = seg_base[s] + (t - tile_begin[s]) * block_m
     first = jnp.maximum(window, seg_start[s])
     last = jnp.minimum(window + block_m, seg_end[s])
