@@ -118,6 +118,19 @@ def test_a_cached_config_that_does_not_fit_is_passed_over(fake_gpu_cache, caplog
     assert "passed over" in caplog.text
 
 
+@pytest.mark.parametrize("group_m", [8.0, 1.5, "8", True])
+def test_a_cached_field_of_the_wrong_type_is_passed_over(fake_gpu_cache, caplog, group_m):
+    """group_m 8.0 passes the rebuild and the fit rule but fails inside the Triton kernel's
+    index arithmetic: every field is checked against its declared type, so it is a miss."""
+    key = _key("grouped_projection", "pallas_triton:forward", DIMS, "float32")
+    _store(key, {**configs.config_to_dict(TritonBlockSizes(16, 16, 16)), "group_m": group_m})
+    with caplog.at_level(logging.WARNING):
+        got = pallas_triton.resolve_block_sizes(None, product="forward", dtype=jnp.float32,
+                                                **DIMS)
+    assert got == pallas_triton.default_block_sizes(product="forward", dtype=jnp.float32, **DIMS)
+    assert "passed over" in caplog.text and "group_m" in caplog.text
+
+
 @pytest.mark.parametrize("payload", ["[" * 100000 + "]" * 100000,
                                      '{"format": 1, "key": ' + "[" * 50000 + "]" * 50000 + "}",
                                      "\x00\xff\xfe", "", '{"format": 1}'],

@@ -37,6 +37,37 @@ def test_missing_fields_take_defaults_and_unknown_or_invalid_are_stale():
         config_from_dict(Tiles, [1, 2])
 
 
+@dataclasses.dataclass(frozen=True)
+class Typed:
+    """Annotated as the kernels' configs are: ints, a bool, an optional int."""
+
+    block_m: int = 128
+    fast: bool = False
+    strip: int | None = None
+    scale: float = 1.0
+    sizes: tuple[int, ...] = (1, 2)
+
+
+@pytest.mark.parametrize("data", [
+    {"block_m": 8.0}, {"block_m": 1.5}, {"block_m": "128"}, {"block_m": True},
+    {"block_m": None}, {"fast": 1}, {"fast": "true"}, {"strip": 64.0},
+    {"scale": "1"}, {"scale": False}, {"sizes": [1, 2.0]}, {"sizes": 3},
+], ids=str)
+def test_a_field_of_the_wrong_type_is_stale(data):
+    """A float where an int is declared (8.0 passes `>= 1` and `% 16` checks, then fails
+    inside a kernel's index arithmetic) is refused by its annotated type, by name."""
+    (name,) = data
+    with pytest.raises(StaleConfig, match=f"Typed.{name} is declared .*; got"):
+        config_from_dict(Typed, data)
+
+
+def test_fields_of_the_right_type_rebuild():
+    got = config_from_dict(Typed, {"block_m": 64, "fast": True, "strip": 32, "scale": 2,
+                                   "sizes": [4]})
+    assert got == Typed(64, True, 32, 2, (4,))
+    assert config_from_dict(Typed, {"strip": None}) == Typed()
+
+
 def test_type_errors():
     with pytest.raises(TypeError):
         config_to_dict({"block_m": 1})
