@@ -99,3 +99,33 @@ def test_table_marks_host_bound_records():
     lines = cli.table([bound, free, cpu]).splitlines()
     assert lines[2].endswith("device host-bound") and lines[3].endswith("device")
     assert lines[4].endswith("host")  # on a CPU the host runs the work itself
+
+
+_WRITER = """
+import sys
+from pallasite.bench import records
+folder, name, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+for i in range(n):  # one record a write, as the main job writes them
+    records.write([records.Record(
+        kernel="grouped_projection.fwd", implementation=f"{name}{i}", shape="t[m=4]",
+        dtype="bfloat16", backend="cpu", device_kind="cpu", device_count=1, mesh="",
+        block_sizes="", status="ok", flops=10.0, bytes=20.0)], folder)
+"""
+
+
+def test_two_processes_writing_one_folder_keep_every_record(tmp_path):
+    """Two runs sharing one --results folder: each record of both is kept, in both files."""
+    import subprocess
+    import sys
+
+    folder, n = str(tmp_path / "results"), 60
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, folder, name, str(n)], env=env,
+                              stderr=subprocess.PIPE, text=True) for name in ("a", "b")]
+    for p in procs:
+        assert p.wait(timeout=300) == 0, p.stderr.read()
+    names = {r.implementation for r in records.load(folder)}
+    assert names == {f"{w}{i}" for w in "ab" for i in range(n)}
+    with open(os.path.join(folder, records.CSV)) as f:
+        assert len(list(csv.DictReader(f))) == 2 * n
+    assert not [p for p in os.listdir(folder) if p.endswith(".tmp")]

@@ -3,7 +3,8 @@
 A record is unique on KEY = (kernel, implementation, shape, dtype, backend, device_kind,
 device_count, mesh, block_sizes): writing a record replaces the one with the same key already in
 the results folder (the newest measurement wins), and every other record is kept, so runs on
-several machines or of several suites accumulate in one place.
+several machines or of several suites accumulate in one place. Writers take the folder's
+lock file in turn, so runs writing into one folder at the same time lose nothing.
 
 status: "ok" (ran, within tolerance), "wrong" (ran, outside parity.tolerance of its dtype),
 "unsupported" (cannot run here: missing backend, peer or device; `reason` says which),
@@ -12,8 +13,11 @@ status: "ok" (ran, within tolerance), "wrong" (ran, outside parity.tolerance of 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
+import fcntl
+import io
 import json
 import os
 import subprocess
@@ -25,6 +29,7 @@ KEY = ("kernel", "implementation", "shape", "dtype", "backend", "device_kind", "
        "mesh", "block_sizes")
 JSONL = "records.jsonl"
 CSV = "records.csv"
+LOCK = "records.lock"  # held while a writer merges into the folder's records
 
 
 @dataclasses.dataclass
@@ -113,26 +118,38 @@ def load(folder: str) -> list[Record]:
 def write(records: Iterable[Record], folder: str) -> list[Record]:
     """Merge `records` into the folder's records (same key: replaced) and rewrite both files.
 
-    Writes go to a temporary file then rename, so an interrupted run leaves the old files.
-    Returns every record now in the folder.
+    The read, merge and rewrite happen under the folder's lock (LOCK), so runs sharing one
+    folder (two benchmarks at once) each keep every record of the other. Writes go to a
+    temporary file then rename, so an interrupted run leaves the old files. Returns every
+    record now in the folder.
     """
     os.makedirs(folder, exist_ok=True)
-    merged = unique([*load(folder), *records])
-    _atomic(os.path.join(folder, JSONL),
-            "".join(json.dumps(dataclasses.asdict(r)) + "\n" for r in merged))
-    tmp = os.path.join(folder, CSV + ".tmp")
-    with open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
+    with _locked(folder):
+        merged = unique([*load(folder), *records])
+        _atomic(os.path.join(folder, JSONL),
+                "".join(json.dumps(dataclasses.asdict(r)) + "\n" for r in merged))
+        table = io.StringIO()
+        writer = csv.DictWriter(table, fieldnames=FIELDS)
         writer.writeheader()
-        for r in merged:
-            writer.writerow(dataclasses.asdict(r))
-    os.replace(tmp, os.path.join(folder, CSV))
+        writer.writerows(dataclasses.asdict(r) for r in merged)
+        _atomic(os.path.join(folder, CSV), table.getvalue())
     return merged
 
 
+@contextlib.contextmanager
+def _locked(folder: str):
+    """Hold an exclusive lock on `<folder>/records.lock` (waiting for other writers)."""
+    with open(os.path.join(folder, LOCK), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _atomic(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    tmp = path + ".tmp"  # one writer at a time (the lock), so one temporary name is enough
+    with open(tmp, "w", newline="") as f:
         f.write(text)
     os.replace(tmp, path)
 
