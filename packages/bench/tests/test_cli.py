@@ -107,3 +107,43 @@ def test_quick_on_a_cpu_says_what_ran(tmp_path, capsys):
                      "--results", str(tmp_path / "r"), "--no-plot", "--warmup", "1",
                      "--samples", "2", "--budget-s", "1"])
     assert code == 0 and "ran the cpu suite instead" in capsys.readouterr().out
+
+
+def _no_benchmark(*_args, **_kwargs):
+    raise AssertionError("a benchmark ran")
+
+
+def test_an_unwritable_results_folder_fails_before_any_benchmark(tmp_path, capsys,
+                                                                  monkeypatch):
+    from pallasite.bench import runner
+
+    monkeypatch.setattr(runner, "run_one", _no_benchmark)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    code = cli.main(["--smoke", "--implementation", "xla", "--results", str(blocker / "r")])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--results {str(blocker / 'r')!r}" in err and "not writable" in err
+
+
+def test_a_truncated_records_file_is_reported_before_any_benchmark(tmp_path, recwarn,
+                                                                    monkeypatch):
+    """The warning names file:line and comes before the first benchmark; the run goes on
+    and its records are kept."""
+    from pallasite.bench import runner
+
+    folder = tmp_path / "results"
+    folder.mkdir()
+    (folder / records.JSONL).write_text('{"kernel": "grouped_projection.fwd", "imp')
+    real = runner.run_one
+    said = []
+
+    def run_one(*args, **kwargs):
+        said.append([str(w.message) for w in recwarn])  # warned before the first benchmark
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "run_one", run_one)
+    code, _ = _run(tmp_path, "--implementation", "xla", "--op", "grouped_projection",
+                   "--no-plot")
+    assert code == 0
+    assert any(f"{folder / records.JSONL}:1: skipped" in m for m in said[0]), said[0]
+    assert [r.implementation for r in records.load(str(folder))] == ["xla"]

@@ -129,3 +129,29 @@ def test_two_processes_writing_one_folder_keep_every_record(tmp_path):
     with open(os.path.join(folder, records.CSV)) as f:
         assert len(list(csv.DictReader(f))) == 2 * n
     assert not [p for p in os.listdir(folder) if p.endswith(".tmp")]
+
+
+def test_a_truncated_last_line_is_skipped_naming_file_and_line(tmp_path):
+    """A run killed mid-write (or a full disk) leaves half a line: load warns with
+    file:line and keeps the rest; the next write keeps its new record and drops the half."""
+    folder = str(tmp_path / "results")
+    records.write([_record(), _record(implementation="b")], folder)
+    path = os.path.join(folder, records.JSONL)
+    with open(path, "a") as f:
+        f.write('{"kernel": "grouped_projection.fwd", "implem')
+    with pytest.warns(UserWarning, match=f"{path}:3: skipped"):
+        assert [r.implementation for r in records.load(folder)] == ["xla", "b"]
+    with pytest.warns(UserWarning, match=f"{path}:3"):
+        merged = records.write([_record(implementation="c")], folder)
+    assert [r.implementation for r in merged] == ["xla", "b", "c"]
+    assert len(open(path).read().splitlines()) == 3
+
+
+@pytest.mark.parametrize("line", ["[1, 2]", '{"kernel": "x"}', "null"])
+def test_a_line_that_is_not_a_record_is_skipped(tmp_path, line):
+    folder = str(tmp_path / "results")
+    records.write([_record()], folder)
+    with open(os.path.join(folder, records.JSONL), "a") as f:
+        f.write(line + "\n")
+    with pytest.warns(UserWarning, match=f"{records.JSONL}:2: skipped"):
+        assert len(records.load(folder)) == 1

@@ -160,6 +160,12 @@ def main(argv=None) -> int:
         for c, i in pairs:
             print(c.kernel, c.shape, i.name)
         return 0
+    try:  # before any benchmark: a run must not fail, or lose its records, at the end
+        records.prepare(args.results)
+    except OSError as err:
+        print(f"pallasite-bench: --results {args.results!r} is not writable: {err}",
+              file=sys.stderr)
+        return 2
     device = jax.devices()[0]
     roof = roofline.measure_ceilings(device) if args.measure_ceilings else None
     options = {"mamba_ssm_path": args.mamba_ssm_path, "warmup": args.warmup,

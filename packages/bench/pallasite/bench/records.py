@@ -22,6 +22,7 @@ import json
 import os
 import subprocess
 import time
+import warnings
 from collections.abc import Iterable
 
 STATUSES = ("ok", "wrong", "unsupported", "crashed")
@@ -102,17 +103,41 @@ def unique(records: Iterable[Record]) -> list[Record]:
 
 
 def load(folder: str) -> list[Record]:
+    """The folder's records. A line that is not a whole record (the half line a killed run
+    or a full disk leaves) is skipped with a warning naming file:line: the next write
+    drops it and keeps everything else."""
     path = os.path.join(folder, JSONL)
     if not os.path.exists(path):
         return []
     out = []
     with open(path) as f:
-        for line in f:
-            if line.strip():
-                data = json.loads(line)
-                data.setdefault("mesh", "")  # records from before sharded runs
-                out.append(Record(**{k: v for k, v in data.items() if k in FIELDS}))
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(_parse(line))
+            except (ValueError, TypeError) as err:
+                warnings.warn(f"{path}:{number}: skipped, not a whole record ({err})",
+                              stacklevel=2)
     return out
+
+
+def _parse(line: str) -> Record:
+    data = json.loads(line)
+    if not isinstance(data, dict):
+        raise TypeError(f"a JSON {type(data).__name__}, not an object")
+    data.setdefault("mesh", "")  # records from before sharded runs
+    return Record(**{k: v for k, v in data.items() if k in FIELDS})
+
+
+def prepare(folder: str) -> list[Record]:
+    """Make `folder`, prove it writable (its lock file) and read its records, so that a
+    folder that cannot be written or holds a damaged line is reported before a run starts
+    rather than after its first benchmark. OSError where it cannot be written."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, LOCK), "a"):
+        pass
+    return load(folder)
 
 
 def write(records: Iterable[Record], folder: str) -> list[Record]:
