@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from typing import Callable
 
 import jax
@@ -206,7 +207,8 @@ def moe_block(params, x, config: MoeConfig, mesh, *, axis: str = "expert",
 
     capacity_factor: receive rows per device (ragged) or per device pair (padded) as a
     multiple of the average, T*k/D and T*k/D^2 per device; rows past it are dropped.
-    `capacity_factor=None` sizes the buffers for the worst case (nothing is dropped).
+    A finite number > 0 (else ValueError). `capacity_factor=None` sizes the buffers for
+    the worst case (nothing is dropped).
     project: the expert matmul (pallasite_project by default; ragged_dot_project is the
     peer)."""
     if dispatch not in DISPATCHES:
@@ -217,6 +219,7 @@ def moe_block(params, x, config: MoeConfig, mesh, *, axis: str = "expert",
                          f"devices of axis {axis!r}")
     if x.shape[0] % devices:
         raise ValueError(f"x has {x.shape[0]} tokens; they must split over {devices} devices")
+    _check_capacity_factor(capacity_factor)
     assignments = x.shape[0] // devices * config.top_k  # per device
     if capacity_factor is None:  # the worst case: every row to one device
         capacity = assignments * devices if dispatch == "ragged" else assignments
@@ -234,6 +237,17 @@ def moe_block(params, x, config: MoeConfig, mesh, *, axis: str = "expert",
         x = place(x, P(axis))
     return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(axis)), out_specs=P(axis),
                          check_vma=False)(params, x)
+
+
+def _check_capacity_factor(capacity_factor) -> None:
+    """None, or a finite number > 0: zero or less would size the receive buffers at no rows
+    (an indexing error deep inside XLA), and inf or NaN at no integer number of rows."""
+    if capacity_factor is None:
+        return
+    if (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, numbers.Real)
+            or not 0 < capacity_factor < float("inf")):
+        raise ValueError(f"capacity_factor={capacity_factor!r}: need a finite number > 0, "
+                         "or None for buffers that drop nothing")
 
 
 def reference(params, x, config: MoeConfig):

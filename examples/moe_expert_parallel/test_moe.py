@@ -93,6 +93,17 @@ def test_bad_arguments_are_refused():
         moe.moe_block(moe.init_params(jax.random.key(0), odd), x, odd, mesh)
 
 
+@pytest.mark.parametrize("factor", [0, -1.0, float("nan"), float("inf"), "2"])
+@pytest.mark.parametrize("dispatch", ["ragged", "padded"])
+def test_a_capacity_factor_that_is_not_positive_is_refused_by_name(dispatch, factor):
+    """0 or less would size the receive buffers at zero rows or fewer (an error deep in
+    XLA); refused before anything is traced."""
+    mesh = _mesh(jax.devices()[:2])
+    params, x, _ = _inputs()
+    with pytest.raises(ValueError, match=f"capacity_factor={factor!r}"):
+        moe.moe_block(params, x, CONFIG, mesh, dispatch=dispatch, capacity_factor=factor)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("devices", [1, 2])
 @pytest.mark.parametrize("dispatch", ["ragged", "padded"])
