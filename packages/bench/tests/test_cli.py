@@ -22,7 +22,7 @@ def test_cli_smoke(tmp_path, capsys):
     assert code == 0
     assert "Kernel timings" in out and "need a GPU" in out
     assert "gp.fwd" in out and "ssd.fwd" in out
-    table = out[out.index("kernel  "):out.index("(* peer")]
+    table = out[out.index("kernel  "):out.index("records: ")]
     assert max(len(line) for line in table.splitlines()) <= cli.TABLE_WIDTH
     recs = records.load(folder)
     by = {(r.kernel, r.implementation): r for r in recs}
@@ -147,3 +147,10 @@ def test_a_truncated_records_file_is_reported_before_any_benchmark(tmp_path, rec
     assert code == 0
     assert any(f"{folder / records.JSONL}:1: skipped" in m for m in said[0]), said[0]
     assert [r.implementation for r in records.load(str(folder))] == ["xla"]
+
+
+def test_help_points_to_the_field_docs(capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "docs/benchmarks.md" in out and "roof%" in out and "rel_l2" in out

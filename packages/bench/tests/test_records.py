@@ -155,3 +155,21 @@ def test_a_line_that_is_not_a_record_is_skipped(tmp_path, line):
         f.write(line + "\n")
     with pytest.warns(UserWarning, match=f"{records.JSONL}:2: skipped"):
         assert len(records.load(folder)) == 1
+
+
+def test_table_keeps_long_notes_whole_and_explains_its_columns():
+    """A note too long for the last column goes whole onto the lines below its row, not cut
+    to a few characters; a legend says what roof% and rel_l2 are and where the rest is."""
+    from pallasite.bench import cli
+
+    reason = ("kernel timings need a GPU/TPU; " * 6).strip()
+    text = cli.table([_record(implementation="reference.ssd_chunked", peer=True,
+                              status="unsupported", reason=reason),
+                      _record(timing="host", steady_state_time=1e-3)])
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= cli.TABLE_WIDTH
+    assert "..." not in text and reason in " ".join(line.strip() for line in lines)
+    assert lines[3].startswith("    ") and lines[-1].startswith("Every field")
+    legend = " ".join(lines[lines.index(next(x for x in lines if x.startswith("* "))):])
+    for words in ("roof%:", "rel_l2:", "docs/benchmarks.md"):
+        assert words in legend

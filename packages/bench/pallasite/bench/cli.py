@@ -28,7 +28,9 @@ CPU_NOTE = ("No GPU or TPU here: the Pallas kernels run through the interpreters
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="pallasite-bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="pallasite-bench", description=__doc__.split("\n")[0],
+                                epilog=LEGEND.replace("* a peer", "In the table, * marks a peer")
+                                + " " + DOCS)
     p.add_argument("--quick", action="store_true", help="one small shape per op")
     p.add_argument("--smoke", action="store_true",
                    help="smallest subset (one tiny shape per op, forward): for tests")
@@ -79,8 +81,18 @@ TABLE_WIDTH = 120
 _SHORT_OP = {ops.GP: "gp", ops.SSD: "ssd"}
 
 
+LEGEND = ("* a peer, not pallasite's. compile_s: lower and compile; time_ms: median per call. "
+          "roof%: the device's roofline time for the op's flops and minimum bytes, "
+          "max(flops / peak, bytes / bandwidth), as a share of the measured time (100 is at "
+          "the ceiling). rel_l2: relative L2 error ||out - ref|| / ||ref|| of the outputs "
+          "against the reference; status wrong where it exceeds the dtype's tolerance.")
+DOCS = "Every field, and how it is measured: docs/benchmarks.md."
+
+
 def table(recs: list[records.Record], width: int = TABLE_WIDTH) -> str:
-    """One line per record, at most `width` columns: the note takes what is left."""
+    """One line per record, at most `width` columns, then the legend. A note longer than
+    the room left at the end of its row goes whole onto indented lines below it: notes
+    are reasons (why unsupported, what crashed), useless cut to a few characters."""
     head = ("kernel", "shape", "implementation", "status", "compile_s", "time_ms",
             "TFLOP/s", "TB/s", "roof%", "rel_l2", "note")
     rows = [head]
@@ -102,10 +114,12 @@ def table(recs: list[records.Record], width: int = TABLE_WIDTH) -> str:
     for row in rows:
         cells = [str(c).ljust(w) for c, w in zip(row, widths)]
         note = str(row[-1])
-        cells.append(note if len(note) <= room else note[:room - 3] + "...")
-        lines.append("  ".join(cells).rstrip())
+        lines.append("  ".join(cells + [note if len(note) <= room else ""]).rstrip())
+        if len(note) > room:
+            lines += textwrap.wrap(note, width, initial_indent="    ",
+                                   subsequent_indent="    ")
     lines.insert(1, "-" * min(width, max(len(line) for line in lines)))
-    return "\n".join(lines) + "\n(* peer; the records hold the full notes)"
+    return "\n".join(lines + textwrap.wrap(LEGEND, width) + [DOCS])
 
 
 def scaling_table(recs: list[records.Record]) -> str:
