@@ -154,3 +154,28 @@ def test_help_points_to_the_field_docs(capsys):
         cli.parse_args(["--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "docs/benchmarks.md" in out and "roof%" in out and "rel_l2" in out
+
+
+@pytest.mark.parametrize("flag, pattern, known", [
+    ("--shape", "olmo3", "olmoe"), ("--implementation", "trition", "pallas_triton")])
+def test_a_filter_that_matches_nothing_is_an_error_listing_the_names(tmp_path, capsys, flag,
+                                                                     pattern, known):
+    folder = tmp_path / "results"
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([flag, pattern, "--results", str(folder)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"{flag} {pattern!r} matches no" in err and known in err
+    assert not folder.exists()
+
+
+def test_filters_that_leave_nothing_to_run_are_an_error(tmp_path, capsys, monkeypatch):
+    """Each filter matches something, but no case of the suite has such an implementation."""
+    from pallasite.bench import runner
+
+    monkeypatch.setattr(runner, "run_one", _no_benchmark)
+    folder = tmp_path / "results"
+    code = cli.main(["--smoke", "--op", "chunk_ssd", "--implementation", "ragged_dot",
+                     "--results", str(folder)])
+    err = capsys.readouterr().err
+    assert code == 2 and "nothing to run" in err and "reference.ssd_chunked" in err
+    assert not folder.exists()

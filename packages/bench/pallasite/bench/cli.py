@@ -57,7 +57,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--copies", type=int, default=None, help="input sets to rotate (override)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("-v", "--verbose", action="store_true", help="tracebacks of crashes")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    _check_names(p, args)
+    return args
+
+
+def _check_names(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit with a usage error (status 2) listing the valid names where a --shape or
+    --implementation pattern matches none: a typo would otherwise run nothing and exit 0."""
+    for flag, patterns, known in (("--shape", args.shapes, suites.shape_names()),
+                                  ("--implementation", args.impls, _impl_names())):
+        for pattern in patterns or ():
+            if not any(pattern in name for name in known):
+                parser.error(f"{flag} {pattern!r} matches no name (substrings of): "
+                             + ", ".join(known))
+
+
+def _impl_names(op: str | None = None) -> list[str]:
+    return list(dict.fromkeys(i.name for i in impls.IMPLS if op in (None, i.op)))
 
 
 def choose_cases(args, backend: str, devices: int = 1) -> tuple[str, list[ops.Case]]:
@@ -170,6 +187,12 @@ def main(argv=None) -> int:
     suite_name, cases = choose_cases(args, backend, jax.device_count())
     pairs = [(c, i) for c in cases for i in impls.select(c.op, args.impls)
              if not (args.no_peers and i.peer)]
+    if not pairs:  # each filter matched something, but not together
+        print(f"pallasite-bench: nothing to run: no case of suite {suite_name!r} passes "
+              "these filters with an implementation matching them. Implementations: "
+              + "; ".join(f"{op}: {', '.join(_impl_names(op))}" for op in (ops.GP, ops.SSD))
+              + f". Shapes: {', '.join(suites.shape_names())}.", file=sys.stderr)
+        return 2
     if args.list:
         for c, i in pairs:
             print(c.kernel, c.shape, i.name)
