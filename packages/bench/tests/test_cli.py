@@ -179,3 +179,37 @@ def test_filters_that_leave_nothing_to_run_are_an_error(tmp_path, capsys, monkey
     err = capsys.readouterr().err
     assert code == 2 and "nothing to run" in err and "reference.ssd_chunked" in err
     assert not folder.exists()
+
+
+def _fake(impl, peer, status):
+    return records.Record(kernel="grouped_projection.fwd_bwd", implementation=impl,
+                          shape="quick[m=8]", dtype="bfloat16", backend="gpu",
+                          device_kind="NVIDIA H200", device_count=1, mesh="", block_sizes="",
+                          status=status, peer=peer, timing="device", flops=1e12, bytes=1e9,
+                          steady_state_time=1e-2, tflops=100.0, error_rel_l2=0.5)
+
+
+def test_a_wrong_peer_is_reported_but_does_not_fail_the_run(tmp_path, capsys, monkeypatch):
+    """The exit status speaks for pallasite's own implementations; a peer's wrong result
+    is in the records, the table and the count."""
+    from pallasite.bench import runner
+
+    monkeypatch.setattr(runner, "run_one", lambda case, impl, ctx: _fake(
+        impl.name, impl.peer, "wrong" if impl.name == "jax.lax.ragged_dot" else "ok"))
+    code, _ = _run(tmp_path, "--op", "grouped_projection", "--implementation", "xla",
+                   "--implementation", "ragged_dot", "--no-plot")
+    out = capsys.readouterr().out
+    assert code == 0 and "1 wrong (1 of them a peer's)" in out
+    monkeypatch.setattr(runner, "run_one", lambda case, impl, ctx: _fake(
+        impl.name, impl.peer, "wrong"))
+    code, _ = _run(tmp_path, "--op", "grouped_projection", "--implementation", "xla",
+                   "--no-plot")
+    assert code == 1
+
+
+def test_wrong_points_are_red_peers_or_not():
+    """The plot's title says red is wrong: a wrong peer's point is red, not gray."""
+    colours = [plot.colour(_fake(impl, peer, status)) for impl, peer, status in (
+        ("xla", False, "ok"), ("xla", False, "wrong"), ("tokamax.mosaic", True, "ok"),
+        ("tokamax.mosaic", True, "wrong"))]
+    assert colours == ["tab:blue", "tab:red", "tab:gray", "tab:red"]

@@ -24,6 +24,14 @@ def _label(r: Record) -> str:
     return f"{r.implementation} {_SHORT.get(op, op)} {r.shape.split('[')[0]} {direction}"
 
 
+def colour(r: Record) -> str:
+    """Red for a wrong result, whoever's (the title says so); else gray for a peer, blue
+    for pallasite."""
+    if r.status == "wrong":
+        return "tab:red"
+    return "tab:gray" if r.peer else "tab:blue"
+
+
 def _free_offset(ax, x: float, y: float, placed: list, step: float = 9.0) -> float:
     """A vertical label offset (points) that keeps this label off the ones placed so far."""
     px, py = ax.transData.transform((x, y))
@@ -75,7 +83,7 @@ def roofline_png(records: Sequence[Record], roof: Roofline, path: str,
     placed: list[tuple[float, float]] = []  # label anchors in display pixels
     for r, x in sorted(zip(timed, intensity), key=lambda p: (p[1], -p[0].tflops)):
         op = r.kernel.split(".")[0]
-        color = "tab:gray" if r.peer else ("tab:red" if r.status != "ok" else "tab:blue")
+        color = colour(r)
         ax.scatter([x], [r.tflops], marker=markers.get(op, "^"), color=color, zorder=3)
         ax.annotate(_label(r), (x, r.tflops), fontsize=7, textcoords="offset points",
                     xytext=(6, _free_offset(ax, x, r.tflops, placed)), color=color,
