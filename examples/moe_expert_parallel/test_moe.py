@@ -104,6 +104,25 @@ def test_a_capacity_factor_that_is_not_positive_is_refused_by_name(dispatch, fac
         moe.moe_block(params, x, CONFIG, mesh, dispatch=dispatch, capacity_factor=factor)
 
 
+def test_the_readme_cpu_snippet_runs():
+    """README.md's CPU form, as written, in a fresh process from the repository root."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    readme = open(os.path.join(here, "README.md")).read()
+    snippet = next(s for s in re.findall(r"```python\n(.*?)```", readme, re.S)
+                   if 'dispatch="padded"' in s)
+    check = "\nassert y.shape == x.shape and bool(jnp.isfinite(y.astype(jnp.float32)).all())"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("XLA_FLAGS", None)  # the snippet asks for its own host devices
+    run = subprocess.run([sys.executable, "-c", snippet + check], cwd=os.path.dirname(
+        os.path.dirname(here)), env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("devices", [1, 2])
 @pytest.mark.parametrize("dispatch", ["ragged", "padded"])
