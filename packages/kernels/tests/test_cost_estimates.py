@@ -1,5 +1,5 @@
-"""Every pallas_call's cost estimate (14 calls: the grouped gmm and tgmm of three backends,
-six SSD Triton kernels, the SSD Mosaic TPU forward and backward) against a hand count.
+"""Every pallas_call's cost estimate (13 calls: the grouped gmm and tgmm of three backends,
+five SSD Triton kernels, the SSD Mosaic TPU forward and backward) against a hand count.
 
 The estimates come from pl.estimate_cost on each call's body-equivalent function and the
 bytes of the call's operands and results (pallasite.kernels.cost). The hand counts below
@@ -9,7 +9,11 @@ op, one transcendental per exp; selects, casts and reductions are not counted.
 
 from __future__ import annotations
 
+import ast
+import glob
 import math
+import os
+import re
 
 import jax
 import jax.extend
@@ -179,3 +183,29 @@ def test_ssd_mosaic_tpu():
            progs * (C * C + 2 * C + 1),
            xb + 2 * bcb + acs2 + stb + xb + sb + xb + 2 * per_head
            + _bytes(((B, H, NC, 1, C), F32)) + sb)
+
+
+_DOC = os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "benchmarks.md")
+
+
+def _call_sites() -> list[str]:
+    """"file:line" of every `pl.pallas_call(...)` and `pl.kernel(...)` in the kernels."""
+    root = os.path.dirname(os.path.abspath(cost.__file__))
+    sites = []
+    for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        sites += [f"{os.path.relpath(path, root)}:{node.lineno}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr in ("pallas_call", "kernel")
+                  and isinstance(node.func.value, ast.Name) and node.func.value.id == "pl"]
+    return sites
+
+
+def test_the_docs_count_the_calls_in_the_code():
+    """docs/benchmarks.md says how many calls this file checks: the count of call sites in
+    the code, so a new kernel is seen to need its hand count."""
+    with open(_DOC) as f:
+        said = int(re.search(r"checks all (\d+) calls", f.read()).group(1))
+    sites = _call_sites()
+    assert said == len(sites), sites
