@@ -79,6 +79,14 @@ def mosaic_gpu_runs(device: Any = None) -> bool:
     return _cuda_capability(device) == (9, 0)
 
 
+def fp8_runs(device: Any = None) -> bool:
+    """fp8 (e4m3, e5m2) conversions and tensor-core products: a CUDA GPU from sm89 (Ada,
+    Hopper and later). Triton refuses the float8_e4m3fn cast below sm89."""
+    device = device if device is not None else _default_device()
+    cc = _cuda_capability(device)
+    return cc is not None and cc >= (8, 9)
+
+
 def bf16_dot_runs(device: Any = None) -> bool:
     """A bf16 x bf16 -> fp32 dot runs natively: every TPU and CPU, a CUDA GPU from sm80."""
     device = device if device is not None else _default_device()

@@ -1,0 +1,446 @@
+"""fp8 grouped products on Hopper (sm90) through Pallas Mosaic GPU: e4m3 wgmma with
+DeepSeek-V3's block scales, each 128-deep step promoted to an fp32 accumulator.
+
+Backend contract. `gmm` and `tgmm` take the same arguments as every grouped backend's
+(pallas_mosaic_gpu.py: floating lhs/rhs, group_sizes, group_offset, transpose_rhs,
+out_dtype, block_sizes, interpret) and quantize their operands first, in the layouts the
+tensor cores read (pallasite.kernels.quantization): the sharding planners and the
+custom_vjp of ops.py use them unchanged (recipe="fp8"). `gmm_quantized` and
+`tgmm_quantized` take operands already quantized.
+
+Layouts. fp8 wgmma reads both operands K-major (the contraction contiguous), so every
+product here is `A [M, K] @ B[N, K]^T`, 128 deep per step:
+  forward  A = Q(x) [m, k] (1 x 128 blocks), B = Q(kernel) [g, n, k] (128 x 128 blocks,
+           written transposed by the quantizer);
+  dx       A = Q(dy) [m, n], B = Q(kernel) [g, k, n] (as stored);
+  dkernel  A = Qt(x) [k, tokens], B = Qt(dy) [n, tokens]: token blocks of 128 rows that
+           never straddle groups (grouped_matmul/token_blocks.py), stored transposed, so
+           each group's rows are whole 128-token steps.
+Scales: A's are one per row per step (read as a [128] vector per step from a transposed
+[K/128, M] array); B's one per step for the whole 128-column tile (gmm: the 128 x 128
+weight block) or one per column (tgmm: the token blocks).
+
+Kernel. A persistent grid (one program per SM) walks (row tile, column tile) pairs in a
+planar snake; a producer warpgroup streams A, A's scales and B through `stages` TMA
+buffers; two consumer warpgroups each own 64 rows of the 128 x 128 tile. Per step a
+consumer runs its wgmmas into a fresh accumulator, waits for them, and adds them, times
+(row scale x column scale), into its fp32 total: Hopper's fp8 wgmma keeps fewer bits in
+its own sums than fp32, so partial sums never run past one 128-deep step (DeepSeek's
+promotion). The other consumer's wgmmas keep the tensor cores busy meanwhile. A 64 x 128
+consumer tile holds 64 + 64 accumulator registers per thread; a 128 x 128 tile (or 64 x
+256) would hold 256 with the fresh accumulator, more than a thread has. gmm's row tiles
+come from the bf16 kernel's table (no tile straddles two groups; rows of no group are
+zero tiles with no matmul) and its ragged row stores; tgmm's tiles are (group, k tile,
+n tile), each over its group's token blocks.
+
+Measured on one H200 (2026-12-02, a dense probe of this kernel form, queued timing):
+8192^3 with 128 x 128 tiles and 4 stages 1170 TFLOP/s, 128 x 256 tiles (two promotion
+chunks) 1000-1020; at mixtral's dims (32768 x 14336 x 4096) 1101 against 929-957.
+docs/fp8.md has the grouped figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxtyping import Array, Float, Int, Shaped
+
+from pallasite.kernels import platform, sharding
+from pallasite.kernels.grouped_matmul import costs, pallas_mosaic_gpu as bf16
+from pallasite.kernels.grouped_matmul import tuning_benchmarks
+from pallasite.kernels.grouped_matmul.group_metadata import local_groups
+from pallasite.kernels.grouped_matmul.token_blocks import token_blocks
+from pallasite.kernels.quantization import api as quantization
+from pallasite.reference.quantization import TOKEN_BLOCK
+
+BLOCK = TOKEN_BLOCK  # rows per tile (two consumers x 64), columns per tile, k per step
+_CONSUMER_ROWS = BLOCK // 2
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGpuFp8BlockSizes:
+    """The fp8 kernels' tuning knobs. Tiles are fixed at 128 x 128 x 128: 128 deep is one
+    scale step, 128 columns one weight scale block, and two consumers of 64 rows is what
+    the promotion's second accumulator leaves registers for (module docstring).
+    stages: TMA buffers in flight (cut to what shared memory holds); grid_block_n: the
+    planar snake's width in column tiles."""
+
+    stages: int = 4
+    grid_block_n: int = 8
+
+    def __post_init__(self):
+        for name in ("stages", "grid_block_n"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"MosaicGpuFp8BlockSizes.{name} must be a positive int, "
+                                 f"got {value!r}")
+        if self.stages < 2:
+            raise ValueError(f"MosaicGpuFp8BlockSizes.stages must be at least 2, got {self.stages}")
+
+
+# Defaults from the dense probe above (H200, 2026-12-02): 4 stages, snake width 8.
+DEFAULT = MosaicGpuFp8BlockSizes(stages=4, grid_block_n=8)
+
+
+def default_block_sizes(*, product: str, m: int, k: int, n: int, g: int) -> MosaicGpuFp8BlockSizes:
+    del product, m, k, n, g
+    return DEFAULT
+
+
+def resolve_block_sizes(block_sizes: Any, *, product: str, m: int, k: int, n: int, g: int,
+                        interpret: bool = True) -> MosaicGpuFp8BlockSizes:
+    """The caller's blocks, else the tuned table / autotune cache, else a bounded autotune
+    (compiled on a Hopper GPU only; PALLASITE_AUTOTUNE=0 turns it off), else DEFAULT."""
+    return tuning_benchmarks.select_block_sizes(
+        sys.modules[__name__], "pallas_mosaic_gpu_fp8", MosaicGpuFp8BlockSizes, block_sizes,
+        product=product, dims={"m": m, "k": k, "n": n, "g": g}, dtype=jnp.float8_e4m3fn,
+        default=default_block_sizes(product=product, m=m, k=k, n=n, g=g),
+        tune_here=not interpret and platform.mosaic_gpu_runs(),
+    )
+
+
+def _stages(bs: MosaicGpuFp8BlockSizes, out_bytes: int) -> int:
+    """bs.stages cut to what shared memory holds: per stage A and B (fp8, 128 x 128 each)
+    and two [128] fp32 scale vectors; one 64 x 128 output slot per consumer."""
+    per_stage = 2 * BLOCK * BLOCK + 2 * BLOCK * 4
+    slots = 2 * _CONSUMER_ROWS * BLOCK * out_bytes
+    return int(min(bs.stages, (bf16._SMEM_BYTES - slots) // per_stage))
+
+
+def _transforms(dtype):
+    return bf16._swizzle_transforms(dtype)
+
+
+def _row_scales(scales_smem, wg):
+    """This consumer's 64 rows of a [1, 128] scale block, one per accumulator row."""
+    return plgpu.load(scales_smem.at[0, pl.ds(wg * _CONSUMER_ROWS, _CONSUMER_ROWS)],
+                      layout=plgpu.Layout.WGMMA.reduce(1))
+
+
+def _promote(total, a, b_t, scale, live):
+    """total + (a @ b_t^T) * scale, the product summed by the tensor cores in one fresh
+    accumulator (waited for) and promoted at once. scale: a [64, 128] broadcast, zero
+    where not `live` (no wgmma runs then, and the fresh accumulator stays zero)."""
+    def product(acc_ref):
+        @pl.when(live)
+        def _():
+            plgpu.wgmma(acc_ref, a, b_t.transpose((1, 0)))
+
+        return acc_ref[...]
+
+    fresh = pl.run_scoped(product, plgpu.ACC((_CONSUMER_ROWS, BLOCK), jnp.float32))
+    return total + fresh * scale
+
+
+def _mesh(interpret: bool):
+    """One program per SM, of two consumer warpgroups and a producer ("wg")."""
+    return plgpu.Mesh(grid=(bf16._num_programs(interpret),), grid_names=("sm",),
+                      num_threads=3, thread_name="wg")
+
+
+def _where(live, value):
+    """value where `live` (a scalar), else zeros: a select, so a NaN scale of rows that are
+    not computed cannot reach the total as 0 * NaN. The predicate is broadcast by hand
+    (warpgroup lowering has no implicit broadcast in a select)."""
+    mask = lax.broadcast_in_dim(live, value.shape, ())
+    return jnp.where(mask, value, jnp.zeros_like(value))
+
+
+def _zeros():
+    return plgpu.layout_cast(jnp.zeros((_CONSUMER_ROWS, BLOCK), jnp.float32), plgpu.Layout.WGMMA)
+
+
+def _pipeline(mma, compute_context, in_specs, stages, steps):
+    return plgpu.emit_pipeline_warp_specialized(
+        mma, grid=(steps,), memory_registers=40, in_specs=in_specs, wg_axis="wg",
+        num_compute_wgs=2, max_concurrent_steps=stages, compute_context=compute_context)
+
+
+def _specs(index_a, index_b, b_scales_block):
+    """In specs: A [128, 128], A's scales [1, 128], B [128, 128], and B's scales."""
+    fp8 = jnp.float8_e4m3fn
+    spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
+    specs = [spec((BLOCK, BLOCK), index_a, transforms=_transforms(fp8)),
+             spec((1, BLOCK), lambda kk: (index_a(kk)[1], 0)),
+             spec((BLOCK, BLOCK), index_b, transforms=_transforms(fp8))]
+    if b_scales_block is not None:
+        specs.append(spec(b_scales_block, lambda kk: (index_b(kk)[1], 0)))
+    return specs
+
+
+# --------------------------------------------------------------------------- gmm
+
+
+def _gmm_kernel(m, k, n, g, bs: MosaicGpuFp8BlockSizes, stages: int):
+    grid_n = n // BLOCK
+    k_steps = k // BLOCK
+    index = lambda kk: (0, kk)  # noqa: E731 - A and B blocks of step kk
+
+    def body(table_gmem, count_gmem, lhs_gmem, lhs_scales_gmem, rhs_gmem, rhs_scales_gmem,
+             out_gmem):
+        num_tiles = count_gmem[0]
+        wg = lax.axis_index("wg")
+        specs = _specs(index, index, None)
+        ignore = lambda *_, **__: None  # noqa: E731 - allocations do not depend on the body
+        allocs = _pipeline(ignore, ignore, specs, stages, stages).get_allocations(
+            lhs_gmem.at[pl.ds(0, BLOCK)], lhs_scales_gmem.at[:, pl.ds(0, BLOCK)],
+            rhs_gmem.at[0, pl.ds(0, BLOCK)])
+        o_type = plgpu.SMEM((2, _CONSUMER_ROWS, BLOCK), out_gmem.dtype,
+                            transforms=bf16._swizzle_transforms(out_gmem.dtype, rows=1))
+
+        @functools.partial(pl.run_scoped, allocations=allocs, o_smem=o_type,
+                           collective_axes="wg")
+        def _(allocations, o_smem):
+            @plgpu.nd_loop((num_tiles * grid_n,), collective_axes="sm")
+            def _(info):
+                mi, ni = plgpu.planar_snake(info.index[0], (num_tiles, grid_n), 1,
+                                            bs.grid_block_n)
+                seg = table_gmem[0, mi]
+                load0 = pl.multiple_of(table_gmem[1, mi], 8)
+                row0 = table_gmem[2, mi]
+                rows = table_gmem[3, mi]
+                live = seg < g  # else rows of no group: no matmul, zeros stored
+                gi = jnp.minimum(seg, g - 1)
+
+                def mma(idx, a_smem, a_scales_smem, b_smem, total):
+                    weight_scale = rhs_scales_gmem[gi, ni, idx[0]]
+                    scale = _where(live, _row_scales(a_scales_smem, wg) * weight_scale)
+                    a = a_smem.at[pl.ds(wg * _CONSUMER_ROWS, _CONSUMER_ROWS)]
+                    shape = (_CONSUMER_ROWS, BLOCK)
+                    return _promote(total, a, b_smem, lax.broadcast_in_dim(scale, shape, [0]),
+                                    live)
+
+                def compute_context(run_pipeline):
+                    total = run_pipeline(_zeros())
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slot free again
+                    # This consumer's rows of the tile that are the group's.
+                    mine = wg * _CONSUMER_ROWS
+                    lo = jnp.maximum(row0 - load0, mine)
+                    hi = jnp.minimum(row0 - load0 + rows, mine + _CONSUMER_ROWS)
+                    bf16._store_rows_from(total, o_smem.at[wg], out_gmem, load0 + lo,
+                                          jnp.maximum(hi - lo, 0), lo - mine, ni * BLOCK,
+                                          _CONSUMER_ROWS)
+
+                _pipeline(mma, compute_context, specs, stages, bf16._k_steps(live, k_steps, 0))(
+                    lhs_gmem.at[pl.ds(load0, BLOCK)], lhs_scales_gmem.at[:, pl.ds(load0, BLOCK)],
+                    rhs_gmem.at[gi, pl.ds(ni * BLOCK, BLOCK)], allocations=allocations)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    return body
+
+
+def _pad_to(x, axis: int, multiple: int, minimum: int = 0, value=0):
+    size = x.shape[axis]
+    target = max(-(-size // multiple) * multiple, minimum)
+    if target == size:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, target - size)
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def gmm_quantized(
+    lhs: Shaped[Array, "m k"], lhs_scales_t: Float[Array, "kb m"],
+    rhs: Shaped[Array, "g n k"], rhs_scales: Float[Array, "g nb kb"],
+    group_sizes: Int[Array, " G"], *, group_offset=None, out_dtype: Any = jnp.bfloat16,
+    block_sizes: MosaicGpuFp8BlockSizes | None = None, interpret: bool = False,
+    product: str = "forward",
+) -> Float[Array, "m n"]:
+    """out[rows of group i] = dequant(lhs rows) @ dequant(rhs[i])^T, fp8 operands in the
+    layouts of the module docstring: lhs [m, k] with scales [ceil(k/128), m], rhs
+    [g, n, k] (K-major) with scales [g, ceil(n/128), ceil(k/128)]. rhs holds groups
+    [group_offset, group_offset + g) of group_sizes (all when None)."""
+    m, k = lhs.shape
+    g, n = rhs.shape[0], rhs.shape[1]
+    out_dtype = jnp.dtype(out_dtype)
+    bs = resolve_block_sizes(block_sizes, product=product, m=m, k=k, n=n,
+                             g=group_sizes.shape[0], interpret=interpret)
+    if m == 0 or n == 0 or g == 0:
+        return jnp.zeros((m, n), out_dtype)
+    kp = -(-k // BLOCK) * BLOCK
+    lhs_p = _pad_to(_pad_to(lhs, 1, BLOCK), 0, 8, BLOCK)
+    scales_p = _pad_to(lhs_scales_t, 1, 8, BLOCK, value=1.0)
+    rhs_p = _pad_to(_pad_to(rhs, 2, BLOCK), 1, BLOCK)
+    mp, np_ = lhs_p.shape[0], rhs_p.shape[1]
+    sizes, row_start = local_groups(group_sizes, group_offset, g)
+    table, count = bf16._row_tile_table(sizes, mp, BLOCK, row_start)
+    out_type = sharding.out_struct((mp, np_), out_dtype, like=lhs)
+    inputs = (table, count, lhs_p, scales_p, rhs_p, rhs_scales)
+    cost = costs.gmm(mp, kp, np_, lhs.dtype, transpose_rhs=True, inputs=inputs,
+                     outputs=(out_type,))
+    call = pl.kernel(
+        _gmm_kernel(mp, kp, np_, g, bs, min(_stages(bs, out_dtype.itemsize), kp // BLOCK)),
+        out_type=out_type,
+        mesh=_mesh(interpret),
+        compiler_params=bf16._compiler_params(),
+        interpret=bf16._interpret_params(interpret),
+        cost_estimate=cost,
+        name="grouped_projection_gmm_fp8_mosaic_gpu",
+    )
+    return call(*inputs)[:m, :n]
+
+
+# --------------------------------------------------------------------------- tgmm
+
+
+def _tgmm_kernel(k, n, g, num_blocks, bs: MosaicGpuFp8BlockSizes, stages: int):
+    grid_m, grid_n = k // BLOCK, n // BLOCK
+
+    def body(first_gmem, count_gmem, lhs_gmem, lhs_scales_gmem, rhs_gmem, rhs_scales_gmem,
+             out_gmem):
+        wg = lax.axis_index("wg")
+        zero = lambda kk: (0, kk)  # noqa: E731
+        specs = _specs(zero, zero, (1, BLOCK))
+        ignore = lambda *_, **__: None  # noqa: E731
+        # A static grid of `stages` steps: a shorter one would shrink the buffers below
+        # the `stages` the (dynamic) pipelines below use.
+        allocs = _pipeline(ignore, ignore, specs, stages, stages).get_allocations(
+            lhs_gmem.at[pl.ds(0, BLOCK)], lhs_scales_gmem.at[:, pl.ds(0, BLOCK)],
+            rhs_gmem.at[pl.ds(0, BLOCK)], rhs_scales_gmem.at[:, pl.ds(0, BLOCK)])
+        o_type = plgpu.SMEM((2, _CONSUMER_ROWS, BLOCK), out_gmem.dtype,
+                            transforms=bf16._swizzle_transforms(out_gmem.dtype))
+
+        @functools.partial(pl.run_scoped, allocations=allocs, o_smem=o_type,
+                           collective_axes="wg")
+        def _(allocations, o_smem):
+            @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
+            def _(info):
+                gi = info.index[0]
+                mi, ni = plgpu.planar_snake(info.index[1], (grid_m, grid_n), 1, bs.grid_block_n)
+                count = count_gmem[gi]
+                live = count > 0  # an empty group runs one step and stores zeros
+                steps = jnp.maximum(count, 1)
+                first = jnp.minimum(first_gmem[gi], num_blocks - steps)
+                index = lambda kk: (0, first + kk)  # noqa: E731
+
+                def mma(idx, a_smem, a_scales_smem, b_smem, b_scales_smem, total):
+                    rows = _row_scales(a_scales_smem, wg)
+                    cols = plgpu.load(b_scales_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
+                    shape = (_CONSUMER_ROWS, BLOCK)
+                    # A select, not a product: an unused block's scales may be anything.
+                    scale = _where(live, lax.broadcast_in_dim(rows, shape, [0])
+                                   * lax.broadcast_in_dim(cols, shape, [1]))
+                    a = a_smem.at[pl.ds(wg * _CONSUMER_ROWS, _CONSUMER_ROWS)]
+                    return _promote(total, a, b_smem, scale, live)
+
+                def compute_context(run_pipeline):
+                    total = run_pipeline(_zeros())
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slot free again
+                    o_smem[wg] = total.astype(o_smem.dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(
+                        o_smem.at[wg],
+                        out_gmem.at[gi, pl.ds(mi * BLOCK + wg * _CONSUMER_ROWS, _CONSUMER_ROWS),
+                                    pl.ds(ni * BLOCK, BLOCK)])
+
+                in_specs = _specs(index, index, (1, BLOCK))
+                _pipeline(mma, compute_context, in_specs, stages, steps)(
+                    lhs_gmem.at[pl.ds(mi * BLOCK, BLOCK)],
+                    lhs_scales_gmem.at[:, pl.ds(mi * BLOCK, BLOCK)],
+                    rhs_gmem.at[pl.ds(ni * BLOCK, BLOCK)],
+                    rhs_scales_gmem.at[:, pl.ds(ni * BLOCK, BLOCK)], allocations=allocations)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    return body
+
+
+def tgmm_quantized(
+    lhs_t: Shaped[Array, "k p"], lhs_scales: Float[Array, "t k"],
+    rhs_t: Shaped[Array, "n p"], rhs_scales: Float[Array, "t n"],
+    first: Int[Array, " g"], count: Int[Array, " g"], *, out_dtype: Any = jnp.float32,
+    block_sizes: MosaicGpuFp8BlockSizes | None = None, interpret: bool = False,
+    m: int | None = None,
+) -> Float[Array, "g k n"]:
+    """out[i] = sum over group i's token blocks [first[i], first[i] + count[i]) of
+    dequant(lhs block)^T-contracted with dequant(rhs block): the token-block layouts of
+    the module docstring (values [c, 128 t], scales [t, c]). m: the rows the blocks were
+    cut from (the tuning key; the token axis when None)."""
+    k, p = lhs_t.shape
+    n = rhs_t.shape[0]
+    g = first.shape[0]
+    num_blocks = lhs_scales.shape[0]
+    out_dtype = jnp.dtype(out_dtype)
+    bs = resolve_block_sizes(block_sizes, product="dkernel", m=p if m is None else m, k=k,
+                             n=n, g=g, interpret=interpret)
+    if g == 0 or k == 0 or n == 0:
+        return jnp.zeros((g, k, n), out_dtype)
+    lhs_p = _pad_to(lhs_t, 0, BLOCK)
+    rhs_p = _pad_to(rhs_t, 0, BLOCK)
+    lhs_scales_p = _pad_to(lhs_scales, 1, BLOCK, value=1.0)
+    rhs_scales_p = _pad_to(rhs_scales, 1, BLOCK, value=1.0)
+    kp, np_ = lhs_p.shape[0], rhs_p.shape[0]
+    out_type = sharding.out_struct((g, kp, np_), out_dtype, like=lhs_t)
+    inputs = (first, count, lhs_p, lhs_scales_p, rhs_p, rhs_scales_p)
+    cost = costs.gmm(kp, p, np_, lhs_t.dtype, transpose_rhs=True, inputs=inputs,
+                     outputs=(out_type,))
+    call = pl.kernel(
+        _tgmm_kernel(kp, np_, g, num_blocks, bs, _stages(bs, out_dtype.itemsize)),
+        out_type=out_type,
+        mesh=_mesh(interpret),
+        compiler_params=bf16._compiler_params(),
+        interpret=bf16._interpret_params(interpret),
+        cost_estimate=cost,
+        name="grouped_projection_tgmm_fp8_mosaic_gpu",
+    )
+    return call(*inputs)[:, :k, :n]
+
+
+# ------------------------------------------------------------- the backend contract
+
+
+def _check(lhs, rhs, group_sizes):
+    for name, a in (("lhs", lhs), ("rhs", rhs)):
+        if not jnp.issubdtype(a.dtype, jnp.floating) or jnp.dtype(a.dtype).itemsize > 4:
+            raise TypeError(f"fp8 grouped products quantize floating operands up to fp32; "
+                            f"{name} is {jnp.dtype(a.dtype).name}")
+    if group_sizes.dtype != jnp.int32:
+        raise TypeError(f"group_sizes must be int32, got {group_sizes.dtype}")
+
+
+def gmm(lhs: Float[Array, "m k"], rhs: Float[Array, "g kn nk"], group_sizes: Int[Array, " G"],
+        *, group_offset=None, transpose_rhs: bool = False, out_dtype: Any = None,
+        block_sizes: MosaicGpuFp8BlockSizes | None = None, interpret: bool = False
+        ) -> Float[Array, "m n"]:
+    """The forward (rhs [g, k, n]) or dx (transpose_rhs: dy [m, n] against rhs [g, k, n]
+    read as [g, n, k]^T) in fp8: lhs in 1 x 128 blocks, rhs in 128 x 128 blocks."""
+    _check(lhs, rhs, group_sizes)
+    q = quantization.quantizer(interpret)
+    kwargs = {"interpret": interpret} if q is not quantization.xla else {}
+    lhs_q, lhs_scales_t = q.rows(lhs, jnp.float8_e4m3fn, **kwargs)
+    # forward: B = kernel^T, [g, n, k], written so by the quantizer; dx: B = kernel as is.
+    rhs_q, rhs_scales = q.weight_blocks(rhs, jnp.float8_e4m3fn, transpose=not transpose_rhs,
+                                        **kwargs)
+    return gmm_quantized(lhs_q, lhs_scales_t, rhs_q, rhs_scales, group_sizes,
+                         group_offset=group_offset, out_dtype=out_dtype or lhs.dtype,
+                         block_sizes=block_sizes, interpret=interpret,
+                         product="dx" if transpose_rhs else "forward")
+
+
+def tgmm(lhs: Float[Array, "m k"], rhs: Float[Array, "m n"], group_sizes: Int[Array, " G"],
+         *, num_groups: int | None = None, group_offset=None, out_dtype: Any = None,
+         block_sizes: MosaicGpuFp8BlockSizes | None = None, interpret: bool = False
+         ) -> Float[Array, "g k n"]:
+    """dkernel in fp8: per local group lhs_g^T rhs_g over token blocks aligned to groups."""
+    _check(lhs, rhs, group_sizes)
+    m = lhs.shape[0]
+    g = group_sizes.shape[0] if num_groups is None else num_groups
+    sizes, row_start = local_groups(group_sizes, group_offset, g)
+    table = token_blocks(sizes, m, row_start=row_start)
+    q = quantization.quantizer(interpret)
+    kwargs = {"interpret": interpret} if q is not quantization.xla else {}
+    lhs_t, lhs_scales = q.token_blocks(lhs, table.start, table.rows, jnp.float8_e4m3fn, **kwargs)
+    rhs_t, rhs_scales = q.token_blocks(rhs, table.start, table.rows, jnp.float8_e4m3fn, **kwargs)
+    return tgmm_quantized(lhs_t, lhs_scales, rhs_t, rhs_scales, table.first, table.count,
+                          out_dtype=out_dtype or lhs.dtype, block_sizes=block_sizes,
+                          interpret=interpret, m=m)

@@ -1,0 +1,175 @@
+"""Block quantization through Pallas Triton (CUDA GPUs from sm89), in the fp8 kernels'
+layouts, one pass over the input each.
+
+- `rows`: x [m, c] in 1 x 128 blocks (the activations and the output gradient as the
+  forward and dx read them). A program takes `ROWS` rows x 128 columns, finds each row's
+  amax, writes the fp8 values and the scales transposed, `[c / 128, m]`, so a kernel's
+  row tile reads its scales as one contiguous run per k step.
+- `token_blocks`: x [m, c] in 128 x 1 blocks given by their first rows and row counts
+  (grouped_matmul/token_blocks.py aligns them to groups). A
+  program takes one block's (up to) 128 rows x `COLUMNS` columns, finds each column's
+  amax and writes the values transposed, `[c, 128 * bound]` (the zeros past the block's
+  rows included), so the weight gradient contracts whole, aligned 128-token steps.
+- `weight_blocks`: w [g, k, n] in 1 x 128 x 128 blocks; with `transpose` the values are
+  written [g, n, k] (the forward's K-major layout: fp8 wgmma reads both operands K-major).
+
+The scale and rounding are the oracle's functions (pallasite.reference.quantization),
+traced into the kernel body, so both compute the same expressions. Loads and stores are
+masked: no dimension needs padding. Each element is read once (2 bytes for bf16) and
+written once (1 byte), plus the scales.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallasite.kernels import cost, sharding
+from pallasite.reference import quantization as ref
+
+BLOCK = ref.TOKEN_BLOCK
+# Rows per program of `rows`, columns per program of `token_blocks`, and their warps.
+ROWS = 64
+COLUMNS = 128
+NUM_WARPS = 4
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _ok(offset, size: int, limit: int):
+    return offset + jnp.arange(size, dtype=jnp.int32) < limit
+
+
+def _params():
+    return plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
+
+
+def _cost(x, outputs, fp8):
+    """Per element: an abs, a multiply and a clip's two compares (cost.py's counting)."""
+    body = lambda a: ref.to_fp8(jnp.abs(a), jnp.float32(1.0), fp8)  # noqa: E731
+    return cost.estimate(body, cost.struct(x.shape, jnp.float32), inputs=(x,), outputs=outputs)
+
+
+# --------------------------------------------------------------------------- rows
+
+
+def _rows_kernel(x_ref, v_ref, s_ref, *, m, c, fp8):
+    r0, j = pl.program_id(0) * ROWS, pl.program_id(1)
+    row_ok = _ok(r0, ROWS, m)
+    col_ok = _ok(j * BLOCK, BLOCK, c)
+    mask = row_ok[:, None] & col_ok[None, :]
+    at = (pl.ds(r0, ROWS), pl.ds(j * BLOCK, BLOCK))
+    x = plgpu.load(x_ref.at[at], mask=mask, other=0.0).astype(jnp.float32)
+    scale, inverse = ref.scale_and_inverse(ref.amax(x, axis=1), fp8)
+    plgpu.store(v_ref.at[at], ref.to_fp8(x, inverse[:, None], fp8), mask=mask)
+    plgpu.store(s_ref.at[j, pl.ds(r0, ROWS)], scale, mask=row_ok)
+
+
+def rows(x: jax.Array, dtype, *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """x [m, c] -> (values [m, c] in `dtype`, scales [ceil(c / 128), m] fp32)."""
+    m, c = x.shape
+    out = (sharding.out_struct((m, c), dtype, like=x),
+           sharding.out_struct((_cdiv(c, BLOCK), m), jnp.float32, like=x))
+    return pl.pallas_call(
+        functools.partial(_rows_kernel, m=m, c=c, fp8=dtype),
+        out_shape=out,
+        grid=(_cdiv(m, ROWS), _cdiv(c, BLOCK)),
+        compiler_params=_params(),
+        interpret=interpret,
+        cost_estimate=_cost(x, out, dtype),
+        name="quantize_rows",
+    )(x)
+
+
+# --------------------------------------------------------------------------- token blocks
+
+
+def _token_kernel(start_ref, rows_ref, x_ref, v_ref, s_ref, *, c, fp8, transpose):
+    t, j = pl.program_id(0), pl.program_id(1)
+    start, count = start_ref[t], rows_ref[t]
+    cols = pl.ds(j * COLUMNS, COLUMNS)
+    col_ok = _ok(j * COLUMNS, COLUMNS, c)
+
+    @pl.when(count > 0)
+    def _():
+        row_ok = jnp.arange(BLOCK, dtype=jnp.int32) < count
+        x = plgpu.load(x_ref.at[pl.ds(start, BLOCK), cols],
+                       mask=row_ok[:, None] & col_ok[None, :], other=0.0).astype(jnp.float32)
+        scale, inverse = ref.scale_and_inverse(ref.amax(x, axis=0), fp8)
+        values = ref.to_fp8(x, inverse[None, :], fp8)
+        if transpose:  # the whole block, zeros past `count` (a select: NaN-safe)
+            values = jnp.where(row_ok[:, None], values, jnp.zeros_like(values))
+            plgpu.store(v_ref.at[cols, pl.ds(t * BLOCK, BLOCK)], values.T,
+                        mask=col_ok[:, None])
+        else:
+            plgpu.store(v_ref.at[pl.ds(start, BLOCK), cols], values,
+                        mask=row_ok[:, None] & col_ok[None, :])
+        plgpu.store(s_ref.at[t, cols], scale, mask=col_ok)
+
+    @pl.when(count == 0)  # an unused block: scale 1 (its values are never read)
+    def _():
+        plgpu.store(s_ref.at[t, cols], jnp.ones((COLUMNS,), jnp.float32), mask=col_ok)
+
+
+def token_blocks(x: jax.Array, start: jax.Array, rows: jax.Array, dtype, *, transpose: bool = True,
+                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """x [m, c] in the blocks of rows [start[t], start[t] + rows[t]) (rows <= 128; 0 for
+    an unused block) -> (values [c, 128 * bound] (transpose) or [m, c], scales
+    [bound, c]), bound = len(start)."""
+    m, c = x.shape
+    shape = (c, BLOCK * start.shape[0]) if transpose else (m, c)
+    out = (sharding.out_struct(shape, dtype, like=x),
+           sharding.out_struct((start.shape[0], c), jnp.float32, like=x))
+    return pl.pallas_call(
+        functools.partial(_token_kernel, c=c, fp8=dtype, transpose=transpose),
+        out_shape=out,
+        grid=(start.shape[0], _cdiv(c, COLUMNS)),
+        compiler_params=_params(),
+        interpret=interpret,
+        cost_estimate=_cost(x, (start, rows) + out, dtype),
+        name="quantize_token_blocks",
+    )(start, rows, x)
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def _weight_kernel(w_ref, v_ref, s_ref, *, k, n, fp8, transpose):
+    gi, kb, nb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    mask = _ok(kb * BLOCK, BLOCK, k)[:, None] & _ok(nb * BLOCK, BLOCK, n)[None, :]
+    ks, ns = pl.ds(kb * BLOCK, BLOCK), pl.ds(nb * BLOCK, BLOCK)
+    w = plgpu.load(w_ref.at[gi, ks, ns], mask=mask, other=0.0).astype(jnp.float32)
+    scale, inverse = ref.scale_and_inverse(ref.amax(w), fp8)
+    values = ref.to_fp8(w, inverse, fp8)
+    if transpose:
+        plgpu.store(v_ref.at[gi, ns, ks], values.T, mask=mask.T)
+        plgpu.store(s_ref.at[gi, nb, kb], scale)
+    else:
+        plgpu.store(v_ref.at[gi, ks, ns], values, mask=mask)
+        plgpu.store(s_ref.at[gi, kb, nb], scale)
+
+
+def weight_blocks(w: jax.Array, dtype, *, transpose: bool, interpret: bool = False
+                  ) -> tuple[jax.Array, jax.Array]:
+    """w [g, k, n] -> (values [g, k, n], scales [g, kb, nb]), or with `transpose`
+    ([g, n, k], [g, nb, kb])."""
+    g, k, n = w.shape
+    kb, nb = _cdiv(k, BLOCK), _cdiv(n, BLOCK)
+    shape, scales = ((g, n, k), (g, nb, kb)) if transpose else ((g, k, n), (g, kb, nb))
+    out = (sharding.out_struct(shape, dtype, like=w),
+           sharding.out_struct(scales, jnp.float32, like=w))
+    return pl.pallas_call(
+        functools.partial(_weight_kernel, k=k, n=n, fp8=dtype, transpose=transpose),
+        out_shape=out,
+        grid=(g, kb, nb),
+        compiler_params=_params(),
+        interpret=interpret,
+        cost_estimate=_cost(w, out, dtype),
+        name="quantize_weight_blocks",
+    )(w)
