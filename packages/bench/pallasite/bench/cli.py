@@ -185,7 +185,7 @@ def main(argv=None) -> int:
 
     backend = jax.default_backend()
     suite_name, cases = choose_cases(args, backend, jax.device_count())
-    pairs = [(c, i) for c in cases for i in impls.select(c.op, args.impls)
+    pairs = [(c, i) for c in cases for i in impls.select(c.op, args.impls, c.dtype, c.direction)
              if not (args.no_peers and i.peer)]
     if not pairs:  # each filter matched something, but not together
         print(f"pallasite-bench: nothing to run: no case of suite {suite_name!r} passes "

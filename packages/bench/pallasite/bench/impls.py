@@ -23,22 +23,42 @@ from pallasite.bench import ops, peers
 _INTERPRETABLE = ("pallas_triton", "pallas_mosaic_tpu", "pallas_mosaic_gpu")
 
 
+_WIDE = ("bfloat16", "float16", "float32")
+
+
 @dataclasses.dataclass(frozen=True)
 class Impl:
     name: str
     op: str
     peer: bool  # a reference point, not pallasite's own code
     framework: str = "jax"  # "jax" (jitted, compiled ahead) or "torch"
+    dtypes: tuple[str, ...] = _WIDE  # the case dtypes it runs ("fp8": the fp8 recipe)
+    directions: tuple[str, ...] = ops.DIRECTIONS
+    # False: its outputs are not the case's product (a ceiling measured beside it), so
+    # they are not compared (the record says so).
+    checked: bool = True
 
+
+# "<backend>.quantized": the fp8 forward of operands quantized beforehand (BlockScaled,
+# made outside the timed call), the product alone, as the fp8 peers are timed.
+QUANTIZED = ".quantized"
 
 IMPLS: tuple[Impl, ...] = (
-    Impl("pallas_mosaic_gpu", ops.GP, False),
-    Impl("pallas_triton", ops.GP, False),
+    Impl("pallas_mosaic_gpu", ops.GP, False, dtypes=_WIDE + (ops.FP8,)),
+    Impl("pallas_triton", ops.GP, False, dtypes=_WIDE + (ops.FP8,)),
     Impl("pallas_mosaic_tpu", ops.GP, False),
-    Impl("xla", ops.GP, False),
+    Impl("xla", ops.GP, False, dtypes=_WIDE + (ops.FP8,)),
+    Impl("pallas_mosaic_gpu" + QUANTIZED, ops.GP, False, dtypes=(ops.FP8,), directions=("fwd",)),
+    Impl("pallas_triton" + QUANTIZED, ops.GP, False, dtypes=(ops.FP8,), directions=("fwd",)),
     Impl("jax.lax.ragged_dot", ops.GP, True),
     Impl("tokamax.mosaic", ops.GP, True),
     Impl("torch._grouped_mm", ops.GP, True, "torch"),
+    # torch's fp8 grouped GEMM (rowwise scales, pre-quantized operands) and its dense fp8
+    # GEMM of the same m, k, n (the ceiling a grouped product can approach).
+    Impl("torch._scaled_grouped_mm", ops.GP, True, "torch", dtypes=(ops.FP8,),
+         directions=("fwd",)),
+    Impl("torch._scaled_mm.dense", ops.GP, True, "torch", dtypes=(ops.FP8,),
+         directions=("fwd",), checked=False),
     Impl("pallas_triton", ops.SSD, False),
     Impl("pallas_mosaic_tpu", ops.SSD, False),
     Impl("xla", ops.SSD, False),
@@ -69,6 +89,7 @@ def current_platform() -> Platform:
 def unavailable(impl: Impl, plat: Platform, options: dict) -> str | None:
     """Why `impl` cannot run here, or None."""
     name = impl.name
+    name = name.removesuffix(QUANTIZED)
     if name == "pallas_mosaic_gpu" and not (plat.mosaic_gpu or plat.interpret):
         return "Mosaic GPU needs a Hopper GPU (sm90)"
     if name == "pallas_triton" and not (plat.triton or plat.interpret):
@@ -81,8 +102,10 @@ def unavailable(impl: Impl, plat: Platform, options: dict) -> str | None:
         if plat.backend == "cpu":
             return "tokamax's mosaic ragged_dot needs a GPU or TPU"
         return peers.tokamax_missing()
-    if name == "torch._grouped_mm":
-        return peers.torch_missing("_grouped_mm")
+    if name in ("torch._grouped_mm", "torch._scaled_grouped_mm"):
+        return peers.torch_missing(name.removeprefix("torch."))
+    if name == "torch._scaled_mm.dense":
+        return peers.torch_missing("_scaled_mm")
     if name == "mamba_ssm.triton":
         return peers.mamba_missing(options.get("mamba_ssm_path"))
     return None
@@ -90,13 +113,13 @@ def unavailable(impl: Impl, plat: Platform, options: dict) -> str | None:
 
 def parity_only(impl: Impl, plat: Platform) -> bool:
     """Interpreter runs: checked for parity, not timed."""
-    return plat.interpret and impl.name in _INTERPRETABLE
+    return plat.interpret and impl.name.removesuffix(QUANTIZED) in _INTERPRETABLE
 
 
 # --------------------------------------------------------------------- grouped_projection
 
 
-def _gp_forward(impl: Impl, plat: Platform, dtype, block_sizes) -> Callable:
+def _gp_forward(impl: Impl, plat: Platform, dtype, block_sizes, recipe=None) -> Callable:
     import jax
 
     if impl.name == "jax.lax.ragged_dot":
@@ -108,14 +131,32 @@ def _gp_forward(impl: Impl, plat: Platform, dtype, block_sizes) -> Callable:
     from pallasite import kernels
 
     return lambda x, w, gs: kernels.grouped_projection(
-        x, w, gs, dtype, plat.interpret, implementation=impl.name, block_sizes=block_sizes)
+        x, w, gs, dtype, plat.interpret, implementation=impl.name, block_sizes=block_sizes,
+        recipe=recipe)
+
+
+def _gp_quantized(impl: Impl, plat: Platform, block_sizes) -> Callable:
+    """The fp8 forward of the input set's pre-quantized operands (ops.make_inputs)."""
+    from pallasite import kernels
+
+    def run(i):
+        x = kernels.BlockScaled(i["x_values"], i["x_scales"], (1, 128))
+        w = kernels.BlockScaled(i["kernel_values"], i["kernel_scales"], (1, 128, 128))
+        return (kernels.grouped_projection(
+            x, w, i["group_sizes"], ops._dtype("bfloat16"), plat.interpret,
+            implementation=impl.name.removesuffix(QUANTIZED), block_sizes=block_sizes),)
+
+    return run
 
 
 def build_grouped_projection(impl, case, plat, block_sizes=None) -> Callable:
     import jax
 
-    dtype = ops._dtype(case.dtype)
-    fwd = _gp_forward(impl, plat, dtype, block_sizes)
+    if impl.name.endswith(QUANTIZED):
+        return jax.jit(_gp_quantized(impl, plat, block_sizes))
+    fp8 = case.dtype == ops.FP8
+    dtype = ops._dtype("bfloat16" if fp8 else case.dtype)
+    fwd = _gp_forward(impl, plat, dtype, block_sizes, "fp8" if fp8 else None)
     if case.direction == "fwd":
         return jax.jit(lambda i: (fwd(i["x"], i["kernel"], i["group_sizes"]),))
 
@@ -277,9 +318,12 @@ def adapt(impl: Impl, case: ops.Case, inputs: dict, options: dict) -> Any:
     return inputs
 
 
-def select(op: str, patterns: list[str] | None) -> list[Impl]:
-    """The op's implementations whose name contains any of `patterns` (all if none)."""
-    chosen = [i for i in IMPLS if i.op == op]
+def select(op: str, patterns: list[str] | None, dtype: str | None = None,
+           direction: str | None = None) -> list[Impl]:
+    """The op's implementations whose name contains any of `patterns` (all if none), of
+    those that run `dtype` cases in `direction` (any, where None)."""
+    chosen = [i for i in IMPLS if i.op == op and (dtype is None or dtype in i.dtypes)
+              and (direction is None or direction in i.directions)]
     if patterns:
         chosen = [i for i in chosen if any(p in i.name for p in patterns)]
     return chosen

@@ -37,7 +37,10 @@ GP = "grouped_projection"
 SSD = "chunk_ssd"
 DIRECTIONS = ("fwd", "fwd_bwd")
 
-_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+# "fp8": grouped_projection's recipe="fp8", bf16 operands quantized to e4m3 (1 byte each)
+# by the implementation; its bytes count the fp8 operands the products read.
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
+FP8 = "fp8"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +51,7 @@ class Case:
     direction: str  # "fwd" or "fwd_bwd"
     shape_name: str
     dims: tuple[tuple[str, int], ...]  # ordered (name, size) pairs
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"  # or "fp8" (grouped_projection's recipe="fp8", bf16 inputs)
     grouping: str = "dirichlet"  # grouped_projection's group sizes: see GROUPINGS
     # Mesh axes the inputs are sharded over, as (name, size) pairs: "data" splits the
     # tokens (m) or the batch, "model" the kernel's columns (n) or the heads; () is one
@@ -94,8 +97,10 @@ class Case:
 # group and splits the rest, the load imbalance a router produces early in training; "zipf"
 # gives the group of rank r a share proportional to 1/r (a router's long tail). Each names
 # its pallasite.reference.inputs function (imported where the inputs are drawn).
+# "aligned" is the Dirichlet split in whole 128-row blocks: fp8 grouped GEMMs that need
+# aligned groups (torch._scaled_grouped_mm) run the same problem as pallasite's.
 _GROUP_SPLITS = {"dirichlet": "random_group_sizes", "skewed": "skewed_group_sizes",
-                 "zipf": "zipf_group_sizes"}
+                 "zipf": "zipf_group_sizes", "aligned": "aligned_group_sizes"}
 GROUPINGS = tuple(_GROUP_SPLITS)
 
 
@@ -164,7 +169,10 @@ def make_inputs(case: Case, seed: int) -> dict[str, Any]:
     """One input set (never zeros) on the default device, drawn from `seed`.
 
     grouped_projection: x, kernel, group_sizes (the case's grouping of m rows, the same
-    for every seed so all copies share one grouping), and dy for the backward. chunk_ssd: x, a,
+    for every seed so all copies share one grouping), and dy for the backward; fp8 cases
+    draw bf16 x and kernel and, for the forward, their block-quantized forms too
+    (x_values, x_scales, kernel_values, kernel_scales: what a pre-quantized call reads,
+    made here so that no timed call pays for them). chunk_ssd: x, a,
     b, c in [batch, length, ...] layout, a random fp32 initial state, and dy, dfinal.
     """
     import jax
@@ -174,13 +182,19 @@ def make_inputs(case: Case, seed: int) -> dict[str, Any]:
     d = case.d
     key = jax.random.key(seed)
     k_in, k_cot, k_state = jax.random.split(key, 3)
-    dt = _dtype(case.dtype)
+    dt = _dtype("bfloat16" if case.dtype == FP8 else case.dtype)
     if case.op == GP:
         x, kernel, _ = ref_inputs.grouped_projection_inputs(
             k_in, d["m"], d["k"], d["n"], d["g"], dt)
         split = getattr(ref_inputs, _GROUP_SPLITS[case.grouping])
         group_sizes = split(jax.random.key(1234), d["m"], d["g"])
         out = {"x": x, "kernel": kernel, "group_sizes": group_sizes}
+        if case.dtype == FP8 and case.direction == "fwd":
+            from pallasite.kernels import quantize
+
+            xq, kq = quantize(x, (1, 128)), quantize(kernel, (1, 128, 128))
+            out.update(x_values=xq.values, x_scales=xq.scales, kernel_values=kq.values,
+                       kernel_scales=kq.scales)
         if case.direction == "fwd_bwd":
             out["dy"] = jax.random.normal(k_cot, (d["m"], d["n"]), dt)
         return out
@@ -272,20 +286,39 @@ def check_grouped_projection(case: Case, inputs: dict, outputs: tuple) -> Error:
             out = full if out is None else jnp.where(pick, full, out)
         return out
 
-    x, kernel = inputs["x"], inputs["kernel"]
+    x, kernel, dy, x_tokens, dy_tokens = _as_multiplied(case, inputs)
     pairs = [(jnp.asarray(outputs[0])[rows_j], per_row(x[rows_j], lambda g: kernel[g]))]
     if case.direction == "fwd_bwd":
-        dy = inputs["dy"]
         pairs.append((jnp.asarray(outputs[1])[rows_j],
                       per_row(dy[rows_j], lambda g: kernel[g].T)))
         cols = np.linspace(0, case.d["n"] - 1, min(case.d["n"], 16)).astype(np.int32)
-        dy_cols = dy[:, jnp.asarray(cols)]
+        dy_cols = dy_tokens[:, jnp.asarray(cols)]
         ends = np.cumsum(gs)
         for g in _sample_groups(gs):
             mask = (np.arange(case.d["m"]) >= ends[g] - gs[g]) & (np.arange(case.d["m"]) < ends[g])
-            xg = jnp.where(jnp.asarray(mask)[:, None], x, jnp.zeros_like(x))
+            xg = jnp.where(jnp.asarray(mask)[:, None], x_tokens, jnp.zeros_like(x_tokens))
             pairs.append((jnp.asarray(outputs[2])[g][:, jnp.asarray(cols)], dot(xg.T, dy_cols)))
+    if case.dtype == FP8:  # exact sums of the quantized operands, bf16 outputs
+        return _combine(pairs, "bfloat16", "exact products of the fp8-quantized operands, "
+                        "fp32 sums (sampled rows/columns)")
     return _combine(pairs, case.dtype, "exact products, fp32 sums (sampled rows/columns)")
+
+
+def _as_multiplied(case: Case, inputs: dict):
+    """(x, kernel, dy, x as dkernel reads it, dy as dkernel reads it): the operands as the
+    products multiply them. fp8 cases go through the block quantization (the oracle's),
+    whose rounding is the recipe's, not an error: x and dy in 1 x 128 blocks, the kernel
+    in 128 x 128 ones, and dkernel's operands in 128-token blocks aligned to groups."""
+    x, kernel, dy = inputs["x"], inputs["kernel"], inputs.get("dy")
+    if case.dtype != FP8:
+        return x, kernel, dy, x, dy
+    from pallasite.reference import quantization as q
+
+    gs = inputs["group_sizes"]
+    tokens = (None, None) if dy is None else (q.quantized_tokens(x, gs),
+                                              q.quantized_tokens(dy, gs))
+    dy = None if dy is None else q.quantized_rows(dy)
+    return (q.quantized_rows(x), q.quantized_kernel(kernel), dy) + tokens
 
 
 def _sample_groups(gs: np.ndarray) -> list[int]:

@@ -7,6 +7,10 @@ that reason) and nothing here is imported until a peer is asked for.
   "mosaic")`. tokamax 0.0.17 imports xprof at import time for its own profiler; the wheel
   is carried with the others.
 - torch._grouped_mm(x[m,k], w[g,k,n], offs=cumsum(group_sizes)) -> [m,n] bf16.
+- torch._scaled_grouped_mm: the same product in e4m3 with rowwise scales (one per row of
+  x, one per column of each group's kernel), operands quantized outside the timed call;
+  and torch._scaled_mm on one dense [m,k] x [k,n] of the same size, rowwise too: the
+  fp8 rate a grouped product of that size could approach on this device.
 - mamba_ssm's `mamba_chunk_scan_combined` (Triton) from a source checkout given by
   --mamba-ssm-path, $PALLASITE_PEERS or ./.peers (the folder holding `mamba_ssm/`
   or a `mamba/` checkout). It takes (x, dt, A, B, C) and forms x*dt and A*dt itself;
@@ -103,6 +107,8 @@ def adapt_torch(name: str, case: ops.Case, inputs: dict) -> dict:
     if name == "torch._grouped_mm":
         t["offs"] = torch.cumsum(t["group_sizes"], 0).to(torch.int32)
         return t
+    if name in ("torch._scaled_grouped_mm", "torch._scaled_mm.dense"):
+        return _rowwise_fp8(t)
     # mamba_ssm: dt = -a (> 0), A = -1, x / dt so that x*dt is pallasite's x.
     dt = (-t["a"]).float().clamp_min(1e-30)
     t["mamba_x"] = (t["x"].float() / dt[..., None]).to(t["x"].dtype)
@@ -114,6 +120,10 @@ def adapt_torch(name: str, case: ops.Case, inputs: dict) -> dict:
 def build_torch(name: str, case: ops.Case, options: dict):
     if name == "torch._grouped_mm":
         return _grouped_mm(case)
+    if name == "torch._scaled_grouped_mm":
+        return _scaled_grouped_mm
+    if name == "torch._scaled_mm.dense":
+        return _scaled_mm_dense
     _add_mamba_path(options.get("mamba_ssm_path"))
     return _mamba(case)
 
@@ -160,6 +170,47 @@ def _grouped_mm(case: ops.Case):
         return tuple(_to_jax(v) for v in (y.detach(), dx, dw))
 
     return fwd_bwd
+
+
+def _rowwise(t, axis: int):
+    """(e4m3 values, fp32 scales): one scale per slice along `axis` (amax / 448)."""
+    import torch
+
+    amax = t.float().abs().amax(dim=axis, keepdim=True).clamp_min(1e-12)
+    scale = amax / 448.0
+    return (t.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+
+
+def _rowwise_fp8(t: dict) -> dict:
+    """The operands of torch's rowwise fp8 GEMMs: x per row; each group's kernel per
+    output column, stored [g, n, k] and passed transposed (the column-major operand
+    torch's fp8 kernels take)."""
+    import torch
+
+    xq, xs = _rowwise(t["x"], 1)
+    w_t = t["kernel"].transpose(-2, -1).contiguous()  # [g, n, k]
+    wq, ws = _rowwise(w_t, 2)
+    t.update(xq=xq, xs=xs.squeeze(1).contiguous(), wq_t=wq, ws=ws.squeeze(2).contiguous(),
+             offs=torch.cumsum(t["group_sizes"], 0).to(torch.int32))
+    return t
+
+
+def _scaled_grouped_mm(t):
+    import torch
+
+    y = torch._scaled_grouped_mm(t["xq"], t["wq_t"].transpose(-2, -1), t["xs"], t["ws"],
+                                 offs=t["offs"], out_dtype=torch.bfloat16)
+    return (_to_jax(y),)
+
+
+def _scaled_mm_dense(t):
+    """One dense [m, k] x [k, n] fp8 GEMM (group 0's kernel for every row). Its output is
+    not the grouped product, so it is not compared (impls.Impl.checked)."""
+    import torch
+
+    y = torch._scaled_mm(t["xq"], t["wq_t"][0].t(), scale_a=t["xs"][:, None],
+                         scale_b=t["ws"][0][None, :], out_dtype=torch.bfloat16)
+    return (_to_jax(y),)
 
 
 def _mamba(case: ops.Case):

@@ -36,9 +36,12 @@ class Roofline:
         return self.tflops.get(dtype, self.tflops["bfloat16"])
 
 
-def _gpu(name, bf16, tf32, tbps, l2_mb, source):
-    return Roofline(name, {"bfloat16": bf16, "float16": bf16, "float32": tf32}, tbps,
-                    l2_mb * _MB, source)
+def _gpu(name, bf16, tf32, tbps, l2_mb, source, fp8=None):
+    """fp8: the e4m3 tensor rate where the generation has one (sm89 and later: twice bf16)."""
+    rates = {"bfloat16": bf16, "float16": bf16, "float32": tf32}
+    if fp8:
+        rates["fp8"] = fp8
+    return Roofline(name, rates, tbps, l2_mb * _MB, source)
 
 
 def _tpu(name, bf16, tbps, source):
@@ -52,16 +55,19 @@ def _tpu(name, bf16, tbps, source):
 _TABLE: tuple[tuple[str, str, Roofline], ...] = (
     ("sm90", r"H200", _gpu(
         "NVIDIA H200 SXM", 989.4, 494.7, 4.8, 60,
-        "NVIDIA H200 Tensor Core GPU datasheet (2024): BF16/FP16 1979 TFLOPS and TF32 989 "
-        "TFLOPS with sparsity (dense = half), HBM3e 4.8 TB/s; L2 as PyTorch reports it")),
+        "NVIDIA H200 Tensor Core GPU datasheet (2024): BF16/FP16 1979 TFLOPS, FP8 3958 and "
+        "TF32 989 TFLOPS with sparsity (dense = half), HBM3e 4.8 TB/s; L2 as PyTorch "
+        "reports it", fp8=1978.9)),
     ("sm90", r"H100.*PCIe", _gpu(
         "NVIDIA H100 PCIe", 756.0, 378.0, 2.0, 50,
-        "NVIDIA H100 Tensor Core GPU datasheet (2023), PCIe column: BF16 1513 / TF32 756 "
-        "TFLOPS with sparsity, HBM2e 2.0 TB/s; L2 50 MB (Hopper whitepaper)")),
+        "NVIDIA H100 Tensor Core GPU datasheet (2023), PCIe column: BF16 1513 / FP8 3026 / "
+        "TF32 756 TFLOPS with sparsity, HBM2e 2.0 TB/s; L2 50 MB (Hopper whitepaper)",
+        fp8=1513.0)),
     ("sm90", r"H100|GH200|H800", _gpu(
         "NVIDIA H100 SXM5", 989.4, 494.7, 3.35, 50,
-        "NVIDIA H100 Tensor Core GPU datasheet (2023), SXM column: BF16 1979 / TF32 989 "
-        "TFLOPS with sparsity, HBM3 3.35 TB/s; L2 50 MB (Hopper whitepaper)")),
+        "NVIDIA H100 Tensor Core GPU datasheet (2023), SXM column: BF16 1979 / FP8 3958 / "
+        "TF32 989 TFLOPS with sparsity, HBM3 3.35 TB/s; L2 50 MB (Hopper whitepaper)",
+        fp8=1978.9)),
     ("sm80", r"A100.*40GB", _gpu(
         "NVIDIA A100 40GB", 312.0, 156.0, 1.555, 40,
         "NVIDIA A100 Tensor Core GPU datasheet (2021): BF16 312, TF32 156 TFLOPS dense, "

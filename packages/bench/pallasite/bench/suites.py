@@ -8,6 +8,10 @@
   output width); small-m shapes (a decode step's batch: a few hundred rows over a handful
   of groups, and a few rows per group over many). chunk_ssd at head_dim 128 with 8 groups
   and a 128-step chunk (a geometry beside the TARGETS rows' 64 / 1-8 / 256).
+- "fp8": grouped_projection's TARGETS shapes with groups of whole 128-row blocks, in fp8
+  (recipe="fp8"; the forward also from pre-quantized operands, beside torch's fp8
+  grouped GEMM and its dense fp8 GEMM) and in bf16, forward and forward+backward, so
+  every fp8 figure has the bf16 one of the same run beside it.
 - "quick": one small shape per op a GPU runs in seconds (still TARGETS-like proportions).
 - "cpu": tiny shapes the Pallas interpreters get through in seconds on two cores; the default
   on a machine without an accelerator whatever else was asked.
@@ -99,6 +103,9 @@ def scaling(devices: int) -> list[ops.Case]:
 def suite(name: str, devices: int = 2) -> list[ops.Case]:
     if name == "scaling":
         return scaling(devices)
+    if name == "fp8":
+        return [gp_case(*s, direction=d, dtype=dtype, grouping="aligned")
+                for dtype in (ops.FP8, "bfloat16") for d in ops.DIRECTIONS for s in _TARGET_GP]
     if name == "targets":
         return _cases(_TARGET_GP, _TARGET_SSD, ops.DIRECTIONS)
     if name == "extra":
@@ -111,13 +118,14 @@ def suite(name: str, devices: int = 2) -> list[ops.Case]:
     if name == "quick":
         return _cases(_QUICK_GP, _QUICK_SSD, ops.DIRECTIONS)
     if name == "cpu":
-        return _cases(_CPU_GP, _CPU_SSD, ops.DIRECTIONS, chunk=_CPU_SSD_CHUNK)
+        return _cases(_CPU_GP, _CPU_SSD, ops.DIRECTIONS, chunk=_CPU_SSD_CHUNK) + [
+            gp_case(*s, direction=d, dtype=ops.FP8) for d in ops.DIRECTIONS for s in _CPU_GP]
     if name == "smoke":
         return _cases(_CPU_GP[:1], _CPU_SSD[:1], ("fwd",), chunk=_CPU_SSD_CHUNK)
     raise ValueError(f"unknown suite {name!r}; known: {', '.join(SUITES)}")
 
 
-SUITES = ("targets", "extra", "quick", "cpu", "smoke", "scaling")
+SUITES = ("targets", "extra", "fp8", "quick", "cpu", "smoke", "scaling")
 
 
 def filter_cases(cases: list[ops.Case], *, ops_: list[str] | None = None,

@@ -15,9 +15,11 @@ from pallasite.kernels.grouped_matmul import (
 from pallasite.kernels.platform import (
     bf16_dot_runs,
     device_generation,
+    fp8_runs,
     mosaic_gpu_runs,
     triton_runs,
 )
+from pallasite.kernels.quantization import BlockScaled, quantize
 from pallasite.kernels.ssd import (
     chunk_ssd,
     ssd_chunk_scan,
@@ -26,6 +28,7 @@ from pallasite.kernels.ssd import (
 )
 
 __all__ = [
+    "BlockScaled",
     "GroupedProjectionBlockSizes",
     "MosaicTpuBlockSizes",
     "TritonBlockSizes",
@@ -35,7 +38,9 @@ __all__ = [
     "bf16_dot_runs",
     "chunk_ssd",
     "device_generation",
+    "fp8_runs",
     "mosaic_gpu_runs",
+    "quantize",
     "ssd_chunk_scan",
     "ssd_kernel_platform",
     "ssd_kernel_runs",

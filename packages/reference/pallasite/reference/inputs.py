@@ -28,6 +28,7 @@ __all__ = [
     "random_group_sizes",
     "skewed_group_sizes",
     "zipf_group_sizes",
+    "aligned_group_sizes",
     "one_group_sizes",
     "grouped_projection_inputs",
     "ssd_inputs",
@@ -132,6 +133,17 @@ def zipf_group_sizes(
     seed = int(jax.random.randint(key, (), 0, 2**31 - 1))
     ranks = np.random.default_rng(seed).permutation(g) + 1
     return jnp.asarray(_split(ranks.astype(np.float64) ** -float(exponent), total))
+
+
+def aligned_group_sizes(key: jax.Array, m: int, g: int, *, align: int = 128,
+                        alpha: float = 4.0) -> Int[Array, "g"]:
+    """The Dirichlet(alpha) split of random_group_sizes in whole multiples of `align`
+    rows (m must be one): every group starts on an `align`-row boundary, as fp8 grouped
+    GEMMs that need aligned groups (torch._scaled_grouped_mm's peers) are measured."""
+    if m % align:
+        raise ValueError(f"m={m} must be a multiple of align={align}")
+    weights = np.maximum(np.asarray(_dirichlet(key, g, float(alpha)), np.float64), 1e-12)
+    return jnp.asarray(_split(weights, m // align) * align)
 
 
 def one_group_sizes(m: int, g: int, *, index: int = 0, total: int | None = None) -> Int[Array, "g"]:

@@ -51,6 +51,9 @@ __all__ = [
     "token_block_ids",
     "quantize_token_blocks",
     "dequantize_token_blocks",
+    "quantized_rows",
+    "quantized_kernel",
+    "quantized_tokens",
     "grouped_projection_fp8",
     "grouped_projection_quantized",
 ]
@@ -200,18 +203,22 @@ def dequantize_token_blocks(values: Shaped[Array, "m c"], scales: Float[Array, "
 # ------------------------------------------------------------------ the fp8 projection
 
 
-def _rows_q(a: Array, dtype) -> Array:
-    """a [m, c] through 1 x 128 blocks along c, dequantized to fp32."""
+def quantized_rows(a: Array, dtype=jnp.float8_e4m3fn) -> Array:
+    """a [m, c] through 1 x 128 blocks along c, dequantized to fp32: what the fp8
+    products multiply in place of a forward or dx lhs."""
     values, scales = quantize_blocks(a, (1, TOKEN_BLOCK), dtype)
     return dequantize_blocks(values, scales, (1, TOKEN_BLOCK))
 
 
-def _kernel_q(kernel: Array, dtype) -> Array:
+def quantized_kernel(kernel: Array, dtype=jnp.float8_e4m3fn) -> Array:
+    """kernel [g, k, n] through 1 x 128 x 128 blocks, dequantized to fp32."""
     values, scales = quantize_blocks(kernel, (1, TOKEN_BLOCK, TOKEN_BLOCK), dtype)
     return dequantize_blocks(values, scales, (1, TOKEN_BLOCK, TOKEN_BLOCK))
 
 
-def _tokens_q(a: Array, group_sizes: Array, dtype) -> Array:
+def quantized_tokens(a: Array, group_sizes: Array, dtype=jnp.float8_e4m3fn) -> Array:
+    """a [m, c] through 128-row token blocks aligned to the groups, dequantized to fp32:
+    what the fp8 dkernel contracts."""
     ids, bound = token_block_ids(group_sizes, a.shape[0])
     values, scales = quantize_token_blocks(a, ids, bound, dtype)
     return dequantize_token_blocks(values, scales, ids)
@@ -224,7 +231,7 @@ def _fp8_projection(x, kernel, group_sizes, compute, dtype):
 
 
 def _fp8_forward(x, kernel, group_sizes, compute, dtype):
-    out = gmm_reference(_rows_q(x, dtype), _kernel_q(kernel, dtype), group_sizes)
+    out = gmm_reference(quantized_rows(x, dtype), quantized_kernel(kernel, dtype), group_sizes)
     protos = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), kernel.dtype))
     return out.astype(compute), (x, kernel, group_sizes, protos)
 
@@ -232,9 +239,9 @@ def _fp8_forward(x, kernel, group_sizes, compute, dtype):
 def _fp8_backward(compute, dtype, residuals, dy):
     x, kernel, group_sizes, (x_proto, k_proto) = residuals
     dy = dy.astype(compute)
-    dx = gmm_reference(_rows_q(dy, dtype), _kernel_q(kernel, dtype), group_sizes,
+    dx = gmm_reference(quantized_rows(dy, dtype), quantized_kernel(kernel, dtype), group_sizes,
                        transpose_rhs=True)
-    dk = tgmm_reference(_tokens_q(x, group_sizes, dtype), _tokens_q(dy, group_sizes, dtype),
+    dk = tgmm_reference(quantized_tokens(x, group_sizes, dtype), quantized_tokens(dy, group_sizes, dtype),
                         group_sizes, kernel.shape[0])
     return dx.astype(x_proto.dtype), dk.astype(k_proto.dtype), None
 

@@ -38,7 +38,8 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from pallasite.kernels import autodiff
-from pallasite.kernels.grouped_matmul import config, fit, ops, plain
+from pallasite.kernels.grouped_matmul import config, fit, fp8, ops, plain
+from pallasite.kernels.quantization import BlockScaled
 from pallasite.kernels.grouped_matmul.predicates import (
     MOSAIC_GPU_MIN_ROWS_PER_GROUP,
     mosaic_gpu_preferred,
@@ -58,24 +59,27 @@ TPU_ORDER = ["xla"]
 IMPLEMENTATIONS = ops.BACKENDS
 
 # Which backend a bare block-size class belongs to (by class name: the Hopper backend's
-# class lives in its own module).
+# classes live in their own modules), and the recipes it serves.
 _BLOCKS_OWNER = {
-    "TritonBlockSizes": "pallas_triton",
-    "MosaicTpuBlockSizes": "pallas_mosaic_tpu",
-    "MosaicGpuBlockSizes": "pallas_mosaic_gpu",
+    "TritonBlockSizes": ("pallas_triton", (None, "fp8")),
+    "MosaicTpuBlockSizes": ("pallas_mosaic_tpu", (None,)),
+    "MosaicGpuBlockSizes": ("pallas_mosaic_gpu", (None,)),
+    "MosaicGpuFp8BlockSizes": ("pallas_mosaic_gpu", ("fp8",)),
 }
 
 
-def _importable(name: str) -> str | None:
+def _importable(name: str, recipe=None) -> str | None:
     try:
-        ops.backend(name)
+        ops.backend(name, recipe)
     except ImportError as e:  # a backend that is not there is simply not in the order
         return f"{name} does not import: {e}"
+    except ValueError as e:  # no products for this recipe (Mosaic TPU has no fp8)
+        return str(e)
     return None
 
 
-def _refusal(name: str, compute, operands, interpret: bool, check_device: bool = True
-             ) -> str | None:
+def _refusal(name: str, compute, operands, interpret: bool, check_device: bool = True,
+             recipe=None) -> str | None:
     """Why backend `name` cannot run here (None: it can). interpret: CPU interpreter.
     The generic checks are here (the module imports, ragged_dot_runs); each backend's
     module says what its device and dtypes need (its `refusal`). check_device=False
@@ -84,8 +88,10 @@ def _refusal(name: str, compute, operands, interpret: bool, check_device: bool =
     still gets them."""
     if name == "xla":
         return None
-    if (why := _importable(name)) is not None:
+    if (why := _importable(name, recipe)) is not None:
         return why
+    if recipe == "fp8":
+        return fp8.refusal(name, compute, operands, on_device=check_device and not interpret)
     if not ragged_dot_runs(compute, operands):
         return (f"{name}: ragged_dot_runs refuses compute={np.dtype(compute).name} with "
                 f"operands {[np.dtype(o.dtype).name for o in operands]} "
@@ -95,57 +101,61 @@ def _refusal(name: str, compute, operands, interpret: bool, check_device: bool =
                                      on_device=check_device and not interpret)
 
 
-def _slower_here(name: str, x, group_sizes) -> str | None:
+def _slower_here(name: str, x, group_sizes, recipe=None) -> str | None:
     """Why the default order passes over backend `name` although it could run (None: it
     does not): a measured preference, not a capability, so a named backend ignores it.
     Rows per group count all G groups: with local experts (group_offset) the rows of the
     kernel's own groups are about m / G each."""
     m, g = x.shape[0], group_sizes.shape[0]
-    if name == "pallas_mosaic_gpu" and not mosaic_gpu_preferred(m, g):
+    if recipe is None and name == "pallas_mosaic_gpu" and not mosaic_gpu_preferred(m, g):
         return (f"pallas_mosaic_gpu: Triton is faster with m/g = {m}/{g} < "
                 f"{MOSAIC_GPU_MIN_ROWS_PER_GROUP} rows per group (mosaic_gpu_preferred)")
     return None
 
 
-def _owner(blocks) -> str | None:
+def _owner(blocks, recipe=None) -> str | None:
+    """The backend a block config belongs to; None where it serves no product of
+    `recipe` (fp8 blocks in a bf16 call, or the reverse)."""
     if blocks is None:
         return None
     owner = _BLOCKS_OWNER.get(type(blocks).__name__)
     if owner is None:
         raise TypeError(f"block_sizes must be a backend's BlockSizes or "
                         f"GroupedProjectionBlockSizes; got {blocks!r}")
-    return owner
+    name, recipes = owner
+    return name if recipe in recipes else None
 
 
-def _blocks_for(name: str, block_sizes):
+def _blocks_for(name: str, block_sizes, recipe=None):
     """The part of `block_sizes` that backend `name` can use: blocks of another backend's
-    class are dropped (that backend's default applies), so a fallback never receives
-    blocks it cannot read."""
+    class (or recipe) are dropped (that backend's default applies), so a fallback never
+    receives blocks it cannot read."""
     if isinstance(block_sizes, config.GroupedProjectionBlockSizes):
-        kept = {p: b if _owner(b) == name else None
+        kept = {p: b if _owner(b, recipe) == name else None
                 for p, b in (("forward", block_sizes.forward), ("dx", block_sizes.dx),
                              ("dkernel", block_sizes.dkernel))}
         return config.GroupedProjectionBlockSizes(**kept) if any(kept.values()) else None
-    return block_sizes if _owner(block_sizes) == name else None
+    return block_sizes if _owner(block_sizes, recipe) == name else None
 
 
-def _run(name, x, kernel, group_sizes, group_offset, compute, block_sizes, interpret):
+def _run(name, x, kernel, group_sizes, group_offset, compute, block_sizes, interpret,
+         recipe=None):
     return ops.project(x, kernel, group_sizes, group_offset, name, np.dtype(compute),
-                       _blocks_for(name, block_sizes), interpret)
+                       _blocks_for(name, block_sizes, recipe), interpret, recipe)
 
 
 def _try_in_order(names, x, kernel, group_sizes, group_offset, compute, block_sizes, interpret,
-                  strict, check_device=True):
+                  strict, check_device=True, recipe=None):
     """Run the first backend of `names` that accepts; log each fallback; raise them all.
     With one name (or strict) that backend's own error is raised, not a group of one."""
     errors = []
     for i, name in enumerate(names):
-        why = _refusal(name, compute, (x, kernel), interpret, check_device)
+        why = _refusal(name, compute, (x, kernel), interpret, check_device, recipe)
         try:
             if why is not None:
                 raise RuntimeError(why)
             return _run(name, x, kernel, group_sizes, group_offset, compute, block_sizes,
-                        interpret)
+                        interpret, recipe)
         except Exception as e:  # noqa: BLE001 - every backend's failure is reported
             if strict or len(names) == 1:
                 raise
@@ -157,18 +167,20 @@ def _try_in_order(names, x, kernel, group_sizes, group_offset, compute, block_si
         f"grouped_projection: every implementation failed: {list(names)}", errors)
 
 
-def _default(x, kernel, group_sizes, group_offset, compute, block_sizes, interpret_on_cpu):
+def _default(x, kernel, group_sizes, group_offset, compute, block_sizes, interpret_on_cpu,
+             recipe=None):
     def branch(names, interpret=False, check_device=True):
-        names = [n for n in names if n == "xla" or _importable(n) is None]
+        names = [n for n in names if n == "xla" or _importable(n, recipe) is None]
 
         def run(x, kernel, group_sizes, group_offset):
             for name in names:  # the predicates pick; xla always accepts
-                why = (_refusal(name, compute, (x, kernel), interpret, check_device)
-                       or _slower_here(name, x, group_sizes))
+                why = (_refusal(name, compute, (x, kernel), interpret, check_device, recipe)
+                       or _slower_here(name, x, group_sizes, recipe))
                 if why is None:
                     return _try_in_order(names[names.index(name):], x, kernel, group_sizes,
                                          group_offset, compute, block_sizes, interpret,
-                                         strict=False, check_device=check_device)
+                                         strict=False, check_device=check_device,
+                                         recipe=recipe)
                 log.info("grouped_projection: skipping %s: %s", name, why)
             raise AssertionError("unreachable: xla always accepts")
 
@@ -239,6 +251,7 @@ def grouped_projection(
     group_offset=None,
     implementation: str | Sequence[str] | None = None,
     block_sizes=None,
+    recipe: str | None = None,
 ) -> Float[Array, "m n"]:
     """`[m, n]` in `compute`: rows of group i (sorted, `group_sizes[i]` of them) times
     `kernel[i]`; rows past `sum(group_sizes)` are zero. Operands are cast to `compute`,
@@ -264,37 +277,56 @@ def grouped_projection(
     group_sizes are not checked when traced: docs/grouped_projection.md says what each
     backend does with negative or oversized totals, and `checked_group_sizes` checks them
     under jax.experimental.checkify.
+
+    fp8 (docs/fp8.md): recipe="fp8" quantizes x (1 x 128 blocks) and the kernel
+    (128 x 128 blocks) inside and multiplies in e4m3, with fp32 sums promoted every 128
+    deep, output in `compute` (bf16, fp16 or fp32); its backward quantizes dy the same
+    way and the dkernel operands in 128-token blocks aligned to groups, and returns
+    straight-through gradients in x's and kernel's dtypes. A `BlockScaled` x (1 x 128)
+    and/or kernel (1 x 128 x 128, from `pallasite.kernels.quantize`) runs the same
+    forward on the given values (the other operand is quantized inside); such a call is
+    not differentiable (it raises under jax.grad: train with recipe="fp8").
     """
+    if isinstance(x, BlockScaled) or isinstance(kernel, BlockScaled):
+        return fp8.project_quantized(
+            x, kernel, group_sizes, compute, group_offset=group_offset,
+            implementation=implementation, interpret_on_cpu=interpret_on_cpu,
+            block_sizes=block_sizes, recipe=recipe)
     validate_grouped_projection(x, kernel, group_sizes, compute, group_offset=group_offset)
+    fp8.validate_recipe(recipe, x, kernel, compute)
     if implementation is not None:
         _check_names(implementation)
     if group_offset is not None:
         group_offset = jnp.asarray(group_offset, jnp.int32)
     if block_sizes is not None:
         _blocks_for("xla", block_sizes)  # a wrong type fails here, before any kernel
-        _check_fit(block_sizes, x, kernel, compute)
+        _check_fit(block_sizes, x, kernel, compute, recipe)
     if 0 in x.shape or 0 in kernel.shape[1:]:
         return _zeros(x, kernel, compute)
     if (why := _plain_reason(x, kernel, compute)) is not None:
+        if recipe == "fp8":
+            raise fp8.beyond_first_order(why)
         return _plain(why, implementation, x, kernel, group_sizes, group_offset, compute)
     if implementation is None:
         return _default(x, kernel, group_sizes, group_offset, compute, block_sizes,
-                        interpret_on_cpu)
+                        interpret_on_cpu, recipe)
     interpret = bool(interpret_on_cpu) and jax.default_backend() == "cpu"
     if isinstance(implementation, str):
         return _try_in_order([implementation], x, kernel, group_sizes, group_offset, compute,
-                             block_sizes, interpret, strict=True)
+                             block_sizes, interpret, strict=True, recipe=recipe)
     return _try_in_order(list(implementation), x, kernel, group_sizes, group_offset, compute,
-                         block_sizes, interpret, strict=False)
+                         block_sizes, interpret, strict=False, recipe=recipe)
 
 
-def _check_fit(block_sizes, x, kernel, compute) -> None:
+def _check_fit(block_sizes, x, kernel, compute, recipe=None) -> None:
     """ValueError naming a caller's block config that does not fit its product here."""
     dims = {"m": x.shape[0], "k": x.shape[1], "n": kernel.shape[2], "g": kernel.shape[0]}
+    suffix = "_fp8" if recipe == "fp8" else ""
     for product in ("forward", "dx", "dkernel"):
         blocks = config.for_product(block_sizes, product)
-        if blocks is not None:
-            fit.check_caller(_owner(blocks), blocks, product, dims, np.dtype(compute))
+        owner = _owner(blocks, recipe)
+        if owner is not None:
+            fit.check_caller(owner + suffix, blocks, product, dims, np.dtype(compute))
 
 
 def _check_names(implementation) -> None:

@@ -16,6 +16,13 @@ check_vma, a cotangent that varies over axes its primal does not (dkernel of rep
 weights from sharded tokens, dx of replicated tokens through column-sharded weights) is
 summed over them in fp32 and rounded once, as jax.grad does for a dot.
 
+recipe="fp8" runs the same three products through a backend's fp8 module
+(`<backend>_fp8.py`), whose gmm and tgmm quantize their operands (1 x 128 blocks for
+x and dy, 128 x 128 for the kernel, 128-token blocks aligned to groups for dkernel) and
+multiply in e4m3: the operands are not cast to `compute` first, and the gradients are
+straight-through (dx in x's dtype, dkernel in the kernel's), quantized again in each
+product from the residual x and kernel.
+
 group_offset (local experts) rides through every product: the kernel holds groups
 [offset, offset + g) of the global group_sizes. Where the kernel's group axis is sharded
 (expert parallelism) the planners add each device's own first expert to it; dkernel's
@@ -35,12 +42,23 @@ from pallasite.kernels import sharding
 from pallasite.kernels.grouped_matmul import layouts
 
 BACKENDS = ("pallas_mosaic_gpu", "pallas_triton", "pallas_mosaic_tpu", "xla")
+# The backends with fp8 products (recipe="fp8", pre-quantized operands); Mosaic TPU has
+# none (docs/fp8.md).
+FP8_BACKENDS = ("pallas_mosaic_gpu", "pallas_triton", "xla")
+RECIPES = (None, "fp8")
 
 
-def backend(name: str) -> ModuleType:
-    """The backend module `name` (imported on first use: a missing backend is a file)."""
+def backend(name: str, recipe: str | None = None) -> ModuleType:
+    """The backend module `name`, or its fp8 module with recipe="fp8" (imported on first
+    use: a missing backend is a file)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown grouped_projection implementation {name!r}; known: {BACKENDS}")
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
+    if recipe == "fp8":
+        if name not in FP8_BACKENDS:
+            raise ValueError(f"{name} has no fp8 products; recipe='fp8' runs on {FP8_BACKENDS}")
+        name = f"{name}_fp8"
     return importlib.import_module(f"pallasite.kernels.grouped_matmul.{name}")
 
 
@@ -53,9 +71,9 @@ def _offset_operand(group_offset):
 
 
 def _gmm(lhs, rhs, group_sizes, group_offset, *, transpose_rhs, out_dtype, name, block_sizes,
-         interpret):
+         interpret, recipe=None):
     offset, given = _offset_operand(group_offset)
-    local = functools.partial(backend(name).gmm, transpose_rhs=transpose_rhs,
+    local = functools.partial(backend(name, recipe).gmm, transpose_rhs=transpose_rhs,
                               block_sizes=block_sizes, interpret=interpret)
     planner = layouts.gmm_planner(local, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
                                   shapes=(lhs.shape, rhs.shape), offset_given=given)
@@ -66,9 +84,9 @@ def _gmm(lhs, rhs, group_sizes, group_offset, *, transpose_rhs, out_dtype, name,
 
 
 def _tgmm(lhs, rhs, group_sizes, group_offset, kernel, *, out_dtype, name, block_sizes,
-          interpret):
+          interpret, recipe=None):
     offset, given = _offset_operand(group_offset)
-    local = functools.partial(backend(name).tgmm, block_sizes=block_sizes, interpret=interpret)
+    local = functools.partial(backend(name, recipe).tgmm, block_sizes=block_sizes, interpret=interpret)
     planner = layouts.tgmm_planner(local, out_dtype=out_dtype,
                                    shapes=(lhs.shape, rhs.shape, kernel.shape),
                                    offset_given=given)
@@ -84,28 +102,33 @@ def _summed(ct_sources, primal, dtype):
     return jnp.float32 if sharding.needs_sum(ct_sources, primal) else dtype
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def project(x, kernel, group_sizes, group_offset, name, compute, block_sizes, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def project(x, kernel, group_sizes, group_offset, name, compute, block_sizes, interpret,
+            recipe=None):
     """grouped projection through backend `name`; see the module docstring. group_offset:
-    None, or the int32 index in group_sizes of kernel's first group."""
+    None, or the int32 index in group_sizes of kernel's first group. recipe: None, or
+    "fp8" (e4m3 products of block-quantized operands)."""
     out, _ = _project_fwd(x, kernel, group_sizes, group_offset, name, compute, block_sizes,
-                          interpret)
+                          interpret, recipe)
     return out
 
 
-def _project_fwd(x, kernel, group_sizes, group_offset, name, compute, block_sizes, interpret):
-    xc, kc = x.astype(compute), kernel.astype(compute)
+def _project_fwd(x, kernel, group_sizes, group_offset, name, compute, block_sizes, interpret,
+                 recipe=None):
+    # The fp8 recipe quantizes the operands as given: a cast to `compute` first would
+    # round twice.
+    xc, kc = (x, kernel) if recipe == "fp8" else (x.astype(compute), kernel.astype(compute))
     out = _gmm(xc, kc, group_sizes, group_offset, transpose_rhs=False, out_dtype=compute,
-               name=name, block_sizes=block_sizes, interpret=interpret)
+               name=name, block_sizes=block_sizes, interpret=interpret, recipe=recipe)
     # Input dtypes ride along as empty arrays (residuals must be pytrees of arrays).
     protos = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), kernel.dtype))
     return out, (xc, kc, group_sizes, group_offset, protos)
 
 
-def _project_bwd(name, compute, block_sizes, interpret, residuals, dy):
+def _project_bwd(name, compute, block_sizes, interpret, recipe, residuals, dy):
     xc, kc, group_sizes, group_offset, (x_proto, k_proto) = residuals
     dy = dy.astype(compute)
-    common = dict(name=name, block_sizes=block_sizes, interpret=interpret)
+    common = dict(name=name, block_sizes=block_sizes, interpret=interpret, recipe=recipe)
     dx = _gmm(dy, kc, group_sizes, group_offset, transpose_rhs=True,
               out_dtype=_summed((dy, kc, group_sizes), xc, x_proto.dtype), **common)
     dk = _tgmm(xc, dy, group_sizes, group_offset, kc,

@@ -102,10 +102,23 @@ def resolve_block_sizes(block_sizes: Any, *, product: str, m: int, k: int, n: in
     (compiled on a Hopper GPU only; PALLASITE_AUTOTUNE=0 turns it off), else DEFAULT."""
     return tuning_benchmarks.select_block_sizes(
         sys.modules[__name__], "pallas_mosaic_gpu_fp8", MosaicGpuFp8BlockSizes, block_sizes,
-        product=product, dims={"m": m, "k": k, "n": n, "g": g}, dtype=jnp.float8_e4m3fn,
+        # The key's dtype is the operands' before quantization (bf16 in the tuning
+        # benchmarks); the implementation name says the products are fp8.
+        product=product, dims={"m": m, "k": k, "n": n, "g": g}, dtype=jnp.bfloat16,
         default=default_block_sizes(product=product, m=m, k=k, n=n, g=g),
         tune_here=not interpret and platform.mosaic_gpu_runs(),
     )
+
+
+def refusal(compute, operands, *, on_device: bool) -> str | None:
+    """Why these kernels cannot run here (None: they can): fp8 wgmma needs Hopper.
+    on_device=False (the interpreter, or a lowering for a platform this process does not
+    hold) skips the check. Operands of any floating dtype are quantized first."""
+    del compute, operands
+    if on_device and not platform.mosaic_gpu_runs():
+        return (f"pallas_mosaic_gpu (fp8) needs a Hopper GPU (sm90); the device is "
+                f"{platform.device_generation()}")
+    return None
 
 
 def _stages(bs: MosaicGpuFp8BlockSizes, out_bytes: int) -> int:
@@ -399,6 +412,15 @@ def tgmm_quantized(
 # ------------------------------------------------------------- the backend contract
 
 
+def _quantizer(interpret: bool):
+    """The quantizers of the operands: the Pallas ones compiled on the GPU; the XLA forms
+    under the interpreter, where a Triton-interpreted quantizer and the Mosaic GPU
+    interpreter in one jitted program hang on a 2-core host (seen on jax 0.11.2: the
+    interpreter's blocking host callbacks wait on each other for the few XLA:CPU
+    threads). Both write the same layouts and values (tests/test_quantization.py)."""
+    return quantization.xla if interpret else quantization.quantizer(False)
+
+
 def _check(lhs, rhs, group_sizes):
     for name, a in (("lhs", lhs), ("rhs", rhs)):
         if not jnp.issubdtype(a.dtype, jnp.floating) or jnp.dtype(a.dtype).itemsize > 4:
@@ -415,12 +437,10 @@ def gmm(lhs: Float[Array, "m k"], rhs: Float[Array, "g kn nk"], group_sizes: Int
     """The forward (rhs [g, k, n]) or dx (transpose_rhs: dy [m, n] against rhs [g, k, n]
     read as [g, n, k]^T) in fp8: lhs in 1 x 128 blocks, rhs in 128 x 128 blocks."""
     _check(lhs, rhs, group_sizes)
-    q = quantization.quantizer(interpret)
-    kwargs = {"interpret": interpret} if q is not quantization.xla else {}
-    lhs_q, lhs_scales_t = q.rows(lhs, jnp.float8_e4m3fn, **kwargs)
+    q = _quantizer(interpret)
+    lhs_q, lhs_scales_t = q.rows(lhs, jnp.float8_e4m3fn)
     # forward: B = kernel^T, [g, n, k], written so by the quantizer; dx: B = kernel as is.
-    rhs_q, rhs_scales = q.weight_blocks(rhs, jnp.float8_e4m3fn, transpose=not transpose_rhs,
-                                        **kwargs)
+    rhs_q, rhs_scales = q.weight_blocks(rhs, jnp.float8_e4m3fn, transpose=not transpose_rhs)
     return gmm_quantized(lhs_q, lhs_scales_t, rhs_q, rhs_scales, group_sizes,
                          group_offset=group_offset, out_dtype=out_dtype or lhs.dtype,
                          block_sizes=block_sizes, interpret=interpret,
@@ -437,10 +457,9 @@ def tgmm(lhs: Float[Array, "m k"], rhs: Float[Array, "m n"], group_sizes: Int[Ar
     g = group_sizes.shape[0] if num_groups is None else num_groups
     sizes, row_start = local_groups(group_sizes, group_offset, g)
     table = token_blocks(sizes, m, row_start=row_start)
-    q = quantization.quantizer(interpret)
-    kwargs = {"interpret": interpret} if q is not quantization.xla else {}
-    lhs_t, lhs_scales = q.token_blocks(lhs, table.start, table.rows, jnp.float8_e4m3fn, **kwargs)
-    rhs_t, rhs_scales = q.token_blocks(rhs, table.start, table.rows, jnp.float8_e4m3fn, **kwargs)
+    q = _quantizer(interpret)
+    lhs_t, lhs_scales = q.token_blocks(lhs, table.start, table.rows, jnp.float8_e4m3fn)
+    rhs_t, rhs_scales = q.token_blocks(rhs, table.start, table.rows, jnp.float8_e4m3fn)
     return tgmm_quantized(lhs_t, lhs_scales, rhs_t, rhs_scales, table.first, table.count,
                           out_dtype=out_dtype or lhs.dtype, block_sizes=block_sizes,
                           interpret=interpret, m=m)
