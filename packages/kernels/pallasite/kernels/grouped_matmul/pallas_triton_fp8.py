@@ -34,6 +34,10 @@ times and stores its zeros. Loads and stores are masked on every axis, so no dim
 needs padding. Masks are selects (masked loads, the zero tiles' own stores), never a
 multiplication by zero: a row of no group stays exactly zero even where its scales are
 NaN.
+
+Speed (one H200, the defaults' comment below): about 330 TFLOP/s at mixtral's dims,
+about half of pallas_triton's bf16 gmm there; on Hopper the fp8 products belong to the
+Mosaic GPU kernel. Not measured on sm89.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int, Shaped
 
 from pallasite.kernels import platform, sharding
-from pallasite.kernels.grouped_matmul import config, costs, fit, triton_fit, tuning_benchmarks
+from pallasite.kernels.grouped_matmul import config, costs, tuning_benchmarks
 from pallasite.kernels.grouped_matmul.group_metadata import (
     cdiv,
     local_groups,
@@ -64,15 +68,23 @@ from pallasite.reference.quantization import TOKEN_BLOCK
 BLOCK = TOKEN_BLOCK  # the contraction per step (one scale step) and gmm's column tile
 FP8 = jnp.float8_e4m3fn
 
-# Defaults (not yet measured). 128 x 128 tiles on 8 warps: each thread holds 64 fp32 of
-# the total and 64 of the step's fresh dot (a 128 x 128 tile on 4 warps would hold 256
-# registers per thread). A stage is 32 KiB of fp8 tiles (triton_fit, itemsize 1): sm89's
-# 99 KiB holds 3 stages, sm90's 227 KiB 4 (as many bytes in flight as pallas_triton's bf16
-# gmm default, 144 KiB, with the epilogue's layout conversion left room).
-GMM_FP8 = config.TritonBlockSizes(128, BLOCK, BLOCK, group_m=8, num_warps=8, num_stages=4)
-GMM_FP8_99K = config.TritonBlockSizes(128, BLOCK, BLOCK, group_m=8, num_warps=8, num_stages=3)
-TGMM_FP8 = config.TritonBlockSizes(128, 128, BLOCK, group_m=1, num_warps=8, num_stages=4)
-TGMM_FP8_99K = config.TritonBlockSizes(128, 128, BLOCK, group_m=1, num_warps=8, num_stages=3)
+# Defaults measured on one H200 (2026-12-02; gmm_quantized / tgmm_quantized on operands
+# already quantized, equal groups, median of 10 runs; TFLOP/s at mixtral's dims m=32768,
+# k=4096, n=14336, g=8, then at m=65536, k=2048, n=768, g=128):
+#   gmm  64x128x128, 4 warps, 4 stages: 329, 200; 128x128x128 on 8 warps with 3, 4, 5
+#        stages: 279, 280, 276 (and 208, 171 at the second shape); on 4 warps 224;
+#        64x128x128 with 6 stages 242.
+#   tgmm 64x128x128, 4 warps, 4 stages: 320, 182; 128x128x128 on 8 warps with 3, 4, 5
+#        stages: 290, 292, 294 (161, 169); 64x256x128 on 8 warps 300; 128x256x128 198.
+# The measured best is 96 KiB of shared memory (triton_fit, one byte per element), inside
+# sm89's 99 KiB: one default for both generations; more stages or larger tiles on sm90's
+# 227 KiB were no faster. Each thread holds 64 fp32 of the total and 64 of the step's
+# fresh dot. pallas_triton's bf16 defaults run 614 and 528 TFLOP/s at mixtral's dims:
+# this kernel is slower than bf16 on Hopper, where fp8 goes to the Mosaic GPU kernel.
+# (Probably because each step waits for its dot before promoting it, so no tensor-core
+# work stays in flight across steps; not established.)
+GMM_FP8 = config.TritonBlockSizes(64, BLOCK, BLOCK, group_m=8, num_warps=4, num_stages=4)
+TGMM_FP8 = config.TritonBlockSizes(64, 128, BLOCK, group_m=1, num_warps=4, num_stages=4)
 DEFAULT = GMM_FP8
 
 
@@ -88,13 +100,11 @@ def refusal(compute, operands, *, on_device: bool) -> str | None:
     return None
 
 
-def default_block_sizes(*, product: str, m: int, k: int, n: int, g: int,
-                        device=None) -> config.TritonBlockSizes:
-    """The sm90 default where it fits the shared memory of `device` (default: JAX's
-    first; off CUDA the budget every GPU has, fit.triton_budget), else sm89's."""
+def default_block_sizes(*, product: str, m: int, k: int, n: int, g: int
+                        ) -> config.TritonBlockSizes:
+    """The measured default (above); it fits every fp8 GPU's shared memory."""
     del m, k, n, g
-    order = [TGMM_FP8, TGMM_FP8_99K] if product == "dkernel" else [GMM_FP8, GMM_FP8_99K]
-    return triton_fit.first_fitting(order, 1, "forward", fit.triton_budget(device=device))
+    return TGMM_FP8 if product == "dkernel" else GMM_FP8
 
 
 def resolve_block_sizes(block_sizes: Any, *, product: str, m: int, k: int, n: int, g: int,
