@@ -13,7 +13,9 @@ entry passed over (logged, then re-tuned). Two things are checked:
   cache, candidates) are held to platform.triton_shared_memory_budget, which off CUDA is
   the smallest GPU's, so that they fit every GPU; a caller's config to the device's own
   (platform.shared_memory_bytes; no limit off CUDA, where only the interpreter runs it,
-  and a caller may be exporting for a larger GPU). Mosaic GPU: the kernel's own budget
+  and a caller may be exporting for a larger GPU). Triton fp8: the same budgets, for
+  tiles of one byte, with the contraction step and gmm's column tile fixed at 128 (one
+  scale block). Mosaic GPU: the kernel's own budget
   (sm90's shared memory less its barriers). Mosaic TPU: platform.TPU_VMEM_BYTES.
 
 `reason(backend, config, product, dims, dtype)` says why not (None: it fits).
@@ -82,6 +84,36 @@ def triton_reason(bs, product: str, dims: Mapping[str, int], dtype, *,
     return None
 
 
+def triton_fp8_reason(bs, product: str, dims: Mapping[str, int], dtype, *,
+                      caller: bool = False) -> str | None:
+    """pallas_triton_fp8 reads TritonBlockSizes as A[M, K] @ B[N, K]^T for every product
+    (its module docstring): block_k is one 128-deep scale step; gmm's block_n one
+    128-column weight scale block and its block_m 64 or 128 rows; each of num_stages
+    holds an A and a B tile of one byte per element (triton_fit's gmm footprint, for the
+    dkernel too)."""
+    del dtype  # the operands are fp8 whatever the caller's dtype
+    if bs.block_k != 128:
+        return f"block_k={bs.block_k}: the fp8 kernels contract one 128-deep scale step"
+    if product != "dkernel" and bs.block_n != 128:
+        return f"block_n={bs.block_n}: the fp8 gmm tiles one 128-column weight scale block"
+    if product != "dkernel" and bs.block_m not in (64, 128):
+        return f"block_m={bs.block_m}: the fp8 gmm tiles 64 or 128 rows"
+    rows, _, cols = _product_dims(product, dims)
+    if product == "dkernel":  # A = x^T: rows over k, contracted over the tokens
+        rows, cols = dims["k"], dims["n"]
+    sizes = {"block_m": (bs.block_m, _pow2_ceil(rows, 16)),
+             "block_n": (bs.block_n, _pow2_ceil(cols, 16))}
+    if (why := _too_large(sizes)) is not None:
+        return why
+    if bs.num_warps not in (1, 2, 4, 8, 16):
+        return f"num_warps={bs.num_warps} is not 1, 2, 4, 8 or 16"
+    need = triton_fit.shared_memory_bytes(bs, 1, "forward")
+    budget = triton_budget(caller)
+    if budget is not None and need > budget:
+        return f"{bs.num_stages} stages need {need} bytes of shared memory > {budget}"
+    return None
+
+
 def mosaic_gpu_reason(bs, product: str, dims: Mapping[str, int], dtype, *,
                       caller: bool = False) -> str | None:
     del caller  # one budget: the kernel runs on sm90 only
@@ -123,8 +155,8 @@ def mosaic_tpu_reason(bs, product: str, dims: Mapping[str, int], dtype, *,
     return None
 
 
-REASONS = {"pallas_triton": triton_reason, "pallas_mosaic_gpu": mosaic_gpu_reason,
-           "pallas_mosaic_tpu": mosaic_tpu_reason}
+REASONS = {"pallas_triton": triton_reason, "pallas_triton_fp8": triton_fp8_reason,
+           "pallas_mosaic_gpu": mosaic_gpu_reason, "pallas_mosaic_tpu": mosaic_tpu_reason}
 
 
 def reason(backend: str, config, product: str, dims: Mapping[str, int], dtype, *,

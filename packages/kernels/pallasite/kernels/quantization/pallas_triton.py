@@ -145,7 +145,9 @@ def _weight_kernel(w_ref, v_ref, s_ref, *, k, n, fp8, transpose):
     mask = _ok(kb * BLOCK, BLOCK, k)[:, None] & _ok(nb * BLOCK, BLOCK, n)[None, :]
     ks, ns = pl.ds(kb * BLOCK, BLOCK), pl.ds(nb * BLOCK, BLOCK)
     w = plgpu.load(w_ref.at[gi, ks, ns], mask=mask, other=0.0).astype(jnp.float32)
-    scale, inverse = ref.scale_and_inverse(ref.amax(w), fp8)
+    # One axis at a time: Pallas Triton lowers a reduction over two axes with the
+    # operand's rank in its sharding, which fails under a mesh (jax 0.11.2).
+    scale, inverse = ref.scale_and_inverse(ref.amax(ref.amax(w, axis=1), axis=0), fp8)
     values = ref.to_fp8(w, inverse, fp8)
     if transpose:
         plgpu.store(v_ref.at[gi, ns, ks], values.T, mask=mask.T)

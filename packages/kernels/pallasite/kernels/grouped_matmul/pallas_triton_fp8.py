@@ -1,0 +1,331 @@
+"""fp8 grouped products through Pallas Triton (CUDA GPUs from sm89: Ada and Hopper): e4m3
+tensor-core dots with DeepSeek-V3's block scales, each 128-deep step promoted to an fp32
+accumulator.
+
+Backend contract: the Mosaic GPU fp8 module's (pallas_mosaic_gpu_fp8.py). `gmm` and
+`tgmm` take the arguments of every grouped backend (floating lhs/rhs, group_sizes,
+group_offset, transpose_rhs, out_dtype, block_sizes, interpret), quantize their operands
+with `quantization.quantizer(interpret)` and call `gmm_quantized` / `tgmm_quantized`,
+which take operands already quantized, in the same layouts as the Mosaic module's:
+  forward  A = Q(x) [m, k] (1 x 128 blocks, scales [k/128, m]), B = Q(kernel) [g, n, k]
+           (128 x 128 blocks, scales [g, n/128, k/128], written transposed);
+  dx       A = Q(dy) [m, n], B = Q(kernel) [g, k, n] (as stored);
+  dkernel  A = Qt(x) [k, tokens], B = Qt(dy) [n, tokens] in token blocks of 128 rows that
+           never straddle groups (token_blocks.py), scales [blocks, columns].
+
+Every product is A[M, K] @ B[N, K]^T, contracted 128 deep per step: each step's dot
+(fp32 from the tensor cores) is multiplied by (row scale x column scale) and added to an
+fp32 accumulator. The tensor cores keep fewer bits than fp32 in their own fp8 sums
+(Hopper's), so no partial sum runs past one scale step (DeepSeek's promotion); Triton
+gives the dot a fresh accumulator each step and the kernel adds it.
+
+Block sizes: config.TritonBlockSizes read in that A @ B^T form: block_m tiles A's rows
+(gmm: tokens; tgmm: the kernel's k), block_n B's rows (the output's columns), block_k
+the contraction, fixed at 128 (one scale step). gmm's block_n is 128 too, one weight
+scale block, so the weight scale is one scalar per step per tile. Every product holds
+`num_stages` A and B tiles of one byte per element in shared memory, gmm's footprint in
+triton_fit (fit.triton_fp8_reason holds configs to it).
+
+gmm: one program per (row tile, column tile); the row tiles are pallas_triton.gmm's
+(group_metadata: a tile starts at its group's first row, never straddles two groups;
+rows of no group are zero tiles with no matmul). tgmm: one program per (group, k tile,
+n tile) over the group's token blocks [first, first + count); an empty group loops zero
+times and stores its zeros. Loads and stores are masked on every axis, so no dimension
+needs padding. Masks are selects (masked loads, the zero tiles' own stores), never a
+multiplication by zero: a row of no group stays exactly zero even where its scales are
+NaN.
+
+Speed (one H200, the defaults' comment below): about 330 TFLOP/s at mixtral's dims,
+about half of pallas_triton's bf16 gmm there; on Hopper the fp8 products belong to the
+Mosaic GPU kernel. Not measured on sm89.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jaxtyping import Array, Float, Int, Shaped
+
+from pallasite.kernels import platform, sharding
+from pallasite.kernels.grouped_matmul import config, costs, tuning_benchmarks
+from pallasite.kernels.grouped_matmul.group_metadata import (
+    cdiv,
+    local_groups,
+    make_group_metadata,
+    num_visits,
+)
+from pallasite.kernels.grouped_matmul.pallas_triton import _and, _in_range, _load, _swizzle
+from pallasite.kernels.grouped_matmul.token_blocks import token_blocks
+from pallasite.kernels.quantization import api as quantization
+from pallasite.reference.quantization import TOKEN_BLOCK
+
+BLOCK = TOKEN_BLOCK  # the contraction per step (one scale step) and gmm's column tile
+FP8 = jnp.float8_e4m3fn
+
+# Defaults measured on one H200 (2026-12-02; gmm_quantized / tgmm_quantized on operands
+# already quantized, equal groups, median of 10 runs; TFLOP/s at mixtral's dims m=32768,
+# k=4096, n=14336, g=8, then at m=65536, k=2048, n=768, g=128):
+#   gmm  64x128x128, 4 warps, 4 stages: 329, 200; 128x128x128 on 8 warps with 3, 4, 5
+#        stages: 279, 280, 276 (and 208, 171 at the second shape); on 4 warps 224;
+#        64x128x128 with 6 stages 242.
+#   tgmm 64x128x128, 4 warps, 4 stages: 320, 182; 128x128x128 on 8 warps with 3, 4, 5
+#        stages: 290, 292, 294 (161, 169); 64x256x128 on 8 warps 300; 128x256x128 198.
+# The measured best is 96 KiB of shared memory (triton_fit, one byte per element), inside
+# sm89's 99 KiB: one default for both generations; more stages or larger tiles on sm90's
+# 227 KiB were no faster. Each thread holds 64 fp32 of the total and 64 of the step's
+# fresh dot. pallas_triton's bf16 defaults run 614 and 528 TFLOP/s at mixtral's dims:
+# this kernel is slower than bf16 on Hopper, where fp8 goes to the Mosaic GPU kernel.
+# (Probably because each step waits for its dot before promoting it, so no tensor-core
+# work stays in flight across steps; not established.)
+GMM_FP8 = config.TritonBlockSizes(64, BLOCK, BLOCK, group_m=8, num_warps=4, num_stages=4)
+TGMM_FP8 = config.TritonBlockSizes(64, 128, BLOCK, group_m=1, num_warps=4, num_stages=4)
+DEFAULT = GMM_FP8
+
+
+def refusal(compute, operands, *, on_device: bool) -> str | None:
+    """Why these kernels cannot run here (None: they can): Triton casts to fp8 and runs
+    fp8 dots from sm89. on_device=False (the interpreter, or a lowering for a platform
+    this process does not hold) skips the check. Operands of any floating dtype are
+    quantized first."""
+    del compute, operands
+    if on_device and not platform.fp8_runs():
+        return (f"pallas_triton (fp8) needs a CUDA GPU from sm89; the device is "
+                f"{platform.device_generation()}")
+    return None
+
+
+def default_block_sizes(*, product: str, m: int, k: int, n: int, g: int
+                        ) -> config.TritonBlockSizes:
+    """The measured default (above); it fits every fp8 GPU's shared memory."""
+    del m, k, n, g
+    return TGMM_FP8 if product == "dkernel" else GMM_FP8
+
+
+def resolve_block_sizes(block_sizes: Any, *, product: str, m: int, k: int, n: int, g: int,
+                        interpret: bool = True) -> config.TritonBlockSizes:
+    """The caller's blocks (checked by fit.triton_fp8_reason), else the tuned
+    table / autotune cache, else a bounded autotune (compiled on an fp8 GPU only;
+    PALLASITE_AUTOTUNE=0 turns it off), else `default_block_sizes`. m, k, n are the
+    grouped projection's (x [m, k], kernel [g, k, n]), as for the other backends."""
+    return tuning_benchmarks.select_block_sizes(
+        sys.modules[__name__], "pallas_triton_fp8", config.TritonBlockSizes, block_sizes,
+        product=product, dims={"m": m, "k": k, "n": n, "g": g}, dtype=FP8,
+        default=default_block_sizes(product=product, m=m, k=k, n=n, g=g),
+        tune_here=not interpret and platform.fp8_runs(),
+    )
+
+
+def _params(bs: config.TritonBlockSizes):
+    return plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
+
+
+def _step_dot(a, b):
+    """a [rows, 128] . b [cols, 128]^T in fp32: one scale step's fresh partial sum."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+
+# --------------------------------------------------------------------------- gmm
+
+
+def _gmm_kernel(group_ref, start_ref, end_ref, lhs_ref, lhs_scales_ref, rhs_ref,
+                rhs_scales_ref, out_ref, *, bs, k, n, num_groups, num_tiles):
+    bm = bs.block_m
+    tile, col = _swizzle(pl.program_id(0), num_tiles, cdiv(n, BLOCK), bs.group_m)
+    group, start, end = group_ref[tile], start_ref[tile], end_ref[tile]
+    rows = pl.ds(start, bm)
+    row_ok = (start + jnp.arange(bm, dtype=jnp.int32)) < end
+    cols = pl.ds(col * BLOCK, BLOCK)
+    col_ok = _in_range(col * BLOCK, BLOCK, n)
+    store_ok = _and(row_ok, col_ok)
+
+    @pl.when((group < num_groups) & (end > start))
+    def _compute():
+        gi = jnp.minimum(group, num_groups - 1)
+
+        def step(i, acc):
+            ks = pl.ds(i * BLOCK, BLOCK)
+            k_ok = _in_range(i * BLOCK, BLOCK, k)
+            a = _load(lhs_ref.at[rows, ks], _and(row_ok, k_ok))
+            b = _load(rhs_ref.at[gi, cols, ks], _and(col_ok, k_ok))  # [128 n, 128 k]
+            row_scales = _load(lhs_scales_ref.at[i, rows], row_ok)  # [bm]
+            weight_scale = rhs_scales_ref[gi, col, i]  # one 128 x 128 block
+            return acc + _step_dot(a, b) * (row_scales[:, None] * weight_scale)
+
+        acc = jax.lax.fori_loop(0, cdiv(k, BLOCK), step, jnp.zeros((bm, BLOCK), jnp.float32))
+        plgpu.store(out_ref.at[rows, cols], acc.astype(out_ref.dtype), mask=store_ok)
+
+    @pl.when(group == num_groups)  # rows of no local group: zeros, never a product
+    def _zeros():
+        plgpu.store(out_ref.at[rows, cols], jnp.zeros((bm, BLOCK), out_ref.dtype),
+                    mask=store_ok)
+
+
+def gmm_quantized(
+    lhs: Shaped[Array, "m k"], lhs_scales_t: Float[Array, "kb m"],
+    rhs: Shaped[Array, "g n k"], rhs_scales: Float[Array, "g nb kb"],
+    group_sizes: Int[Array, " G"], *, group_offset=None, out_dtype: Any = jnp.bfloat16,
+    block_sizes: config.TritonBlockSizes | None = None, interpret: bool = False,
+    product: str = "forward",
+) -> Float[Array, "m n"]:
+    """out[rows of group i] = dequant(lhs rows) @ dequant(rhs[i])^T, fp8 operands in the
+    layouts of the module docstring: lhs [m, k] with scales [ceil(k/128), m], rhs
+    [g, n, k] (K-major) with scales [g, ceil(n/128), ceil(k/128)]. rhs holds groups
+    [group_offset, group_offset + g) of group_sizes (all when None); rows of other groups
+    and past the total are zeros. product ('forward' or 'dx') is the tuning key, whose
+    dims are the projection's: the dx contracts n = rhs.shape[2] into k = rhs.shape[1]."""
+    m, kc = lhs.shape
+    g, nc = rhs.shape[0], rhs.shape[1]
+    out_dtype = jnp.dtype(out_dtype)
+    k, n = (nc, kc) if product == "dx" else (kc, nc)
+    bs = resolve_block_sizes(block_sizes, product=product, m=m, k=k, n=n,
+                             g=group_sizes.shape[0], interpret=interpret)
+    if m == 0 or nc == 0 or g == 0 or kc == 0:  # kc == 0: every sum is empty
+        return jnp.zeros((m, nc), out_dtype)
+    sizes, row_start = local_groups(group_sizes, group_offset, g)
+    meta = make_group_metadata(sizes, m, bs.block_m, aligned=False, include_tail=True,
+                               row_start=row_start)
+    num_tiles = num_visits(m, g, bs.block_m)
+    kernel = functools.partial(_gmm_kernel, bs=bs, k=kc, n=nc, num_groups=g,
+                               num_tiles=num_tiles)
+    out_shape = sharding.out_struct((m, nc), out_dtype, like=lhs)
+    inputs = (meta.group, meta.start, meta.end, lhs, lhs_scales_t, rhs, rhs_scales)
+    cost = costs.gmm(m, kc, nc, lhs.dtype, transpose_rhs=True, inputs=inputs,
+                     outputs=(out_shape,))
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(num_tiles * cdiv(nc, BLOCK),),
+        compiler_params=_params(bs),
+        interpret=interpret,
+        cost_estimate=cost,
+        name="grouped_projection_gmm_fp8_triton",
+    )(*inputs)
+
+
+# --------------------------------------------------------------------------- tgmm
+
+
+def _tgmm_kernel(first_ref, count_ref, lhs_ref, lhs_scales_ref, rhs_ref, rhs_scales_ref,
+                 out_ref, *, bs, k, n):
+    bm, bn = bs.block_m, bs.block_n
+    group, kt, nt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    first, count = first_ref[group], count_ref[group]
+    rows, cols = pl.ds(kt * bm, bm), pl.ds(nt * bn, bn)
+    row_ok = _in_range(kt * bm, bm, k)
+    col_ok = _in_range(nt * bn, bn, n)
+
+    def step(i, acc):
+        block = first + i
+        tokens = pl.ds(block * BLOCK, BLOCK)  # whole blocks: zeros past a block's rows
+        a = _load(lhs_ref.at[rows, tokens], _and(row_ok, None))
+        b = _load(rhs_ref.at[cols, tokens], _and(col_ok, None))
+        row_scales = _load(lhs_scales_ref.at[block, rows], row_ok)  # [bm]
+        col_scales = _load(rhs_scales_ref.at[block, cols], col_ok)  # [bn]
+        return acc + _step_dot(a, b) * (row_scales[:, None] * col_scales[None, :])
+
+    acc = jax.lax.fori_loop(0, count, step, jnp.zeros((bm, bn), jnp.float32))
+    plgpu.store(out_ref.at[group, rows, cols], acc.astype(out_ref.dtype),
+                mask=_and(row_ok, col_ok))
+
+
+def tgmm_quantized(
+    lhs_t: Shaped[Array, "k p"], lhs_scales: Float[Array, "t k"],
+    rhs_t: Shaped[Array, "n p"], rhs_scales: Float[Array, "t n"],
+    first: Int[Array, " g"], count: Int[Array, " g"], *, out_dtype: Any = jnp.float32,
+    block_sizes: config.TritonBlockSizes | None = None, interpret: bool = False,
+    m: int | None = None,
+) -> Float[Array, "g k n"]:
+    """out[i] = sum over group i's token blocks [first[i], first[i] + count[i]) of
+    dequant(lhs block) @ dequant(rhs block)^T: the token-block layouts of the module
+    docstring (values [c, 128 t], scales [t, c]). m: the rows the blocks were cut from
+    (the tuning key; the token axis when None)."""
+    k, p = lhs_t.shape
+    n = rhs_t.shape[0]
+    g = first.shape[0]
+    out_dtype = jnp.dtype(out_dtype)
+    bs = resolve_block_sizes(block_sizes, product="dkernel", m=p if m is None else m, k=k,
+                             n=n, g=g, interpret=interpret)
+    if g == 0 or k == 0 or n == 0:
+        return jnp.zeros((g, k, n), out_dtype)
+    kernel = functools.partial(_tgmm_kernel, bs=bs, k=k, n=n)
+    out_shape = sharding.out_struct((g, k, n), out_dtype, like=lhs_t)
+    inputs = (first, count, lhs_t, lhs_scales, rhs_t, rhs_scales)
+    cost = costs.gmm(k, p, n, lhs_t.dtype, transpose_rhs=True, inputs=inputs,
+                     outputs=(out_shape,))
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(g, cdiv(k, bs.block_m), cdiv(n, bs.block_n)),
+        compiler_params=_params(bs),
+        interpret=interpret,
+        cost_estimate=cost,
+        name="grouped_projection_tgmm_fp8_triton",
+    )(*inputs)
+
+
+# ------------------------------------------------------------- the backend contract
+
+
+def _check(lhs, rhs, group_sizes):
+    for name, a in (("lhs", lhs), ("rhs", rhs)):
+        if not jnp.issubdtype(a.dtype, jnp.floating) or jnp.dtype(a.dtype).itemsize > 4:
+            raise TypeError(f"fp8 grouped products quantize floating operands up to fp32; "
+                            f"{name} is {jnp.dtype(a.dtype).name}")
+    if group_sizes.dtype != jnp.int32:
+        raise TypeError(f"group_sizes must be int32, got {group_sizes.dtype}")
+
+
+def gmm(lhs: Float[Array, "m k"], rhs: Float[Array, "g kn nk"], group_sizes: Int[Array, " G"],
+        *, group_offset=None, transpose_rhs: bool = False, out_dtype: Any = None,
+        block_sizes: config.TritonBlockSizes | None = None, interpret: bool = False
+        ) -> Float[Array, "m n"]:
+    """The forward (rhs [g, k, n]) or dx (transpose_rhs: dy [m, n] against rhs [g, k, n]
+    read as [g, n, k]^T) in fp8: lhs in 1 x 128 blocks, rhs in 128 x 128 blocks. The
+    blocks are resolved (and the caller's checked) before the quantizers are built."""
+    _check(lhs, rhs, group_sizes)
+    m = lhs.shape[0]
+    g, k, n = rhs.shape
+    product = "dx" if transpose_rhs else "forward"
+    bs = resolve_block_sizes(block_sizes, product=product, m=m, k=k, n=n,
+                             g=group_sizes.shape[0], interpret=interpret)
+    out_dtype = out_dtype or lhs.dtype
+    if 0 in lhs.shape or 0 in rhs.shape:
+        return jnp.zeros((m, k if transpose_rhs else n), out_dtype)
+    q = quantization.quantizer(interpret)
+    kwargs = {"interpret": interpret} if q is not quantization.xla else {}
+    lhs_q, lhs_scales_t = q.rows(lhs, FP8, **kwargs)
+    # forward: B = kernel^T, [g, n, k], written so by the quantizer; dx: B = kernel as is.
+    rhs_q, rhs_scales = q.weight_blocks(rhs, FP8, transpose=not transpose_rhs, **kwargs)
+    return gmm_quantized(lhs_q, lhs_scales_t, rhs_q, rhs_scales, group_sizes,
+                         group_offset=group_offset, out_dtype=out_dtype, block_sizes=bs,
+                         interpret=interpret, product=product)
+
+
+def tgmm(lhs: Float[Array, "m k"], rhs: Float[Array, "m n"], group_sizes: Int[Array, " G"],
+         *, num_groups: int | None = None, group_offset=None, out_dtype: Any = None,
+         block_sizes: config.TritonBlockSizes | None = None, interpret: bool = False
+         ) -> Float[Array, "g k n"]:
+    """dkernel in fp8: per local group lhs_g^T rhs_g over token blocks aligned to groups."""
+    _check(lhs, rhs, group_sizes)
+    (m, k), n = lhs.shape, rhs.shape[1]
+    g = group_sizes.shape[0] if num_groups is None else num_groups
+    bs = resolve_block_sizes(block_sizes, product="dkernel", m=m, k=k, n=n, g=g,
+                             interpret=interpret)
+    out_dtype = out_dtype or lhs.dtype
+    if 0 in (m, k, n, g):
+        return jnp.zeros((g, k, n), out_dtype)
+    sizes, row_start = local_groups(group_sizes, group_offset, g)
+    table = token_blocks(sizes, m, row_start=row_start)
+    q = quantization.quantizer(interpret)
+    kwargs = {"interpret": interpret} if q is not quantization.xla else {}
+    lhs_t, lhs_scales = q.token_blocks(lhs, table.start, table.rows, FP8, **kwargs)
+    rhs_t, rhs_scales = q.token_blocks(rhs, table.start, table.rows, FP8, **kwargs)
+    return tgmm_quantized(lhs_t, lhs_scales, rhs_t, rhs_scales, table.first, table.count,
+                          out_dtype=out_dtype, block_sizes=bs, interpret=interpret, m=m)
