@@ -78,11 +78,11 @@ def _oracle(x, w, dy, sizes, offset=None, g=None):
     """(forward, dx, dkernel) of the fp8 recipe's oracle for local groups [offset,
     offset + g) of `sizes` (w holds all of them): quantized, dequantized, exact fp32."""
     gs = jnp.asarray(sizes, jnp.int32)
-    xq, dyq, wq = q._rows_q(x, F8), q._rows_q(dy, F8), q._kernel_q(w, F8)
+    xq, dyq, wq = q.quantized_rows(x, F8), q.quantized_rows(dy, F8), q.quantized_kernel(w, F8)
     keep = jnp.asarray(_local_rows(sizes, x.shape[0], offset, g))[:, None]
     fwd = jnp.where(keep, gmm_reference(xq, wq, gs), 0.0)
     dx = jnp.where(keep, gmm_reference(dyq, wq, gs, transpose_rhs=True), 0.0)
-    dk = tgmm_reference(q._tokens_q(x, gs, F8), q._tokens_q(dy, gs, F8), gs, len(sizes))
+    dk = tgmm_reference(q.quantized_tokens(x, gs, F8), q.quantized_tokens(dy, gs, F8), gs, len(sizes))
     lo = 0 if offset is None else offset
     hi = len(sizes) if offset is None else offset + g
     return fwd, dx, dk[lo:hi]

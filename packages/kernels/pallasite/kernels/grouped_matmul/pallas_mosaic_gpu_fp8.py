@@ -276,7 +276,9 @@ def gmm_quantized(
     m, k = lhs.shape
     g, n = rhs.shape[0], rhs.shape[1]
     out_dtype = jnp.dtype(out_dtype)
-    bs = resolve_block_sizes(block_sizes, product=product, m=m, k=k, n=n,
+    # Tuning keys and fit rules take the projection's dims: dx contracts its n, writes its k.
+    k_proj, n_proj = (n, k) if product == "dx" else (k, n)
+    bs = resolve_block_sizes(block_sizes, product=product, m=m, k=k_proj, n=n_proj,
                              g=group_sizes.shape[0], interpret=interpret)
     if m == 0 or n == 0 or g == 0:
         return jnp.zeros((m, n), out_dtype)

@@ -1,0 +1,389 @@
+"""grouped_projection in fp8: recipe="fp8" and pre-quantized (BlockScaled) operands.
+
+Values and gradients against the oracle (pallasite.reference.quantization: the exact
+fp32 products of the dequantized operands) for the XLA path and the Mosaic GPU kernels
+(through their interpreter on CPU, compiled on an H200); the Triton kernels have their
+own file (test_grouped_projection_fp8_triton.py). Edge cases of the bf16 contract (rows
+past the total, empty groups, local experts, non-finite values, vmap, zero sizes), the
+errors, the sharding routes on 8 CPU devices, and lowering for CUDA from the CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+from jax.sharding import AbstractDevice, AbstractMesh
+from jax.sharding import PartitionSpec as P
+
+import sharding_testlib as st
+from pallasite.kernels import BlockScaled, grouped_projection, quantize
+from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu as mgpu
+from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu_fp8 as mgpu_fp8
+from pallasite.reference import quantization as q
+
+F8 = jnp.float8_e4m3fn
+SIZES = (100, 0, 250, 130)  # 480 of 600 rows: an empty group and rows past the total
+
+
+def _inputs(seed=0, m=600, k=256, n=384, sizes=SIZES, dtype=jnp.bfloat16):
+    kx, kw, kd = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(dtype)
+    w = (jax.random.normal(kw, (len(sizes), k, n), jnp.float32) / 16).astype(dtype)
+    dy = jax.random.normal(kd, (m, n), jnp.float32)
+    return x, w, jnp.asarray(sizes, jnp.int32), dy
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _value_and_grads(project, x, w, sizes, dy):
+    def loss(x, w):
+        return jnp.sum(project(x, w, sizes).astype(jnp.float32) * dy)
+    y = jax.jit(lambda x, w: project(x, w, sizes))(x, w)
+    return y, jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+
+
+def _oracle(x, w, sizes, dy, compute=jnp.float32, group_offset=None):
+    if group_offset is None:
+        project = lambda x, w, s: q.grouped_projection_fp8(x, w, s, compute)  # noqa: E731
+    else:  # local experts: the kernel's groups padded with zero weights around it
+        full = jnp.zeros((sizes.shape[0],) + w.shape[1:], w.dtype)
+
+        def project(x, w, s):
+            whole = jax.lax.dynamic_update_slice(full, w, (group_offset, 0, 0))
+            return q.grouped_projection_fp8(x, whole, s, compute)
+    return _value_and_grads(project, x, w, sizes, dy)
+
+
+def _check(got, want, rel=2e-3):
+    """The fp8 contract: relative L2 <= 2e-3 against the fp32 products of the dequantized
+    operands (the outputs here are fp32, so the sums' order is all that differs)."""
+    (y, (dx, dw)), (y_ref, (dx_ref, dw_ref)) = got, want
+    for name, a, b in (("y", y, y_ref), ("dx", dx, dx_ref), ("dkernel", dw, dw_ref)):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert _rel(a, b) <= rel, f"{name}: rel {_rel(a, b):.3g}"
+
+
+def _fp8(name, compute=jnp.float32, **kw):
+    return functools.partial(grouped_projection, compute=compute, interpret_on_cpu=True,
+                             implementation=name, recipe="fp8", **kw)
+
+
+# ------------------------------------------------------------------------- the recipe
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_recipe_on_xla_matches_the_oracle(dtype):
+    x, w, sizes, dy = _inputs(dtype=dtype)
+    got = _value_and_grads(_fp8("xla"), x, w, sizes, dy)
+    _check(got, _oracle(x, w, sizes, dy), rel=1e-6)
+    assert got[1][0].dtype == dtype and got[1][1].dtype == dtype  # straight-through dtypes
+    assert float(jnp.max(jnp.abs(got[0][480:]))) == 0  # rows past the total
+    assert float(jnp.max(jnp.abs(got[1][0][480:]))) == 0
+    assert float(jnp.max(jnp.abs(got[1][1][1]))) == 0  # the empty group
+
+
+def test_recipe_default_order_on_cpu_is_xla():
+    x, w, sizes, dy = _inputs(seed=1)
+    project = functools.partial(grouped_projection, compute=jnp.float32, recipe="fp8")
+    _check(_value_and_grads(project, x, w, sizes, dy), _oracle(x, w, sizes, dy), rel=1e-6)
+
+
+def test_recipe_on_mosaic_gpu_interpreter_matches_the_oracle():
+    x, w, sizes, dy = _inputs(seed=2, m=520, sizes=(100, 0, 250, 130))
+    _check(_value_and_grads(_fp8("pallas_mosaic_gpu"), x, w, sizes, dy),
+           _oracle(x, w, sizes, dy))
+
+
+def test_recipe_with_local_experts_matches_the_oracle():
+    x, w, sizes, dy = _inputs(seed=3, sizes=(60, 140, 0, 200, 90))
+    local = w[1:4]
+    project = _fp8("xla", group_offset=1)
+    # bf16 gradients: a sum in another order rounds a few elements the other way.
+    _check(_value_and_grads(project, x, local, sizes, dy),
+           _oracle(x, local, sizes, dy, group_offset=1), rel=1e-4)
+
+
+def test_recipe_output_in_bf16_rounds_once():
+    x, w, sizes, dy = _inputs(seed=4)
+    y = _fp8("xla", compute=jnp.bfloat16)(x, w, sizes)
+    want = q.grouped_projection_fp8(x, w, sizes, jnp.float32)
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)),
+                                  np.asarray(want.astype(jnp.bfloat16).astype(jnp.float32)))
+
+
+def test_a_nan_stays_in_its_row_and_its_group():
+    x, w, sizes, dy = _inputs(seed=5)
+    x = x.at[120, 7].set(jnp.nan)  # group 2 (rows 100-349)
+    y, (dx, dw) = _value_and_grads(_fp8("xla"), x, w, sizes, dy)
+    bad = np.isnan(np.asarray(y)).any(axis=1)
+    assert bad[120] and bad.sum() == 1
+    dw_bad = np.isnan(np.asarray(dw)).any(axis=(1, 2))
+    np.testing.assert_array_equal(dw_bad, [False, False, True, False])
+    # Its token block's column 7 is NaN (the block's scale), no other column of dkernel.
+    assert np.isnan(np.asarray(dw[2, 7])).all() and not np.isnan(np.asarray(dw[2, 8])).any()
+    assert not np.isnan(np.asarray(dx)).any()
+
+
+def test_recipe_under_vmap_matches_each_call():
+    x, w, sizes, _ = _inputs(seed=6, m=256, sizes=(100, 0, 100, 56))
+    xs = jnp.stack([x, x[::-1]])
+    got = jax.vmap(lambda a: _fp8("xla")(a, w, sizes))(xs)
+    for i in range(2):
+        np.testing.assert_array_equal(got[i], _fp8("xla")(xs[i], w, sizes))
+
+
+def test_recipe_zero_sizes_give_zeros():
+    x, w, sizes, _ = _inputs()
+    assert _fp8("xla")(x[:0], w, sizes * 0).shape == (0, w.shape[2])
+    out = _fp8("xla")(x[:, :0], w[:, :0], sizes)
+    assert out.shape == (x.shape[0], w.shape[2]) and float(jnp.max(jnp.abs(out))) == 0
+
+
+def test_recipe_errors_name_the_argument():
+    x, w, sizes, _ = _inputs()
+    with pytest.raises(ValueError, match="recipe"):
+        grouped_projection(x, w, sizes, jnp.float32, recipe="int8")
+    with jax.enable_x64(True):
+        with pytest.raises(TypeError, match="compute"):
+            grouped_projection(x, w, sizes, jnp.float64, recipe="fp8")
+    with pytest.raises(RuntimeError, match="no fp8 products"):
+        grouped_projection(x, w, sizes, jnp.float32, recipe="fp8",
+                           implementation="pallas_mosaic_tpu")
+    with pytest.raises(NotImplementedError, match="first-order"):
+        jax.jvp(lambda a: grouped_projection(a, w, sizes, jnp.float32, recipe="fp8"),
+                (x,), (x,))
+
+
+# --------------------------------------------------------------- pre-quantized operands
+
+
+def test_pre_quantized_operands_match_the_oracle():
+    x, w, sizes, _ = _inputs(seed=7)
+    xq, wq = quantize(x, (1, 128)), quantize(w, (1, 128, 128))
+    want = q.grouped_projection_quantized(xq.values, xq.scales, wq.values, wq.scales, sizes,
+                                          jnp.float32)
+    for name in ("xla", "pallas_mosaic_gpu"):
+        got = grouped_projection(xq, wq, sizes, jnp.float32, interpret_on_cpu=True,
+                                 implementation=name)
+        assert _rel(got, want) <= 1e-6, name
+    # One operand quantized, the other quantized inside: the same product.
+    np.testing.assert_array_equal(grouped_projection(xq, w, sizes, jnp.float32),
+                                  grouped_projection(xq, wq, sizes, jnp.float32))
+
+
+def test_pre_quantized_operands_are_not_differentiable():
+    x, w, sizes, _ = _inputs()
+    xq = quantize(x, (1, 128))
+    with pytest.raises(TypeError, match="not differentiable"):
+        jax.grad(lambda w: grouped_projection(xq, w, sizes, jnp.float32).sum())(w)
+
+
+def test_pre_quantized_operands_need_the_recipe_blocks():
+    x, w, sizes, _ = _inputs()
+    with pytest.raises(ValueError, match=r"\(1, 128\)"):
+        grouped_projection(quantize(x, (1, 64)), w, sizes, jnp.float32)
+    with pytest.raises(ValueError, match=r"\(1, 128, 128\)"):
+        grouped_projection(x, quantize(w, (1, 128, 64)), sizes, jnp.float32)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        grouped_projection(quantize(x, (1, 128), jnp.float8_e5m2), w, sizes, jnp.float32)
+
+
+# ------------------------------------------------------------------------- sharding
+
+
+# Groups of whole 128-row blocks and 128-row shards: every token block is the same on one
+# device and on eight, so the sharded call must equal the unsharded one.
+ALIGNED = (256, 0, 384, 128, 256)
+M8 = 1024
+
+
+def _aligned(seed=8):
+    x, w, sizes, dy = _inputs(seed=seed, m=M8, sizes=ALIGNED, dtype=jnp.float32)
+    return x, w, sizes, dy
+
+
+def _loss_grads(project):
+    def loss(x, w, sizes, dy):
+        return jnp.sum(project(x, w, sizes).astype(jnp.float32) * dy)
+    return jax.value_and_grad(loss, argnums=(0, 1))
+
+
+def _close(got, want):
+    (v, (dx, dw)), (v_ref, (dx_ref, dw_ref)) = got, want
+    np.testing.assert_allclose(v, v_ref, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(dx), dx_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dw), dw_ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["xla", "pallas_triton"])
+@pytest.mark.parametrize("layout", ["tokens", "columns", "experts"])
+@pytest.mark.parametrize("axis_type", [st.EXPLICIT, st.AUTO])
+def test_recipe_under_jit_over_sharded_arrays_equals_one_device(name, layout, axis_type):
+    x, w, sizes, dy = _aligned()
+    project = _fp8(name)
+    want = jax.jit(_loss_grads(project))(*(np.asarray(t) for t in (x, w, sizes, dy)))
+    if layout == "tokens":
+        mesh = st.mesh((8,), ("data",), axis_type)
+        args = (st.put(x, mesh, "data"), st.put(w, mesh), sizes, st.put(dy, mesh, "data"))
+    elif layout == "columns":  # 128 columns per shard: the same weight and dy blocks
+        x, w, sizes, dy = _inputs(seed=8, m=M8, n=512, sizes=ALIGNED, dtype=jnp.float32)
+        want = jax.jit(_loss_grads(project))(*(np.asarray(t) for t in (x, w, sizes, dy)))
+        mesh = st.mesh((2, 4), ("data", "model"), axis_type)
+        args = (st.put(x, mesh, "data"), st.put(w, mesh, None, None, "model"), sizes,
+                st.put(dy, mesh, "data", "model"))
+    else:  # experts: the kernel's groups over "expert", the tokens over "data"
+        x, w, sizes, dy = _inputs(seed=9, m=M8, sizes=(256, 0, 384, 128, 128, 0, 128, 0),
+                                  dtype=jnp.float32)
+        want = jax.jit(_loss_grads(project))(*(np.asarray(t) for t in (x, w, sizes, dy)))
+        mesh = st.mesh((2, 4), ("data", "expert"), axis_type)
+        args = (st.put(x, mesh, "data"), st.put(w, mesh, "expert"), sizes,
+                st.put(dy, mesh, "data"))
+    with jax.set_mesh(mesh):
+        got = jax.jit(_loss_grads(project))(*args)
+    _close(got, want)
+
+
+def test_recipe_inside_a_callers_shard_map_uses_the_local_arrays():
+    x, w, sizes, dy = _aligned()
+    mesh = st.mesh((8,), ("data",), st.EXPLICIT)
+    rows = M8 // 8
+
+    def local(x, w, sizes, dy):  # each shard's own group sizes, as MoE layers pass them
+        me = jax.lax.axis_index("data")
+        ends = jnp.clip(jnp.cumsum(sizes) - me * rows, 0, rows)
+        mine = jnp.diff(jnp.concatenate([jnp.zeros((1,), jnp.int32), ends]))
+        value, (dx, dw) = _loss_grads(_fp8("xla"))(x, w, mine, dy)
+        # dkernel of the replicated kernel comes back summed over the token shards.
+        return jax.lax.psum(value, "data"), dx, dw
+
+    run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P(), P(), P("data")),
+                                out_specs=(P(), P("data"), P())))
+    value, dx, dw = run(st.put(x, mesh, "data"), st.put(w, mesh), sizes, st.put(dy, mesh, "data"))
+    _close((value, (dx, dw)), jax.jit(_loss_grads(_fp8("xla")))(x, w, sizes, dy))
+
+
+def test_pre_quantized_operands_inside_a_callers_shard_map():
+    x, w, sizes, _ = _aligned()
+    xq, wq = quantize(x, (1, 128)), quantize(w, (1, 128, 128))
+    mesh = st.mesh((8,), ("data",), st.EXPLICIT)
+    rows = M8 // 8
+
+    def local(xq, wq, sizes):
+        me = jax.lax.axis_index("data")
+        ends = jnp.clip(jnp.cumsum(sizes) - me * rows, 0, rows)
+        mine = jnp.diff(jnp.concatenate([jnp.zeros((1,), jnp.int32), ends]))
+        return grouped_projection(xq, wq, mine, jnp.float32)
+
+    run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P(), P()),
+                                out_specs=P("data")))
+    placed = jax.tree.map(lambda a: st.put(a, mesh, "data"), xq)
+    np.testing.assert_allclose(run(placed, jax.tree.map(lambda a: st.put(a, mesh), wq), sizes),
+                               grouped_projection(xq, wq, sizes, jnp.float32), rtol=1e-6,
+                               atol=1e-6)
+
+
+def test_recipe_under_jit_gathers_nothing():
+    x, w, sizes, dy = _aligned()
+    mesh = st.mesh((8,), ("data",), st.EXPLICIT)
+    args = (st.put(x, mesh, "data"), st.put(w, mesh), sizes, st.put(dy, mesh, "data"))
+    with jax.set_mesh(mesh):
+        found = st.compiled_collectives(_loss_grads(_fp8("xla")), *args)
+    assert "all-gather" not in found and "all-to-all" not in found, found
+
+
+# ------------------------------------------------------------ lowering for an H200
+
+
+def _h200():
+    return jax.sharding.use_abstract_mesh(AbstractMesh(
+        (1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda")))
+
+
+@pytest.mark.parametrize("product", ["forward", "dx", "dkernel"])
+def test_mosaic_gpu_fp8_kernels_lower_for_cuda_from_cpu(product, monkeypatch):
+    """Layout inference, the fp8 wgmma (both operands K-major) and the TMA loads of the
+    scales lower for every product."""
+    monkeypatch.setattr(mgpu, "_num_programs", lambda interpret: 132)
+    s = jax.ShapeDtypeStruct
+    m, k, n, g = 4096, 512, 1024, 8
+    f32 = jnp.float32
+    if product == "dkernel":
+        f = lambda *a: mgpu_fp8.tgmm_quantized(*a)  # noqa: E731
+        args = (s((k, 128 * 44), F8), s((44, k), f32), s((n, 128 * 44), F8), s((44, n), f32),
+                s((g,), jnp.int32), s((g,), jnp.int32))
+    else:
+        out, contraction = (n, k) if product == "forward" else (k, n)
+        f = lambda *a: mgpu_fp8.gmm_quantized(*a, product=product)  # noqa: E731
+        args = (s((m, contraction), F8), s((contraction // 128, m), f32),
+                s((g, out, contraction), F8), s((g, out // 128, contraction // 128), f32),
+                s((g,), jnp.int32))
+    with _h200():
+        text = export.export(jax.jit(f), platforms=["cuda"])(*args).mlir_module()
+    assert "mosaic_gpu" in text
+
+
+def test_mosaic_gpu_fp8_block_sizes_are_checked():
+    with pytest.raises(ValueError, match="stages"):
+        mgpu_fp8.MosaicGpuFp8BlockSizes(stages=1)
+    with pytest.raises(ValueError, match="grid_block_n"):
+        mgpu_fp8.MosaicGpuFp8BlockSizes(grid_block_n=0)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+def _gpu_cases():
+    return [
+        ("dirichlet", 8192, 512, 768, (2000, 1500, 0, 3000, 1692)),
+        ("total_lt_m", 4096, 256, 384, (1000, 0, 2001, 0)),
+        ("odd_dims", 1000, 200, 300, (1, 300, 0, 7, 600)),
+        ("many_small", 8192, 256, 512, tuple([128] * 32 + [100] * 20)),
+        ("all_empty", 1024, 128, 256, (0, 0, 0, 0)),
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _gpu_cases(), ids=lambda c: c[0])
+def test_recipe_on_the_gpu_matches_the_oracle(case):
+    _, m, k, n, sizes = case
+    x, w, sizes, dy = _inputs(seed=11, m=m, k=k, n=n, sizes=sizes)
+    want = _oracle(x, w, sizes, dy)
+    for name in ("pallas_mosaic_gpu", "pallas_triton"):
+        _check(_value_and_grads(_fp8(name), x, w, sizes, dy), want)
+    # bf16 output: within bf16's rounding of the fp32 result.
+    y = _fp8("pallas_mosaic_gpu", compute=jnp.bfloat16)(x, w, sizes)
+    assert _rel(y, want[0]) <= 4e-3
+
+
+@pytest.mark.gpu
+def test_recipe_default_order_on_hopper_takes_mosaic_gpu_and_keeps_nans_local():
+    x, w, sizes, dy = _inputs(seed=12, m=4096, k=512, n=768, sizes=(1000, 0, 2500, 500))
+    x = x.at[1500, 3].set(jnp.nan).at[3900, 5].set(jnp.nan)  # group 2; past the total
+    project = functools.partial(grouped_projection, compute=jnp.float32, recipe="fp8")
+    y, (dx, dw) = _value_and_grads(project, x, w, sizes, dy)
+    bad = np.isnan(np.asarray(y)).any(axis=1)
+    assert bad[1500] and bad.sum() == 1  # the row past the total stays zero
+    assert float(jnp.max(jnp.abs(jnp.nan_to_num(y[4000:])))) == 0
+    np.testing.assert_array_equal(np.isnan(np.asarray(dw)).any(axis=(1, 2)),
+                                  [False, False, True, False])
+    assert not np.isnan(np.asarray(dx)).any()
+
+
+@pytest.mark.gpu
+def test_pre_quantized_operands_on_the_gpu():
+    x, w, sizes, _ = _inputs(seed=13, m=4096, k=512, n=768, sizes=(1000, 0, 2500, 500))
+    xq, wq = quantize(x, (1, 128)), quantize(w, (1, 128, 128))
+    want = q.grouped_projection_quantized(xq.values, xq.scales, wq.values, wq.scales, sizes,
+                                          jnp.float32)
+    for name in ("pallas_mosaic_gpu", "pallas_triton", None):
+        got = grouped_projection(xq, wq, sizes, jnp.float32, implementation=name)
+        assert _rel(got, want) <= 2e-3, name
