@@ -1,0 +1,144 @@
+"""The fp8 quantizers' bandwidth beside a plain cast and the XLA forms, and the fp8 kernels'
+stage and tile variants, on one GPU; JSON lines to $OUT/fp8_quantizers.jsonl.
+
+    OUT=folder python3 tools/sweeps/fp8_quantizers.py [--smoke]
+
+Quantizers: each Pallas Triton quantizer (rows, token blocks, weight blocks) and its XLA
+form, on mixtral's and dsv3's operands (x and dy of 65536 tokens, the experts' kernels),
+against an XLA cast of the same array to e4m3 (reads 2 bytes and writes 1 per element:
+the traffic of a quantizer without its scales, the practical ceiling). TB/s counts each
+call's input and output bytes once. Timed by the bench harness's queued method (calls
+back to back, one sync per sample, inputs rotated past the L2).
+
+Kernels (`--stages`): the Mosaic GPU fp8 forward, dx and dkernel of mixtral and dsv3 at
+3, 4 and 5 stages and snake widths 4 and 8, from pre-quantized operands (values are
+checked by tests/test_grouped_projection_fp8.py, not here).
+--smoke: tiny shapes through the interpreters (a CPU check of the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from pallasite.bench import harness
+from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu_fp8 as mgpu_fp8
+from pallasite.kernels.grouped_matmul.token_blocks import token_blocks
+from pallasite.kernels.quantization import pallas_triton, xla
+from pallasite.reference import inputs as ref_inputs
+
+F8 = jnp.float8_e4m3fn
+
+
+def _nbytes(tree) -> int:
+    return int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree)))
+
+
+def _time(fn, sets):
+    compiled, compile_s = harness.compile_jax(jax.jit(fn), sets[0])
+    t = harness.steady_state(compiled, sets, harness.jax_sync, compile_s=compile_s,
+                             warmup=2, samples=10, budget_s=2.0)
+    return t.median_s
+
+
+def _sets(make, count):
+    return [make(s) for s in range(count)]
+
+
+def quantizers(out, smoke: bool):
+    interpret = smoke
+    shapes = ([("tiny", 256, 256, 4, 128)] if smoke else
+              [("mixtral_x", 32768, 4096, 8, 14336), ("mixtral_dy", 32768, 14336, 8, 4096),
+               ("dsv3_x", 65536, 7168, 256, 2048)])
+    for name, m, c, g, n in shapes:
+        copies = 2 if smoke else 3
+        xs = _sets(lambda s: jax.random.normal(jax.random.key(s), (m, c), jnp.bfloat16), copies)
+        sizes = ref_inputs.random_group_sizes(jax.random.key(1234), m, g)
+        table = token_blocks(sizes, m)
+        runs = {
+            "cast_e4m3": lambda x: x.astype(F8),
+            "rows.pallas_triton": lambda x: pallas_triton.rows(x, F8, interpret=interpret),
+            "rows.xla": lambda x: xla.rows(x, F8),
+            "token_blocks.pallas_triton": lambda x: pallas_triton.token_blocks(
+                x, table.start, table.rows, F8, interpret=interpret),
+            "token_blocks.xla": lambda x: xla.token_blocks(x, table.start, table.rows, F8),
+        }
+        for impl, fn in runs.items():
+            t = _time(fn, xs)
+            moved = _nbytes(xs[0]) + _nbytes(jax.eval_shape(fn, xs[0]))
+            _write(out, {"what": "quantizer", "shape": name, "m": m, "c": c, "impl": impl,
+                         "ms": t * 1e3, "tbps": moved / t / 1e12})
+        w_shape = (g, c, n)
+        ws = _sets(lambda s: jax.random.normal(jax.random.key(s), w_shape, jnp.bfloat16), 2)
+        for impl, fn in {"cast_e4m3": lambda w: w.astype(F8),
+                         "weights.pallas_triton": lambda w: pallas_triton.weight_blocks(
+                             w, F8, transpose=True, interpret=interpret),
+                         "weights.xla": lambda w: xla.weight_blocks(w, F8, transpose=True)}.items():
+            t = _time(fn, ws)
+            moved = _nbytes(ws[0]) + _nbytes(jax.eval_shape(fn, ws[0]))
+            _write(out, {"what": "quantizer", "shape": name + "_kernel", "dims": list(w_shape),
+                         "impl": impl, "ms": t * 1e3, "tbps": moved / t / 1e12})
+
+
+def kernels(out, smoke: bool):
+    interpret = smoke
+    shapes = ([("tiny", 512, 256, 256, 4)] if smoke else
+              [("mixtral", 32768, 4096, 14336, 8), ("dsv3", 65536, 7168, 2048, 256)])
+    variants = ([(2, 2)] if smoke else [(3, 8), (4, 8), (5, 8), (4, 4)])
+    for name, m, k, n, g in shapes:
+        x, w, _ = ref_inputs.grouped_projection_inputs(jax.random.key(0), m, k, n, g, jnp.bfloat16)
+        sizes = ref_inputs.aligned_group_sizes(jax.random.key(1234), m, g)
+        dy = jax.random.normal(jax.random.key(1), (m, n), jnp.bfloat16)
+        q = xla if smoke else pallas_triton
+        xq, xs = q.rows(x, F8)
+        wq, wsc = q.weight_blocks(w, F8, transpose=True)
+        dyq, dys = q.rows(dy, F8)
+        wq2, wsc2 = q.weight_blocks(w, F8, transpose=False)
+        table = token_blocks(sizes, m)
+        xt, xts = q.token_blocks(x, table.start, table.rows, F8)
+        dyt, dyts = q.token_blocks(dy, table.start, table.rows, F8)
+        for stages, width in variants:
+            bs = mgpu_fp8.MosaicGpuFp8BlockSizes(stages=stages, grid_block_n=width)
+            products = {
+                "forward": (lambda a: mgpu_fp8.gmm_quantized(
+                    *a, sizes, out_dtype=jnp.bfloat16, block_sizes=bs, interpret=interpret),
+                    (xq, xs, wq, wsc), 2 * m * k * n),
+                "dx": (lambda a: mgpu_fp8.gmm_quantized(
+                    *a, sizes, out_dtype=jnp.bfloat16, block_sizes=bs, interpret=interpret,
+                    product="dx"), (dyq, dys, wq2, wsc2), 2 * m * k * n),
+                "dkernel": (lambda a: mgpu_fp8.tgmm_quantized(
+                    *a, table.first, table.count, out_dtype=jnp.bfloat16, block_sizes=bs,
+                    interpret=interpret, m=m), (xt, xts, dyt, dyts), 2 * m * k * n),
+            }
+            for product, (fn, args, flops) in products.items():
+                t = _time(fn, [args])
+                _write(out, {"what": "kernel", "shape": name, "product": product,
+                             "stages": stages, "grid_block_n": width, "ms": t * 1e3,
+                             "tflops": flops / t / 1e12})
+
+
+def _write(out, rec):
+    print(json.dumps(rec), flush=True)
+    with open(os.path.join(out, "fp8_quantizers.jsonl"), "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--stages", action="store_true", help="also time the kernel variants")
+    args = p.parse_args(argv)
+    out = os.environ.get("OUT", ".")
+    os.makedirs(out, exist_ok=True)
+    quantizers(out, args.smoke)
+    if args.stages:
+        kernels(out, args.smoke)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
