@@ -149,6 +149,29 @@ def test_sequence_falls_back_and_logs(caplog):
     assert "pallas_mosaic_tpu failed" in text and "needs a TPU" in text
 
 
+@pytest.mark.parametrize("name, triton, hopper, compute, message", [
+    ("pallas_triton", False, False, jnp.bfloat16, "pallas_triton needs a CUDA GPU from sm80"),
+    ("pallas_triton", True, False, jnp.float32, None),
+    ("pallas_mosaic_gpu", True, False, jnp.bfloat16, "needs a Hopper GPU (sm90)"),
+    ("pallas_mosaic_gpu", True, True, jnp.float32, "takes 16-bit compute (bf16, fp16); "
+                                                   "compute=float32"),
+    ("pallas_mosaic_gpu", True, True, jnp.bfloat16, None),
+    ("pallas_mosaic_tpu", True, True, jnp.bfloat16, "pallas_mosaic_tpu needs a TPU; the "
+                                                    "device is cpu"),
+])
+def test_each_backend_owns_its_device_refusal(monkeypatch, name, triton, hopper, compute,
+                                              message):
+    """Each backend module says what its device and dtypes need (`refusal`); api.py asks
+    it after the generic checks, and not at all where the kernel is interpreted."""
+    monkeypatch.setattr(platform, "triton_runs", lambda device=None: triton)
+    monkeypatch.setattr(platform, "mosaic_gpu_runs", lambda device=None: hopper)
+    x, kernel, _ = _inputs()
+    why = api._refusal(name, compute, (x, kernel), interpret=False)
+    assert why == ops.backend(name).refusal(compute, (x, kernel), on_device=True)
+    assert (why is None) if message is None else (message in why)
+    assert api._refusal(name, compute, (x, kernel), interpret=True) is None
+
+
 def test_trace_error_falls_back(monkeypatch, caplog):
     x, kernel, sizes = _inputs()
 

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from pallasite.kernels import autodiff, platform
+from pallasite.kernels import autodiff
 from pallasite.kernels.grouped_matmul import config, fit, ops, plain
 from pallasite.kernels.grouped_matmul.predicates import (
     MOSAIC_GPU_MIN_ROWS_PER_GROUP,
@@ -77,9 +77,11 @@ def _importable(name: str) -> str | None:
 def _refusal(name: str, compute, operands, interpret: bool, check_device: bool = True
              ) -> str | None:
     """Why backend `name` cannot run here (None: it can). interpret: CPU interpreter.
-    check_device=False skips the local-device predicates: the TPU branch of a
-    platform_dependent is only lowered for a TPU, and every TPU runs the Mosaic kernels,
-    so exporting for TPU from a CPU host still gets them."""
+    The generic checks are here (the module imports, ragged_dot_runs); each backend's
+    module says what its device and dtypes need (its `refusal`). check_device=False
+    skips the device checks: the TPU branch of a platform_dependent is only lowered for
+    a TPU, and every TPU runs the Mosaic kernels, so exporting for TPU from a CPU host
+    still gets them."""
     if name == "xla":
         return None
     if (why := _importable(name)) is not None:
@@ -89,19 +91,8 @@ def _refusal(name: str, compute, operands, interpret: bool, check_device: bool =
                 f"operands {[np.dtype(o.dtype).name for o in operands]} "
                 f"(x64={jax.config.jax_enable_x64}, precision="
                 f"{jax.config.jax_default_matmul_precision})")
-    if interpret or not check_device:
-        return None
-    generation = platform.device_generation()
-    if name == "pallas_triton" and not platform.triton_runs():
-        return f"pallas_triton needs a CUDA GPU from sm80; the device is {generation}"
-    if name == "pallas_mosaic_gpu" and not platform.mosaic_gpu_runs():
-        return f"pallas_mosaic_gpu needs a Hopper GPU (sm90); the device is {generation}"
-    if name == "pallas_mosaic_gpu" and np.dtype(compute).itemsize != 2:
-        return (f"pallas_mosaic_gpu takes 16-bit compute (bf16, fp16); "
-                f"compute={np.dtype(compute).name}")
-    if name == "pallas_mosaic_tpu" and not generation.startswith(("v", "tpu")):
-        return f"pallas_mosaic_tpu needs a TPU; the device is {generation}"
-    return None
+    return ops.backend(name).refusal(compute, operands,
+                                     on_device=check_device and not interpret)
 
 
 def _slower_here(name: str, x, group_sizes) -> str | None:

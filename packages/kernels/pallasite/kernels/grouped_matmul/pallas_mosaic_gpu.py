@@ -224,6 +224,23 @@ TGMM_WARP_SPECIALIZED = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64
 TGMM_DEFAULT = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=4, grid_block_n=8)
 
 
+def refusal(compute, operands, *, on_device: bool) -> str | None:
+    """Why these kernels cannot run `compute` over `operands` here (None: they can).
+    api.py asks after its generic checks (the module imports, ragged_dot_runs); wgmma
+    needs Hopper and takes 16-bit operands here. on_device=False (the interpreter, or a
+    lowering for a platform this process does not hold) skips both checks."""
+    del operands  # cast to `compute` before the kernel
+    if not on_device:
+        return None
+    if not platform.mosaic_gpu_runs():
+        return (f"pallas_mosaic_gpu needs a Hopper GPU (sm90); the device is "
+                f"{platform.device_generation()}")
+    if np.dtype(compute).itemsize != 2:
+        return (f"pallas_mosaic_gpu takes 16-bit compute (bf16, fp16); "
+                f"compute={np.dtype(compute).name}")
+    return None
+
+
 def resolve_block_sizes(
     block_sizes: Any, *, product: str, m: int, k: int, n: int, g: int, dtype: Any = jnp.bfloat16,
     interpret: bool = True,

@@ -27,7 +27,7 @@ from jaxtyping import Array, Float, Int
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallasite.kernels import sharding
+from pallasite.kernels import platform, sharding
 from pallasite.kernels.grouped_matmul import config, costs
 from pallasite.kernels.grouped_matmul.group_metadata import (
     cdiv,
@@ -37,6 +37,20 @@ from pallasite.kernels.grouped_matmul.group_metadata import (
 )
 
 DEFAULT = config.MosaicTpuBlockSizes()
+
+
+def refusal(compute, operands, *, on_device: bool) -> str | None:
+    """Why these kernels cannot run `compute` over `operands` here (None: they can).
+    api.py asks after its generic checks (the module imports, ragged_dot_runs);
+    on_device=False (the interpreter, or a lowering for a TPU from another host: every
+    TPU runs the Mosaic kernels) skips the device check."""
+    del compute, operands  # every dtype ragged_dot_runs admits
+    if not on_device:
+        return None
+    generation = platform.device_generation()
+    if not generation.startswith(("v", "tpu")):
+        return f"pallas_mosaic_tpu needs a TPU; the device is {generation}"
+    return None
 
 
 def default_block_sizes(*, product: str, m: int, k: int, n: int, g: int,

@@ -61,6 +61,18 @@ TGMM_32BIT = config.TritonBlockSizes(32, 128, 64, group_m=1, num_warps=4, num_st
 DEFAULT = GMM_16BIT
 
 
+def refusal(compute, operands, *, on_device: bool) -> str | None:
+    """Why these kernels cannot run `compute` over `operands` here (None: they can).
+    api.py asks after its generic checks (the module imports, ragged_dot_runs);
+    on_device=False (the interpreter, or a lowering for a platform this process does
+    not hold) skips the device check."""
+    del compute, operands  # every dtype ragged_dot_runs admits
+    if on_device and not platform.triton_runs():
+        return (f"pallas_triton needs a CUDA GPU from sm80; the device is "
+                f"{platform.device_generation()}")
+    return None
+
+
 def default_block_sizes(*, product: str, m: int, k: int, n: int, g: int,
                         dtype, device=None) -> config.TritonBlockSizes:
     """The measured default for one product and operand width (see above), the first that

@@ -208,17 +208,14 @@ def _candidates(implementation, chunk_size, head_dim, state_size) -> list[str]:
 
 
 def _refusal(name, chunk_size, head_dim, state_size) -> str | None:
-    """Why `name` cannot run this geometry on this device, or None."""
+    """Why `name` cannot run this geometry on this device, or None: the geometry rule
+    (predicates), then the backend's own device check (its module's `refusal`)."""
     if name == "xla":
         return None
     reason = predicates.ssd_kernel_reason(chunk_size, head_dim, state_size, name)
     if reason:
         return reason
-    device = jax.default_backend()
-    runs_on = {"pallas_mosaic_tpu": ("tpu", "cpu"), "pallas_triton": ("gpu", "cuda", "cpu")}
-    if device not in runs_on[name]:
-        return f"{name} does not run on {device} (runs on {runs_on[name]}, cpu interpreted)"
-    return None
+    return _backend(name).refusal(jax.default_backend())
 
 
 def _pad(t, length, padded):

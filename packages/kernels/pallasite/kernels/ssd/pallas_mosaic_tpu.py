@@ -61,6 +61,18 @@ class BlockSizes:
 DEFAULT = BlockSizes()
 
 
+# The JAX backends (jax.default_backend()) this kernel runs on; "cpu" through the interpreter.
+RUNS_ON = ("tpu", "cpu")
+
+
+def refusal(device: str) -> str | None:
+    """Why this kernel cannot run on JAX backend `device` (None: it can). api.py asks
+    after the geometry rule (predicates.ssd_kernel_reason), which is not the device's."""
+    if device not in RUNS_ON:
+        return f"pallas_mosaic_tpu does not run on {device} (runs on {RUNS_ON}, cpu interpreted)"
+    return None
+
+
 def resolve_block_sizes(block_sizes: BlockSizes | None) -> BlockSizes:
     """The caller's block sizes, else the default (the one place tuning will route)."""
     return block_sizes or DEFAULT

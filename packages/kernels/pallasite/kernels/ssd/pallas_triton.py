@@ -116,6 +116,18 @@ DEFAULT_BLOCK_SIZES = BlockSizes()
 SMALL_SMEM_BLOCK_SIZES = BlockSizes(block_m=predicates.TRITON_MIN_BLOCK_M, heads=1)
 
 
+# The JAX backends (jax.default_backend()) this kernel runs on; "cpu" through the interpreter.
+RUNS_ON = ("gpu", "cuda", "cpu")
+
+
+def refusal(device: str) -> str | None:
+    """Why this kernel cannot run on JAX backend `device` (None: it can). api.py asks
+    after the geometry rule (predicates.ssd_kernel_reason), which is not the device's."""
+    if device not in RUNS_ON:
+        return f"pallas_triton does not run on {device} (runs on {RUNS_ON}, cpu interpreted)"
+    return None
+
+
 def fits(bs: BlockSizes, head_dim: int, state: int, device=None, chunk: int | None = None,
          itemsize: int = 2) -> bool:
     """Whether pallasite may choose `bs` (default, table, cache, candidates): the fit rule
