@@ -428,3 +428,78 @@ def test_checkify_path_checks_traced_group_sizes(sizes, message):
     err, y = f(x, kernel, jnp.asarray((9, 0, 14, 10), jnp.int32))
     err.throw()
     assert y.shape == (40, 20)
+
+
+# Traced sizes the static checks cannot see. Every path (each backend, the plain-JAX path,
+# local experts) reads them as group_metadata.group_offsets does: a negative size is an
+# empty group.
+TRACED_PATHS = ["xla", "pallas_triton", "pallas_mosaic_tpu", "pallas_mosaic_gpu", "plain"]
+
+
+def _traced(name, compute, **kw):
+    """The path `name` under jit, the group sizes traced."""
+    if name == "plain":  # forward mode takes the plain-JAX path
+        def f(x, k, s):
+            return jax.jvp(lambda x: grouped_projection(x, k, s, compute, **kw),
+                           (x,), (x,))[0]
+        return jax.jit(f)
+    return jax.jit(_project(name, compute, **kw))
+
+
+def _check_as_sizes(name, given, meant, **kw):
+    """`given` traced gives what `meant` gives, values and (but on the plain path)
+    gradients, every value finite. Mosaic GPU takes 16-bit compute only."""
+    x, kernel, _ = _offset_inputs() if "group_offset" in kw else _inputs()
+    compute, tol = (jnp.bfloat16, 1e-2) if name == "pallas_mosaic_gpu" else (jnp.float32, 1e-4)
+    given, meant = jnp.asarray(given, jnp.int32), jnp.asarray(meant, jnp.int32)
+    f = _traced(name, compute, **kw)
+    ref = lambda x, k, s: reference(x, k, s, compute,  # noqa: E731
+                                    precision=jax.lax.Precision.HIGHEST, **kw)
+    got = np.asarray(f(x, kernel, given), np.float32)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, np.asarray(ref(x, kernel, meant), np.float32),
+                               rtol=tol, atol=tol)
+    if name == "plain":
+        return
+    loss = lambda f, s: lambda x, k: jnp.sum(jnp.sin(f(x, k, s).astype(jnp.float32)))  # noqa: E731
+    got = jax.grad(loss(f, given), argnums=(0, 1))(x, kernel)
+    want = jax.grad(loss(ref, meant), argnums=(0, 1))(x, kernel)
+    for g, w in zip(got, want):
+        assert np.isfinite(np.asarray(g)).all()
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name", TRACED_PATHS)
+@pytest.mark.parametrize("given,meant", [
+    ((10, -5, 20, 5), (10, 0, 20, 5)),
+    ((-2**31, 9, 0, 14), (0, 9, 0, 14)),
+    ((9, 0, 14, -1), (9, 0, 14, 0)),
+], ids=["middle", "first_min", "last"])
+def test_traced_negative_sizes_are_empty_groups(name, given, meant):
+    _check_as_sizes(name, given, meant)
+
+
+@pytest.mark.parametrize("name", TRACED_PATHS)
+def test_traced_negative_sizes_with_group_offset(name):
+    _check_as_sizes(name, (5, -7, 9, 0, -14, 4), (5, 0, 9, 0, 0, 4), group_offset=OFFSET)
+
+
+def _shard_sizes(sizes, rows, shards):
+    """layouts.local_group_sizes of every row shard (the rows-sharded path), traced."""
+    from pallasite.kernels.grouped_matmul import layouts
+
+    f = jax.jit(lambda s, i: layouts.local_group_sizes(s, rows, i))
+    return np.stack([np.asarray(f(jnp.asarray(sizes, jnp.int32), jnp.int32(i)))
+                     for i in range(shards)])
+
+
+def _cut(meant, rows, shards):
+    """The sizes `meant` within each shard of `rows` rows (numpy)."""
+    ends = np.cumsum(meant)
+    lo = np.arange(shards)[:, None] * rows
+    return np.clip(ends, lo, lo + rows) - np.clip(ends - meant, lo, lo + rows)
+
+
+def test_row_shards_read_negative_sizes_as_empty_groups():
+    np.testing.assert_array_equal(_shard_sizes((10, -5, 20, 5), 16, 3),
+                                  _cut(np.array([10, 0, 20, 5]), 16, 3))

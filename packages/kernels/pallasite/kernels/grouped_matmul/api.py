@@ -187,8 +187,8 @@ def _default(x, kernel, group_sizes, group_offset, compute, block_sizes, interpr
 def checked_group_sizes(group_sizes: Int[Array, "g"], m: int) -> Int[Array, "g"]:
     """`group_sizes`, with jax.experimental.checkify checks that no size is negative and
     that they sum to at most `m` rows: traced sizes cannot be checked while tracing, so
-    grouped_projection does not (docs/grouped_projection.md says what each backend does
-    with them). Use it inside a function wrapped in checkify.checkify:
+    grouped_projection does not (it reads a negative size as 0 and cuts the groups at
+    row m, docs/grouped_projection.md). Use it inside a function wrapped in checkify.checkify:
 
         err, y = checkify.checkify(lambda x, k, s: grouped_projection(
             x, k, checked_group_sizes(s, x.shape[0]), compute))(x, k, s)
@@ -261,9 +261,9 @@ def grouped_projection(
     first-order reverse mode (jax.grad, jax.vjp, jax.linearize); forward mode (jax.jvp),
     higher orders and float64 compute under x64 take the plain-JAX path (plain.py, which
     honours group_offset too), or fail naming 'xla' where only Pallas backends were named.
-    group_sizes are not checked when traced: docs/grouped_projection.md says what each
-    backend does with negative or oversized totals, and `checked_group_sizes` checks them
-    under jax.experimental.checkify.
+    group_sizes are not checked when traced: every backend reads a negative size as 0
+    and cuts the groups at row m (docs/grouped_projection.md), and `checked_group_sizes`
+    checks them under jax.experimental.checkify.
     """
     validate_grouped_projection(x, kernel, group_sizes, compute, group_offset=group_offset)
     if implementation is not None:

@@ -57,8 +57,13 @@ def num_visits(m: int, num_groups: int, tile: int) -> int:
 
 def group_offsets(group_sizes: Int[Array, "g"], row_start=None) -> Int[Array, "g1"]:
     """[r, r+s0, r+s0+s1, ...] with r = row_start (0 when None): where each group starts,
-    and where the last one ends."""
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32), dtype=jnp.int32)
+    and where the last one ends.
+
+    Traced sizes are not checked (api.py), so this is the one reading of them every
+    backend shares: a negative size is an empty group (the offsets never decrease, so no
+    kernel reads before a group's first row or past the array)."""
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.cumsum(sizes, dtype=jnp.int32)
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
     return offsets if row_start is None else offsets + jnp.asarray(row_start, jnp.int32)
 
@@ -76,25 +81,21 @@ def segment_of(ends: Int[Array, "s"], positions: Int[Array, "t"]) -> Int[Array, 
 
 def local_groups(group_sizes: Int[Array, "G"], group_offset, num_groups: int):
     """The sizes of groups [group_offset, group_offset + num_groups) of `group_sizes` and
-    the row where the first of them starts: (int32 [num_groups], int32 scalar), or
-    (group_sizes, None) when group_offset is None (all groups, from row 0).
+    the row where the first of them starts: (int32 [num_groups], int32 scalar), or (all
+    the sizes, None) when group_offset is None (all groups, from row 0). Either way the
+    sizes are those group_offsets reads (a negative size is 0): every backend starts here,
+    so none sees a size the kernels' offsets would not.
 
     This is how a kernel holding only some experts' weights (expert parallelism) sees the
     global sorted rows: its groups are contiguous, from row_start on; every other row
     belongs to no local group (zero output, never read by tgmm). Indices outside
     [0, G) are empty groups, so a traced offset never reads out of bounds."""
+    offsets = group_offsets(group_sizes)
     if group_offset is None:
-        return group_sizes, None
-    sizes = group_sizes.astype(jnp.int32)
-    starts = jnp.cumsum(sizes) - sizes
-    index = jnp.asarray(group_offset, jnp.int32) + jnp.arange(num_groups, dtype=jnp.int32)
-    inside = (index >= 0) & (index < sizes.shape[0])
-    picked = jnp.clip(index, 0, sizes.shape[0] - 1)
-    local = jnp.where(inside, sizes[picked], 0)
-    total = jnp.sum(sizes)
-    first = jnp.where(index[0] < 0, 0,
-                      jnp.where(index[0] >= sizes.shape[0], total, starts[picked[0]]))
-    return local.astype(group_sizes.dtype), first.astype(jnp.int32)
+        return jnp.diff(offsets), None
+    index = jnp.asarray(group_offset, jnp.int32) + jnp.arange(num_groups + 1, dtype=jnp.int32)
+    bounds = offsets[jnp.clip(index, 0, group_sizes.shape[0])]
+    return jnp.diff(bounds), bounds[0]
 
 
 def make_group_metadata(

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from pallasite.kernels import sharding
+from pallasite.kernels.grouped_matmul.group_metadata import group_offsets
 from pallasite.kernels.sharding import Axes, Plan
 
 # Shardy rules for the Auto-axes path: m rows, c the contraction, o the output columns,
@@ -49,13 +50,11 @@ TGMM_RULE = "m k, m n, G, , e p q -> e k n"
 
 def local_group_sizes(group_sizes, rows: int, shard):
     """Group sizes within rows [shard * rows, (shard + 1) * rows) of the global sorted rows:
-    the global offsets clipped to this shard's range (int32; rows past the total belong to
-    no group)."""
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-    starts = ends - group_sizes.astype(jnp.int32)
+    the global offsets (group_metadata.group_offsets, as every backend reads them)
+    clipped to this shard's range (int32; rows past the total belong to no group)."""
     lo = shard.astype(jnp.int32) * rows
-    hi = lo + rows
-    return (jnp.clip(ends, lo, hi) - jnp.clip(starts, lo, hi)).astype(group_sizes.dtype)
+    offsets = jnp.clip(group_offsets(group_sizes), lo, lo + rows)
+    return jnp.diff(offsets).astype(group_sizes.dtype)
 
 
 def _apart(axes: Axes, *taken: Axes) -> Axes:
