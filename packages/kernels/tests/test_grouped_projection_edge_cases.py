@@ -432,7 +432,8 @@ def test_checkify_path_checks_traced_group_sizes(sizes, message):
 
 # Traced sizes the static checks cannot see. Every path (each backend, the plain-JAX path,
 # local experts) reads them as group_metadata.group_offsets does: a negative size is an
-# empty group.
+# empty group, and the groups are cut at row m, however large the total (an int32 sum
+# that would wrap included).
 TRACED_PATHS = ["xla", "pallas_triton", "pallas_mosaic_tpu", "pallas_mosaic_gpu", "plain"]
 
 
@@ -471,6 +472,36 @@ def _check_as_sizes(name, given, meant, **kw):
 
 @pytest.mark.parametrize("name", TRACED_PATHS)
 @pytest.mark.parametrize("given,meant", [
+    ((9, 0, 2**31 - 60, 100), (9, 0, 31, 0)),   # the int32 sum wraps to a negative
+    ((100, 2**31 - 60, 7, 1), (40, 0, 0, 0)),
+    ((2**31 - 1,) * 4, (40, 0, 0, 0)),
+], ids=["wraps_negative", "wraps_past_first", "all_max"])
+def test_traced_sizes_whose_sum_wraps_are_cut_at_m(name, given, meant):
+    _check_as_sizes(name, given, meant)
+
+
+@pytest.mark.parametrize("name", TRACED_PATHS)
+def test_traced_sizes_whose_sum_wraps_with_group_offset(name):
+    """Local experts [2, 5) of six: their first row and sizes come from the same sums."""
+    _check_as_sizes(name, (5, 7, 9, 2**31 - 30, 14, 4), (5, 7, 9, 19, 0, 0),
+                    group_offset=OFFSET)
+
+
+def test_checkify_reports_a_total_whose_int32_sum_wraps():
+    from jax.experimental import checkify
+
+    from pallasite.kernels import checked_group_sizes
+
+    x, kernel, _ = _inputs()
+    f = jax.jit(checkify.checkify(lambda x, k, s: grouped_projection(
+        x, k, checked_group_sizes(s, x.shape[0]), jnp.float32)))
+    err, _ = f(x, kernel, jnp.asarray((9, 0, 2**31 - 60, 100), jnp.int32))
+    with pytest.raises(checkify.JaxRuntimeError, match="more than the 40 rows"):
+        err.throw()
+
+
+@pytest.mark.parametrize("name", TRACED_PATHS)
+@pytest.mark.parametrize("given,meant", [
     ((10, -5, 20, 5), (10, 0, 20, 5)),
     ((-2**31, 9, 0, 14), (0, 9, 0, 14)),
     ((9, 0, 14, -1), (9, 0, 14, 0)),
@@ -503,3 +534,8 @@ def _cut(meant, rows, shards):
 def test_row_shards_read_negative_sizes_as_empty_groups():
     np.testing.assert_array_equal(_shard_sizes((10, -5, 20, 5), 16, 3),
                                   _cut(np.array([10, 0, 20, 5]), 16, 3))
+
+
+def test_row_shards_cut_a_total_whose_int32_sum_wraps():
+    np.testing.assert_array_equal(_shard_sizes((9, 0, 2**31 - 60, 100), 16, 3),
+                                  _cut(np.array([9, 0, 39, 0]), 16, 3))

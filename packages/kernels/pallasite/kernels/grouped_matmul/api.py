@@ -39,6 +39,7 @@ from jaxtyping import Array, Float, Int
 
 from pallasite.kernels import autodiff
 from pallasite.kernels.grouped_matmul import config, fit, ops, plain
+from pallasite.kernels.grouped_matmul.group_metadata import group_offsets
 from pallasite.kernels.grouped_matmul.predicates import (
     MOSAIC_GPU_MIN_ROWS_PER_GROUP,
     mosaic_gpu_preferred,
@@ -198,9 +199,9 @@ def checked_group_sizes(group_sizes: Int[Array, "g"], m: int) -> Int[Array, "g"]
 
     checkify.check(jnp.all(group_sizes >= 0), "group_sizes has a negative entry: {sizes}",
                    sizes=group_sizes)
-    total = jnp.sum(group_sizes.astype(jnp.int32))
-    checkify.check(total <= m, "group_sizes sum to {total}, more than the {m} rows of x",
-                   total=total, m=jnp.int32(m))
+    total = group_offsets(group_sizes)[-1]  # saturates at 2**31 - 1, never wraps
+    checkify.check(total <= m, "group_sizes sum to {total}, more than the {m} rows of x "
+                   "(sums stop at 2**31 - 1)", total=total, m=jnp.int32(m))
     return group_sizes
 
 

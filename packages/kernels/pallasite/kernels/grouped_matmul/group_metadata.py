@@ -55,17 +55,32 @@ def num_visits(m: int, num_groups: int, tile: int) -> int:
     return cdiv(m, tile) + num_groups + 2
 
 
+INT32_MAX = 2**31 - 1
+
+
 def group_offsets(group_sizes: Int[Array, "g"], row_start=None) -> Int[Array, "g1"]:
     """[r, r+s0, r+s0+s1, ...] with r = row_start (0 when None): where each group starts,
     and where the last one ends.
 
     Traced sizes are not checked (api.py), so this is the one reading of them every
-    backend shares: a negative size is an empty group (the offsets never decrease, so no
-    kernel reads before a group's first row or past the array)."""
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    ends = jnp.cumsum(sizes, dtype=jnp.int32)
+    backend shares: a negative size is an empty group, and the sums saturate at
+    INT32_MAX instead of wrapping (saturating_cumsum), so the offsets never decrease and
+    a total past m stays past m: callers cut at row m, and no kernel reads before a
+    group's first row or past the array. row_start comes from these same offsets
+    (local_groups), so adding it cannot wrap either."""
+    ends = saturating_cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0))
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
     return offsets if row_start is None else offsets + jnp.asarray(row_start, jnp.int32)
+
+
+def saturating_cumsum(sizes: Int[Array, "g"]) -> Int[Array, "g"]:
+    """The running sums of non-negative int32 `sizes`, each capped at INT32_MAX: int32's
+    own cumsum wraps to negative offsets. In uint32 the sums are exact up to the first
+    one past INT32_MAX (two int32 values sum below 2**32); it and every later one (which
+    may wrap) become INT32_MAX. No loop: one cumsum, one cummax."""
+    ends = jnp.cumsum(sizes.astype(jnp.uint32), dtype=jnp.uint32)
+    past = jax.lax.cummax((ends > INT32_MAX).astype(jnp.int32), axis=0) > 0
+    return jnp.where(past, INT32_MAX, ends).astype(jnp.int32)
 
 
 def segment_of(ends: Int[Array, "s"], positions: Int[Array, "t"]) -> Int[Array, "t"]:
