@@ -188,6 +188,26 @@ def test_grouped_projection_under_jit_takes_traced_group_sizes():
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("sizes, shown", [
+    (np.array([2**32 + 16, 0, 0], np.int64), "4294967312"),
+    (np.array([4_000_000_000, 0, 0], np.uint32), "4000000000"),
+    (np.array([-2**40, 0, 0], np.int64), "-1099511627776"),
+], ids=["int64_past_int32", "uint32_past_int32", "int64_below_int32"])
+def test_grouped_projection_refuses_concrete_sizes_int32_cannot_hold(sizes, shown):
+    """Checked before the cast to int32, which would wrap them (2**32 + 16 became 16);
+    the message shows the value given."""
+    x, kernel, _ = grouped_projection_inputs(jax.random.key(1), 40, 32, 16, 3, jnp.float32)
+    with pytest.raises(ValueError, match=f"group_sizes.*{shown}"):
+        dew.grouped_projection(x, kernel, sizes, jnp.bfloat16, False)
+
+
+def test_grouped_projection_takes_int64_sizes_that_fit():
+    x, kernel, sizes = grouped_projection_inputs(jax.random.key(1), 40, 32, 16, 3, jnp.float32)
+    want = kernels.grouped_projection(x, kernel, sizes, jnp.bfloat16)
+    got = dew.grouped_projection(x, kernel, np.asarray(sizes, np.int64), jnp.bfloat16, False)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_grouped_projection_refuses_float_group_sizes():
     x, kernel, sizes = grouped_projection_inputs(jax.random.key(1), 40, 32, 16, 3, jnp.float32)
     with pytest.raises(TypeError, match="group_sizes"):

@@ -20,7 +20,8 @@ different conventions, the difference is translated here and nowhere else:
 - `device_generation` returns an unknown TPU's device kind unchanged, as dew does
   (pallasite's returns "tpu"); `bf16_dot_runs` takes a generation string; `triton_runs`
   asks about every GPU of the process.
-- `grouped_projection` casts any integer group sizes to int32 (pallasite asks for int32).
+- `grouped_projection` casts any integer group sizes to int32 (pallasite asks for int32);
+  concrete sizes int32 cannot hold are refused first, showing the values given.
 """
 
 from __future__ import annotations
@@ -204,7 +205,8 @@ def grouped_projection(
 ) -> Float[Array, "m n"]:
     """pallasite.kernels.grouped_projection with group sizes of any integer dtype (cast to
     int32, as dew does): [m, n] in `compute`, fp32 sums rounded once, differentiable in x
-    and kernel."""
+    and kernel. Concrete sizes int32 cannot hold are refused before the cast (it would
+    wrap them); traced ones are cast as they are."""
     # hasattr, not getattr with a default: the default would be evaluated eagerly, and
     # np.asarray of a tracer (group sizes under jit) raises.
     dtype = np.dtype(group_sizes.dtype if hasattr(group_sizes, "dtype")
@@ -212,5 +214,18 @@ def grouped_projection(
     if not np.issubdtype(dtype, np.integer):
         raise TypeError(f"group_sizes must be integers; got {dtype} "
                         f"(shape {tuple(np.shape(group_sizes))})")
+    _check_int32_holds(group_sizes, dtype)
     return grouped_matmul.grouped_projection(x, kernel, jnp.asarray(group_sizes, jnp.int32),
                                              compute, interpret_on_cpu)
+
+
+def _check_int32_holds(group_sizes, dtype: np.dtype) -> None:
+    """ValueError showing the given values where concrete group sizes lie outside int32
+    (the cast would wrap 2**32 + 16 to 16, a uint32 4e9 to a negative)."""
+    if isinstance(group_sizes, jax.core.Tracer):
+        return
+    values = np.asarray(group_sizes)
+    limits = np.iinfo(np.int32)
+    if values.size and (values.min() < limits.min or values.max() > limits.max):
+        raise ValueError(f"group_sizes must fit int32; got {values.tolist()} ({dtype}, "
+                         f"shape {values.shape})")
