@@ -383,6 +383,20 @@ def test_bad_arguments_are_type_errors(kwargs):
         ragged_dot_runs(**kwargs)
 
 
+@pytest.mark.parametrize("implementation", [None, "xla", "pallas_triton",
+                                            ("pallas_triton", "xla")], ids=repr)
+@pytest.mark.parametrize("interpret_on_cpu", [False, True])
+@pytest.mark.parametrize("m", [40, 0])
+def test_compute_none_is_a_type_error_on_every_path(implementation, interpret_on_cpu, m):
+    """np.dtype(None) is float64: unchecked, the default path ran float64 cut to fp32."""
+    x, kernel, sizes = _inputs()
+    with pytest.raises(TypeError, match="compute must be a floating dtype; got None"):
+        grouped_projection(x[:m], kernel, sizes * (m > 0), None, interpret_on_cpu,
+                           implementation=implementation)
+    with pytest.raises(TypeError, match="compute must be a floating dtype; got None"):
+        reference(x[:m], kernel, sizes * (m > 0), None)
+
+
 # ------------------------------------------------------------------- GPU
 
 

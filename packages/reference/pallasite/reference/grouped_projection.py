@@ -108,6 +108,8 @@ def validate_grouped_projection(
     for name, a in (("x", x), ("kernel", kernel)):
         if not jnp.issubdtype(_dtype(a), jnp.floating):
             raise TypeError(f"{name} must be floating; got {_dtype(a)} (shape {_shape(a)})")
+    if compute is None:  # np.dtype(None) is float64: never a default here
+        raise TypeError("compute must be a floating dtype; got None")
     try:
         compute_dtype = np.dtype(compute)
     except TypeError as e:
