@@ -155,7 +155,9 @@ def tgmm_planner(tgmm: Callable, *, out_dtype, shapes,
 
         def local(lhs, rhs, group_sizes, group_offset, template):
             sizes = _rows(group_sizes, lhs.shape[0], m_axes)
-            local_g = template.shape[0]
+            # The template keeps its layout even where the plan drops its group axes
+            # (then this device sums every group, and run reshards the result).
+            local_g = template.shape[0] if e_axes else g
             out = tgmm(lhs, rhs, sizes, num_groups=local_g,
                        group_offset=_offset(group_offset, offset_given, e_axes, local_g),
                        out_dtype=jnp.float32 if m_axes else out_dtype)
