@@ -57,6 +57,9 @@ CUDA_ORDER = ["pallas_mosaic_gpu", "pallas_triton", "xla"]
 # it ahead of XLA; the Mosaic TPU kernels have never run on a TPU, so they run by name.
 TPU_ORDER = ["xla"]
 IMPLEMENTATIONS = ops.BACKENDS
+# The backends whose CPU interpreter runs the kernel through host callbacks (the Mosaic
+# interpreters; Triton's does not), which JAX cannot differentiate inside jax.checkpoint.
+CALLBACK_INTERPRETERS = ("pallas_mosaic_gpu", "pallas_mosaic_tpu")
 
 # Which backend a bare block-size class belongs to (by class name: the Hopper backend's
 # class lives in its own module).
@@ -92,6 +95,8 @@ def _refusal(name: str, compute, operands, interpret: bool, check_device: bool =
                 f"operands {[np.dtype(o.dtype).name for o in operands]} "
                 f"(x64={jax.config.jax_enable_x64}, precision="
                 f"{jax.config.jax_default_matmul_precision})")
+    if interpret and name in CALLBACK_INTERPRETERS and autodiff.differentiated_checkpoint():
+        return autodiff.checkpoint_refusal("grouped_projection", name)
     return ops.backend(name).refusal(compute, operands,
                                      on_device=check_device and not interpret)
 
