@@ -9,6 +9,7 @@ where the process has no such device; integer group sizes of any width.
 
 from __future__ import annotations
 
+import collections.abc
 import inspect
 import types
 
@@ -55,6 +56,26 @@ def test_every_dew_name_with_its_signature():
     for name, params in expected.items():
         assert list(inspect.signature(getattr(dew, name)).parameters) == params, name
     assert dew.ssd_chunk_scan.nondiff_argnums == (5,)
+
+
+@pytest.mark.parametrize("fn", ["dew.ragged_dot_runs", "dew.grouped_projection",
+                                "kernels.grouped_projection", "kernels.ragged_dot_runs",
+                                "reference.grouped_projection"])
+def test_compute_operands_and_precision_are_annotated(fn):
+    """compute: a dtype-like; operands: a sequence of dtypes (or arrays); precision: a
+    precision in JAX's spellings."""
+    import typing
+
+    import pallasite.reference.grouped_projection as reference
+
+    owner, name = fn.split(".")
+    hints = typing.get_type_hints(getattr({"dew": dew, "kernels": kernels,
+                                           "reference": reference}[owner], name))
+    assert hints["compute"] == jax.typing.DTypeLike
+    if "operands" in hints or name == "ragged_dot_runs":
+        assert typing.get_origin(hints["operands"]) is collections.abc.Sequence
+    if "precision" in hints or name == "ragged_dot_runs":
+        assert hints["precision"] == jax.lax.PrecisionLike
 
 
 @pytest.mark.parametrize("device,generation", [

@@ -26,6 +26,8 @@ different conventions, the difference is translated here and nowhere else:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,6 +36,7 @@ from jaxtyping import Array, Float, Int
 from pallasite.kernels import grouped_matmul
 from pallasite.kernels import ssd as pallasite_ssd
 from pallasite.kernels.grouped_matmul import predicates as grouped_predicates
+from pallasite.reference.grouped_projection import Dtype, PrecisionLike
 
 __all__ = [
     "bf16_dot_runs",
@@ -187,7 +190,7 @@ ssd_chunk_scan.defvjp(_scan_fwd, _scan_bwd)
 # ------------------------------------------------------------------ grouped projection
 
 
-def ragged_dot_runs(compute, operands, precision) -> bool:
+def ragged_dot_runs(compute: Dtype, operands: Sequence[Dtype], precision: PrecisionLike) -> bool:
     """Whether the grouped kernels compute the product asked for: no x64; compute and
     operand dtypes (dtypes, not arrays) promote with fp32 to fp32; 16-bit compute at any
     precision, fp32 compute at the default precision only."""
@@ -200,7 +203,7 @@ def grouped_projection(
     x: Float[Array, "m k"],
     kernel: Float[Array, "g k n"],
     group_sizes: Int[Array, "g"],
-    compute,
+    compute: Dtype,
     interpret_on_cpu: bool,
 ) -> Float[Array, "m n"]:
     """pallasite.kernels.grouped_projection with group sizes of any integer dtype (cast to

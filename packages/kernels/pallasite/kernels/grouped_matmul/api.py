@@ -45,7 +45,7 @@ from pallasite.kernels.grouped_matmul.predicates import (
     mosaic_gpu_preferred,
     ragged_dot_runs,
 )
-from pallasite.reference.grouped_projection import validate_grouped_projection
+from pallasite.reference.grouped_projection import Dtype, validate_grouped_projection
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +78,8 @@ def _importable(name: str) -> str | None:
     return None
 
 
-def _refusal(name: str, compute, operands, interpret: bool, check_device: bool = True
-             ) -> str | None:
+def _refusal(name: str, compute: Dtype, operands: Sequence[jax.Array], interpret: bool,
+             check_device: bool = True) -> str | None:
     """Why backend `name` cannot run here (None: it can). interpret: CPU interpreter.
     The generic checks are here (the module imports, ragged_dot_runs); each backend's
     module says what its device and dtypes need (its `refusal`). check_device=False
@@ -239,7 +239,7 @@ def grouped_projection(
     x: Float[Array, "m k"],
     kernel: Float[Array, "g k n"],
     group_sizes: Int[Array, "g"],
-    compute,
+    compute: Dtype,
     interpret_on_cpu: bool = False,
     *,
     group_offset=None,

@@ -25,14 +25,14 @@ from jaxtyping import Array, Float, Int
 
 from pallasite.kernels.grouped_matmul import xla
 from pallasite.kernels.grouped_matmul.group_metadata import local_groups
-from pallasite.reference.grouped_projection import accumulation_dtype
+from pallasite.reference.grouped_projection import Dtype, accumulation_dtype
 
 
 def project(
     x: Float[Array, "m k"],
     kernel: Float[Array, "g k n"],
     group_sizes: Int[Array, "G"],
-    compute,
+    compute: Dtype,
     *,
     group_offset=None,
 ) -> Float[Array, "m n"]:
