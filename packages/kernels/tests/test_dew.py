@@ -9,6 +9,7 @@ where the process has no such device; integer group sizes of any width.
 
 from __future__ import annotations
 
+import collections.abc
 import inspect
 import types
 
@@ -55,6 +56,26 @@ def test_every_dew_name_with_its_signature():
     for name, params in expected.items():
         assert list(inspect.signature(getattr(dew, name)).parameters) == params, name
     assert dew.ssd_chunk_scan.nondiff_argnums == (5,)
+
+
+@pytest.mark.parametrize("fn", ["dew.ragged_dot_runs", "dew.grouped_projection",
+                                "kernels.grouped_projection", "kernels.ragged_dot_runs",
+                                "reference.grouped_projection"])
+def test_compute_operands_and_precision_are_annotated(fn):
+    """compute: a dtype-like; operands: a sequence of dtypes (or arrays); precision: a
+    precision in JAX's spellings."""
+    import typing
+
+    import pallasite.reference.grouped_projection as reference
+
+    owner, name = fn.split(".")
+    hints = typing.get_type_hints(getattr({"dew": dew, "kernels": kernels,
+                                           "reference": reference}[owner], name))
+    assert hints["compute"] == jax.typing.DTypeLike
+    if "operands" in hints or name == "ragged_dot_runs":
+        assert typing.get_origin(hints["operands"]) is collections.abc.Sequence
+    if "precision" in hints or name == "ragged_dot_runs":
+        assert hints["precision"] == jax.lax.PrecisionLike
 
 
 @pytest.mark.parametrize("device,generation", [
@@ -185,6 +206,26 @@ def test_grouped_projection_under_jit_takes_traced_group_sizes():
     want = kernels.grouped_projection(x, kernel, sizes, jnp.bfloat16)
     got = jax.jit(lambda x, k, s: dew.grouped_projection(x, k, s, jnp.bfloat16, False))(
         x, kernel, sizes.astype(jnp.int16))
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("sizes, shown", [
+    (np.array([2**32 + 16, 0, 0], np.int64), "4294967312"),
+    (np.array([4_000_000_000, 0, 0], np.uint32), "4000000000"),
+    (np.array([-2**40, 0, 0], np.int64), "-1099511627776"),
+], ids=["int64_past_int32", "uint32_past_int32", "int64_below_int32"])
+def test_grouped_projection_refuses_concrete_sizes_int32_cannot_hold(sizes, shown):
+    """Checked before the cast to int32, which would wrap them (2**32 + 16 became 16);
+    the message shows the value given."""
+    x, kernel, _ = grouped_projection_inputs(jax.random.key(1), 40, 32, 16, 3, jnp.float32)
+    with pytest.raises(ValueError, match=f"group_sizes.*{shown}"):
+        dew.grouped_projection(x, kernel, sizes, jnp.bfloat16, False)
+
+
+def test_grouped_projection_takes_int64_sizes_that_fit():
+    x, kernel, sizes = grouped_projection_inputs(jax.random.key(1), 40, 32, 16, 3, jnp.float32)
+    want = kernels.grouped_projection(x, kernel, sizes, jnp.bfloat16)
+    got = dew.grouped_projection(x, kernel, np.asarray(sizes, np.int64), jnp.bfloat16, False)
     np.testing.assert_array_equal(got, want)
 
 

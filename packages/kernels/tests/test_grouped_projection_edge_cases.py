@@ -119,8 +119,49 @@ def test_jvp_linearize_and_second_order_on_the_default_path():
 
     for got, want in zip(second(f), second(ref)):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
-    # jax.hessian (vmap of forward over reverse) reaches jax.lax.ragged_dot's batching,
-    # which JAX 0.11.2 lacks for these dimensions: not supported (docs).
+
+
+def _dense(x, kernel, sizes, group_offset=0):
+    """The grouped product as one masked einsum (plain jnp: JAX differentiates and
+    batches it in every mode)."""
+    ends = jnp.cumsum(sizes)
+    rows = jnp.arange(x.shape[0])[:, None]
+    groups = group_offset + jnp.arange(kernel.shape[0])[None, :]
+    mask = (rows >= (ends - sizes)[groups]) & (rows < ends[groups])
+    return jnp.einsum("mk,gkn,mg->mn", x, kernel, mask.astype(x.dtype),
+                      precision=jax.lax.Precision.HIGHEST)
+
+
+SMALL_SHAPES = dict(m=12, k=6, n=5, g=3, sizes=(4, 0, 6))  # rows 10, 11 of no group
+
+
+@pytest.mark.parametrize("group_offset", [None, 1], ids=["all_groups", "group_offset"])
+@pytest.mark.parametrize("mode", ["jacfwd", "hessian", "jvp_of_grad", "grad_of_grad_kernel",
+                                  "vmap_of_jvp"])
+def test_forward_mode_and_higher_orders_in_every_combination(mode, group_offset):
+    """The plain-JAX path (plain.py) under every composition of jvp, vjp and vmap agrees
+    with a masked einsum. jax.jacfwd and jax.hessian (vmaps of a jvp) used to reach
+    ragged_dot's missing batching rule."""
+    x, kernel, sizes = _inputs(**SMALL_SHAPES)
+    offset = 0
+    if group_offset is not None:  # the kernel holds groups [1, 3) of the three
+        kernel, offset = kernel[1:], group_offset
+    f = lambda x, k: grouped_projection(x, k, sizes, jnp.float32,  # noqa: E731
+                                        group_offset=group_offset)
+    dense = lambda x, k: _dense(x, k, sizes, offset)  # noqa: E731
+    scalar = lambda f: lambda x, k: jnp.sum(jnp.sin(f(x, k)))  # noqa: E731
+    run = {
+        "jacfwd": lambda f: jax.jacfwd(f, argnums=(0, 1))(x, kernel),
+        "hessian": lambda f: jax.hessian(scalar(f), argnums=(0, 1))(x, kernel),
+        "jvp_of_grad": lambda f: jax.jvp(jax.grad(scalar(f), argnums=(0, 1)), (x, kernel),
+                                         (jnp.cos(x), jnp.sin(kernel)))[1],
+        "grad_of_grad_kernel": lambda f: jax.grad(lambda x, k: jnp.sum(
+            jax.grad(scalar(f), argnums=1)(x, k) ** 2), argnums=(0, 1))(x, kernel),
+        "vmap_of_jvp": lambda f: jax.vmap(lambda t: jax.jvp(f, (x, kernel), (t, kernel))[1])(
+            jnp.stack([x, jnp.cos(x)])),
+    }[mode]
+    for got, want in zip(jax.tree.leaves(run(f)), jax.tree.leaves(run(dense))):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["pallas_triton", "pallas_mosaic_tpu", "pallas_mosaic_gpu"])
@@ -383,6 +424,20 @@ def test_bad_arguments_are_type_errors(kwargs):
         ragged_dot_runs(**kwargs)
 
 
+@pytest.mark.parametrize("implementation", [None, "xla", "pallas_triton",
+                                            ("pallas_triton", "xla")], ids=repr)
+@pytest.mark.parametrize("interpret_on_cpu", [False, True])
+@pytest.mark.parametrize("m", [40, 0])
+def test_compute_none_is_a_type_error_on_every_path(implementation, interpret_on_cpu, m):
+    """np.dtype(None) is float64: unchecked, the default path ran float64 cut to fp32."""
+    x, kernel, sizes = _inputs()
+    with pytest.raises(TypeError, match="compute must be a floating dtype; got None"):
+        grouped_projection(x[:m], kernel, sizes * (m > 0), None, interpret_on_cpu,
+                           implementation=implementation)
+    with pytest.raises(TypeError, match="compute must be a floating dtype; got None"):
+        reference(x[:m], kernel, sizes * (m > 0), None)
+
+
 # ------------------------------------------------------------------- GPU
 
 
@@ -428,3 +483,114 @@ def test_checkify_path_checks_traced_group_sizes(sizes, message):
     err, y = f(x, kernel, jnp.asarray((9, 0, 14, 10), jnp.int32))
     err.throw()
     assert y.shape == (40, 20)
+
+
+# Traced sizes the static checks cannot see. Every path (each backend, the plain-JAX path,
+# local experts) reads them as group_metadata.group_offsets does: a negative size is an
+# empty group, and the groups are cut at row m, however large the total (an int32 sum
+# that would wrap included).
+TRACED_PATHS = ["xla", "pallas_triton", "pallas_mosaic_tpu", "pallas_mosaic_gpu", "plain"]
+
+
+def _traced(name, compute, **kw):
+    """The path `name` under jit, the group sizes traced."""
+    if name == "plain":  # forward mode takes the plain-JAX path
+        def f(x, k, s):
+            return jax.jvp(lambda x: grouped_projection(x, k, s, compute, **kw),
+                           (x,), (x,))[0]
+        return jax.jit(f)
+    return jax.jit(_project(name, compute, **kw))
+
+
+def _check_as_sizes(name, given, meant, **kw):
+    """`given` traced gives what `meant` gives, values and (but on the plain path)
+    gradients, every value finite. Mosaic GPU takes 16-bit compute only."""
+    x, kernel, _ = _offset_inputs() if "group_offset" in kw else _inputs()
+    compute, tol = (jnp.bfloat16, 1e-2) if name == "pallas_mosaic_gpu" else (jnp.float32, 1e-4)
+    given, meant = jnp.asarray(given, jnp.int32), jnp.asarray(meant, jnp.int32)
+    f = _traced(name, compute, **kw)
+    ref = lambda x, k, s: reference(x, k, s, compute,  # noqa: E731
+                                    precision=jax.lax.Precision.HIGHEST, **kw)
+    got = np.asarray(f(x, kernel, given), np.float32)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, np.asarray(ref(x, kernel, meant), np.float32),
+                               rtol=tol, atol=tol)
+    if name == "plain":
+        return
+    loss = lambda f, s: lambda x, k: jnp.sum(jnp.sin(f(x, k, s).astype(jnp.float32)))  # noqa: E731
+    got = jax.grad(loss(f, given), argnums=(0, 1))(x, kernel)
+    want = jax.grad(loss(ref, meant), argnums=(0, 1))(x, kernel)
+    for g, w in zip(got, want):
+        assert np.isfinite(np.asarray(g)).all()
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name", TRACED_PATHS)
+@pytest.mark.parametrize("given,meant", [
+    ((9, 0, 2**31 - 60, 100), (9, 0, 31, 0)),   # the int32 sum wraps to a negative
+    ((100, 2**31 - 60, 7, 1), (40, 0, 0, 0)),
+    ((2**31 - 1,) * 4, (40, 0, 0, 0)),
+], ids=["wraps_negative", "wraps_past_first", "all_max"])
+def test_traced_sizes_whose_sum_wraps_are_cut_at_m(name, given, meant):
+    _check_as_sizes(name, given, meant)
+
+
+@pytest.mark.parametrize("name", TRACED_PATHS)
+def test_traced_sizes_whose_sum_wraps_with_group_offset(name):
+    """Local experts [2, 5) of six: their first row and sizes come from the same sums."""
+    _check_as_sizes(name, (5, 7, 9, 2**31 - 30, 14, 4), (5, 7, 9, 19, 0, 0),
+                    group_offset=OFFSET)
+
+
+def test_checkify_reports_a_total_whose_int32_sum_wraps():
+    from jax.experimental import checkify
+
+    from pallasite.kernels import checked_group_sizes
+
+    x, kernel, _ = _inputs()
+    f = jax.jit(checkify.checkify(lambda x, k, s: grouped_projection(
+        x, k, checked_group_sizes(s, x.shape[0]), jnp.float32)))
+    err, _ = f(x, kernel, jnp.asarray((9, 0, 2**31 - 60, 100), jnp.int32))
+    with pytest.raises(checkify.JaxRuntimeError, match="more than the 40 rows"):
+        err.throw()
+
+
+@pytest.mark.parametrize("name", TRACED_PATHS)
+@pytest.mark.parametrize("given,meant", [
+    ((10, -5, 20, 5), (10, 0, 20, 5)),
+    ((-2**31, 9, 0, 14), (0, 9, 0, 14)),
+    ((9, 0, 14, -1), (9, 0, 14, 0)),
+], ids=["middle", "first_min", "last"])
+def test_traced_negative_sizes_are_empty_groups(name, given, meant):
+    _check_as_sizes(name, given, meant)
+
+
+@pytest.mark.parametrize("name", TRACED_PATHS)
+def test_traced_negative_sizes_with_group_offset(name):
+    _check_as_sizes(name, (5, -7, 9, 0, -14, 4), (5, 0, 9, 0, 0, 4), group_offset=OFFSET)
+
+
+def _shard_sizes(sizes, rows, shards):
+    """layouts.local_group_sizes of every row shard (the rows-sharded path), traced."""
+    from pallasite.kernels.grouped_matmul import layouts
+
+    f = jax.jit(lambda s, i: layouts.local_group_sizes(s, rows, i))
+    return np.stack([np.asarray(f(jnp.asarray(sizes, jnp.int32), jnp.int32(i)))
+                     for i in range(shards)])
+
+
+def _cut(meant, rows, shards):
+    """The sizes `meant` within each shard of `rows` rows (numpy)."""
+    ends = np.cumsum(meant)
+    lo = np.arange(shards)[:, None] * rows
+    return np.clip(ends, lo, lo + rows) - np.clip(ends - meant, lo, lo + rows)
+
+
+def test_row_shards_read_negative_sizes_as_empty_groups():
+    np.testing.assert_array_equal(_shard_sizes((10, -5, 20, 5), 16, 3),
+                                  _cut(np.array([10, 0, 20, 5]), 16, 3))
+
+
+def test_row_shards_cut_a_total_whose_int32_sum_wraps():
+    np.testing.assert_array_equal(_shard_sizes((9, 0, 2**31 - 60, 100), 16, 3),
+                                  _cut(np.array([9, 0, 39, 0]), 16, 3))

@@ -226,3 +226,50 @@ def test_gpus(layout, name):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         rel = np.linalg.norm(a - b) / np.linalg.norm(b)
         assert rel < 1e-2, f"{what}: relative l2 error {rel}"
+
+
+# ------------------------------------- the expert axes dropped, the kernel still sharded
+# Where the planner cannot keep the kernel's group axis local (rows split over the expert
+# axis in another order than minor-most; G that the expert axis does not divide), each
+# device runs every group: the forward and the backward are still the unsharded call's,
+# dkernel comes back laid out as the kernel. Never an error.
+
+
+def _dropped_case(case, axis_type, offset):
+    """(mesh, x, w, sizes, weights, constrain): x, w and weights placed as the case says;
+    the kernel holds groups [offset, offset + g) of the sizes (offset None: all of them);
+    `constrain` lays out the kernel inside the jitted function (G = 6 cannot be placed
+    over 4 devices, but under Auto axes the compiler can shard it unevenly)."""
+    x, w, sizes, weights = _inputs(4)
+    if case == "indivisible":  # 6 groups over 4 expert devices, tokens replicated
+        mesh = st.mesh((4,), ("expert",), axis_type)
+        sizes = jnp.asarray(SIZES[:6] if offset is None else SIZES, jnp.int32)
+        w = w[:6] if offset is None else w[offset:offset + 6]
+        constrain = lambda w: jax.lax.with_sharding_constraint(  # noqa: E731
+            w, jax.sharding.NamedSharding(mesh, P("expert")))
+        return mesh, x, w, sizes, weights, constrain
+    # rows over ("expert", "data"), the expert axis major: the kernel's groups over expert
+    mesh = st.mesh((4, 2), ("expert", "data"), axis_type)
+    w = w if offset is None else w[offset:offset + 4]
+    return (mesh, st.put(x, mesh, ("expert", "data")), st.put(w, mesh, "expert"), sizes,
+            st.put(weights, mesh, ("expert", "data")), lambda w: w)
+
+
+DROPPED = [("rows_expert_major", st.EXPLICIT), ("rows_expert_major", st.AUTO),
+           ("indivisible", st.AUTO)]
+
+
+@pytest.mark.parametrize("name", RUNS_ON_CPU)
+@pytest.mark.parametrize("offset", [None, 2], ids=["all_groups", "caller_offset"])
+@pytest.mark.parametrize("case, axis_type", DROPPED, ids=str)
+def test_backward_where_the_expert_axes_are_dropped(case, axis_type, offset, name):
+    mesh, x, w, sizes, weights, constrain = _dropped_case(case, axis_type, offset)
+    project = functools.partial(_project(name), group_offset=offset)
+    with jax.set_mesh(mesh):
+        got = jax.jit(_loss(lambda x, w, s: project(x, constrain(w), s)))(
+            x, w, sizes, weights)
+    ref = lambda x, w, s: reference(x, w, s, jnp.float32, group_offset=offset)  # noqa: E731
+    want = jax.jit(_loss(ref))(*(np.asarray(t) for t in (x, w, sizes, weights)))
+    _assert_close(got, want)
+    if axis_type == st.EXPLICIT:
+        assert st.dims(got[1][1]) == st.dims(w), "dkernel not laid out as the kernel"

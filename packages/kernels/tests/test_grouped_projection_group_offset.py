@@ -129,7 +129,8 @@ def test_local_groups_outside_the_range_are_empty():
     assert local.tolist() == [0, 3] and int(start) == 0
     local, start = local_groups(sizes, jnp.int32(5), 2)
     assert local.tolist() == [0, 0] and int(start) == 12
-    assert local_groups(sizes, None, 3) == (sizes, None)
+    local, start = local_groups(sizes, None, 3)
+    assert local.tolist() == [3, 4, 5] and start is None
 
 
 # ---------------------------------------------------------- values and gradients

@@ -10,12 +10,16 @@ vmap). Anything but plain first-order reverse mode then takes the op's plain-JAX
 which JAX differentiates to any order, or, where the caller named a Pallas backend, stops
 with an error that says so.
 
-The tracer classes are JAX internals (jax._src, seen on jax 0.11.2); the tests exercise
+`differentiated_checkpoint` sees, from the trace stack, a jax.checkpoint that reverse
+mode will differentiate: the ops' interpreted Mosaic backends refuse to run there.
+
+The tracer and trace classes are JAX internals (jax._src, seen on jax 0.11.2); the tests exercise
 each transformation, so a JAX that renames them fails there first.
 """
 
 from __future__ import annotations
 
+from jax._src import core
 from jax._src.interpreters import ad, batching
 
 
@@ -49,3 +53,28 @@ def first_order_error(op: str, backend: str, why: str, supported: str) -> NotImp
         f"{op}: {backend} supports first-order reverse mode only (jax.grad, jax.vjp, "
         f"jax.linearize); {why} needs implementation={supported!r}, which JAX "
         f"differentiates to any order")
+
+
+def differentiated_checkpoint() -> bool:
+    """Whether the op is being traced inside jax.checkpoint (jax.remat) that JAX will
+    differentiate: reverse mode then partial-evaluates the checkpointed function, which it
+    refuses for one that holds host-callback effects, as the Pallas Mosaic interpreters'
+    kernels do ("Effects not supported in AD of checkpoint/remat: IOEffect"). Seen from the
+    trace stack: a checkpoint trace with a JVP or linearize trace below it. A jitted
+    function traced before, outside the checkpoint, is cached and not seen again."""
+    trace, checkpointed = core.trace_ctx.trace, False
+    while trace is not None:
+        if checkpointed and isinstance(trace, (ad.JVPTrace, ad.LinearizeTrace)):
+            return True
+        info = getattr(getattr(trace, "frame", None), "debug_info", None)
+        checkpointed |= "checkpoint" in str(getattr(info, "traced_for", ""))
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
+def checkpoint_refusal(op: str, backend: str) -> str:
+    """Why an interpreted Mosaic backend cannot run under a differentiated checkpoint."""
+    return (f"pallasite {op}: {backend} runs here through the Pallas Mosaic interpreter, "
+            "whose host callbacks (IOEffect) JAX cannot differentiate inside "
+            "jax.checkpoint (jax.remat); on CPU use implementation='xla' or "
+            "'pallas_triton' there (the compiled kernels have no such callbacks)")

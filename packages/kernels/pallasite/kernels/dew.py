@@ -20,10 +20,13 @@ different conventions, the difference is translated here and nowhere else:
 - `device_generation` returns an unknown TPU's device kind unchanged, as dew does
   (pallasite's returns "tpu"); `bf16_dot_runs` takes a generation string; `triton_runs`
   asks about every GPU of the process.
-- `grouped_projection` casts any integer group sizes to int32 (pallasite asks for int32).
+- `grouped_projection` casts any integer group sizes to int32 (pallasite asks for int32);
+  concrete sizes int32 cannot hold are refused first, showing the values given.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +36,7 @@ from jaxtyping import Array, Float, Int
 from pallasite.kernels import grouped_matmul
 from pallasite.kernels import ssd as pallasite_ssd
 from pallasite.kernels.grouped_matmul import predicates as grouped_predicates
+from pallasite.reference.grouped_projection import Dtype, PrecisionLike
 
 __all__ = [
     "bf16_dot_runs",
@@ -186,7 +190,7 @@ ssd_chunk_scan.defvjp(_scan_fwd, _scan_bwd)
 # ------------------------------------------------------------------ grouped projection
 
 
-def ragged_dot_runs(compute, operands, precision) -> bool:
+def ragged_dot_runs(compute: Dtype, operands: Sequence[Dtype], precision: PrecisionLike) -> bool:
     """Whether the grouped kernels compute the product asked for: no x64; compute and
     operand dtypes (dtypes, not arrays) promote with fp32 to fp32; 16-bit compute at any
     precision, fp32 compute at the default precision only."""
@@ -199,12 +203,13 @@ def grouped_projection(
     x: Float[Array, "m k"],
     kernel: Float[Array, "g k n"],
     group_sizes: Int[Array, "g"],
-    compute,
+    compute: Dtype,
     interpret_on_cpu: bool,
 ) -> Float[Array, "m n"]:
     """pallasite.kernels.grouped_projection with group sizes of any integer dtype (cast to
     int32, as dew does): [m, n] in `compute`, fp32 sums rounded once, differentiable in x
-    and kernel."""
+    and kernel. Concrete sizes int32 cannot hold are refused before the cast (it would
+    wrap them); traced ones are cast as they are."""
     # hasattr, not getattr with a default: the default would be evaluated eagerly, and
     # np.asarray of a tracer (group sizes under jit) raises.
     dtype = np.dtype(group_sizes.dtype if hasattr(group_sizes, "dtype")
@@ -212,5 +217,18 @@ def grouped_projection(
     if not np.issubdtype(dtype, np.integer):
         raise TypeError(f"group_sizes must be integers; got {dtype} "
                         f"(shape {tuple(np.shape(group_sizes))})")
+    _check_int32_holds(group_sizes, dtype)
     return grouped_matmul.grouped_projection(x, kernel, jnp.asarray(group_sizes, jnp.int32),
                                              compute, interpret_on_cpu)
+
+
+def _check_int32_holds(group_sizes, dtype: np.dtype) -> None:
+    """ValueError showing the given values where concrete group sizes lie outside int32
+    (the cast would wrap 2**32 + 16 to 16, a uint32 4e9 to a negative)."""
+    if isinstance(group_sizes, jax.core.Tracer):
+        return
+    values = np.asarray(group_sizes)
+    limits = np.iinfo(np.int32)
+    if values.size and (values.min() < limits.min or values.max() > limits.max):
+        raise ValueError(f"group_sizes must fit int32; got {values.tolist()} ({dtype}, "
+                         f"shape {values.shape})")

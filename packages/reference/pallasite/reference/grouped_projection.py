@@ -34,6 +34,8 @@ import numpy as np
 from jaxtyping import Array, Float, Integer, Shaped
 
 __all__ = [
+    "Dtype",
+    "PrecisionLike",
     "validate_grouped_projection",
     "grouped_projection",
     "grouped_projection_per_group",
@@ -45,6 +47,12 @@ __all__ = [
 ]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+
+# The types of `compute` and `precision`, here and in pallasite.kernels' grouped
+# projection: a dtype, its name or a scalar type (jnp.bfloat16); a precision in any of
+# JAX's spellings (None, jax.lax.Precision, a DotAlgorithmPreset, their names, a pair).
+Dtype = jax.typing.DTypeLike
+PrecisionLike = jax.lax.PrecisionLike
 
 
 # --------------------------------------------------------------------------- validation
@@ -73,7 +81,7 @@ def validate_grouped_projection(
     x: Shaped[Array, "..."],
     kernel: Shaped[Array, "..."],
     group_sizes: Shaped[Array, "..."],
-    compute,
+    compute: Dtype,
     *,
     group_offset=None,
 ) -> None:
@@ -108,6 +116,8 @@ def validate_grouped_projection(
     for name, a in (("x", x), ("kernel", kernel)):
         if not jnp.issubdtype(_dtype(a), jnp.floating):
             raise TypeError(f"{name} must be floating; got {_dtype(a)} (shape {_shape(a)})")
+    if compute is None:  # np.dtype(None) is float64: never a default here
+        raise TypeError("compute must be a floating dtype; got None")
     try:
         compute_dtype = np.dtype(compute)
     except TypeError as e:
@@ -313,9 +323,9 @@ def grouped_projection(
     x: Float[Array, "m k"],
     kernel: Float[Array, "g k n"],
     group_sizes: Integer[Array, "g"],
-    compute,
+    compute: Dtype,
     *,
-    precision=None,
+    precision: PrecisionLike = None,
     group_offset=None,
 ) -> Float[Array, "m n"]:
     """`[m, n]` in `compute`: rows of each group times that group's kernel (ragged_dot form).
@@ -338,9 +348,9 @@ def grouped_projection_per_group(
     x: Float[Array, "m k"],
     kernel: Float[Array, "g k n"],
     group_sizes: Integer[Array, "g"],
-    compute,
+    compute: Dtype,
     *,
-    precision=None,
+    precision: PrecisionLike = None,
     group_offset=None,
 ) -> Float[Array, "m n"]:
     """`grouped_projection` written per group with a segment mask and dense dots.

@@ -39,13 +39,14 @@ from jaxtyping import Array, Float, Int
 
 from pallasite.kernels import autodiff
 from pallasite.kernels.grouped_matmul import config, fit, fp8, ops, plain
+from pallasite.kernels.grouped_matmul.group_metadata import group_offsets
 from pallasite.kernels.quantization import BlockScaled
 from pallasite.kernels.grouped_matmul.predicates import (
     MOSAIC_GPU_MIN_ROWS_PER_GROUP,
     mosaic_gpu_preferred,
     ragged_dot_runs,
 )
-from pallasite.reference.grouped_projection import validate_grouped_projection
+from pallasite.reference.grouped_projection import Dtype, validate_grouped_projection
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,9 @@ CUDA_ORDER = ["pallas_mosaic_gpu", "pallas_triton", "xla"]
 # it ahead of XLA; the Mosaic TPU kernels have never run on a TPU, so they run by name.
 TPU_ORDER = ["xla"]
 IMPLEMENTATIONS = ops.BACKENDS
+# The backends whose CPU interpreter runs the kernel through host callbacks (the Mosaic
+# interpreters; Triton's does not), which JAX cannot differentiate inside jax.checkpoint.
+CALLBACK_INTERPRETERS = ("pallas_mosaic_gpu", "pallas_mosaic_tpu")
 
 # Which backend a bare block-size class belongs to (by class name: the Hopper backend's
 # classes live in their own modules), and the recipes it serves.
@@ -78,8 +82,8 @@ def _importable(name: str, recipe=None) -> str | None:
     return None
 
 
-def _refusal(name: str, compute, operands, interpret: bool, check_device: bool = True,
-             recipe=None) -> str | None:
+def _refusal(name: str, compute: Dtype, operands: Sequence[jax.Array], interpret: bool,
+             check_device: bool = True, recipe=None) -> str | None:
     """Why backend `name` cannot run here (None: it can). interpret: CPU interpreter.
     The generic checks are here (the module imports, ragged_dot_runs); each backend's
     module says what its device and dtypes need (its `refusal`). check_device=False
@@ -90,6 +94,8 @@ def _refusal(name: str, compute, operands, interpret: bool, check_device: bool =
         return None
     if (why := _importable(name, recipe)) is not None:
         return why
+    if interpret and name in CALLBACK_INTERPRETERS and autodiff.differentiated_checkpoint():
+        return autodiff.checkpoint_refusal("grouped_projection", name)
     if recipe == "fp8":
         return fp8.refusal(name, compute, operands, on_device=check_device and not interpret)
     if not ragged_dot_runs(compute, operands):
@@ -199,8 +205,8 @@ def _default(x, kernel, group_sizes, group_offset, compute, block_sizes, interpr
 def checked_group_sizes(group_sizes: Int[Array, "g"], m: int) -> Int[Array, "g"]:
     """`group_sizes`, with jax.experimental.checkify checks that no size is negative and
     that they sum to at most `m` rows: traced sizes cannot be checked while tracing, so
-    grouped_projection does not (docs/grouped_projection.md says what each backend does
-    with them). Use it inside a function wrapped in checkify.checkify:
+    grouped_projection does not (it reads a negative size as 0 and cuts the groups at
+    row m, docs/grouped_projection.md). Use it inside a function wrapped in checkify.checkify:
 
         err, y = checkify.checkify(lambda x, k, s: grouped_projection(
             x, k, checked_group_sizes(s, x.shape[0]), compute))(x, k, s)
@@ -210,9 +216,9 @@ def checked_group_sizes(group_sizes: Int[Array, "g"], m: int) -> Int[Array, "g"]
 
     checkify.check(jnp.all(group_sizes >= 0), "group_sizes has a negative entry: {sizes}",
                    sizes=group_sizes)
-    total = jnp.sum(group_sizes.astype(jnp.int32))
-    checkify.check(total <= m, "group_sizes sum to {total}, more than the {m} rows of x",
-                   total=total, m=jnp.int32(m))
+    total = group_offsets(group_sizes)[-1]  # saturates at 2**31 - 1, never wraps
+    checkify.check(total <= m, "group_sizes sum to {total}, more than the {m} rows of x "
+                   "(sums stop at 2**31 - 1)", total=total, m=jnp.int32(m))
     return group_sizes
 
 
@@ -245,7 +251,7 @@ def grouped_projection(
     x: Float[Array, "m k"],
     kernel: Float[Array, "g k n"],
     group_sizes: Int[Array, "g"],
-    compute,
+    compute: Dtype,
     interpret_on_cpu: bool = False,
     *,
     group_offset=None,
@@ -274,9 +280,9 @@ def grouped_projection(
     first-order reverse mode (jax.grad, jax.vjp, jax.linearize); forward mode (jax.jvp),
     higher orders and float64 compute under x64 take the plain-JAX path (plain.py, which
     honours group_offset too), or fail naming 'xla' where only Pallas backends were named.
-    group_sizes are not checked when traced: docs/grouped_projection.md says what each
-    backend does with negative or oversized totals, and `checked_group_sizes` checks them
-    under jax.experimental.checkify.
+    group_sizes are not checked when traced: every backend reads a negative size as 0
+    and cuts the groups at row m (docs/grouped_projection.md), and `checked_group_sizes`
+    checks them under jax.experimental.checkify.
 
     fp8 (docs/fp8.md): recipe="fp8" quantizes x (1 x 128 blocks) and the kernel
     (128 x 128 blocks) inside and multiplies in e4m3, with fp32 sums promoted every 128

@@ -55,12 +55,32 @@ def num_visits(m: int, num_groups: int, tile: int) -> int:
     return cdiv(m, tile) + num_groups + 2
 
 
+INT32_MAX = 2**31 - 1
+
+
 def group_offsets(group_sizes: Int[Array, "g"], row_start=None) -> Int[Array, "g1"]:
     """[r, r+s0, r+s0+s1, ...] with r = row_start (0 when None): where each group starts,
-    and where the last one ends."""
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32), dtype=jnp.int32)
+    and where the last one ends.
+
+    Traced sizes are not checked (api.py), so this is the one reading of them every
+    backend shares: a negative size is an empty group, and the sums saturate at
+    INT32_MAX instead of wrapping (saturating_cumsum), so the offsets never decrease and
+    a total past m stays past m: callers cut at row m, and no kernel reads before a
+    group's first row or past the array. row_start comes from these same offsets
+    (local_groups), so adding it cannot wrap either."""
+    ends = saturating_cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0))
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
     return offsets if row_start is None else offsets + jnp.asarray(row_start, jnp.int32)
+
+
+def saturating_cumsum(sizes: Int[Array, "g"]) -> Int[Array, "g"]:
+    """The running sums of non-negative int32 `sizes`, each capped at INT32_MAX: int32's
+    own cumsum wraps to negative offsets. In uint32 the sums are exact up to the first
+    one past INT32_MAX (two int32 values sum below 2**32); it and every later one (which
+    may wrap) become INT32_MAX. No loop: one cumsum, one cummax."""
+    ends = jnp.cumsum(sizes.astype(jnp.uint32), dtype=jnp.uint32)
+    past = jax.lax.cummax((ends > INT32_MAX).astype(jnp.int32), axis=0) > 0
+    return jnp.where(past, INT32_MAX, ends).astype(jnp.int32)
 
 
 def segment_of(ends: Int[Array, "s"], positions: Int[Array, "t"]) -> Int[Array, "t"]:
@@ -76,25 +96,21 @@ def segment_of(ends: Int[Array, "s"], positions: Int[Array, "t"]) -> Int[Array, 
 
 def local_groups(group_sizes: Int[Array, "G"], group_offset, num_groups: int):
     """The sizes of groups [group_offset, group_offset + num_groups) of `group_sizes` and
-    the row where the first of them starts: (int32 [num_groups], int32 scalar), or
-    (group_sizes, None) when group_offset is None (all groups, from row 0).
+    the row where the first of them starts: (int32 [num_groups], int32 scalar), or (all
+    the sizes, None) when group_offset is None (all groups, from row 0). Either way the
+    sizes are those group_offsets reads (a negative size is 0): every backend starts here,
+    so none sees a size the kernels' offsets would not.
 
     This is how a kernel holding only some experts' weights (expert parallelism) sees the
     global sorted rows: its groups are contiguous, from row_start on; every other row
     belongs to no local group (zero output, never read by tgmm). Indices outside
     [0, G) are empty groups, so a traced offset never reads out of bounds."""
+    offsets = group_offsets(group_sizes)
     if group_offset is None:
-        return group_sizes, None
-    sizes = group_sizes.astype(jnp.int32)
-    starts = jnp.cumsum(sizes) - sizes
-    index = jnp.asarray(group_offset, jnp.int32) + jnp.arange(num_groups, dtype=jnp.int32)
-    inside = (index >= 0) & (index < sizes.shape[0])
-    picked = jnp.clip(index, 0, sizes.shape[0] - 1)
-    local = jnp.where(inside, sizes[picked], 0)
-    total = jnp.sum(sizes)
-    first = jnp.where(index[0] < 0, 0,
-                      jnp.where(index[0] >= sizes.shape[0], total, starts[picked[0]]))
-    return local.astype(group_sizes.dtype), first.astype(jnp.int32)
+        return jnp.diff(offsets), None
+    index = jnp.asarray(group_offset, jnp.int32) + jnp.arange(num_groups + 1, dtype=jnp.int32)
+    bounds = offsets[jnp.clip(index, 0, group_sizes.shape[0])]
+    return jnp.diff(bounds), bounds[0]
 
 
 def make_group_metadata(

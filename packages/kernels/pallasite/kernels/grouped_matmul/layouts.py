@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from pallasite.kernels import sharding
+from pallasite.kernels.grouped_matmul.group_metadata import group_offsets
 from pallasite.kernels.sharding import Axes, Plan
 
 # Shardy rules for the Auto-axes path: m rows, c the contraction, o the output columns,
@@ -49,13 +50,11 @@ TGMM_RULE = "m k, m n, G, , e p q -> e k n"
 
 def local_group_sizes(group_sizes, rows: int, shard):
     """Group sizes within rows [shard * rows, (shard + 1) * rows) of the global sorted rows:
-    the global offsets clipped to this shard's range (int32; rows past the total belong to
-    no group)."""
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-    starts = ends - group_sizes.astype(jnp.int32)
+    the global offsets (group_metadata.group_offsets, as every backend reads them)
+    clipped to this shard's range (int32; rows past the total belong to no group)."""
     lo = shard.astype(jnp.int32) * rows
-    hi = lo + rows
-    return (jnp.clip(ends, lo, hi) - jnp.clip(starts, lo, hi)).astype(group_sizes.dtype)
+    offsets = jnp.clip(group_offsets(group_sizes), lo, lo + rows)
+    return jnp.diff(offsets).astype(group_sizes.dtype)
 
 
 def _apart(axes: Axes, *taken: Axes) -> Axes:
@@ -156,7 +155,9 @@ def tgmm_planner(tgmm: Callable, *, out_dtype, shapes,
 
         def local(lhs, rhs, group_sizes, group_offset, template):
             sizes = _rows(group_sizes, lhs.shape[0], m_axes)
-            local_g = template.shape[0]
+            # The template keeps its layout even where the plan drops its group axes
+            # (then this device sums every group, and run reshards the result).
+            local_g = template.shape[0] if e_axes else g
             out = tgmm(lhs, rhs, sizes, num_groups=local_g,
                        group_offset=_offset(group_offset, offset_given, e_axes, local_g),
                        out_dtype=jnp.float32 if m_axes else out_dtype)

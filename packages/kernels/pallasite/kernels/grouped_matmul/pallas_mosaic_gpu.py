@@ -74,6 +74,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -92,6 +93,7 @@ from pallasite.kernels.grouped_matmul.group_metadata import (
     local_groups,
     segment_of,
 )
+from pallasite.reference.grouped_projection import Dtype
 
 # H200 SXM has 132 SMs; used when the default device does not report its core count.
 _DEFAULT_NUM_SMS = 132
@@ -224,7 +226,8 @@ TGMM_WARP_SPECIALIZED = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64
 TGMM_DEFAULT = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=4, grid_block_n=8)
 
 
-def refusal(compute, operands, *, on_device: bool) -> str | None:
+def refusal(compute: Dtype, operands: Sequence[jax.Array], *, on_device: bool
+            ) -> str | None:
     """Why these kernels cannot run `compute` over `operands` here (None: they can).
     api.py asks after its generic checks (the module imports, ragged_dot_runs); wgmma
     needs Hopper and takes 16-bit operands here. on_device=False (the interpreter, or a

@@ -20,6 +20,7 @@ Unaligned m, k, n are padded with zeros to the tile (a copy only when unaligned)
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,11 +36,13 @@ from pallasite.kernels.grouped_matmul.group_metadata import (
     make_group_metadata,
     num_visits,
 )
+from pallasite.reference.grouped_projection import Dtype
 
 DEFAULT = config.MosaicTpuBlockSizes()
 
 
-def refusal(compute, operands, *, on_device: bool) -> str | None:
+def refusal(compute: Dtype, operands: Sequence[jax.Array], *, on_device: bool
+            ) -> str | None:
     """Why these kernels cannot run `compute` over `operands` here (None: they can).
     api.py asks after its generic checks (the module imports, ragged_dot_runs);
     on_device=False (the interpreter, or a lowering for a TPU from another host: every

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,7 @@ from pallasite.kernels.grouped_matmul.group_metadata import (
     make_group_metadata,
     num_visits,
 )
+from pallasite.reference.grouped_projection import Dtype
 
 # Defaults measured on the H200 (tools/sweeps/bench_grouped_projection.py, 2026-11-30,
 # bf16, TARGETS shapes; docs/performance.md has every config tried):
@@ -61,7 +63,8 @@ TGMM_32BIT = config.TritonBlockSizes(32, 128, 64, group_m=1, num_warps=4, num_st
 DEFAULT = GMM_16BIT
 
 
-def refusal(compute, operands, *, on_device: bool) -> str | None:
+def refusal(compute: Dtype, operands: Sequence[jax.Array], *, on_device: bool
+            ) -> str | None:
     """Why these kernels cannot run `compute` over `operands` here (None: they can).
     api.py asks after its generic checks (the module imports, ragged_dot_runs);
     on_device=False (the interpreter, or a lowering for a platform this process does

@@ -2,8 +2,9 @@
 
 The backends (ops.project) differentiate through a hand-written custom_vjp: first-order
 reverse mode only. This path is the XLA backend's ragged product (xla.ragged_product:
-jax.lax.ragged_dot_general with no custom rules), so JAX differentiates it in forward
-mode and to any order; api.py sends it
+jax.lax.ragged_dot_general with no custom rules) run as a bilinear.call, so JAX
+differentiates it in forward mode and to any order, and vmaps every derivative (jax.jacfwd,
+jax.hessian: ragged_dot alone batches only on leading axes); api.py sends it
 - forward-mode and higher-order differentiation (pallasite.kernels.autodiff), and
 - float64 compute under x64, which the kernels refuse and which sums in float64 here
   (the XLA backend's contract sums in fp32).
@@ -24,14 +25,14 @@ from jaxtyping import Array, Float, Int
 
 from pallasite.kernels.grouped_matmul import xla
 from pallasite.kernels.grouped_matmul.group_metadata import local_groups
-from pallasite.reference.grouped_projection import accumulation_dtype
+from pallasite.reference.grouped_projection import Dtype, accumulation_dtype
 
 
 def project(
     x: Float[Array, "m k"],
     kernel: Float[Array, "g k n"],
     group_sizes: Int[Array, "G"],
-    compute,
+    compute: Dtype,
     *,
     group_offset=None,
 ) -> Float[Array, "m n"]:
@@ -39,5 +40,5 @@ def project(
     every group) or the index in group_sizes of kernel's first group."""
     sizes, row_start = local_groups(group_sizes, group_offset, kernel.shape[0])
     out = xla.ragged_product(x.astype(compute), kernel.astype(compute), sizes, row_start,
-                             accumulate=accumulation_dtype(compute))
+                             accumulate=accumulation_dtype(compute), any_order=True)
     return out.astype(compute)

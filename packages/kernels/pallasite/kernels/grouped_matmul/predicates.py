@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallasite.reference.grouped_projection import Dtype, PrecisionLike
+
 _PRESETS = {preset.name.lower(): preset for preset in jax.lax.DotAlgorithmPreset}
 
 
@@ -77,7 +79,8 @@ def _is_default(precision: Any) -> bool:
     return resolved in (jax.lax.Precision.DEFAULT, jax.lax.DotAlgorithmPreset.DEFAULT)
 
 
-def ragged_dot_runs(compute: Any, operands: Sequence[Any] = (), precision: Any = None) -> bool:
+def ragged_dot_runs(compute: Dtype, operands: Sequence[jax.Array | Dtype] = (),
+                    precision: PrecisionLike = None) -> bool:
     """True when the Pallas kernels compute `compute`-dtype grouped products exactly as
     requested: 16-bit compute at any precision, fp32 compute at default precision only;
     never with operands wider than fp32 or in x64 mode. Every spelling of a precision

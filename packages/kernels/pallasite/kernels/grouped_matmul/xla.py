@@ -16,10 +16,14 @@ masked copy of them) and a [g, n] lookup per row, small next to the product.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
+from pallasite.kernels.grouped_matmul import bilinear
 from pallasite.kernels.grouped_matmul.group_metadata import local_groups
 
 _DIMS = jax.lax.RaggedDotDimensionNumbers
@@ -40,32 +44,50 @@ def _from_row_zero(group_sizes, row_start):
     return group_sizes.at[0].add(row_start.astype(group_sizes.dtype))
 
 
+@dataclasses.dataclass(frozen=True)
+class RaggedDot:
+    """(lhs [m, k], rhs [g, k, n] (or [g, n, k] with transpose_rhs), group_sizes,
+    row_start) -> [m, n] in `accumulate`: rows [row_start, row_start + total) times their
+    group's rhs, every other row zero. Bilinear in (lhs, rhs), and hashable, so the
+    plain-JAX path can run it as a bilinear.call primitive."""
+
+    transpose_rhs: bool
+    accumulate: np.dtype
+
+    def __call__(self, lhs, rhs, group_sizes, row_start):
+        dims = _DIMS(
+            dot_dimension_numbers=(([1], [2 if self.transpose_rhs else 1]), ([], [])),
+            lhs_ragged_dimensions=[0],
+            rhs_group_dimensions=[0],
+        )
+        out = jax.lax.ragged_dot_general(lhs, rhs, _from_row_zero(group_sizes, row_start),
+                                         dims, preferred_element_type=self.accumulate)
+        return jnp.where(_row_mask(lhs.shape[0], group_sizes, row_start), out,
+                         jnp.zeros((), out.dtype))
+
+
 def ragged_product(lhs, rhs, group_sizes, row_start=None, *, transpose_rhs: bool = False,
-                   accumulate=jnp.float32) -> jax.Array:
+                   accumulate=jnp.float32, any_order: bool = False) -> jax.Array:
     """[m, n] in `accumulate`: rows [row_start, row_start + sum(group_sizes)) times their
     group's rhs ([g, k, n], or [g, n, k] with transpose_rhs), every other row zero; a
     non-finite weight reaches only its own group's rows (module docstring). Plain JAX
-    with no custom rules: JAX differentiates it to any order (plain.py)."""
+    with no custom rules. any_order (the plain-JAX path, plain.py): the product runs as a
+    bilinear.call, which JAX differentiates to any order and vmaps in every derivative
+    (jax.jacfwd, jax.hessian); ragged_dot alone batches only on leading axes."""
     rhs_contract = 2 if transpose_rhs else 1
-    dims = _DIMS(
-        dot_dimension_numbers=(([1], [rhs_contract]), ([], [])),
-        lhs_ragged_dimensions=[0],
-        rhs_group_dimensions=[0],
-    )
-    finite = jnp.isfinite(rhs)
-    out = jax.lax.ragged_dot_general(
-        lhs, jnp.where(finite, rhs, jnp.zeros((), rhs.dtype)),
-        _from_row_zero(group_sizes, row_start), dims, preferred_element_type=accumulate)
-    # [g, n]: the group's weights feeding column j hold a non-finite value; looked up
-    # per row by its group (rows of no group are masked below).
-    bad = ~finite.all(axis=rhs_contract)
     first = jnp.int32(0) if row_start is None else row_start
+    finite = jnp.isfinite(rhs)
+    product = RaggedDot(transpose_rhs, np.dtype(accumulate))
+    operands = (lhs, jnp.where(finite, rhs, jnp.zeros((), rhs.dtype)), group_sizes, first)
+    out = bilinear.call(product, *operands) if any_order else product(*operands)
+    # [g, n]: the group's weights feeding column j hold a non-finite value; looked up
+    # per row by its group (rows of no group stay zero).
+    bad = ~finite.all(axis=rhs_contract)
     ends = first + jnp.cumsum(group_sizes.astype(jnp.int32))
     rows = jnp.arange(lhs.shape[0], dtype=jnp.int32)
     group = jnp.minimum(jnp.searchsorted(ends, rows, side="right"), rhs.shape[0] - 1)
-    out = jnp.where(bad[group], jnp.asarray(jnp.nan, out.dtype), out)
-    return jnp.where(_row_mask(lhs.shape[0], group_sizes, row_start), out,
-                     jnp.zeros((), out.dtype))
+    mine = _row_mask(lhs.shape[0], group_sizes, first)
+    return jnp.where(bad[group] & mine, jnp.asarray(jnp.nan, out.dtype), out)
 
 
 def gmm(

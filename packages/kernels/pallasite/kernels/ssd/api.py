@@ -38,6 +38,9 @@ _LOG = logging.getLogger("pallasite.ssd")
 
 IMPLEMENTATIONS = ("xla",) + predicates.BACKENDS
 _FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
+# The backends whose CPU interpreter runs the kernel through host callbacks (Mosaic TPU's;
+# Triton's does not), which JAX cannot differentiate inside jax.checkpoint.
+CALLBACK_INTERPRETERS = ("pallas_mosaic_tpu",)
 
 
 # ------------------------------------------------------------------------- validation
@@ -215,6 +218,9 @@ def _refusal(name, chunk_size, head_dim, state_size) -> str | None:
     reason = predicates.ssd_kernel_reason(chunk_size, head_dim, state_size, name)
     if reason:
         return reason
+    interpreted = _platform(name)[1]
+    if interpreted and name in CALLBACK_INTERPRETERS and autodiff.differentiated_checkpoint():
+        return autodiff.checkpoint_refusal("chunk_ssd", name)
     return _backend(name).refusal(jax.default_backend())
 
 
