@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pallasite.kernels.ssd import chunk_ssd
-from pallasite.reference.ssd import ssd_sequential
+from pallasite.reference.ssd import ssd_chunked, ssd_sequential
 
 CPU_BACKENDS = ["xla", "pallas_triton", "pallas_mosaic_tpu"]
 
@@ -202,3 +202,63 @@ def test_a_named_kernel_says_first_order_reverse_mode(backend):
         jax.jvp(_scan_sum(backend), (x, a, b, c, s0), (x, a, b, c, s0))
     with pytest.raises(NotImplementedError, match="first-order reverse mode"):
         jax.grad(lambda x: jnp.sum(jax.grad(_scan_sum(backend))(x, a, b, c, s0)))(x)
+
+
+# ------------------------------------------------------------------- non-finite inputs
+# Every path chunk_ssd can take (the backends, the plain-JAX scan forward mode runs) and
+# the reference's chunked forms, held to the definition: where the float64 recurrence is
+# non-finite, and only there.
+
+PATHS = CPU_BACKENDS + ["forward_mode", "reference_plain", "reference_blockwise"]
+
+
+def _on_path(path, x, a, b, c, s0):
+    """(y, final_state) of `path` at chunk 64."""
+    if path.startswith("reference_"):
+        return ssd_chunked(x, a, b, c, 64, s0, form=path.removeprefix("reference_"))
+    if path == "forward_mode":  # a jvp takes chunk_ssd's plain-JAX scan
+        def run(*t):
+            return chunk_ssd(*t[:4], chunk_size=64, initial_state=t[4])
+        primals = (x, a, b, c, s0)
+        return jax.jvp(run, primals, tuple(jnp.zeros_like(t) for t in primals))[0]
+    return chunk_ssd(x, a, b, c, chunk_size=64, initial_state=s0, implementation=path)
+
+
+def _assert_like_the_definition(got, want):
+    """Non-finite exactly where the float64 recurrence is; the rest within 5e-7."""
+    got, want = np.asarray(got), np.asarray(want)
+    finite = np.isfinite(want)
+    np.testing.assert_array_equal(np.isfinite(got), finite)
+    assert rel_l2(got[finite], want[finite]) < 5e-7
+
+
+def _recurrence_nonfinite(*args):
+    with np.errstate(invalid="ignore", over="ignore"):
+        return recurrence_f64(*args)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_nan_in_a_propagates_and_is_no_reset(path):
+    """A NaN step of `a` (head 0, step 40) makes that head's y NaN from step 40 on, as
+    the definition does (exp(NaN) = NaN); it is not taken as a reset (a <= -1e4 only)."""
+    x, a, b, c, s0 = _inputs(4)
+    a = (a * 0.05).at[:, 40, 0].set(jnp.nan)
+    y, final = _on_path(path, x, a, b, c, s0)
+    y64, final64 = _recurrence_nonfinite(x, a, b, c, s0)
+    assert not np.isfinite(y64[:, 40:, 0]).any() and np.isfinite(y64[:, :40]).all()
+    _assert_like_the_definition(y, y64)
+    _assert_like_the_definition(final, final64)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_nan_in_a_gives_a_nan_gradient(backend):
+    """The gradient of a NaN step of `a` is NaN, not the zero of a reset."""
+    x, a, b, c, s0 = _inputs(4)
+    a = (a * 0.05).at[:, 40, 0].set(jnp.nan)
+
+    def f(a):
+        y, final = chunk_ssd(x, a, b, c, chunk_size=64, initial_state=s0,
+                             implementation=backend)
+        return jnp.sum(y) + jnp.sum(final)
+
+    assert np.isnan(np.asarray(jax.grad(f)(a))[:, 40, 0]).all()
