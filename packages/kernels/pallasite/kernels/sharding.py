@@ -160,11 +160,42 @@ def cotangent_like(ct, primal):
     extra = varying_axes(ct) - varying_axes(primal)
     if extra:
         ct = jax.lax.psum(ct, tuple(sorted(extra)))
-    want, have = jax.typeof(primal).sharding, jax.typeof(ct).sharding
+    return layout_like(ct, jax.typeof(primal).sharding)
+
+
+def layout_like(t, want):
+    """t resharded to `want` (a sharding from a type), where that has explicit axes and
+    lays t out otherwise; t as it is under Auto axes (the compiler chooses)."""
+    have = jax.typeof(t).sharding
     if (want is not None and not want.mesh.empty and want.mesh.explicit_axes
-            and dims_of(want.spec, ct.ndim) != dims_of(have.spec, ct.ndim)):
-        ct = jax.sharding.reshard(ct, want)
-    return ct
+            and dims_of(want.spec, t.ndim) != dims_of(have.spec, t.ndim)):
+        t = jax.sharding.reshard(t, want)
+    return t
+
+
+def whole_along(t, dims: Sequence[int], like=None):
+    """t with dimensions `dims` unsharded, the others as they were: for code that reshapes
+    a dimension in a way no layout follows from (chunk_ssd cuts a sequence split over 8
+    devices into 4 chunks: JAX has no layout for that reshape, and the compiler's
+    sub-axis split cannot be named in a custom_partitioning callback).
+    Explicit axes: resharded (a gather over the axes dropped). Auto axes: a sharding
+    constraint on `dims` alone, the rest left to the partitioner. Inside a shard_map
+    (manual axes, local arrays) or without a mesh: t as it is.
+    like: an operand of the op that made t, whose mesh to use under Auto axes with no
+    mesh in context (a custom call's result carries none in its type)."""
+    mesh = _context_mesh([t] if like is None else [t, like])
+    if mesh.empty:
+        return t
+    if mesh.explicit_axes:
+        explicit = frozenset(mesh.explicit_axes)
+        have = tuple(tuple(a for a in axes if a in explicit)
+                     for axes in dims_of(jax.typeof(t).sharding.spec, t.ndim))
+        want = tuple(() if i in dims else axes for i, axes in enumerate(have))
+        return _resharded((t,), (want,), (have,), mesh)[0]
+    if mesh.manual_axes:
+        return t
+    spec = P(*(None if i in dims else P.UNCONSTRAINED for i in range(t.ndim)))
+    return jax.lax.with_sharding_constraint(t, NamedSharding(mesh, spec))
 
 
 # ----------------------------------------------------------------------------- run
