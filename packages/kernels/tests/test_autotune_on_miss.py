@@ -202,9 +202,12 @@ def test_ssd_tunes_on_a_miss_writes_the_cache_and_reads_it_back(tuning_on, tmp_p
         y, final = ssd_chunk_scan(x, a, b, c, s0, ("pallas_triton", False))
         return jnp.sum(y * y) + jnp.sum(final)
 
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
-    # Traced (the kernels traced for Triton), not lowered: Triton has no CPU lowering.
-    grad.trace(*chunked, init)
+    def trace():
+        # A fresh jit each time (a reused one may answer from its trace cache). Traced (the
+        # kernels traced for Triton), not lowered: Triton has no CPU lowering.
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*chunked, init)
+
+    trace()
     sources: dict[str, list[str]] = {}
     tuned = {}
     for impl, _, sel in tuning_on:
@@ -226,7 +229,7 @@ def test_ssd_tunes_on_a_miss_writes_the_cache_and_reads_it_back(tuning_on, tmp_p
 
     tuning_on.clear()
     monkeypatch.setattr(select_module, "_memo", {})
-    grad.trace(*chunked, init)
+    trace()
     assert {impl: sel.source for impl, _, sel in tuning_on} == {
         "pallas_triton:forward": "cache", "pallas_triton:backward": "cache"}
     for impl, _, sel in tuning_on:
