@@ -281,3 +281,35 @@ def test_sequence_over_more_devices_than_chunks_forward_mode():
         got = jax.jit(lambda p, t: jax.jvp(run, p, t))(placed, tangents)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
+
+
+# ------------------------------------------------------------- the lowered program
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_triton"])
+@pytest.mark.parametrize("mode", ["explicit", "explicit_no_mesh", "auto", "auto_no_mesh",
+                                  "shard_map_vma", "shard_map_no_vma"])
+def test_lowered_program_holds_the_kernel_boundaries(mode, implementation):
+    """The forward and backward (two products) each run in pallasite's own shard_map
+    over the batch and head axes (Explicit), in a custom_partitioning (Auto), or directly
+    in the caller's shard_map with nothing nested (docs/sharding.md, "Kernel
+    boundaries"); read from the jaxpr and the StableHLO."""
+    way = "caller" if mode.startswith("shard_map") else mode.removesuffix("_no_mesh")
+    axis_type = st.AUTO if way == "auto" else st.EXPLICIT
+    mesh = st.mesh((2, 4), ("bt", "hd"), axis_type)
+    args = _place(mesh, _inputs(1), "bt", "hd", False)
+    fn = _loss(implementation)
+    if way == "caller":
+        specs = (P("bt", None, "hd"), P("bt", None, "hd"), P("bt"), P("bt"), P("bt", "hd"),
+                 P("bt", None, "hd"))
+
+        def body(*t):
+            value, grads = _loss(implementation)(*t)
+            return jax.lax.psum(value, ("bt", "hd")), grads
+
+        fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), specs[:5]),
+                           check_vma=mode == "shard_map_vma")
+    with jax.set_mesh(mesh) if not mode.endswith("no_mesh") else contextlib.nullcontext():
+        found = st.assert_kernel_boundaries(fn, args, way=way, axes=("bt", "hd"), products=2)
+    pallas = [f for f in found if f[0] == "pallas_call"]
+    assert len(pallas) == (5 if implementation == "pallas_triton" else 0), pallas

@@ -28,11 +28,20 @@ The differentiation rules call `cotangent_like` on each cotangent: under check_v
 cotangent that varies over axes its primal did not is summed over them (the transpose of
 the implicit broadcast, as jax.grad does for jnp.dot), and under Explicit axes it is
 resharded to its primal's layout, as custom_vjp requires.
+
+So every kernel runs in a shard_map (pallasite's or the caller's) or, under Auto axes, in
+a custom_partitioning's per-device program: a shard_map cannot be built there, since its
+layouts are needed when it is traced and only the compiler knows them (docs/sharding.md,
+"Kernel boundaries"). The backends' kernel wrappers that `run` calls are marked
+`local_operands`: called directly on an array laid out over explicit mesh axes, they
+refuse it by name instead of letting JAX gather it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -187,15 +196,58 @@ def whole_along(t, dims: Sequence[int], like=None):
     if mesh.empty:
         return t
     if mesh.explicit_axes:
-        explicit = frozenset(mesh.explicit_axes)
-        have = tuple(tuple(a for a in axes if a in explicit)
-                     for axes in dims_of(jax.typeof(t).sharding.spec, t.ndim))
+        have = explicit_dims(t)
         want = tuple(() if i in dims else axes for i, axes in enumerate(have))
         return _resharded((t,), (want,), (have,), mesh)[0]
     if mesh.manual_axes:
         return t
     spec = P(*(None if i in dims else P.UNCONSTRAINED for i in range(t.ndim)))
     return jax.lax.with_sharding_constraint(t, NamedSharding(mesh, spec))
+
+
+# ------------------------------------------------------------- local-only wrappers
+
+
+def local_operands(public: str):
+    """Marks a backend's kernel wrapper (grouped gmm and tgmm, the SSD forward and
+    backward of a Pallas backend) as one that runs on local arrays: `run` calls it on the
+    shards (inside a shard_map or a custom_partitioning's per-device program), never on a
+    sharded array. Called directly on an operand laid out over explicit mesh axes, it
+    raises a ValueError naming the argument, its shape and layout, and `public` (the op
+    that shards it): a pallas_call has no partitioning rule, so JAX would either refuse
+    to slice it or gather it and compute everything on every device. Under Auto axes the
+    layout is not known while tracing: there the wrapper computes on the whole arrays
+    (the partitioner gathers them), as docs/sharding.md says."""
+
+    def wrap(fn):
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def checked(*args, **kwargs):
+            for name, value in signature.bind(*args, **kwargs).arguments.items():
+                axes = explicit_dims(value) if isinstance(value, jax.Array) else ()
+                if any(axes):
+                    raise ValueError(
+                        f"{fn.__module__}.{fn.__name__}: {name} {tuple(value.shape)} is laid "
+                        f"out over mesh axes {spec_of(axes)}; this backend function runs "
+                        f"on local arrays. Call {public}, which runs it on the shards, or "
+                        "call it inside a shard_map over those axes.")
+            return fn(*args, **kwargs)
+
+        return checked
+
+    return wrap
+
+
+def explicit_dims(value) -> Dims:
+    """The explicit mesh axes of each dimension of array `value`, from its type (() for a
+    dimension no explicit axis splits)."""
+    layout = jax.typeof(value).sharding
+    if layout is None or layout.mesh.empty or not layout.mesh.explicit_axes:
+        return replicated(value.ndim)
+    explicit = frozenset(layout.mesh.explicit_axes)
+    return tuple(tuple(a for a in axes if a in explicit)
+                 for axes in dims_of(layout.spec, value.ndim))
 
 
 # ----------------------------------------------------------------------------- run

@@ -260,6 +260,7 @@ def backward_cost(shape_x, groups, n, inputs, outputs) -> pl.CostEstimate:
     return costs.tpu_backward(bsz * h * nc, size, p, n, inputs=inputs, outputs=outputs)
 
 
+@sharding.local_operands("chunk_ssd")
 def forward(
     x: Float[Array, "b nc C h p"],
     a: Float[Array, "b nc C h"],
@@ -296,6 +297,7 @@ def forward(
     return _chunk_major(y), final, states
 
 
+@sharding.local_operands("chunk_ssd")
 def backward(
     x: Float[Array, "b nc C h p"],
     a: Float[Array, "b nc C h"],

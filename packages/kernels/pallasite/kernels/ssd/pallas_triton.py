@@ -670,6 +670,7 @@ def _backward_local(x, a, b, c, states, dy, dfinal, *, bs, interpret, grad_dtype
     return dx, da.astype(a.dtype), db, dc, dinit
 
 
+@sharding.local_operands("chunk_ssd")
 def forward(
     x: Float[Array, "b nc C h p"],
     a: Float[Array, "b nc C h"],
@@ -691,6 +692,7 @@ def forward(
     return fn(*args)
 
 
+@sharding.local_operands("chunk_ssd")
 def backward(
     x: Float[Array, "b nc C h p"],
     a: Float[Array, "b nc C h"],
