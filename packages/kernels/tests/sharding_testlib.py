@@ -91,6 +91,85 @@ def compiled_collectives(fn, *args):
     return collectives(jax.jit(fn).lower(*args).compile().as_text())
 
 
+# ------------------------------------------------------------ the lowered program
+
+BOUNDARIES = ("shard_map", "custom_partitioning")
+
+
+def _sub_jaxprs(params):
+    for value in params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if hasattr(v, "eqns"):
+                yield v
+            elif hasattr(getattr(v, "jaxpr", None), "eqns"):
+                yield v.jaxpr
+
+
+def boundaries(fn, *args) -> list[tuple[str, frozenset, tuple]]:
+    """(primitive, its manual axes, enclosing boundaries) for every shard_map,
+    custom_partitioning and pallas_call eqn of fn's jaxpr, in order (a pallas_call's
+    kernel body is not entered). The manual axes are a shard_map's, empty for the others;
+    the enclosing boundaries are (primitive, manual axes) pairs, outermost first. Traced
+    under whatever mesh is in context."""
+    found = []
+
+    def walk(jaxpr, chain):
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            if name not in BOUNDARIES and name != "pallas_call":
+                for sub in _sub_jaxprs(eqn.params):
+                    walk(sub, chain)
+                continue
+            axes = frozenset(eqn.params.get("newly_manual_axes", ()))
+            found.append((name, axes, chain))
+            if name != "pallas_call":
+                for sub in _sub_jaxprs(eqn.params):
+                    walk(sub, chain + ((name, axes),))
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr, ())
+    return found
+
+
+def lowered_counts(fn, *args) -> dict[str, int]:
+    """How many shard_map bodies (sdy.manual_computation) and custom_partitioning calls
+    the lowered StableHLO of jit(fn) holds."""
+    text = jax.jit(fn).lower(*args).as_text()
+    return {"shard_map": text.count("sdy.manual_computation("),
+            "custom_partitioning": text.count("@CustomSPMDPartitioning")}
+
+
+def assert_kernel_boundaries(fn, args, *, way: str, axes, products: int):
+    """The lowered program of fn (a forward and backward) holds the kernel boundaries
+    `way` calls for (docs/sharding.md, "Kernel boundaries"), read from its jaxpr (the
+    nesting) and its StableHLO (the same count):
+      "explicit": one pallasite shard_map per product over `axes`, every kernel in one;
+      "auto": one custom_partitioning per product, every kernel in one, no shard_map;
+      "caller": the caller's shard_maps over `axes` only, every kernel directly in one,
+        nothing nested in them and no custom_partitioning.
+    `products`: how many products fn computes (forward plus backward), one boundary each.
+    Returns `boundaries(fn, *args)`."""
+    if way not in ("explicit", "auto", "caller"):
+        raise ValueError(f"way must be 'explicit', 'auto' or 'caller'; got {way!r}")
+    found = boundaries(fn, *args)
+    outer = [(name, axes) for name, axes, chain in found if name in BOUNDARIES and not chain]
+    nested = [(name, chain) for name, _, chain in found if name in BOUNDARIES and chain]
+    kernels = {chain for name, _, chain in found if name == "pallas_call"}
+    counts = lowered_counts(fn, *args)
+    assert not nested, f"boundaries nested in others: {nested}"
+    if way == "auto":
+        assert outer == [("custom_partitioning", frozenset())] * products, outer
+        assert kernels <= {(("custom_partitioning", frozenset()),)}, kernels
+        assert counts == {"shard_map": 0, "custom_partitioning": products}, counts
+        return found
+    shard_map = ("shard_map", frozenset(axes))
+    assert outer and set(outer) == {shard_map}, outer
+    assert kernels <= {(shard_map,)}, kernels
+    assert counts == {"shard_map": len(outer), "custom_partitioning": 0}, counts
+    if way == "explicit":
+        assert len(outer) == products, outer
+    return found
+
+
 def dims(array) -> tuple[tuple[str, ...], ...]:
     """The mesh axes of each dimension of a placed array, () where replicated."""
     out = []

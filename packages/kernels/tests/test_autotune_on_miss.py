@@ -10,6 +10,7 @@ selection itself is the one a GPU would make.
 from __future__ import annotations
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -22,10 +23,12 @@ from pallasite.kernels.grouped_matmul import TritonBlockSizes, grouped_projectio
 from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu, pallas_triton
 from pallasite.kernels.grouped_matmul import tuning_benchmarks as gp_benchmarks
 from pallasite.kernels.ssd import pallas_triton as ssd_triton
+from pallasite.kernels.ssd import ssd_chunk_scan
 from pallasite.kernels.ssd import tuning_benchmarks as ssd_benchmarks
 from pallasite.reference.inputs import grouped_projection_inputs
 from pallasite.tuning import autotune, cache
 from pallasite.tuning import select as select_module
+from pallasite.tuning.configs import config_to_dict
 
 GP_DIMS = {"m": 48, "k": 32, "n": 32, "g": 3}
 SSD_DIMS = {"batch": 1, "length": 64, "heads": 2, "head_dim": 16, "state": 16, "groups": 1, "chunk": 32}
@@ -179,6 +182,58 @@ def test_default_path_tunes_each_product_once_under_value_and_grad(tuning_on, tm
     jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).trace(x, kernel)
     _assert_tuned_once_then_cached(tuning_on)
     assert len(_cache_files(tmp_path)) == 3
+
+
+def test_ssd_tunes_on_a_miss_writes_the_cache_and_reads_it_back(tuning_on, tmp_path,
+                                                               monkeypatch):
+    """SSD end to end: the public chunked scan, compiled (not interpreted) on a 'GPU'
+    Triton runs on, under jit(grad): the forward and the backward each tune once (the
+    candidates through the interpreter, this being a CPU), each winner is written to the
+    cache, the file holds it, and the next trace (in-process memory cleared) reads it
+    back from disk."""
+    monkeypatch.setattr(platform, "triton_runs", lambda device=None: True)
+    for name in ("forward_benchmark", "backward_benchmark"):
+        monkeypatch.setattr(ssd_benchmarks, name,
+                            functools.partial(getattr(ssd_benchmarks, name), interpret=True))
+    monkeypatch.setattr(select_module, "ON_MISS_MAX_CANDIDATES", 2)
+    _, chunked, init = ssd_benchmarks.synthetic_inputs(SSD_DIMS, jnp.float32)
+
+    def loss(x, a, b, c, s0):
+        y, final = ssd_chunk_scan(x, a, b, c, s0, ("pallas_triton", False))
+        return jnp.sum(y * y) + jnp.sum(final)
+
+    def trace():
+        # A fresh jit each time (a reused one may answer from its trace cache). Traced (the
+        # kernels traced for Triton), not lowered: Triton has no CPU lowering.
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*chunked, init)
+
+    trace()
+    sources: dict[str, list[str]] = {}
+    tuned = {}
+    for impl, _, sel in tuning_on:
+        sources.setdefault(impl, []).append(sel.source)
+        if sel.source == "autotune":
+            tuned[impl] = sel
+    assert set(sources) == {"pallas_triton:forward", "pallas_triton:backward"}, sources
+    for impl, got in sources.items():
+        assert got[0] == "autotune" and set(got[1:]) <= {"cache"}, (impl, got)
+        assert tuned[impl].tune.trials[0].status == autotune.OK, tuned[impl].tune
+    files = _cache_files(tmp_path)
+    assert len(files) == 2
+    written = {}
+    for path in files:
+        data = json.loads(path.read_text())
+        assert data["status"] == cache.OK
+        written[data["key"]["implementation"]] = data["config"]
+    assert written == {impl: config_to_dict(sel.config) for impl, sel in tuned.items()}
+
+    tuning_on.clear()
+    monkeypatch.setattr(select_module, "_memo", {})
+    trace()
+    assert {impl: sel.source for impl, _, sel in tuning_on} == {
+        "pallas_triton:forward": "cache", "pallas_triton:backward": "cache"}
+    for impl, _, sel in tuning_on:
+        assert sel.config == tuned[impl].config and sel.detail != "in-process memo"
 
 
 def test_a_failing_benchmark_falls_back_to_the_default(tuning_on, monkeypatch, caplog):

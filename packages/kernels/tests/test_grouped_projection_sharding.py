@@ -328,3 +328,54 @@ def test_gpus(mode, name):
         assert "all-gather" not in found, found
         want = _want(x, w, sizes, weights, jnp.bfloat16)
     _assert_close(got, want, rtol=1e-3, atol=1e-3, value_rtol=1e-2)
+
+
+# ------------------------------------------------------------- the lowered program
+
+
+@pytest.mark.parametrize("name", RUNS_ON_CPU)
+@pytest.mark.parametrize("mode", ["explicit", "explicit_no_mesh", "auto", "auto_no_mesh",
+                                  "shard_map_vma", "shard_map_no_vma"])
+def test_lowered_program_holds_the_kernel_boundaries(mode, name):
+    """The forward, dx and dkernel (three products) each run in pallasite's own
+    shard_map over the data and model axes (Explicit), in a custom_partitioning (Auto),
+    or directly in the caller's shard_map with nothing nested (docs/sharding.md, "Kernel
+    boundaries"); read from the jaxpr and the StableHLO."""
+    way = "caller" if mode.startswith("shard_map") else mode.removesuffix("_no_mesh")
+    mesh, x, w, sizes, weights = _placed("tokens_columns",
+                                         st.AUTO if way == "auto" else st.EXPLICIT)
+    args = (x, w, sizes, weights)
+    fn = _loss(_project(name))
+    if way == "caller":
+        local = jnp.asarray(_local_sizes(np.random.default_rng(0), 2))
+        args = (x, w, st.put(local, mesh, "data"), weights)
+        fn = _manual_loss(_project(name), mesh, (P("data"), P(None, None, "model")),
+                          P("data", "model"), mode == "shard_map_vma")
+    with jax.set_mesh(mesh) if not mode.endswith("no_mesh") else contextlib.nullcontext():
+        found = st.assert_kernel_boundaries(fn, args, way=way, axes=("data", "model"),
+                                            products=3)
+    pallas = [f for f in found if f[0] == "pallas_call"]
+    assert len(pallas) == (3 if name == "pallas_triton" else 0), pallas
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "no_vma"])
+def test_lowered_program_inside_a_shard_map_over_some_axes(check_vma):
+    """The caller's shard_map over the token axis only, the kernel's columns on an
+    Explicit axis outside it: pallasite's own shard_maps sit inside the caller's and are
+    over the remaining axis alone, never over the caller's."""
+    mesh = st.mesh((2, 4), ("d", "m"), st.EXPLICIT)
+    x, w, _, weights = _inputs(3)
+    sizes = _local_sizes(np.random.default_rng(2), 2)
+    args = (st.put(x, mesh, "d"), st.put(w, mesh, None, None, "m"),
+            st.put(jnp.asarray(sizes), mesh, "d"), st.put(weights, mesh, "d", "m"))
+    with jax.set_mesh(mesh):
+        fn = _manual_loss(_project("pallas_triton"), mesh, (P("d"), P()), P("d"),
+                          check_vma, axis_names=("d",))
+        found = st.boundaries(fn, *args)
+    caller, inner = ("shard_map", frozenset({"d"})), ("shard_map", frozenset({"m"}))
+    assert {(n, a) for n, a, chain in found if n == "shard_map" and not chain} == {caller}
+    assert {(n, a, chain) for n, a, chain in found if chain and n != "pallas_call"} == {
+        ("shard_map", frozenset({"m"}), (caller,))}
+    kernels = [chain for n, _, chain in found if n == "pallas_call"]
+    assert len(kernels) == 3 and set(kernels) == {(caller, inner)}, kernels
+    assert not any(n == "custom_partitioning" for n, _, _ in found)

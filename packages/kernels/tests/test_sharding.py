@@ -107,3 +107,73 @@ def test_cotangent_like_reshards_to_the_primal_layout():
         primal = st.put(jnp.ones((8, 4)), mesh, "d")
         ct = jax.jit(lambda p, c: sharding.cotangent_like(c, p))(primal, jnp.ones((8, 4)))
     assert st.dims(ct) == (("d",), ())
+
+
+# --------------------------------------------------- the backends' kernel wrappers
+
+_GM, _GK, _GN, _GG = 64, 32, 32, 2
+_SSD = dict(x=(8, 2, 16, 2, 16), a=(8, 2, 16, 2), b=(8, 2, 16, 1, 16),
+            state=(8, 2, 16, 16), states=(8, 2, 2, 16, 16))
+
+
+def _wrapper_calls():
+    """(name, function of one [8 or 64, ...] first operand that calls the wrapper)."""
+    from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu, pallas_mosaic_tpu
+    from pallasite.kernels.grouped_matmul import pallas_triton as gp_triton
+    from pallasite.kernels.ssd import pallas_mosaic_tpu as ssd_tpu
+    from pallasite.kernels.ssd import pallas_triton as ssd_triton
+
+    w = jnp.ones((_GG, _GK, _GN), jnp.float32)
+    dy = jnp.ones((_GM, _GN), jnp.float32)
+    sizes = jnp.array([_GM // 2, _GM // 2], jnp.int32)
+    z = {k: jnp.zeros(v, jnp.float32) for k, v in _SSD.items()}
+    calls = {}
+    for mod in (gp_triton, pallas_mosaic_gpu, pallas_mosaic_tpu):
+        short = mod.__name__.rpartition(".")[2]
+        calls[f"grouped.{short}.gmm"] = (
+            "gm", lambda x, mod=mod: mod.gmm(x, w, sizes, interpret=True))
+        calls[f"grouped.{short}.tgmm"] = (
+            "gm", lambda x, mod=mod: mod.tgmm(x, dy, sizes, interpret=True))
+    for mod in (ssd_triton, ssd_tpu):
+        short = mod.__name__.rpartition(".")[2]
+        calls[f"ssd.{short}.forward"] = ("x", lambda x, mod=mod: mod.forward(
+            x, z["a"], z["b"], z["b"], z["state"], interpret=True))
+        calls[f"ssd.{short}.backward"] = ("x", lambda x, mod=mod: mod.backward(
+            x, z["a"], z["b"], z["b"], z["states"], x, z["state"], interpret=True))
+    return calls
+
+
+_WRAPPERS = sorted(_wrapper_calls())
+
+
+def _first_operand(kind):
+    shape = (_GM, _GK) if kind == "gm" else _SSD["x"]
+    return jax.random.normal(jax.random.key(1), shape, jnp.float32)
+
+
+@pytest.mark.parametrize("wrapper", _WRAPPERS)
+def test_kernel_wrappers_refuse_operands_sharded_over_explicit_axes(wrapper):
+    """A backend's gmm, tgmm, forward or backward called on an array laid out over an
+    explicit mesh axis: a ValueError that names the argument, its layout, and the op to
+    call instead, before any kernel is built."""
+    kind, call = _wrapper_calls()[wrapper]
+    mesh = st.mesh((8,), ("d",), st.EXPLICIT)
+    x = st.put(_first_operand(kind), mesh, "d")
+    public = "grouped_projection" if wrapper.startswith("grouped") else "chunk_ssd"
+    with pytest.raises(ValueError, match=rf"(lhs|x) .* laid out over mesh axes P\('d'.*"
+                                         rf"runs on local arrays.*{public}"):
+        jax.jit(call)(x)
+
+
+@pytest.mark.parametrize("wrapper", ["grouped.pallas_triton.gmm", "ssd.pallas_triton.forward"])
+def test_kernel_wrappers_compute_auto_sharded_operands_whole(wrapper):
+    """Under Auto axes the layout is unknown while tracing: an operand sharded there is
+    gathered and the whole product computed on every device (docs/sharding.md), with the
+    one-device values."""
+    kind, call = _wrapper_calls()[wrapper]
+    x = _first_operand(kind)
+    want = jax.tree.leaves(jax.jit(call)(x))
+    auto = st.put(x, st.mesh((8,), ("d",), st.AUTO), "d")
+    assert "all-gather" in st.compiled_collectives(call, auto)
+    for g, w in zip(jax.tree.leaves(jax.jit(call)(auto)), want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)

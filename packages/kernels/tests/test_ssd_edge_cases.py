@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pallasite.kernels.ssd import chunk_ssd
-from pallasite.reference.ssd import ssd_sequential
+from pallasite.reference.ssd import ssd_chunked, ssd_sequential
 
 CPU_BACKENDS = ["xla", "pallas_triton", "pallas_mosaic_tpu"]
 
@@ -202,3 +202,130 @@ def test_a_named_kernel_says_first_order_reverse_mode(backend):
         jax.jvp(_scan_sum(backend), (x, a, b, c, s0), (x, a, b, c, s0))
     with pytest.raises(NotImplementedError, match="first-order reverse mode"):
         jax.grad(lambda x: jnp.sum(jax.grad(_scan_sum(backend))(x, a, b, c, s0)))(x)
+
+
+# ------------------------------------------------------------------- non-finite inputs
+# Every path chunk_ssd can take (the backends, the plain-JAX scan forward mode runs) and
+# the reference's chunked forms, held to the definition: where the float64 recurrence is
+# non-finite, and only there.
+
+PATHS = CPU_BACKENDS + ["forward_mode", "reference_plain", "reference_blockwise"]
+
+
+def _on_path(path, x, a, b, c, s0):
+    """(y, final_state) of `path` at chunk 64."""
+    if path.startswith("reference_"):
+        return ssd_chunked(x, a, b, c, 64, s0, form=path.removeprefix("reference_"))
+    if path == "forward_mode":  # a jvp takes chunk_ssd's plain-JAX scan
+        def run(*t):
+            return chunk_ssd(*t[:4], chunk_size=64, initial_state=t[4])
+        primals = (x, a, b, c, s0)
+        return jax.jvp(run, primals, tuple(jnp.zeros_like(t) for t in primals))[0]
+    return chunk_ssd(x, a, b, c, chunk_size=64, initial_state=s0, implementation=path)
+
+
+def _assert_like_the_definition(got, want):
+    """Non-finite exactly where the float64 recurrence is; the rest within 5e-7."""
+    got, want = np.asarray(got), np.asarray(want)
+    finite = np.isfinite(want)
+    np.testing.assert_array_equal(np.isfinite(got), finite)
+    assert rel_l2(got[finite], want[finite]) < 5e-7
+
+
+def _recurrence_nonfinite(*args):
+    with np.errstate(invalid="ignore", over="ignore"):
+        return recurrence_f64(*args)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_nan_in_a_propagates_and_is_no_reset(path):
+    """A NaN step of `a` (head 0, step 40) makes that head's y NaN from step 40 on, as
+    the definition does (exp(NaN) = NaN); it is not taken as a reset (a <= -1e4 only)."""
+    x, a, b, c, s0 = _inputs(4)
+    a = (a * 0.05).at[:, 40, 0].set(jnp.nan)
+    y, final = _on_path(path, x, a, b, c, s0)
+    y64, final64 = _recurrence_nonfinite(x, a, b, c, s0)
+    assert not np.isfinite(y64[:, 40:, 0]).any() and np.isfinite(y64[:, :40]).all()
+    _assert_like_the_definition(y, y64)
+    _assert_like_the_definition(final, final64)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_nan_in_a_gives_a_nan_gradient(backend):
+    """The gradient of a NaN step of `a` is NaN, not the zero of a reset."""
+    x, a, b, c, s0 = _inputs(4)
+    a = (a * 0.05).at[:, 40, 0].set(jnp.nan)
+
+    def f(a):
+        y, final = chunk_ssd(x, a, b, c, chunk_size=64, initial_state=s0,
+                             implementation=backend)
+        return jnp.sum(y) + jnp.sum(final)
+
+    assert np.isnan(np.asarray(jax.grad(f)(a))[:, 40, 0]).all()
+
+
+# Where one non-finite value goes: x at (step 40, head 0, column 3), or B at (step 40,
+# group 0, state column 5); 40 is mid-chunk, so the steps 0..39 of its chunk must stay
+# finite, and the next chunk is reached through the state.
+POISONED = {"x": (0, (slice(None), 40, 0, 3)), "b": (2, (slice(None), 40, 0, 5))}
+
+
+def _poisoned(operand, value, step=40):
+    """Inputs with one non-finite value in `operand` at `step` (POISONED's place)."""
+    args = list(_inputs(5, heads=4, groups=2))
+    args[1] = args[1] * 0.05
+    index, where = POISONED[operand]
+    args[index] = args[index].at[(where[0], step, *where[2:])].set(value)
+    return args
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("operand", list(POISONED))
+@pytest.mark.parametrize("path", PATHS + ["pallas_triton_16_rows"])
+def test_non_finite_x_or_b_is_causal(path, operand, value):
+    """A NaN or inf in x or B at step t reaches y from step t on, where the definition's
+    does (x: that head and column; B: every head of that group), and never before t.
+    The Triton kernels also run at 16-row blocks, where the value sits below the diagonal
+    block for some rows and on it for others."""
+    x, a, b, c, s0 = _poisoned(operand, value)
+    if path == "pallas_triton_16_rows":
+        from pallasite.kernels.ssd import pallas_triton  # noqa: PLC0415
+
+        y, final = chunk_ssd(x, a, b, c, chunk_size=64, initial_state=s0,
+                             implementation="pallas_triton",
+                             block_sizes=pallas_triton.BlockSizes(block_m=16, block_t=16,
+                                                                  block_n=16, heads=1))
+    else:
+        y, final = _on_path(path, x, a, b, c, s0)
+    y64, final64 = _recurrence_nonfinite(x, a, b, c, s0)
+    assert np.isfinite(y64[:, :40]).all() and not np.isfinite(y64[:, 40:]).all()
+    _assert_like_the_definition(y, y64)
+    _assert_like_the_definition(final, final64)
+
+
+@pytest.mark.parametrize("operand", list(POISONED))
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_gradients_with_a_non_finite_input(backend, operand):
+    """What the backward does (docs/ssd.md): every gradient the definition's makes
+    non-finite is non-finite, and beyond that only da and dC of the poisoned chunk's
+    steps up to the value's (its [C, C] products meet the value above the diagonal); the
+    chunk before stays finite."""
+    step, chunk_start = 100, 64
+    x, a, b, c, s0 = _poisoned(operand, np.nan, step)
+
+    def grads(fn):
+        def total(*t):
+            y, final = fn(*t)
+            return jnp.sum(y) + jnp.sum(final)
+        return jax.grad(total, argnums=(0, 1, 2, 3, 4))(x, a, b, c, s0)
+
+    got = grads(lambda *t: chunk_ssd(*t[:4], chunk_size=64, initial_state=t[4],
+                                     implementation=backend))
+    want = grads(ssd_sequential)
+    for name, g, w in zip(("dx", "da", "db", "dc", "dinitial"), got, want):
+        bad, bad_want = ~np.isfinite(np.asarray(g)), ~np.isfinite(np.asarray(w))
+        assert (bad >= bad_want).all(), name
+        extra = bad & ~bad_want
+        if name in ("da", "dc"):
+            extra[:, chunk_start:step + 1] = False
+        assert not extra.any(), name

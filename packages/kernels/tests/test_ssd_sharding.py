@@ -16,6 +16,7 @@ interpreters do not run on 8 devices here); test_gpus runs the compiled kernels.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -233,3 +234,82 @@ def test_gpus(mode, implementation):
 
         got = jax.jit(jax.value_and_grad(total, argnums=(0, 1, 2, 3, 4)))(*placed)
     _assert_close(got, want, dtype=jnp.bfloat16)
+
+
+# ----------------------------------------------------------------- sequence sharded
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_triton"])
+@pytest.mark.parametrize("context", ["set_mesh", "no_mesh"])
+@pytest.mark.parametrize("axis_type", [st.EXPLICIT, st.AUTO], ids=["explicit", "auto"])
+def test_sequence_over_more_devices_than_chunks(axis_type, context, implementation):
+    """Length 256 in chunks of 64 (4 chunks) with the sequence over 8 devices: no
+    layout of the chunked arrays follows from that one, so the sequence is gathered
+    (docs/sharding.md) and the values and gradients are the unsharded call's. Under
+    Explicit axes y comes back in x's layout."""
+    mesh = st.mesh((8,), ("seq",), axis_type)
+    kx, ks, ky = jax.random.split(jax.random.key(3), 3)
+    x, a, b, c = ssd_inputs(kx, 2, 256, 2, D, N, 1, jnp.float32)
+    s0 = ssd_initial_state(ks, 2, 2, D, N)
+    weights = jax.random.normal(ky, x.shape, jnp.float32)
+    args = (x, a, b, c, s0, weights)
+    placed = tuple(st.put(t, mesh, None, "seq") if t.ndim > 2 and t.shape[1] == 256
+                   else st.put(t, mesh) for t in args)
+    fn = jax.jit(_loss(implementation))
+    forward = jax.jit(functools.partial(chunk_ssd, chunk_size=CHUNK,
+                                        implementation=implementation))
+    with jax.set_mesh(mesh) if context == "set_mesh" else contextlib.nullcontext():
+        got = fn(*placed)
+        y, _ = forward(*placed[:4])
+    _assert_close(got, _want(implementation, *args))
+    if axis_type == st.EXPLICIT:
+        assert st.dims(y)[1] == ("seq",)
+
+
+def test_sequence_over_more_devices_than_chunks_forward_mode():
+    """The same layout through forward mode (chunk_ssd's plain-JAX scan), Explicit axes."""
+    mesh = st.mesh((8,), ("seq",), st.EXPLICIT)
+    x, a, b, c = ssd_inputs(jax.random.key(4), 2, 256, 2, D, N, 1, jnp.float32)
+
+    def run(*t):
+        return chunk_ssd(*t, chunk_size=CHUNK)[0]
+
+    tangents = tuple(jnp.ones_like(t) for t in (x, a, b, c))
+    want = jax.jvp(run, (x, a, b, c), tangents)
+    placed = tuple(st.put(t, mesh, None, "seq") for t in (x, a, b, c))
+    with jax.set_mesh(mesh):
+        got = jax.jit(lambda p, t: jax.jvp(run, p, t))(placed, tangents)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
+
+
+# ------------------------------------------------------------- the lowered program
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_triton"])
+@pytest.mark.parametrize("mode", ["explicit", "explicit_no_mesh", "auto", "auto_no_mesh",
+                                  "shard_map_vma", "shard_map_no_vma"])
+def test_lowered_program_holds_the_kernel_boundaries(mode, implementation):
+    """The forward and backward (two products) each run in pallasite's own shard_map
+    over the batch and head axes (Explicit), in a custom_partitioning (Auto), or directly
+    in the caller's shard_map with nothing nested (docs/sharding.md, "Kernel
+    boundaries"); read from the jaxpr and the StableHLO."""
+    way = "caller" if mode.startswith("shard_map") else mode.removesuffix("_no_mesh")
+    axis_type = st.AUTO if way == "auto" else st.EXPLICIT
+    mesh = st.mesh((2, 4), ("bt", "hd"), axis_type)
+    args = _place(mesh, _inputs(1), "bt", "hd", False)
+    fn = _loss(implementation)
+    if way == "caller":
+        specs = (P("bt", None, "hd"), P("bt", None, "hd"), P("bt"), P("bt"), P("bt", "hd"),
+                 P("bt", None, "hd"))
+
+        def body(*t):
+            value, grads = _loss(implementation)(*t)
+            return jax.lax.psum(value, ("bt", "hd")), grads
+
+        fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), specs[:5]),
+                           check_vma=mode == "shard_map_vma")
+    with jax.set_mesh(mesh) if not mode.endswith("no_mesh") else contextlib.nullcontext():
+        found = st.assert_kernel_boundaries(fn, args, way=way, axes=("bt", "hd"), products=2)
+    pallas = [f for f in found if f[0] == "pallas_call"]
+    assert len(pallas) == (5 if implementation == "pallas_triton" else 0), pallas

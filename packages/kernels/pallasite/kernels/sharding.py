@@ -28,11 +28,20 @@ The differentiation rules call `cotangent_like` on each cotangent: under check_v
 cotangent that varies over axes its primal did not is summed over them (the transpose of
 the implicit broadcast, as jax.grad does for jnp.dot), and under Explicit axes it is
 resharded to its primal's layout, as custom_vjp requires.
+
+So every kernel runs in a shard_map (pallasite's or the caller's) or, under Auto axes, in
+a custom_partitioning's per-device program: a shard_map cannot be built there, since its
+layouts are needed when it is traced and only the compiler knows them (docs/sharding.md,
+"Kernel boundaries"). The backends' kernel wrappers that `run` calls are marked
+`local_operands`: called directly on an array laid out over explicit mesh axes, they
+refuse it by name instead of letting JAX gather it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -160,11 +169,85 @@ def cotangent_like(ct, primal):
     extra = varying_axes(ct) - varying_axes(primal)
     if extra:
         ct = jax.lax.psum(ct, tuple(sorted(extra)))
-    want, have = jax.typeof(primal).sharding, jax.typeof(ct).sharding
+    return layout_like(ct, jax.typeof(primal).sharding)
+
+
+def layout_like(t, want):
+    """t resharded to `want` (a sharding from a type), where that has explicit axes and
+    lays t out otherwise; t as it is under Auto axes (the compiler chooses)."""
+    have = jax.typeof(t).sharding
     if (want is not None and not want.mesh.empty and want.mesh.explicit_axes
-            and dims_of(want.spec, ct.ndim) != dims_of(have.spec, ct.ndim)):
-        ct = jax.sharding.reshard(ct, want)
-    return ct
+            and dims_of(want.spec, t.ndim) != dims_of(have.spec, t.ndim)):
+        t = jax.sharding.reshard(t, want)
+    return t
+
+
+def whole_along(t, dims: Sequence[int], like=None):
+    """t with dimensions `dims` unsharded, the others as they were: for code that reshapes
+    a dimension in a way no layout follows from (chunk_ssd cuts a sequence split over 8
+    devices into 4 chunks: JAX has no layout for that reshape, and the compiler's
+    sub-axis split cannot be named in a custom_partitioning callback).
+    Explicit axes: resharded (a gather over the axes dropped). Auto axes: a sharding
+    constraint on `dims` alone, the rest left to the partitioner. Inside a shard_map
+    (manual axes, local arrays) or without a mesh: t as it is.
+    like: an operand of the op that made t, whose mesh to use under Auto axes with no
+    mesh in context (a custom call's result carries none in its type)."""
+    mesh = _context_mesh([t] if like is None else [t, like])
+    if mesh.empty:
+        return t
+    if mesh.explicit_axes:
+        have = explicit_dims(t)
+        want = tuple(() if i in dims else axes for i, axes in enumerate(have))
+        return _resharded((t,), (want,), (have,), mesh)[0]
+    if mesh.manual_axes:
+        return t
+    spec = P(*(None if i in dims else P.UNCONSTRAINED for i in range(t.ndim)))
+    return jax.lax.with_sharding_constraint(t, NamedSharding(mesh, spec))
+
+
+# ------------------------------------------------------------- local-only wrappers
+
+
+def local_operands(public: str):
+    """Marks a backend's kernel wrapper (grouped gmm and tgmm, the SSD forward and
+    backward of a Pallas backend) as one that runs on local arrays: `run` calls it on the
+    shards (inside a shard_map or a custom_partitioning's per-device program), never on a
+    sharded array. Called directly on an operand laid out over explicit mesh axes, it
+    raises a ValueError naming the argument, its shape and layout, and `public` (the op
+    that shards it): a pallas_call has no partitioning rule, so JAX would either refuse
+    to slice it or gather it and compute everything on every device. Under Auto axes the
+    layout is not known while tracing: there the wrapper computes on the whole arrays
+    (the partitioner gathers them), as docs/sharding.md says."""
+
+    def wrap(fn):
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def checked(*args, **kwargs):
+            for name, value in signature.bind(*args, **kwargs).arguments.items():
+                axes = explicit_dims(value) if isinstance(value, jax.Array) else ()
+                if any(axes):
+                    raise ValueError(
+                        f"{fn.__module__}.{fn.__name__}: {name} {tuple(value.shape)} is laid "
+                        f"out over mesh axes {spec_of(axes)}; this backend function runs "
+                        f"on local arrays. Call {public}, which runs it on the shards, or "
+                        "call it inside a shard_map over those axes.")
+            return fn(*args, **kwargs)
+
+        return checked
+
+    return wrap
+
+
+def explicit_dims(value) -> Dims:
+    """The explicit mesh axes of each dimension of array `value`, from its type (() for a
+    dimension no explicit axis splits)."""
+    layout = jax.typeof(value).sharding
+    if layout is None or layout.mesh.empty or not layout.mesh.explicit_axes:
+        return replicated(value.ndim)
+    explicit = frozenset(layout.mesh.explicit_axes)
+    return tuple(tuple(a for a in axes if a in explicit)
+                 for axes in dims_of(layout.spec, value.ndim))
 
 
 # ----------------------------------------------------------------------------- run

@@ -27,6 +27,13 @@ i // (h // g)); heads are viewed as `[g, h // g]` so B and C are never copied pe
 
 Contractions run at HIGHEST precision: these are oracles, and on GPU the default fp32 dot
 is TF32.
+
+Non-finite inputs stay causal, as in the definition: a NaN or inf in x or B at step t
+reaches outputs from step t on, never before. A chunked form multiplies every chunk's
+[C, C] tile by x, above the diagonal too, where 0 * NaN would poison the whole chunk; so
+the tile is masked by a select and the product takes x's finite part, and the outputs
+from a non-finite x's step on (per element) are set to NaN afterwards
+(`finite_part`, `nonfinite_since`, `poison`; the kernels use the same functions).
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ from jaxtyping import Array, Float, Shaped
 
 __all__ = [
     "segsum",
+    "finite_part",
+    "nonfinite_since",
+    "poison",
     "segsum_cumsum_difference",
     "validate_ssd",
     "validate_ssd_chunked",
@@ -96,6 +106,31 @@ def segsum(a: Float[Array, "... t"]) -> Float[Array, "... t t"]:
     rows = jnp.where(jnp.tril(jnp.ones((t, t), bool), -1), rows, 0)
     sums = jnp.cumsum(rows, axis=-2)
     return jnp.where(jnp.tril(jnp.ones((t, t), bool)), sums, -jnp.inf)
+
+
+# ---------------------------------------------------------------------- non-finite inputs
+
+
+def finite_part(t: Shaped[Array, "..."]) -> Shaped[Array, "..."]:
+    """t with every non-finite entry set to 0: the operand of a product whose masked-out
+    terms must stay 0 (0 * NaN is NaN)."""
+    return jnp.where(jnp.isfinite(t), t, jnp.zeros((), t.dtype))
+
+
+def nonfinite_since(t: Shaped[Array, "..."], axis: int) -> Shaped[Array, "..."]:
+    """True at each step along `axis` at or after the first non-finite entry of t (per
+    element of the other axes): where a product over `finite_part(t)` must be NaN to be
+    what the product over t would be on and below the diagonal. A minimum over the
+    steps, not a cumulative sum, so it runs inside the kernels as it is."""
+    steps = jax.lax.broadcasted_iota(jnp.int32, t.shape, axis % t.ndim)
+    first = jnp.min(jnp.where(jnp.isfinite(t), t.shape[axis], steps), axis=axis,
+                    keepdims=True)
+    return steps >= first
+
+
+def poison(y: Shaped[Array, "..."], since: Shaped[Array, "..."]) -> Shaped[Array, "..."]:
+    """y set to NaN where `since` holds."""
+    return jnp.where(since, jnp.asarray(jnp.nan, y.dtype), y)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -269,12 +304,18 @@ def _decays(a):
 
 
 def _intra_chunk(x, b, c, tiles):
-    """sum_{j<=i} (C_i . B_j) exp(segsum_ij) x_j: scores per group, decays per head."""
+    """sum_{j<=i} (C_i . B_j) exp(segsum_ij) x_j: scores per group, decays per head.
+
+    Causal for non-finite x and B (module docstring): the weights above the diagonal are
+    selected away, x enters as its finite part, and rows from a non-finite x on are NaN."""
     scores = jnp.einsum("...ign,...jgn->...gij", c, b, precision=_HIGHEST)
     # Two explicit steps: a three-operand einsum may pair scores with x first and build a
     # [g, C, C, r, p] intermediate, p times the tiles.
-    weights = scores[..., :, None, :, :] * tiles  # [..., g, r, C, C]
-    return jnp.einsum("...grij,...jgrp->...igrp", weights, x, precision=_HIGHEST)
+    t = tiles.shape[-1]
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    weights = jnp.where(causal, scores[..., :, None, :, :] * tiles, 0)  # [..., g, r, C, C]
+    y = jnp.einsum("...grij,...jgrp->...igrp", weights, finite_part(x), precision=_HIGHEST)
+    return poison(y, nonfinite_since(x, axis=-4))
 
 
 def _chunk_contribution(x, b, tiles):

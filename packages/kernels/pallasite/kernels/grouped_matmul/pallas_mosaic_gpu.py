@@ -834,6 +834,7 @@ def _check_group_sizes(group_sizes, g, group_offset=None):
         raise TypeError(f"group_sizes must be int32, got {group_sizes.dtype}")
 
 
+@sharding.local_operands("grouped_projection")
 def gmm(
     lhs: Shaped[Array, "m k"],
     rhs: Shaped[Array, "g kn nk"],
@@ -1108,6 +1109,7 @@ def _tgmm_local(lhs, rhs, group_sizes, row_start, *, out_dtype, bs, interpret):
     return call(starts, sizes, lhs, rhs)
 
 
+@sharding.local_operands("grouped_projection")
 def tgmm(
     lhs: Shaped[Array, "m k"],
     rhs: Shaped[Array, "m n"],

@@ -115,6 +115,7 @@ def _gmm_kernel(group_ref, start_ref, end_ref, tile_ref, lhs_ref, rhs_ref, out_r
         out_ref[...] = jnp.where(mask, acc_ref[...], old).astype(out_ref.dtype)
 
 
+@sharding.local_operands("grouped_projection")
 def gmm(
     lhs: Float[Array, "m k"],
     rhs: Float[Array, "g k n"] | Float[Array, "g n k"],
@@ -202,6 +203,7 @@ def _tgmm_kernel(group_ref, start_ref, end_ref, tile_ref, lhs_ref, rhs_ref, out_
         out_ref[...] = acc_ref[...].astype(out_ref.dtype)
 
 
+@sharding.local_operands("grouped_projection")
 def tgmm(
     lhs: Float[Array, "m k"],
     rhs: Float[Array, "m n"],

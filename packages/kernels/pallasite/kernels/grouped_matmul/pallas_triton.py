@@ -185,6 +185,7 @@ def _params(bs: config.TritonBlockSizes):
     return plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
 
 
+@sharding.local_operands("grouped_projection")
 def gmm(
     lhs: Float[Array, "m k"],
     rhs: Float[Array, "g k n"] | Float[Array, "g n k"],
@@ -249,6 +250,7 @@ def _tgmm_kernel(offsets_ref, lhs_ref, rhs_ref, out_ref, *, bs, k, n):
     plgpu.store(out_ref.at[group, ks, cols], acc.astype(out_ref.dtype), mask=_and(k_ok, col_ok))
 
 
+@sharding.local_operands("grouped_projection")
 def tgmm(
     lhs: Float[Array, "m k"],
     rhs: Float[Array, "m n"],

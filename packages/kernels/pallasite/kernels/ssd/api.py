@@ -232,6 +232,15 @@ def _pad(t, length, padded):
     return jnp.pad(t, widths)
 
 
+def _unchunked(y, x):
+    """y [b, nc, C, h, p] as x's [b, length, h, p], in x's layout where its axes are
+    explicit: the chunk axes whole first, so the merge and the cut of the padding never
+    meet a layout split across them."""
+    bsz, nc, chunk, h, p = y.shape
+    y = sharding.whole_along(y, (1, 2), like=x).reshape(bsz, nc * chunk, h, p)
+    return sharding.layout_like(y[:, :x.shape[1]], jax.typeof(x).sharding)
+
+
 def _plain(x, a, b, c, initial_state):
     """The chunked scan in plain JAX (the reference's), which JAX differentiates in any
     mode and to any order; resets clamped as every backend clamps them (ssd.decay)."""
@@ -273,14 +282,16 @@ def chunk_ssd(
     names = _candidates(implementation, chunk_size, p, n)
     nc = -(-length // chunk_size)
     padded = nc * chunk_size
-    chunked = [_pad(t, length, padded).reshape(bsz, nc, chunk_size, *t.shape[2:])
-               for t in (x, a, b, c)]
+    # The scan carries its state along the sequence: the sequence is taken whole before
+    # it is cut into chunks (docs/sharding.md), whatever mesh axes split it.
+    chunked = [_pad(sharding.whole_along(t, (1,)), length, padded)
+               .reshape(bsz, nc, chunk_size, *t.shape[2:]) for t in (x, a, b, c)]
     why = autodiff.beyond_first_order(x, a, b, c, initial_state)
     if why is not None:  # the custom_vjp is first-order reverse mode only
         if "xla" not in names:
             raise autodiff.first_order_error("chunk_ssd", ", ".join(names), why, "xla")
         y, final = _plain(*chunked, initial_state)
-        return y.reshape(bsz, padded, h, p)[:, :length], final
+        return _unchunked(y, x), final
     failures = []
     for name in names:
         reason = _refusal(name, chunk_size, p, n)
@@ -288,7 +299,7 @@ def chunk_ssd(
             try:
                 y, final = ssd_chunk_scan(*chunked, initial_state,
                                           _with_blocks(name, block_sizes))
-                return y.reshape(bsz, padded, h, p)[:, :length], final
+                return _unchunked(y, x), final
             except Exception as error:  # noqa: BLE001 - try the next, raise all at the end
                 if len(names) == 1:
                     raise  # one backend: its own error, not a summary of one

@@ -7,7 +7,10 @@ the diagonal: T = nb (nb + 1) / 2 blocks for nb = C / bm, so their body-equivale
 [Z, T, bm, ...] stack of the blocks one program visits. Their cumulative sums are the
 double-float (hi, lo) pairs of ssd.decay: a segment sum is (hi_i - hi_j) + (lo_i - lo_j),
 3 flops, and exp(acs) is exp(hi + lo), one flop more than a single sum. The Mosaic TPU kernels hold the
-whole [C, C] tile of one (batch, head, chunk) program.
+whole [C, C] tile of one (batch, head, chunk) program. The selects that keep non-finite x
+and B causal in the forward kernels (a compare and select per element of the diagonal
+tile and of x, pallasite.reference.ssd) are not counted: under 1% of the products'
+flops at the docs/targets.md widths.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ backend first clamps `a` at RESET = -1e4. exp of any segment sum that contains a
 step is then exactly 0 in fp32 (exp underflows to 0 below about -104), so the reset is
 exact, and no exponent is ever -inf - (-inf) = NaN. The gradient of `a` is zero at a
 clamped step (`reset_mask`), as it is at -inf. A step between -1e4 and -inf is a reset
-too; one above -1e4 is kept as given. (Growth: a chunk's own positive total would have
+too; one above -1e4 is kept as given, and so is a NaN (no comparison holds for it): it
+propagates as in the definition (exp(NaN) = NaN), with a NaN gradient, and is never
+mistaken for a reset. (Growth: a chunk's own positive total would have
 to exceed 1e4 - 104 for a clamped step to stop underflowing; exp overflows long before.)
 
 Stable segment sums. The kernels cannot afford a [C, C] masked cumulative sum per chunk,
@@ -30,15 +32,15 @@ _F32 = jnp.float32
 
 def clamp_resets(a: jax.Array) -> jax.Array:
     """a (fp32, or wider where it is) with every step at or below RESET (-inf included)
-    set to RESET."""
+    set to RESET; NaN stays NaN (`a > RESET` would be False for it and clamp it)."""
     a = a.astype(jnp.promote_types(a.dtype, _F32))
-    return jnp.where(a > RESET, a, RESET)
+    return jnp.where(a <= RESET, RESET, a)
 
 
 def reset_mask(a: jax.Array) -> jax.Array:
-    """True where a step is kept as given, False where it was clamped (a reset): the
-    gradient of `a` is zero there."""
-    return a > RESET
+    """True where a step is kept as given (NaN included), False where it was clamped (a
+    reset): the gradient of `a` is zero there."""
+    return ~(a <= RESET)
 
 
 def _two_sum(x, y):

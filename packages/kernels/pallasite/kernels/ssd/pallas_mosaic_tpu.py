@@ -46,6 +46,7 @@ from jaxtyping import Array, Float
 
 from pallasite.kernels import cost, sharding
 from pallasite.kernels.ssd import costs, decay
+from pallasite.reference import ssd as ref
 
 _F32 = jnp.float32
 _HI = jax.lax.Precision.HIGHEST
@@ -95,13 +96,17 @@ def _tn(lhs, rhs):
     return _dot(lhs, rhs, 0, 0)
 
 
-def _decay(col, row):
-    """L [C, C] = exp(acs_i - acs_j) on and below the diagonal, 0 above (hi/lo parts)."""
-    size = col.shape[0]
+def _causal(size):
+    """[C, C] True on and below the diagonal (i >= j)."""
     rows = jax.lax.broadcasted_iota(jnp.int32, (size, size), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (size, size), 1)
+    return rows >= cols
+
+
+def _decay(col, row):
+    """L [C, C] = exp(acs_i - acs_j) on and below the diagonal, 0 above (hi/lo parts)."""
     diff = (col[:, 0:1] - row[0:1, :]) + (col[:, 1:2] - row[1:2, :])
-    return jnp.exp(jnp.where(rows >= cols, diff, -jnp.inf))
+    return jnp.exp(jnp.where(_causal(col.shape[0]), diff, -jnp.inf))
 
 
 def _decays(col, row):
@@ -141,9 +146,12 @@ def _forward_kernel(x_ref, b_ref, c_ref, row_ref, col_ref, init_ref,
     states_ref[...] = state
     x, bm, cm = _load(x_ref), _load(b_ref), _load(c_ref)
     decay, e, w, total = _decays(col_ref[...], row_ref[...])
-    mix = _nt(cm, bm) * decay
-    y = _nn(mix, x) + e * _nt(cm, state)
-    y_ref[...] = y.astype(y_ref.dtype)
+    # Causal for non-finite x and B (pallasite.reference.ssd): a select, not the zeros of
+    # L, removes the terms above the diagonal, and x's non-finite entries reach y as NaN
+    # from their step on instead of through the product.
+    mix = jnp.where(_causal(x.shape[0]), _nt(cm, bm) * decay, 0.0)
+    y = _nn(mix, ref.finite_part(x)) + e * _nt(cm, state)
+    y_ref[...] = ref.poison(y, ref.nonfinite_since(x, axis=0)).astype(y_ref.dtype)
     new = total * state + _tn(x * w, bm)
     state_scr[...] = new
 
@@ -264,6 +272,7 @@ def backward_cost(shape_x, groups, n, inputs, outputs) -> pl.CostEstimate:
     return costs.tpu_backward(bsz * h * nc, size, p, n, inputs=inputs, outputs=outputs)
 
 
+@sharding.local_operands("chunk_ssd")
 def forward(
     x: Float[Array, "b nc C h p"],
     a: Float[Array, "b nc C h"],
@@ -300,6 +309,7 @@ def forward(
     return _chunk_major(y), final, states
 
 
+@sharding.local_operands("chunk_ssd")
 def backward(
     x: Float[Array, "b nc C h p"],
     a: Float[Array, "b nc C h"],

@@ -76,6 +76,7 @@ from pallasite import tuning
 from pallasite.kernels import platform
 from pallasite.kernels import sharding
 from pallasite.kernels.ssd import costs, decay, predicates, tuning_benchmarks
+from pallasite.reference import ssd as ref
 
 F32 = jnp.float32
 
@@ -365,22 +366,25 @@ def _segment(later, earlier):
 
 
 def _causal_decay(acs_rows, acs_cols, row0, col0, bm, bk, *, rows_later: bool,
-                  diagonal: bool = True):
-    """exp(acs_later - acs_earlier) where the later index >= the earlier one, else 0;
-    acs_rows, acs_cols are (hi, lo) pairs of vectors.
+                  diagonal: bool = True, scale=None):
+    """exp(acs_later - acs_earlier) (times `scale`, where given) where the later index >=
+    the earlier one, else 0; acs_rows, acs_cols are (hi, lo) pairs of vectors.
 
     rows_later: the tile's rows are the later time (the output's i), else its columns.
     diagonal: the block straddles the diagonal and needs the mask; False for the blocks
-    wholly on the causal side (every entry kept), which skip the index arithmetic."""
+    wholly on the causal side (every entry kept), which skip the index arithmetic.
+    scale: a [bm, bk] tile multiplied in before the mask, which then selects: a
+    non-finite entry above the diagonal (a NaN in B) gives 0 there, not 0 * NaN."""
     rows = tuple(t[:, None] for t in acs_rows)
     cols = tuple(t[None, :] for t in acs_cols)
     diff = _segment(rows, cols) if rows_later else _segment(cols, rows)
     if not diagonal:
-        return jnp.exp(diff)
+        return jnp.exp(diff) if scale is None else scale * jnp.exp(diff)
     ri = row0 + jax.lax.broadcasted_iota(jnp.int32, (bm, bk), 0)
     ci = col0 + jax.lax.broadcasted_iota(jnp.int32, (bm, bk), 1)
     keep = ri >= ci if rows_later else ci >= ri
-    return jnp.exp(jnp.where(keep, diff, -jnp.inf))
+    out = jnp.exp(jnp.where(keep, diff, -jnp.inf))
+    return out if scale is None else jnp.where(keep, scale * out, 0.0)
 
 
 def _chunk_output_kernel(x_ref, b_ref, c_ref, hi_ref, lo_ref, s_ref, y_ref, *, bm):
@@ -406,9 +410,17 @@ def _chunk_output_kernel(x_ref, b_ref, c_ref, hi_ref, lo_ref, s_ref, y_ref, *, b
         cb = _dot(c_i, b_ref[cols, :], trans_b=True)
         out = []
         for hh in range(heads):
-            m = cb * _causal_decay(acs_i[hh], (hi_ref[cols, hh], lo_ref[cols, hh]), i0, j0,
-                                   bm, bm, rows_later=True, diagonal=diagonal)
-            out.append(accs[hh] + _dot(m.astype(cd), x_ref[cols, hh, :]))
+            m = _causal_decay(acs_i[hh], (hi_ref[cols, hh], lo_ref[cols, hh]), i0, j0, bm,
+                              bm, rows_later=True, diagonal=diagonal, scale=cb)
+            x_j = x_ref[cols, hh, :]
+            if not diagonal:  # every x_j is at or before every row's step
+                out.append(accs[hh] + _dot(m.astype(cd), x_j))
+                continue
+            # The diagonal block (cols == rows): x_j's non-finite entries reach the rows
+            # from their step on as NaN, not through the product, where the zeros above
+            # the diagonal would meet them (pallasite.reference.ssd).
+            acc = accs[hh] + _dot(m.astype(cd), ref.finite_part(x_j))
+            out.append(ref.poison(acc, ref.nonfinite_since(x_j, axis=0)))
         return tuple(out)
 
     accs = step(r, jax.lax.fori_loop(0, r, step, accs), diagonal=True)
@@ -670,6 +682,7 @@ def _backward_local(x, a, b, c, states, dy, dfinal, *, bs, interpret, grad_dtype
     return dx, da.astype(a.dtype), db, dc, dinit
 
 
+@sharding.local_operands("chunk_ssd")
 def forward(
     x: Float[Array, "b nc C h p"],
     a: Float[Array, "b nc C h"],
@@ -691,6 +704,7 @@ def forward(
     return fn(*args)
 
 
+@sharding.local_operands("chunk_ssd")
 def backward(
     x: Float[Array, "b nc C h p"],
     a: Float[Array, "b nc C h"],

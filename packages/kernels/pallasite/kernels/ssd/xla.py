@@ -27,7 +27,8 @@ Segment sums use the masked cumulative sum (segsum below), not acs_i - acs_j: in
 chunk the two agree to ~eps * |acs_last| in the exponent, and the masked form keeps small
 decays between close steps exact where the total decay of the chunk is large. `a = -inf`
 is an exact state reset: clamped at ssd.decay.RESET, where every decay through it
-underflows to exactly 0. Every dot
+underflows to exactly 0. A NaN or inf in x or B stays causal in the forward (the
+reference's select-and-poison form, `_intra_chunk`). Every dot
 runs at HIGHEST precision in fp32 (on TPU the default would be one bf16 pass).
 """
 
@@ -40,6 +41,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from pallasite.kernels.ssd import decay as decay_
+from pallasite.reference import ssd as ref
 
 _HI = jax.lax.Precision.HIGHEST
 _einsum = functools.partial(jnp.einsum, precision=_HI)
@@ -90,6 +92,17 @@ def _chunk_terms(x, a, b, c):
     return xg, acs, decay, e, w, last, b.astype(f), c.astype(f)
 
 
+def _intra_chunk(xg, decay, gram):
+    """sum_{j<=i} G_ij L_ij x_j per chunk, causal for non-finite x and B: M = G * L is
+    masked by a select (0 * NaN above the diagonal would reach earlier rows), x enters
+    as its finite part, and rows from a non-finite x on are NaN (pallasite.reference.ssd)."""
+    size = decay.shape[-1]
+    causal = jnp.tril(jnp.ones((size, size), bool))
+    mix = jnp.where(causal, decay * gram[:, :, :, None], 0)
+    y = _einsum("bkgrij,bkjgrp->bkigrp", mix, ref.finite_part(xg))
+    return ref.poison(y, ref.nonfinite_since(xg, axis=2))
+
+
 def _entry_states(local, last, initial_state):
     """Scan over chunks: the state each chunk enters with, and the final state.
 
@@ -127,8 +140,7 @@ def forward(
     s0 = initial_state.astype(xg.dtype).reshape(bsz, groups, h // groups, p, n)
     local = _einsum("bkgrl,bklgrp,bklgn->bkgrpn", w, xg, bf)
     entries, final = _entry_states(local, last, s0)
-    gram = _einsum("bkign,bkjgn->bkgij", cf, bf)
-    y = _einsum("bkgrij,bkgij,bkjgrp->bkigrp", decay, gram, xg)
+    y = _intra_chunk(xg, decay, _einsum("bkign,bkjgn->bkgij", cf, bf))
     y = y + _einsum("bkgri,bkign,bkgrpn->bkigrp", e, cf, entries)
     return (
         y.reshape(x.shape).astype(x.dtype),
