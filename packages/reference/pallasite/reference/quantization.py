@@ -95,10 +95,16 @@ def scales_shape(shape: tuple[int, ...], block: tuple[int, ...]) -> tuple[int, .
 
 
 def amax(x: Array, axis=None) -> Array:
-    """max |x| over `axis`, NaN where any value there is NaN or infinite. The sum of
-    x * 0 carries the NaN: a max may drop NaN operands (PTX max.f32 returns the other one),
-    a sum never does."""
-    return jnp.max(jnp.abs(x), axis=axis) + jnp.sum(x * 0, axis=axis)
+    """max |x| over `axis`, NaN where any value there is NaN or infinite.
+
+    The non-finite test reads the exponent bits, and the NaN enters through a select:
+    on a GPU a max drops NaN operands (PTX max.f32 returns the other one) and a compiler
+    may fold x * 0 to 0, so neither can carry it."""
+    x = x.astype(jnp.float32)
+    exponent = jax.lax.bitcast_convert_type(x, jnp.int32) & 0x7F800000
+    nonfinite = (exponent == 0x7F800000).astype(jnp.float32)
+    top = jnp.max(jnp.abs(jnp.where(nonfinite > 0, 0.0, x)), axis=axis)
+    return jnp.where(jnp.max(nonfinite, axis=axis) > 0, jnp.nan, top)
 
 
 def scale_and_inverse(amax: Array, dtype) -> tuple[Array, Array]:
@@ -112,9 +118,13 @@ def scale_and_inverse(amax: Array, dtype) -> tuple[Array, Array]:
 
 
 def to_fp8(x: Array, inverse: Array, dtype) -> Array:
-    """x * inverse, clipped to the dtype's finite range (rounding can step past it), cast."""
+    """x * inverse, held to the dtype's finite range (rounding can step past it), cast.
+    The clip is two selects, not a min and a max, which on a GPU would turn a NaN into
+    the bound."""
     top = max_finite(dtype)
-    return jnp.clip(x.astype(jnp.float32) * inverse, -top, top).astype(dtype)
+    y = x.astype(jnp.float32) * inverse
+    y = jnp.where(y > top, top, jnp.where(y < -top, -top, y))
+    return y.astype(dtype)
 
 
 def _blocked(x: Array, block: tuple[int, ...]) -> Array:
@@ -189,8 +199,12 @@ def quantize_token_blocks(
     def per_block(reduce, values):
         return reduce(values, block_ids, num_segments=num_blocks, indices_are_sorted=True)
 
-    top = jnp.maximum(per_block(jax.ops.segment_max, jnp.abs(x32)), 0)  # empty blocks: -inf
-    top = top + per_block(jax.ops.segment_sum, x32 * 0)  # NaN if any value is not finite
+    exponent = jax.lax.bitcast_convert_type(x32, jnp.int32) & 0x7F800000
+    nonfinite = exponent == 0x7F800000
+    top = jnp.maximum(per_block(jax.ops.segment_max, jnp.where(nonfinite, 0.0, jnp.abs(x32))),
+                      0)  # empty blocks: -inf
+    bad = per_block(jax.ops.segment_max, nonfinite.astype(jnp.float32)) > 0
+    top = jnp.where(bad, jnp.nan, top)  # NaN if any value is not finite (amax)
     scale, inverse = scale_and_inverse(top, dtype)
     return to_fp8(x32, inverse[block_ids], dtype), scale
 

@@ -419,7 +419,7 @@ def _quantizer(interpret: bool):
     under the interpreter, where a Triton-interpreted quantizer and the Mosaic GPU
     interpreter in one jitted program hang on a 2-core host (seen on jax 0.11.2: the
     interpreter's blocking host callbacks wait on each other for the few XLA:CPU
-    threads). Both write the same layouts and values (tests/test_quantization.py)."""
+    threads). Both write the same layouts and values (tests/test_quantize.py)."""
     return quantization.xla if interpret else quantization.quantizer(False)
 
 
