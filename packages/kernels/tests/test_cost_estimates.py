@@ -1,5 +1,6 @@
-"""Every pallas_call's cost estimate (13 calls: the grouped gmm and tgmm of three backends,
-five SSD Triton kernels, the SSD Mosaic TPU forward and backward) against a hand count.
+"""Every pallas_call's cost estimate (20 calls: the grouped gmm and tgmm of three backends,
+the fp8 gmm and tgmm of two, the three fp8 quantizers, five SSD Triton kernels, the SSD
+Mosaic TPU forward and backward) against a hand count.
 
 The estimates come from pl.estimate_cost on each call's body-equivalent function and the
 bytes of the call's operands and results (pallasite.kernels.cost). The hand counts below
@@ -24,12 +25,15 @@ import pytest
 from pallasite.kernels import cost
 from pallasite.kernels.grouped_matmul import group_metadata
 from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu, pallas_mosaic_tpu, pallas_triton
+from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu_fp8, pallas_triton_fp8
+from pallasite.kernels.grouped_matmul import token_blocks
+from pallasite.kernels.quantization import pallas_triton as quantize_triton
 from pallasite.kernels.ssd import costs as ssd_costs
 from pallasite.kernels.ssd import pallas_mosaic_tpu as ssd_tpu
 from pallasite.kernels.ssd import pallas_triton as ssd_triton
 
 S = jax.ShapeDtypeStruct
-F32, BF16 = jnp.float32, jnp.bfloat16
+F32, BF16, F8, I32 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn, jnp.int32
 
 
 def _calls(fn, *args):
@@ -115,6 +119,86 @@ def test_grouped_mosaic_gpu():
     mr = 128  # rows padded to a 64-multiple
     _check(tgmm, 2 * mr * kp * np_, 0, 2 * G * 4 + _bytes(
         ((mr, kp), BF16), ((mr, np_), BF16), ((G, kp, np_), BF16)))
+
+
+# ------------------------------------------------------------------- fp8 products
+
+
+QM, QK, QN = 300, 200, 328  # k and n not multiples of 128
+
+
+def _fp8_operands(contraction, out):
+    """lhs [QM, contraction] with its 1 x 128 scales (transposed), rhs [G, out,
+    contraction] K-major with its 128 x 128 scales."""
+    cb, ob = -(-contraction // 128), -(-out // 128)
+    return (S((QM, contraction), F8), S((cb, QM), F32), S((G, out, contraction), F8),
+            S((G, ob, cb), F32))
+
+
+def _token_operands():
+    """x and dy as the fp8 dkernel reads them: [columns, 128 * bound], scales [bound,
+    columns], for the bound on the token blocks of G groups over QM rows."""
+    t = token_blocks.bound(QM, G)
+    return (S((QK, 128 * t), F8), S((t, QK), F32), S((QN, 128 * t), F8), S((t, QN), F32)), t
+
+
+def test_fp8_triton():
+    """One product per output tile row: 2*m*k*n over the unpadded dims; bytes of the
+    group metadata, the fp8 operands, their scales and the output."""
+    bs = pallas_triton.config.TritonBlockSizes(64, 128, 128)
+    ops = _fp8_operands(QK, QN)
+    (gmm,), = _calls(lambda *a: pallas_triton_fp8.gmm_quantized(*a, SIZES, block_sizes=bs),
+                     *ops).values()
+    visits = group_metadata.num_visits(QM, G, bs.block_m)
+    _check(gmm, 2 * QM * QK * QN, 0, 3 * visits * 4 + _bytes(
+        *[(o.shape, o.dtype) for o in ops], ((QM, QN), BF16)))
+    tokens, t = _token_operands()
+    groups = S((G,), I32)
+    (tgmm,), = _calls(lambda *a: pallas_triton_fp8.tgmm_quantized(*a, block_sizes=bs),
+                      *tokens, groups, groups).values()
+    _check(tgmm, 2 * QK * 128 * t * QN, 0, 2 * G * 4 + _bytes(
+        *[(o.shape, o.dtype) for o in tokens], ((G, QK, QN), F32)))
+
+
+def test_fp8_mosaic_gpu():
+    """The padded problem: m 300 -> 304 (8-aligned), k 200 -> 256, n 328 -> 384; the
+    row-tile table rides along (gmm), the groups' first block and count (tgmm)."""
+    ops = _fp8_operands(QK, QN)
+    (gmm,), = _calls(lambda *a: pallas_mosaic_gpu_fp8.gmm_quantized(*a, SIZES), *ops).values()
+    mp, kp, np_ = 304, 256, 384
+    table, count = jax.eval_shape(lambda s: pallas_mosaic_gpu._row_tile_table(s, mp, 128), SIZES)
+    _check(gmm, 2 * mp * kp * np_, 0, _bytes(
+        (table.shape, I32), (count.shape, I32), ((mp, kp), F8), ((kp // 128, mp), F32),
+        ((G, np_, kp), F8), ((G, np_ // 128, kp // 128), F32), ((mp, np_), BF16)))
+    tokens, t = _token_operands()
+    groups = S((G,), I32)
+    (tgmm,), = _calls(lambda *a: pallas_mosaic_gpu_fp8.tgmm_quantized(*a),
+                      *tokens, groups, groups).values()
+    p = 128 * t
+    _check(tgmm, 2 * kp * p * np_, 0, 2 * G * 4 + _bytes(
+        ((kp, p), F8), ((t, kp), F32), ((np_, p), F8), ((t, np_), F32), ((G, kp, np_), F32)))
+
+
+def test_quantizers():
+    """Per element the multiply by the inverse scale: 1 flop (pl.estimate_cost counts
+    no abs, compares, selects or casts); bytes of the input, the fp8 values and the
+    fp32 scales (token blocks: the table too)."""
+    x = S((QM, QK), BF16)
+    cb = -(-QK // 128)
+    (rows,), = _calls(lambda a: quantize_triton.rows(a, F8), x).values()
+    _check(rows, QM * QK, 0, _bytes(((QM, QK), BF16), ((QM, QK), F8), ((cb, QM), F32)))
+    t = token_blocks.bound(QM, G)
+    (blocks,), = _calls(lambda a, st, r: quantize_triton.token_blocks(a, st, r, F8),
+                        x, S((t,), I32), S((t,), I32)).values()
+    _check(blocks, QM * QK, 0, _bytes(((QM, QK), BF16), ((t,), I32), ((t,), I32),
+                                          ((QK, 128 * t), F8), ((t, QK), F32)))
+    w = S((G, QK, QN), BF16)
+    nb = -(-QN // 128)
+    for transpose in (False, True):
+        (weights,), = _calls(lambda a: quantize_triton.weight_blocks(
+            a, F8, transpose=transpose), w).values()
+        _check(weights, G * QK * QN, 0, _bytes(((G, QK, QN), BF16), ((G, QK, QN), F8),
+                                                    ((G, cb, nb), F32)))
 
 
 # ---------------------------------------------------------------------------- SSD

@@ -225,7 +225,7 @@ def test_block_sizes_go_only_to_their_backend():
 
 def test_mosaic_gpu_left_out_when_it_does_not_import(monkeypatch):
     real = api._importable
-    monkeypatch.setattr(api, "_importable", lambda n: "gone" if n == "pallas_mosaic_gpu" else real(n))
+    monkeypatch.setattr(api, "_importable", lambda n, *a: "gone" if n == "pallas_mosaic_gpu" else real(n, *a))
     x, kernel, sizes = _inputs()
     with pytest.raises(RuntimeError, match="gone"):  # one backend: its own error
         grouped_projection(x, kernel, sizes, jnp.bfloat16, implementation=["pallas_mosaic_gpu"])

@@ -126,3 +126,40 @@ def test_the_oracle_refuses_bad_block_shapes_and_dtypes():
         q.quantize_blocks(jnp.ones((4, 4)), (0, 2))
     with pytest.raises(TypeError, match="float8"):
         q.quantize_blocks(jnp.ones((4, 4)), (1, 2), jnp.bfloat16)
+
+
+def _fp8_widenings(jaxpr, out):
+    """(convert eqn, producer primitive name) for every fp8 -> fp32 convert in jaxpr."""
+    producers = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            producers[v] = eqn.primitive.name
+        if (eqn.primitive.name == "convert_element_type"
+                and eqn.invars[0].aval.dtype == jnp.float8_e4m3fn
+                and eqn.outvars[0].aval.dtype == jnp.float32):
+            out.append(producers.get(eqn.invars[0], "argument"))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            _fp8_widenings(sub, out)
+    return out
+
+
+def test_every_round_trip_widens_through_a_barrier():
+    """XLA on a GPU folds f32 -> fp8 -> f32 convert chains (excess precision), which
+    would drop the fp8 rounding from a quantize-dequantize in one program: every fp8 value
+    the oracle widens comes out of an optimization barrier, never straight from the
+    narrowing convert. (The GPU suite's recipe tests are where a fold would show.)"""
+    import jax.extend  # noqa: F401
+
+    x = jax.random.normal(jax.random.key(0), (300, 200), jnp.float32)
+    w = jax.random.normal(jax.random.key(1), (3, 200, 130), jnp.float32)
+    sizes = jnp.array([100, 0, 150], jnp.int32)
+
+    def loss(x, w):
+        return jnp.sum(q.grouped_projection_fp8(x, w, sizes, jnp.float32) ** 2)
+
+    for fn, args in ((q.quantized_rows, (x,)), (q.quantized_kernel, (w,)),
+                     (lambda a: q.quantized_tokens(a, sizes), (x,)),
+                     (jax.grad(loss, argnums=(0, 1)), (x, w))):
+        producers = _fp8_widenings(jax.make_jaxpr(fn)(*args).jaxpr, [])
+        assert producers and set(producers) == {"optimization_barrier"}, producers
+    np.testing.assert_array_equal(q.quantized_rows(x), jax.jit(q.quantized_rows)(x))

@@ -286,11 +286,11 @@ def check_grouped_projection(case: Case, inputs: dict, outputs: tuple) -> Error:
             out = full if out is None else jnp.where(pick, full, out)
         return out
 
-    x, kernel, dy, x_tokens, dy_tokens = _as_multiplied(case, inputs)
-    pairs = [(jnp.asarray(outputs[0])[rows_j], per_row(x[rows_j], lambda g: kernel[g]))]
+    x, kernel_of, dy, x_tokens, dy_tokens = _as_multiplied(case, inputs, rows_j)
+    pairs = [(jnp.asarray(outputs[0])[rows_j], per_row(x, kernel_of))]
     if case.direction == "fwd_bwd":
         pairs.append((jnp.asarray(outputs[1])[rows_j],
-                      per_row(dy[rows_j], lambda g: kernel[g].T)))
+                      per_row(dy, lambda g: kernel_of(g).T)))
         cols = np.linspace(0, case.d["n"] - 1, min(case.d["n"], 16)).astype(np.int32)
         dy_cols = dy_tokens[:, jnp.asarray(cols)]
         ends = np.cumsum(gs)
@@ -304,21 +304,25 @@ def check_grouped_projection(case: Case, inputs: dict, outputs: tuple) -> Error:
     return _combine(pairs, case.dtype, "exact products, fp32 sums (sampled rows/columns)")
 
 
-def _as_multiplied(case: Case, inputs: dict):
-    """(x, kernel, dy, x as dkernel reads it, dy as dkernel reads it): the operands as the
-    products multiply them. fp8 cases go through the block quantization (the oracle's),
-    whose rounding is the recipe's, not an error: x and dy in 1 x 128 blocks, the kernel
-    in 128 x 128 ones, and dkernel's operands in 128-token blocks aligned to groups."""
+def _as_multiplied(case: Case, inputs: dict, rows):
+    """(x's and dy's sampled `rows`, group g's kernel as a function of g, x and dy as
+    dkernel reads them): the operands as the products multiply them. fp8 cases go
+    through the block quantization (the oracle's), whose rounding is the recipe's, not
+    an error: x and dy in 1 x 128 blocks (row-local, so the sampled rows alone), the
+    kernel in 128 x 128 ones (one group at a time: dsv3's whole kernel in fp32 is 14
+    GiB), and dkernel's operands in 128-token blocks aligned to groups."""
     x, kernel, dy = inputs["x"], inputs["kernel"], inputs.get("dy")
+    pick = lambda a: None if a is None else a[rows]  # noqa: E731
     if case.dtype != FP8:
-        return x, kernel, dy, x, dy
+        return pick(x), lambda g: kernel[g], pick(dy), x, dy
     from pallasite.reference import quantization as q
 
     gs = inputs["group_sizes"]
     tokens = (None, None) if dy is None else (q.quantized_tokens(x, gs),
                                               q.quantized_tokens(dy, gs))
-    dy = None if dy is None else q.quantized_rows(dy)
-    return (q.quantized_rows(x), q.quantized_kernel(kernel), dy) + tokens
+    rows_dy = None if dy is None else q.quantized_rows(dy[rows])
+    return (q.quantized_rows(x[rows]), lambda g: q.quantized_kernel(kernel[g][None])[0],
+            rows_dy) + tokens
 
 
 def _sample_groups(gs: np.ndarray) -> list[int]:

@@ -242,6 +242,17 @@ def torch_sync() -> None:
     torch.cuda.synchronize()
 
 
+def release_torch_memory() -> None:
+    """Give torch's cached, unused GPU memory back (when torch is loaded and has a GPU):
+    JAX and torch share the device in one process, and each keeps what it freed."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
 def versions() -> dict[str, Any]:
     """Versions of the peer stacks that are importable (for backend_env)."""
     out = {}

@@ -127,6 +127,18 @@ def to_fp8(x: Array, inverse: Array, dtype) -> Array:
     return y.astype(dtype)
 
 
+def widen(values: Shaped[Array, "..."]) -> Float[Array, "..."]:
+    """fp8 values as fp32, with their rounding kept where they were just quantized.
+
+    XLA's GPU compiler, which allows excess precision by default, folds a chain of float
+    converts such as f32 -> fp8 -> f32 into nothing (its SimplifyFPConversions pass): a
+    quantize-dequantize round trip in one jitted program would then skip the fp8 rounding
+    on a GPU, and the oracle would no longer be what the kernels compute (seen on an H200
+    with jax 0.11.2: the dkernel oracle came out unquantized, 3.6% from the kernels). An
+    optimization barrier between the two converts keeps the chain."""
+    return jax.lax.optimization_barrier(values).astype(jnp.float32)
+
+
 def _blocked(x: Array, block: tuple[int, ...]) -> Array:
     """x zero-padded to whole blocks and reshaped to [n0, b0, n1, b1, ...]."""
     counts = scales_shape(x.shape, block)
@@ -160,7 +172,7 @@ def dequantize_blocks(values: Shaped[Array, "..."], scales: Float[Array, "..."],
     for axis, b in enumerate(block):
         full = jnp.repeat(full, b, axis=axis)
     full = full[tuple(slice(0, s) for s in values.shape)]
-    return (values.astype(jnp.float32) * full).astype(dtype)
+    return (widen(values) * full).astype(dtype)
 
 
 def token_block_ids(group_sizes: Integer[Array, "G"], m: int, *, row_start=None,
@@ -211,7 +223,7 @@ def quantize_token_blocks(
 
 def dequantize_token_blocks(values: Shaped[Array, "m c"], scales: Float[Array, "nb c"],
                             block_ids: Integer[Array, "m"]) -> Float[Array, "m c"]:
-    return values.astype(jnp.float32) * scales[block_ids]
+    return widen(values) * scales[block_ids]
 
 
 # ------------------------------------------------------------------ the fp8 projection

@@ -58,7 +58,7 @@ from pallasite.kernels import platform, sharding
 from pallasite.kernels.grouped_matmul import costs, pallas_mosaic_gpu as bf16
 from pallasite.kernels.grouped_matmul import tuning_benchmarks
 from pallasite.kernels.grouped_matmul.group_metadata import local_groups
-from pallasite.kernels.grouped_matmul.token_blocks import token_blocks
+from pallasite.kernels.grouped_matmul.token_blocks import group_table, token_blocks
 from pallasite.kernels.quantization import api as quantization
 from pallasite.reference.quantization import TOKEN_BLOCK
 
@@ -311,8 +311,7 @@ def gmm_quantized(
 def _tgmm_kernel(k, n, g, num_blocks, bs: MosaicGpuFp8BlockSizes, stages: int):
     grid_m, grid_n = k // BLOCK, n // BLOCK
 
-    def body(first_gmem, count_gmem, lhs_gmem, lhs_scales_gmem, rhs_gmem, rhs_scales_gmem,
-             out_gmem):
+    def body(groups_gmem, lhs_gmem, lhs_scales_gmem, rhs_gmem, rhs_scales_gmem, out_gmem):
         wg = lax.axis_index("wg")
         zero = lambda kk: (0, kk)  # noqa: E731
         specs = _specs(zero, zero, (1, BLOCK))
@@ -332,10 +331,10 @@ def _tgmm_kernel(k, n, g, num_blocks, bs: MosaicGpuFp8BlockSizes, stages: int):
             def _(info):
                 gi = info.index[0]
                 mi, ni = plgpu.planar_snake(info.index[1], (grid_m, grid_n), 1, bs.grid_block_n)
-                count = count_gmem[gi]
+                count = groups_gmem[1, gi]
                 live = count > 0  # an empty group runs one step and stores zeros
                 steps = jnp.maximum(count, 1)
-                first = jnp.minimum(first_gmem[gi], num_blocks - steps)
+                first = jnp.minimum(groups_gmem[0, gi], num_blocks - steps)
                 index = lambda kk: (0, first + kk)  # noqa: E731
 
                 def mma(idx, a_smem, a_scales_smem, b_smem, b_scales_smem, total):
@@ -396,7 +395,7 @@ def tgmm_quantized(
     rhs_scales_p = _pad_to(rhs_scales, 1, BLOCK, value=1.0)
     kp, np_ = lhs_p.shape[0], rhs_p.shape[0]
     out_type = sharding.out_struct((g, kp, np_), out_dtype, like=lhs_t)
-    inputs = (first, count, lhs_p, lhs_scales_p, rhs_p, rhs_scales_p)
+    inputs = (group_table(first, count), lhs_p, lhs_scales_p, rhs_p, rhs_scales_p)
     cost = costs.gmm(kp, p, np_, lhs_t.dtype, transpose_rhs=True, inputs=inputs,
                      outputs=(out_type,))
     call = pl.kernel(

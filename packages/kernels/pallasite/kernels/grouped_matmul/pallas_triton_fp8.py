@@ -61,7 +61,7 @@ from pallasite.kernels.grouped_matmul.group_metadata import (
     num_visits,
 )
 from pallasite.kernels.grouped_matmul.pallas_triton import _and, _in_range, _load, _swizzle
-from pallasite.kernels.grouped_matmul.token_blocks import token_blocks
+from pallasite.kernels.grouped_matmul.token_blocks import group_table, token_blocks
 from pallasite.kernels.quantization import api as quantization
 from pallasite.reference.quantization import TOKEN_BLOCK
 
@@ -212,11 +212,11 @@ def gmm_quantized(
 # --------------------------------------------------------------------------- tgmm
 
 
-def _tgmm_kernel(first_ref, count_ref, lhs_ref, lhs_scales_ref, rhs_ref, rhs_scales_ref,
-                 out_ref, *, bs, k, n):
+def _tgmm_kernel(groups_ref, lhs_ref, lhs_scales_ref, rhs_ref, rhs_scales_ref, out_ref, *,
+                 bs, k, n):
     bm, bn = bs.block_m, bs.block_n
     group, kt, nt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    first, count = first_ref[group], count_ref[group]
+    first, count = groups_ref[0, group], groups_ref[1, group]
     rows, cols = pl.ds(kt * bm, bm), pl.ds(nt * bn, bn)
     row_ok = _in_range(kt * bm, bm, k)
     col_ok = _in_range(nt * bn, bn, n)
@@ -256,7 +256,7 @@ def tgmm_quantized(
         return jnp.zeros((g, k, n), out_dtype)
     kernel = functools.partial(_tgmm_kernel, bs=bs, k=k, n=n)
     out_shape = sharding.out_struct((g, k, n), out_dtype, like=lhs_t)
-    inputs = (first, count, lhs_t, lhs_scales, rhs_t, rhs_scales)
+    inputs = (group_table(first, count), lhs_t, lhs_scales, rhs_t, rhs_scales)
     cost = costs.gmm(k, p, n, lhs_t.dtype, transpose_rhs=True, inputs=inputs,
                      outputs=(out_shape,))
     return pl.pallas_call(

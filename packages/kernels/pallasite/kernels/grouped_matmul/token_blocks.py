@@ -67,3 +67,13 @@ def token_blocks(group_sizes: jax.Array, m: int, *, num_groups: int | None = Non
     return TokenBlocks(start=start.astype(jnp.int32), rows=rows.astype(jnp.int32),
                        first=seg_base[1:g + 1].astype(jnp.int32),
                        count=seg_blocks[1:g + 1].astype(jnp.int32))
+
+
+def group_table(first: jax.Array, count: jax.Array) -> jax.Array:
+    """first and count as one int32 [2, g] array: what the fp8 weight-gradient kernels
+    read. A stack, so that the kernel's operand is a buffer of its own: XLA on a GPU
+    may hand a custom call a slice operand (first and count are slices of the segment
+    table) as an offset into the sliced buffer, and Mosaic GPU refuses an operand that
+    is not 256-byte aligned (seen on an H200, jax 0.11.2: "Input buffer 0 is not
+    256-byte aligned" once the group sizes were not constants)."""
+    return jnp.stack([first, count]).astype(jnp.int32)
