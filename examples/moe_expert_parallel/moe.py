@@ -75,6 +75,14 @@ def pallasite_project(compute) -> Callable:
     return lambda x, w, sizes: grouped_projection(x, w, sizes, compute)
 
 
+def pallasite_fp8_project(compute) -> Callable:
+    """grouped_projection's fp8 training recipe: x and the expert weights quantized to
+    e4m3 inside each product (1 x 128 activation blocks, 128 x 128 weight blocks, the
+    weight gradient's operands in 128-token blocks), fp32 sums, outputs in `compute`,
+    gradients straight through to the bf16/fp32 arrays (docs/fp8.md)."""
+    return lambda x, w, sizes: grouped_projection(x, w, sizes, compute, recipe="fp8")
+
+
 def ragged_dot_project(compute) -> Callable:
     """The same product through jax.lax.ragged_dot (fp32 sums, one rounding): the peer."""
     def project(x, w, sizes):

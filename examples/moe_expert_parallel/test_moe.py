@@ -2,7 +2,8 @@
 
 CI (8 host devices): the padded all_to_all dispatch, values and gradients (input, router
 and every expert weight), with nothing dropped, with rows dropped at a small capacity
-(those assignments contribute zero), and with jax.lax.ragged_dot as the expert matmul.
+(those assignments contribute zero), with jax.lax.ragged_dot as the expert matmul, and
+with the fp8 recipe (within its quantization error).
 Two GPUs: the ragged_all_to_all dispatch the same way (XLA:CPU does not implement it).
 """
 
@@ -67,6 +68,30 @@ def test_padded_dispatch_matches_the_reference(devices, project):
                                rtol=1e-5, atol=1e-5)
     _assert_close(_loss_and_grads(block)(params, x, weights), _reference(params, x, weights),
                   rtol=1e-4, atol=1e-5)
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_the_fp8_recipe_block_is_within_the_quantization_error():
+    """The block with every expert product in fp8 (recipe="fp8") on 8 devices: values
+    and gradients within the e4m3 quantization's error of the dense fp32 reference
+    (5.6-8.5% relative L2 measured here, where d_model 32 and d_ff 48 make every block
+    partial; bounded at 12%), and finite."""
+    mesh = _mesh(jax.devices()[:8])
+    params, x, weights = _inputs(5)
+    block = functools.partial(moe.moe_block, config=CONFIG, mesh=mesh, dispatch="padded",
+                              capacity_factor=None, project=moe.pallasite_fp8_project(
+                                  jnp.float32))
+    y = jax.jit(block)(params, x)
+    assert _rel(y, moe.reference(params, x, CONFIG)) < 0.12
+    (value, grads), (_, grads_ref) = (_loss_and_grads(block)(params, x, weights),
+                                      _reference(params, x, weights))
+    assert np.isfinite(float(value))
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+        assert np.isfinite(np.asarray(a)).all() and _rel(a, b) < 0.12, _rel(a, b)
 
 
 def test_rows_past_the_capacity_are_dropped():
