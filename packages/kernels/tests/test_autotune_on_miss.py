@@ -335,3 +335,34 @@ def test_gpu_default_call_tunes_once_then_reads_the_cache(tuning_on, tmp_path, m
         loss(lambda x, w: grouped_projection(x, w, sizes, jnp.bfloat16)),
         argnums=(0, 1))).trace(x, kernel)
     assert {sel.source for _, _, sel in tuning_on} == {"cache"}
+
+
+@pytest.mark.parametrize("module", [pallas_triton, pallas_mosaic_gpu],
+                         ids=["triton", "mosaic_gpu"])
+def test_dx_is_keyed_by_the_projections_dims(module, monkeypatch, tmp_path):
+    """dx = gmm(dy [m, n], kernel [g, k, n], transpose_rhs=True) looks up the table, the
+    cache and the autotuner under the projection's (m, k, n, g), as the autotuner
+    measures it: the dsv3 dx entry of the H200 table (k 7168, n 2048) reaches a default
+    dx call on an (abstract) H200. Keyed by the product's own dims (k and n swapped),
+    no dx entry matched a call."""
+    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(tmp_path / "cache"))
+    monkeypatch.setattr(select_module, "_memo", {})
+    monkeypatch.setattr(tuning, "device_kind", lambda: "NVIDIA H200")
+    monkeypatch.setattr(platform, "triton_shared_memory_budget", lambda device=None: 232448)
+    seen = []
+    with tuning.recording() as seen:
+        m, k, n, g = 65536, 7168, 2048, 256
+        dy = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+        kernel = jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16)
+        sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
+        jax.eval_shape(lambda a, w, s: module.gmm(a, w, s, transpose_rhs=True), dy, kernel,
+                       sizes)
+    ((_, implementation, sel),) = seen
+    assert implementation.endswith(":dx")
+    if module is pallas_triton:  # the table's entry
+        assert sel.source == "table", sel
+        assert (sel.config.block_m, sel.config.block_n, sel.config.num_stages) == (128, 256, 4)
+    else:  # no Mosaic GPU dx entry: the default for dx's output width, k = 7168
+        assert sel.source == "default"
+        assert sel.config == pallas_mosaic_gpu.default_block_sizes(product="dx", m=m, k=k,
+                                                                   n=n, g=g)

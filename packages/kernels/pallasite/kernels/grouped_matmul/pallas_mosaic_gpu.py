@@ -267,13 +267,15 @@ def resolve_block_sizes(
 
 
 def default_block_sizes(*, product: str, m: int, k: int, n: int, g: int) -> MosaicGpuBlockSizes:
-    """The H200-measured default for the product, output width n and group sizes (above)."""
-    del k
+    """The H200-measured default for the product, its output width and the group sizes
+    (above). m, k, n are the projection's ([m, k] x [k, n]); dx writes k columns."""
+    if product == "dx":
+        n = k
     if product == "dkernel":
         splits = n % TGMM_WARP_SPECIALIZED.block_n == 0
         return TGMM_WARP_SPECIALIZED if splits else TGMM_DEFAULT
     large_groups = m >= 1024 * max(g, 1)
-    halves, rest = divmod(n, GMM_WARP_SPECIALIZED.block_n)
+    halves, rest = divmod(n, GMM_WARP_SPECIALIZED.block_n)  # n: the output width
     if rest == 0 and halves % 2:
         return GMM_PINGPONG
     if rest == 0:
@@ -854,7 +856,10 @@ def gmm(
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     product = "dx" if transpose_rhs else "forward"
-    bs = resolve_block_sizes(block_sizes, product=product, m=m, k=k, n=n,
+    # Tuning keys, fit rules and defaults take the projection's dims: dx contracts its n
+    # (here k) and writes its k (here n).
+    k_proj, n_proj = (n, k) if transpose_rhs else (k, n)
+    bs = resolve_block_sizes(block_sizes, product=product, m=m, k=k_proj, n=n_proj,
                              g=group_sizes.shape[0], dtype=lhs.dtype, interpret=interpret)
     bs = _fit_block_n(bs, n)
     if bs.warp_specialized:

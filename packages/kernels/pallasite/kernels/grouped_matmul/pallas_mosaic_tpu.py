@@ -134,8 +134,11 @@ def gmm(
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    # Tuning keys and fit rules take the projection's dims: dx contracts its n (here k)
+    # and writes its k (here n).
+    k_proj, n_proj = (n, k) if transpose_rhs else (k, n)
     bs = resolve_block_sizes(block_sizes, product="dx" if transpose_rhs else "forward",
-                             m=m, k=k, n=n, g=g, dtype=lhs.dtype)
+                             m=m, k=k_proj, n=n_proj, g=g, dtype=lhs.dtype)
     tm, tk, tn = bs.tm, bs.tk, bs.tn
     lhs = _pad_to(_pad_to(lhs, 0, tm), 1, tk)
     k_axis, n_axis = (2, 1) if transpose_rhs else (1, 2)

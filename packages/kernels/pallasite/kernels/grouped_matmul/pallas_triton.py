@@ -204,8 +204,11 @@ def gmm(
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    # Tuning keys and fit rules take the projection's dims: dx contracts its n (here k)
+    # and writes its k (here n).
+    k_proj, n_proj = (n, k) if transpose_rhs else (k, n)
     bs = resolve_block_sizes(block_sizes, product="dx" if transpose_rhs else "forward",
-                             m=m, k=k, n=n, g=group_sizes.shape[0], dtype=lhs.dtype,
+                             m=m, k=k_proj, n=n_proj, g=group_sizes.shape[0], dtype=lhs.dtype,
                              interpret=interpret)
     sizes, row_start = local_groups(group_sizes, group_offset, g)
     meta = make_group_metadata(sizes, m, bs.block_m, aligned=False, include_tail=True,
