@@ -1,6 +1,6 @@
-"""Every pallas_call's cost estimate (20 calls: the grouped gmm and tgmm of three backends,
+"""Every pallas_call's cost estimate (21 calls: the grouped gmm and tgmm of three backends,
 the fp8 gmm and tgmm of two, the three fp8 quantizers, five SSD Triton kernels, the SSD
-Mosaic TPU forward and backward) against a hand count.
+Mosaic TPU forward and backward, the decode step) against a hand count.
 
 The estimates come from pl.estimate_cost on each call's body-equivalent function and the
 bytes of the call's operands and results (pallasite.kernels.cost). The hand counts below
@@ -28,6 +28,7 @@ from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu, pallas_mosaic_tp
 from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu_fp8, pallas_triton_fp8
 from pallasite.kernels.grouped_matmul import token_blocks
 from pallasite.kernels.quantization import pallas_triton as quantize_triton
+from pallasite.kernels.selective_state_update import pallas_triton as decode_triton
 from pallasite.kernels.ssd import costs as ssd_costs
 from pallasite.kernels.ssd import pallas_mosaic_tpu as ssd_tpu
 from pallasite.kernels.ssd import pallas_triton as ssd_triton
@@ -293,3 +294,22 @@ def test_the_docs_count_the_calls_in_the_code():
         said = int(re.search(r"checks all (\d+) calls", f.read()).group(1))
     sites = _call_sites()
     assert said == len(sites), sites
+
+
+# ------------------------------------------------------------------------ decode step
+
+
+def test_selective_state_update():
+    """Per state element the decay's multiply, dt x B's multiply, the add and the product
+    with C (4 flops; the sum over n is a reduction); per row and head exp(A dt) (a
+    multiply and an exp) and dt x (p multiplies). Bytes: the operands, y, and the named
+    rows' states once read and once written, not the whole cache."""
+    slots, b, h, p, n, g = 9, 3, 4, 16, 32, 2
+    args = (S((slots, h, p, n), F32), S((b, h, p), BF16), S((b, h), F32), S((h,), F32),
+            S((b, g, n), BF16), S((b, g, n), BF16), S((h, p), F32), S((b, h, p), BF16),
+            S((b,), I32))
+    (est,), = _calls(lambda *a: decode_triton.update(*a), *args).values()
+    rows = ((b, h, p, n), F32)
+    _check(est, 4 * b * h * p * n + b * h * p + b * h, b * h, _bytes(
+        ((b,), I32), ((b, h), F32), ((h,), F32), ((b, g, n), BF16), ((b, g, n), BF16),
+        ((h, p), F32), ((b, h, p), BF16), ((b, h, p), BF16), rows, ((b, h, p), BF16), rows))

@@ -20,6 +20,7 @@ from pallasite.kernels.platform import (
     triton_runs,
 )
 from pallasite.kernels.quantization import BlockScaled, quantize
+from pallasite.kernels.selective_state_update import selective_state_update
 from pallasite.kernels.ssd import (
     chunk_ssd,
     ssd_chunk_scan,
@@ -41,6 +42,7 @@ __all__ = [
     "fp8_runs",
     "mosaic_gpu_runs",
     "quantize",
+    "selective_state_update",
     "ssd_chunk_scan",
     "ssd_kernel_platform",
     "ssd_kernel_runs",

@@ -1,0 +1,132 @@
+"""`selective_state_update`: the Mamba-2 decode step, and which backend runs it.
+
+Backends, in order: pallas_triton (a CUDA GPU from sm80: one pass over the named slots'
+state, in place) then xla (the oracle's step, everywhere). `implementation=` takes a
+name, a sequence tried in order, or None (that order). On a CPU host an explicit
+"pallas_triton" runs through the Triton interpreter (for tests); a backend named alone
+that cannot run here raises, saying why.
+
+The step is inference: it has no gradient (the chunked scan, chunk_ssd, is the training
+path) and says so when differentiated. The cache is updated functionally; donate it
+(`jax.jit(..., donate_argnums=...)`) to update it in place.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Integer
+
+from pallasite.kernels import platform
+from pallasite.reference import selective_state_update as ref
+
+log = logging.getLogger(__name__)
+
+IMPLEMENTATIONS = ("pallas_triton", "xla")
+
+
+def _order(implementation) -> list[str]:
+    if implementation is None:
+        return list(IMPLEMENTATIONS)
+    names = [implementation] if isinstance(implementation, str) else list(implementation)
+    unknown = [n for n in names if n not in IMPLEMENTATIONS]
+    if not names or unknown:
+        raise ValueError(f"implementation={implementation!r}: one of {IMPLEMENTATIONS}, a "
+                         f"sequence of them, or None")
+    return names
+
+
+def _refusal(name: str, explicit: bool) -> str | None:
+    """Why `name` cannot run here (None: it can). An explicit pallas_triton on a CPU host
+    runs interpreted."""
+    if name == "xla":
+        return None
+    if jax.default_backend() == "cpu":
+        return None if explicit else "pallas_triton: interpreted only when named, on a CPU"
+    if not platform.triton_runs():
+        return (f"pallas_triton needs a CUDA GPU from sm80; the device is "
+                f"{platform.device_generation()}")
+    return None
+
+
+@jax.custom_vjp
+def _no_gradient(x):
+    return x
+
+
+def _no_gradient_fwd(x):
+    return x, None
+
+
+def _no_gradient_bwd(_, ct):
+    raise TypeError("selective_state_update is a decode step and has no gradient; train "
+                    "with chunk_ssd (the chunked scan) and decode with this")
+
+
+_no_gradient.defvjp(_no_gradient_fwd, _no_gradient_bwd)
+
+
+def selective_state_update(
+    state: Float[Array, "slots h p n"],
+    x: Float[Array, "b h p"],
+    dt: Float[Array, "b h"],
+    A: Float[Array, " h"],
+    B: Float[Array, "b g n"],
+    C: Float[Array, "b g n"],
+    *,
+    D: Float[Array, "h ..."] | None = None,
+    z: Float[Array, "b h p"] | None = None,
+    dt_bias: Float[Array, " h"] | None = None,
+    dt_softplus: bool = False,
+    state_batch_indices: Integer[Array, " b"] | None = None,
+    implementation: str | Sequence[str] | None = None,
+) -> tuple[Float[Array, "b h p"], Float[Array, "slots h p n"]]:
+    """One decode token per batch row: returns (y [b, h, p] in x's dtype, new_state).
+
+    mamba_ssm's selective_state_update with its argument meanings (A, dt_bias and D per
+    head): state [slots, h, p, n] in fp32 or bf16; x [b, h, p]; dt [b, h]; A [h]; B and C
+    [b, g, n] with h a multiple of g; D [h] or [h, p]; z [b, h, p]; dt_bias [h].
+
+    dt <- softplus(dt + dt_bias) (bias and softplus when given); S <- exp(A dt) S +
+    dt x B^T; y = S C + D x; y <- y silu(z). Computed in fp32; the new state is stored
+    in the state's dtype.
+
+    state_batch_indices [b]: the slot of each batch row (continuous batching); without
+    it, row i uses slot i and slots must equal b. A row whose index is outside
+    [0, slots) is a padding row: it reads and writes no slot and gets y = 0. Slots no
+    row names keep their bits. A slot named twice is refused when the indices are
+    concrete; traced, which write lands is unspecified.
+    """
+    ref.validate_selective_state_update(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias,
+                                        state_batch_indices=state_batch_indices)
+    if not isinstance(dt_softplus, bool):
+        raise TypeError(f"dt_softplus must be a bool; got {type(dt_softplus).__name__}")
+    names = _order(implementation)
+    explicit = implementation is not None
+    reasons = []
+    for name in names:
+        why = _refusal(name, explicit)
+        if why is None:
+            break
+        reasons.append(why)
+    else:
+        raise RuntimeError("selective_state_update: no implementation can run here:\n  "
+                           + "\n  ".join(reasons))
+    b = x.shape[0]
+    slots_of_rows = (jnp.arange(b, dtype=jnp.int32) if state_batch_indices is None
+                     else state_batch_indices.astype(jnp.int32))
+    stop = lambda t: None if t is None else _no_gradient(t)  # noqa: E731
+    state, x, A, B, C, D, z = map(stop, (state, x, A, B, C, D, z))
+    dt = stop(ref.process_dt(dt, dt_bias, dt_softplus))
+    if name == "xla":
+        from pallasite.kernels.selective_state_update import xla
+
+        return xla.update(state, x, dt, A, B, C, D, z, slots_of_rows)
+    from pallasite.kernels.selective_state_update import pallas_triton
+
+    log.debug("selective_state_update on pallas_triton")
+    return pallas_triton.update(state, x, dt, A, B, C, D, z, slots_of_rows,
+                                interpret=jax.default_backend() == "cpu")
