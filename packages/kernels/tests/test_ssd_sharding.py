@@ -1,7 +1,9 @@
 """chunk_ssd on many devices (8 forced CPU devices; two GPUs where present).
 
 Batch and heads (with B/C's groups where they split with the heads) sharded on any mesh
-axes, the sequence local; forward and backward against the unsharded call:
+axes; the sequence split in runs of whole chunks scanned where it lies (context
+parallelism: only state-sized arrays move), any other split gathered; forward and
+backward against the unsharded call:
   - jit over sharded arrays without a mesh in context (Auto axes), and under
     jax.set_mesh with Explicit and Auto axes;
   - inside the caller's shard_map (check_vma on and off), on the local arrays;
@@ -264,6 +266,105 @@ def test_sequence_over_more_devices_than_chunks(axis_type, context, implementati
     _assert_close(got, _want(implementation, *args))
     if axis_type == st.EXPLICIT:
         assert st.dims(y)[1] == ("seq",)
+
+
+def _sequence_inputs(length, seed=5, batch=2, heads=2, groups=1):
+    kx, ks, ky = jax.random.split(jax.random.key(seed), 3)
+    x, a, b, c = ssd_inputs(kx, batch, length, heads, D, N, groups, jnp.float32)
+    s0 = ssd_initial_state(ks, batch, heads, D, N)
+    return x, a, b, c, s0, jax.random.normal(ky, x.shape, jnp.float32)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_triton"])
+@pytest.mark.parametrize("axis_type", [st.EXPLICIT, st.AUTO], ids=["explicit", "auto"])
+def test_sequence_split_in_whole_chunks_is_scanned_where_it_lies(axis_type, implementation):
+    """Length 1024 in chunks of 64 over 8 devices (2 chunks each): each device scans its
+    chunks from the entering state the others pass it (context parallelism). Values and
+    gradients are the unsharded call's; the compiled program moves only state-sized
+    arrays, the parts' final states (and cotangents) and total decays, never x, a, B, C,
+    y or their gradients; under Explicit axes y keeps x's layout."""
+    mesh = st.mesh((8,), ("seq",), axis_type)
+    args = _sequence_inputs(1024)
+    x, s0 = args[0], args[4]
+    placed = tuple(st.put(t, mesh, None, "seq") if t.ndim > 2 and t.shape[1] == 1024
+                   else st.put(t, mesh) for t in args)
+    with jax.set_mesh(mesh):
+        got = jax.jit(_loss(implementation))(*placed)
+        found = st.compiled_collectives(_loss(implementation), *placed)
+        y, _ = jax.jit(functools.partial(chunk_ssd, chunk_size=CHUNK,
+                                         implementation=implementation))(*placed[:4])
+    _assert_close(got, _want(implementation, *args))
+    state_size = 8 * s0.size  # every part's [b, h, p, n]
+    moved = [shape for shapes in found.values() for shape in st.big(shapes)]
+    assert moved and all(int(np.prod(s)) <= state_size for s in moved), found
+    assert "all-to-all" not in found, found
+    if axis_type == st.EXPLICIT:
+        assert st.dims(y)[1] == ("seq",)
+
+
+def test_sequence_and_batch_split_together():
+    """Batch over one axis, the sequence over another (Explicit): both stay where they
+    are; the exchange runs over the sequence axis only."""
+    mesh = st.mesh((2, 4), ("bt", "seq"), st.EXPLICIT)
+    args = _sequence_inputs(512, seed=6)
+    placed = tuple(st.put(t, mesh, "bt", "seq") if t.ndim > 2 and t.shape[1] == 512
+                   else st.put(t, mesh, "bt") for t in args)
+    with jax.set_mesh(mesh):
+        got = jax.jit(_loss("xla"))(*placed)
+        found = st.compiled_collectives(_loss("xla"), *placed)
+    _assert_close(got, _want("xla", *args))
+    moved = [shape for shapes in found.values() for shape in st.big(shapes)]
+    assert all(int(np.prod(s)) <= 4 * args[4].size for s in moved), found
+
+
+def test_a_sequence_not_in_whole_chunks_is_gathered_and_says_so(caplog):
+    """Length 1000 (the last chunk padded) over 8 devices: the split cannot stay, so the
+    sequence is gathered, logged, and the values are still the unsharded call's."""
+    mesh = st.mesh((8,), ("seq",), st.EXPLICIT)
+    args = _sequence_inputs(1000, seed=7)
+    placed = tuple(st.put(t, mesh, None, "seq") if t.ndim > 2 and t.shape[1] == 1000
+                   else st.put(t, mesh) for t in args)
+    with jax.set_mesh(mesh), caplog.at_level("INFO", logger="pallasite.ssd"):
+        got = jax.jit(_loss("xla"))(*placed)
+    _assert_close(got, _want("xla", *args))
+    assert "gathered" in caplog.text
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_triton"])
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "no_vma"])
+def test_sequence_split_inside_a_callers_shard_map(check_vma, implementation):
+    """Inside the caller's shard_map, `sequence_axes` names the axis its sequence is split
+    over: 800 steps over 8 devices, 100 each (each part padded to whole chunks of 64 on
+    its own), values and gradients the unsharded call's, the final state the whole
+    sequence's on every device."""
+    args = _sequence_inputs(800, seed=8, batch=1)
+    x, a, b, c, s0, weights = args
+    mesh = st.mesh((8,), ("seq",), st.AUTO)
+
+    def loss(x, a, b, c, s0, weights, **kw):
+        y, final = chunk_ssd(x, a, b, c, chunk_size=CHUNK, initial_state=s0,
+                             implementation=implementation, **kw)
+        return jnp.sum(y * weights), final
+
+    def body(x, a, b, c, s0, weights):
+        grads, final = jax.grad(lambda *t: loss(*t, weights, sequence_axes="seq"),
+                                argnums=(0, 1, 2, 3, 4), has_aux=True)(x, a, b, c, s0)
+        return grads, final
+
+    seq = P(None, "seq")
+    got = jax.jit(jax.shard_map(
+        body, mesh=mesh, in_specs=(seq, seq, seq, seq, P(), seq),
+        out_specs=((seq, seq, seq, seq, P()), P()), check_vma=check_vma))(*args)
+    want = jax.jit(jax.grad(lambda *t: loss(*t, weights), argnums=(0, 1, 2, 3, 4),
+                            has_aux=True))(x, a, b, c, s0)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
+
+
+def test_sequence_axes_must_name_manual_axes():
+    x, a, b, c = _sequence_inputs(128)[:4]
+    with pytest.raises(ValueError, match="sequence_axes='seq'"):
+        chunk_ssd(x, a, b, c, chunk_size=CHUNK, sequence_axes="seq")
 
 
 def test_sequence_over_more_devices_than_chunks_forward_mode():

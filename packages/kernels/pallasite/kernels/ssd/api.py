@@ -31,7 +31,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from pallasite.kernels import autodiff, sharding
-from pallasite.kernels.ssd import decay, layouts, predicates
+from pallasite.kernels.ssd import context_parallel, decay, layouts, predicates
 from pallasite.reference.ssd import ssd_chunk_scan_reference, validate_ssd, validate_ssd_chunked
 
 _LOG = logging.getLogger("pallasite.ssd")
@@ -128,7 +128,10 @@ def _with_blocks(name: str, block_sizes):
     return (*_platform(name), block_sizes)
 
 
-def _forward(platform, x, a, b, c, initial_state):
+def _forward(platform, x, a, b, c, initial_state, sequence_axes=()):
+    if sequence_axes:  # a caller's shard_map splits the sequence: the exchange here
+        return context_parallel.split_forward(
+            functools.partial(_forward, platform), sequence_axes)(x, a, b, c, initial_state)
     if _empty(x, b):
         platform = "xla"
     planner = layouts.forward_planner(_local(platform, "forward"), x.shape, b.shape[3])
@@ -136,7 +139,11 @@ def _forward(platform, x, a, b, c, initial_state):
                         **_run_options(platform))
 
 
-def _backward(platform, x, a, b, c, chunk_states, dy, dfinal):
+def _backward(platform, x, a, b, c, chunk_states, dy, dfinal, sequence_axes=()):
+    if sequence_axes:
+        return context_parallel.split_backward(
+            functools.partial(_backward, platform), sequence_axes)(
+                x, a, b, c, chunk_states, dy, dfinal)
     if _empty(x, b):
         platform = "xla"
     planner = layouts.backward_planner(_local(platform, "backward"), x.shape, b.shape[3])
@@ -154,21 +161,22 @@ def _scan(
     c: Float[Array, "b nc C g n"],
     initial_state: Float[Array, "b h p n"],
     platform: str | tuple[str, bool],
+    sequence_axes: tuple[str, ...] = (),
 ) -> tuple[Float[Array, "b nc C h p"], Float[Array, "b h p n"]]:
     check_chunked(x, a, b, c, initial_state)
-    y, final, _ = _forward(platform, x, a, b, c, initial_state)
+    y, final, _ = _forward(platform, x, a, b, c, initial_state, sequence_axes)
     return y, final
 
 
-def _scan_fwd(x, a, b, c, initial_state, platform):
+def _scan_fwd(x, a, b, c, initial_state, platform, sequence_axes=()):
     check_chunked(x, a, b, c, initial_state)
-    y, final, chunk_states = _forward(platform, x, a, b, c, initial_state)
+    y, final, chunk_states = _forward(platform, x, a, b, c, initial_state, sequence_axes)
     # initial_state rides along for its dtype and type (varying axes, layout): its
     # cotangent must match it. [b, h, p, n] is 1/nc of chunk_states.
     return (y, final), (x, a, b, c, chunk_states, initial_state)
 
 
-def _scan_bwd(platform, residuals, cotangents):
+def _scan_bwd(platform, sequence_axes, residuals, cotangents):
     x, a, b, c, chunk_states, initial_state = residuals
     dy, dfinal = cotangents
     if sharding.needs_sum((x,), b) or sharding.needs_sum((x,), c):
@@ -176,19 +184,21 @@ def _scan_bwd(platform, residuals, cotangents):
         # backends compute from the matmul dtype either way, so only the sum changes).
         b, c = b.astype(jnp.float32), c.astype(jnp.float32)
     grads = _backward(platform, x, a, b, c, chunk_states, dy.astype(x.dtype),
-                      dfinal.astype(jnp.float32))
+                      dfinal.astype(jnp.float32), sequence_axes)
     primals = residuals[:4] + (initial_state,)
     return tuple(sharding.cotangent_like(
         g.astype(jnp.float32) if sharding.needs_sum((g,), p) else g, p).astype(p.dtype)
         for g, p in zip(grads, primals))
 
 
-ssd_chunk_scan = jax.custom_vjp(_scan, nondiff_argnums=(5,))
+ssd_chunk_scan = jax.custom_vjp(_scan, nondiff_argnums=(5, 6))
 ssd_chunk_scan.defvjp(_scan_fwd, _scan_bwd)
 ssd_chunk_scan.__doc__ = """(y [b,nc,C,h,p] in x.dtype, final_state [b,h,p,n] fp32).
 
 Chunked layout: x [b, nc, C, h, p], a [b, nc, C, h], b and c [b, nc, C, g, n],
 initial_state [b, h, p, n]; `platform` is a backend name or (name, interpret).
+`sequence_axes`: inside a shard_map, the manual axes the chunks are split over, in
+order (context_parallel.py); () when each device holds whole sequences.
 Positive `a` (growth) is accepted: see docs/ssd.md.
 """
 
@@ -232,13 +242,56 @@ def _pad(t, length, padded):
     return jnp.pad(t, widths)
 
 
-def _unchunked(y, x):
+def _unchunked(y, x, split: bool = False):
     """y [b, nc, C, h, p] as x's [b, length, h, p], in x's layout where its axes are
     explicit: the chunk axes whole first, so the merge and the cut of the padding never
-    meet a layout split across them."""
+    meet a layout split across them; or, where the sequence stayed split in runs of
+    whole chunks (no padding), merged as it is."""
     bsz, nc, chunk, h, p = y.shape
-    y = sharding.whole_along(y, (1, 2), like=x).reshape(bsz, nc * chunk, h, p)
+    if not split:
+        y = sharding.whole_along(y, (1, 2), like=x)
+    y = y.reshape(bsz, nc * chunk, h, p)
     return sharding.layout_like(y[:, :x.shape[1]], jax.typeof(x).sharding)
+
+
+def _check_sequence_axes(sequence_axes) -> tuple[str, ...]:
+    """sequence_axes as a tuple of manual mesh axes of the shard_map in context."""
+    if sequence_axes is None:
+        return ()
+    axes = (sequence_axes,) if isinstance(sequence_axes, str) else tuple(sequence_axes)
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    missing = [a for a in axes if not isinstance(a, str) or a not in manual]
+    if not axes or missing:
+        raise ValueError(f"sequence_axes={sequence_axes!r}: name the manual axes of the "
+                         f"shard_map in context that split the sequence (manual here: "
+                         f"{tuple(manual)})")
+    return axes
+
+
+def _sequence_stays_split(x, nc: int, whole_chunks: bool) -> bool:
+    """Whether x's sequence split (if any) can stay split through the chunked scan: the
+    length a whole number of chunks and the chunk count divisible by the shards. Explicit
+    axes: x's own sequence axes. Auto axes: every axis of the mesh in context (the
+    partitioner picks the split, any part of the mesh). Where a split sequence cannot
+    stay split it is gathered, and the log says so."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        layout = jax.typeof(x).sharding
+        mesh = layout.mesh if layout is not None else mesh
+    if mesh.empty or mesh.manual_axes and not mesh.explicit_axes:
+        return False
+    if mesh.explicit_axes:
+        axes = sharding.explicit_dims(x)[1]
+        shards = sharding.size(axes, dict(zip(mesh.axis_names, mesh.axis_sizes)))
+        if shards == 1:
+            return False
+        ok = whole_chunks and nc % shards == 0
+        if not ok:
+            _LOG.info("chunk_ssd: the sequence split over %s (%d shards) is not in runs of "
+                      "whole chunks (%d chunks%s); it is gathered", axes, shards, nc,
+                      "" if whole_chunks else ", the last one padded")
+        return ok
+    return whole_chunks and nc % int(np.prod(mesh.axis_sizes)) == 0
 
 
 def _plain(x, a, b, c, initial_state):
@@ -258,8 +311,17 @@ def chunk_ssd(
     initial_state: Float[Array, "batch heads head_dim state"] | None = None,
     implementation: str | Sequence[str] | None = None,
     block_sizes=None,
+    sequence_axes: str | Sequence[str] | None = None,
 ) -> tuple[Float[Array, "batch length heads head_dim"], Float[Array, "batch heads head_dim state"]]:
     """(y [batch, length, heads, head_dim] in x.dtype, final_state fp32).
+
+    The sequence split over devices: under jit, a sequence laid out over mesh axes in
+    runs of whole chunks is scanned where it lies, the devices passing only state-sized
+    arrays (context parallelism); any other split is gathered (logged). Inside a
+    shard_map, name the manual axes the local arrays' sequence is split over, in order,
+    as `sequence_axes` (each device's part may have any length; the final state and the
+    initial state's gradient are then the whole sequence's on every device). Without
+    it, each device's arrays are whole sequences.
 
     implementation: one name (refused geometry or device -> ValueError at once; an error
     while it runs is raised as it is), a sequence (tried in order, each fallback logged,
@@ -275,6 +337,7 @@ def chunk_ssd(
     if block_sizes is not None:
         _blocks_owner(block_sizes)  # a wrong type fails here, before any kernel
     check_sequence(x, a, b, c, initial_state, chunk_size)
+    sequence_axes = _check_sequence_axes(sequence_axes)
     bsz, length, h, p = x.shape
     g, n = b.shape[-2:]
     if initial_state is None:
@@ -282,15 +345,23 @@ def chunk_ssd(
     names = _candidates(implementation, chunk_size, p, n)
     nc = -(-length // chunk_size)
     padded = nc * chunk_size
-    # The scan carries its state along the sequence: the sequence is taken whole before
-    # it is cut into chunks (docs/sharding.md), whatever mesh axes split it.
-    chunked = [_pad(sharding.whole_along(t, (1,)), length, padded)
-               .reshape(bsz, nc, chunk_size, *t.shape[2:]) for t in (x, a, b, c)]
+    # A sequence split over devices in runs of whole chunks stays split (each device
+    # scans its chunks from the state the others pass it: context_parallel.py); any other
+    # split is taken whole before it is cut into chunks (docs/sharding.md).
     why = autodiff.beyond_first_order(x, a, b, c, initial_state)
+    split = why is None and (bool(sequence_axes)
+                             or _sequence_stays_split(x, nc, padded == length))
+    chunked = [_pad(t if split else sharding.whole_along(t, (1,)), length, padded)
+               .reshape(bsz, nc, chunk_size, *t.shape[2:]) for t in (x, a, b, c)]
     if why is not None:  # the custom_vjp is first-order reverse mode only
         if "xla" not in names:
             raise autodiff.first_order_error("chunk_ssd", ", ".join(names), why, "xla")
-        y, final = _plain(*chunked, initial_state)
+        if sequence_axes:
+            raise NotImplementedError(
+                f"chunk_ssd: sequence_axes={sequence_axes} runs in first-order reverse mode "
+                f"(jax.grad, jax.vjp) only; {why} would need the plain-JAX scan, which "
+                "does not pass states between devices")
+        y, final = _plain(*chunked, initial_state)  # a split sequence taken whole above
         return _unchunked(y, x), final
     failures = []
     for name in names:
@@ -298,8 +369,8 @@ def chunk_ssd(
         if reason is None:
             try:
                 y, final = ssd_chunk_scan(*chunked, initial_state,
-                                          _with_blocks(name, block_sizes))
-                return _unchunked(y, x), final
+                                          _with_blocks(name, block_sizes), sequence_axes)
+                return _unchunked(y, x, split), final
             except Exception as error:  # noqa: BLE001 - try the next, raise all at the end
                 if len(names) == 1:
                     raise  # one backend: its own error, not a summary of one
