@@ -28,7 +28,7 @@ from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu, pallas_mosaic_tp
 from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu_fp8, pallas_triton_fp8
 from pallasite.kernels.grouped_matmul import token_blocks
 from pallasite.kernels.quantization import pallas_triton as quantize_triton
-from pallasite.kernels.selective_state_update import pallas_triton as decode_triton
+from pallasite.kernels.ssd_decode import pallas_triton as decode_triton
 from pallasite.kernels.ssd import costs as ssd_costs
 from pallasite.kernels.ssd import pallas_mosaic_tpu as ssd_tpu
 from pallasite.kernels.ssd import pallas_triton as ssd_triton

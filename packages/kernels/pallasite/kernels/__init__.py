@@ -20,7 +20,7 @@ from pallasite.kernels.platform import (
     triton_runs,
 )
 from pallasite.kernels.quantization import BlockScaled, quantize
-from pallasite.kernels.selective_state_update import selective_state_update
+from pallasite.kernels.ssd_decode import selective_state_update
 from pallasite.kernels.ssd import (
     chunk_ssd,
     ssd_chunk_scan,

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Integer
 
 from pallasite.kernels import platform
-from pallasite.reference import selective_state_update as ref
+from pallasite.reference import ssd_decode as ref
 
 log = logging.getLogger(__name__)
 
@@ -122,10 +122,10 @@ def selective_state_update(
     state, x, A, B, C, D, z = map(stop, (state, x, A, B, C, D, z))
     dt = stop(ref.process_dt(dt, dt_bias, dt_softplus))
     if name == "xla":
-        from pallasite.kernels.selective_state_update import xla
+        from pallasite.kernels.ssd_decode import xla
 
         return xla.update(state, x, dt, A, B, C, D, z, slots_of_rows)
-    from pallasite.kernels.selective_state_update import pallas_triton
+    from pallasite.kernels.ssd_decode import pallas_triton
 
     log.debug("selective_state_update on pallas_triton")
     return pallas_triton.update(state, x, dt, A, B, C, D, z, slots_of_rows,

@@ -15,8 +15,8 @@ from jax import export
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from pallasite.kernels import chunk_ssd, platform, selective_state_update
-from pallasite.kernels.selective_state_update import pallas_triton
-from pallasite.reference.selective_state_update import selective_state_update_reference
+from pallasite.kernels.ssd_decode import pallas_triton
+from pallasite.reference.ssd_decode import selective_state_update_reference
 
 BACKENDS = ["xla", "pallas_triton"]
 

@@ -5,7 +5,7 @@ One program per (batch row, head, block of `BLOCK_P` head_dim rows) loads its sl
 aliased to the state result: with the cache donated, XLA writes no copy), and reduces the
 new state against C for y. The step is memory-bound: each state byte is read once and
 written once; x, z, B and C are a few bytes per state row. The arithmetic is the oracle's
-(pallasite.reference.selective_state_update), in fp32.
+(pallasite.reference.ssd_decode), in fp32.
 
 A padding row (slot index outside [0, slots)) reads and writes nothing and gives y = 0.
 """

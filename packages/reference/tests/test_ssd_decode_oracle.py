@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallasite.reference.selective_state_update import (
+from pallasite.reference.ssd_decode import (
     selective_state_update_reference as step_ref,
 )
 from pallasite.reference.ssd import ssd_sequential
