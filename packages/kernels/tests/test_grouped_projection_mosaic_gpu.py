@@ -80,18 +80,19 @@ def test_resolve_block_sizes():
     # Output widths of an even count of 128-column halves: the cooperative
     # warp-specialised kernel, with 192-row tiles where groups average 1024 rows or
     # more; an odd count (1408, 5504): the ping-pong kernel, whose 128-column tiles
-    # leave no half idle, whatever the group sizes.
+    # leave no half idle, whatever the group sizes. m, k, n are the projection's, so dx
+    # writes k columns.
     assert pick(None, product="forward", m=32768, k=4096, n=14336, g=8) == mgpu.GMM_LARGE_TILES
-    assert pick(None, product="dx", m=32768, k=2048, n=5504, g=32) == mgpu.GMM_PINGPONG
+    assert pick(None, product="dx", m=32768, k=5504, n=2048, g=32) == mgpu.GMM_PINGPONG
     assert pick(None, product="forward", m=65536, k=7168, n=2048, g=256) == mgpu.GMM_WARP_SPECIALIZED
-    assert pick(None, product="dx", m=65536, k=2048, n=768, g=128) == mgpu.GMM_WARP_SPECIALIZED
+    assert pick(None, product="dx", m=65536, k=768, n=2048, g=128) == mgpu.GMM_WARP_SPECIALIZED
     assert pick(None, product="forward", m=32768, k=2048, n=1408, g=64) == mgpu.GMM_PINGPONG
-    assert pick(None, product="dx", m=32768, k=2048, n=5504, g=16) == mgpu.GMM_PINGPONG
-    assert pick(None, product="dx", m=32768, k=1408, n=2048, g=64) == mgpu.GMM_WARP_SPECIALIZED
+    assert pick(None, product="dx", m=32768, k=5504, n=2048, g=16) == mgpu.GMM_PINGPONG
+    assert pick(None, product="dx", m=32768, k=2048, n=1408, g=64) == mgpu.GMM_WARP_SPECIALIZED
     assert pick(None, product="dkernel", m=32768, k=2048, n=1408, g=64) == mgpu.TGMM_WARP_SPECIALIZED
     # Otherwise the one-warpgroup kernel, by rows per group.
     assert pick(None, product="forward", m=32768, k=4096, n=14272, g=8) == mgpu.GMM_LARGE_GROUPS
-    assert pick(None, product="dx", m=65536, k=2048, n=320, g=128) == mgpu.GMM_SMALL_GROUPS
+    assert pick(None, product="dx", m=65536, k=320, n=2048, g=128) == mgpu.GMM_SMALL_GROUPS
     assert pick(None, product="dkernel", m=65536, k=2048, n=768, g=128) == mgpu.TGMM_WARP_SPECIALIZED
     assert pick(None, product="dkernel", m=65536, k=2048, n=320, g=128) == mgpu.TGMM_DEFAULT
     assert pick(SMALL, product="dx", m=1, k=1, n=1, g=1) is SMALL
