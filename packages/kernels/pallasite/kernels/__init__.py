@@ -19,6 +19,7 @@ from pallasite.kernels.platform import (
     mosaic_gpu_runs,
     triton_runs,
 )
+from pallasite.kernels.mamba_scan import mamba_chunk_scan
 from pallasite.kernels.quantization import BlockScaled, quantize
 from pallasite.kernels.ssd_decode import selective_state_update
 from pallasite.kernels.ssd import (
@@ -40,6 +41,7 @@ __all__ = [
     "chunk_ssd",
     "device_generation",
     "fp8_runs",
+    "mamba_chunk_scan",
     "mosaic_gpu_runs",
     "quantize",
     "selective_state_update",

@@ -37,16 +37,14 @@ def _shape(t) -> tuple[int, ...]:
     return tuple(int(d) for d in t.shape)
 
 
-def _need(name: str, t, shape: tuple[int, ...], layout: str) -> None:
+def need_shape(name: str, t, shape: tuple[int, ...], layout: str) -> None:
+    """ValueError naming `name` unless t has `shape` (`layout` names its axes)."""
     if _shape(t) != shape:
         raise ValueError(f"{name} must be {layout} = {shape}; got {_shape(t)}")
 
 
-def validate_selective_state_update(state, x, dt, A, B, C, *, D=None, z=None,
-                                    dt_bias=None, state_batch_indices=None) -> None:
-    """ValueError/TypeError naming the argument for shapes and dtypes the step does not
-    take. Concrete slot indices are checked for repeats."""
-    arrays = dict(state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
+def check_floating_arrays(**arrays) -> None:
+    """TypeError naming the argument unless each (not None) is a floating array."""
     for name, t in arrays.items():
         if t is None:
             continue
@@ -54,6 +52,13 @@ def validate_selective_state_update(state, x, dt, A, B, C, *, D=None, z=None,
             raise TypeError(f"{name} must be an array; got {type(t).__name__}")
         if not jnp.issubdtype(t.dtype, jnp.floating):
             raise TypeError(f"{name} must be floating; got {t.dtype}")
+
+
+def validate_selective_state_update(state, x, dt, A, B, C, *, D=None, z=None,
+                                    dt_bias=None, state_batch_indices=None) -> None:
+    """ValueError/TypeError naming the argument for shapes and dtypes the step does not
+    take. Concrete slot indices are checked for repeats."""
+    check_floating_arrays(state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
     if state.ndim != 4:
         raise ValueError(f"state must be [slots, heads, head_dim, state_size]; got shape "
                          f"{_shape(state)}")
@@ -63,23 +68,23 @@ def validate_selective_state_update(state, x, dt, A, B, C, *, D=None, z=None,
     if x.ndim != 3:
         raise ValueError(f"x must be [batch, heads, head_dim]; got shape {_shape(x)}")
     b = _shape(x)[0]
-    _need("x", x, (b, h, p), "[batch, heads, head_dim]")
-    _need("dt", dt, (b, h), "[batch, heads]")
-    _need("A", A, (h,), "[heads]")
+    need_shape("x", x, (b, h, p), "[batch, heads, head_dim]")
+    need_shape("dt", dt, (b, h), "[batch, heads]")
+    need_shape("A", A, (h,), "[heads]")
     if B.ndim != 3:
         raise ValueError(f"B must be [batch, groups, state_size]; got shape {_shape(B)}")
     g = _shape(B)[1]
-    _need("B", B, (b, g, n), "[batch, groups, state_size]")
-    _need("C", C, (b, g, n), "[batch, groups, state_size]")
+    need_shape("B", B, (b, g, n), "[batch, groups, state_size]")
+    need_shape("C", C, (b, g, n), "[batch, groups, state_size]")
     if g == 0 or h % g:
         raise ValueError(f"heads ({h}) must be a multiple of B's groups ({g})")
     if D is not None and _shape(D) not in ((h,), (h, p)):
         raise ValueError(f"D must be [heads] or [heads, head_dim] = {(h,)} or {(h, p)}; got "
                          f"{_shape(D)}")
     if z is not None:
-        _need("z", z, (b, h, p), "[batch, heads, head_dim]")
+        need_shape("z", z, (b, h, p), "[batch, heads, head_dim]")
     if dt_bias is not None:
-        _need("dt_bias", dt_bias, (h,), "[heads]")
+        need_shape("dt_bias", dt_bias, (h,), "[heads]")
     if state_batch_indices is None:
         if slots != b:
             raise ValueError(f"state has {slots} slots for a batch of {b}: pass "
@@ -89,7 +94,7 @@ def validate_selective_state_update(state, x, dt, A, B, C, *, D=None, z=None,
     if not hasattr(idx, "dtype") or not jnp.issubdtype(idx.dtype, jnp.integer):
         raise TypeError(f"state_batch_indices must be an integer array; got "
                         f"{getattr(idx, 'dtype', type(idx).__name__)}")
-    _need("state_batch_indices", idx, (b,), "[batch]")
+    need_shape("state_batch_indices", idx, (b,), "[batch]")
     if not isinstance(idx, jax.core.Tracer):
         values = np.asarray(idx)
         named = values[(values >= 0) & (values < slots)]
@@ -98,11 +103,11 @@ def validate_selective_state_update(state, x, dt, A, B, C, *, D=None, z=None,
 
 
 def process_dt(dt, dt_bias, dt_softplus: bool):
-    """dt in fp32 with its bias added and, when asked, through softplus (above 20 the
-    identity, as mamba_ssm, where log1p(exp(dt)) equals dt in fp32)."""
-    dt = dt.astype(jnp.float32)
+    """dt in fp32 (float64 where it is) with its bias added and, when asked, through
+    softplus (above 20 the identity, as mamba_ssm, where log1p(exp(dt)) equals dt in fp32)."""
+    dt = dt.astype(jnp.promote_types(dt.dtype, jnp.float32))
     if dt_bias is not None:
-        dt = dt + dt_bias.astype(jnp.float32)
+        dt = dt + dt_bias.astype(dt.dtype)
     if dt_softplus:
         dt = jnp.where(dt <= 20.0, jnp.log1p(jnp.exp(jnp.minimum(dt, 20.0))), dt)
     return dt

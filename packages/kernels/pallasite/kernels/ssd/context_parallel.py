@@ -46,11 +46,13 @@ def _heads(t, heads: int):
 
 def _log_decays(a):
     """(inclusive cumulative sums [b, l, h], the sums after each step [b, l, h], the total
-    [b, h]) of the clamped a, in fp32. The suffix sums come from their own cumulative sum
-    (not total - prefix), so no cancellation."""
+    [b, h]) of the clamped a, in fp32. The sums after each step are a reversed
+    cumulative sum of the steps shifted by one (not total - prefix, nor an inclusive sum
+    less the step): no cancellation, even beside a reset's -1e4."""
     a = _flat(decay.clamp_resets(a).astype(jnp.float32))
     prefix = jnp.cumsum(a, axis=1)
-    after = jnp.flip(jnp.cumsum(jnp.flip(a, 1), axis=1), 1) - a
+    later = jnp.concatenate([a[:, 1:], jnp.zeros_like(a[:, :1])], axis=1)
+    after = jnp.flip(jnp.cumsum(jnp.flip(later, 1), axis=1), 1)
     return prefix, after, jnp.sum(a, axis=1)
 
 
@@ -77,12 +79,22 @@ def _gathered(state, total, axes):
     all_gather's is not on JAX 0.11.2), so the whole sequence's final state and the
     initial state's cotangent are too."""
     me = jax.lax.axis_index(axes)
+    return _rows(state, axes), _rows(total, axes), me
+
+
+def _rows(t, axes):
+    """[shards, *t.shape]: every part's t in sequence order, the same on every part."""
+    me = jax.lax.axis_index(axes)
     shards = jax.lax.psum(1, axes)
+    return jax.lax.psum(jnp.zeros((shards,) + t.shape, t.dtype).at[me].set(t), axes)
 
-    def rows(t):
-        return jax.lax.psum(jnp.zeros((shards,) + t.shape, t.dtype).at[me].set(t), axes)
 
-    return rows(state), rows(total), me
+def previous_part(t, first, axes):
+    """The previous part's t (for the sequence's first part: `first`), e.g. the last
+    step's value of an array split along the sequence."""
+    rows = _rows(t, axes)
+    me = jax.lax.axis_index(axes)
+    return jnp.where(me == 0, first, rows[jnp.maximum(me - 1, 0)])
 
 
 def entering_state(final_from_zero, total, initial_state, axes):
