@@ -86,3 +86,34 @@ def test_block_sizes_for_builds_the_kernels_class():
         impls.block_sizes_for(triton, {"tile": 3})
     with pytest.raises(NotImplementedError, match="takes no block sizes"):
         impls.block_sizes_for(xla, {"block_m": 16})
+
+
+def test_mamba_cases_flops_bytes_and_suite():
+    c = ops.mamba_case("r", 8, 4096, 32, 64, 128, 1, seqs=8)
+    assert c.kernel == "mamba_chunk_scan.fwd" and "seqs=8" in c.shape
+    assert c.flops == ops.ssd_case("r", 8, 4096, 32, 64, 128, 1).flops
+    x, dt, bc, st = 8 * 4096 * 32 * 64 * 2, 8 * 4096 * 32 * 4, 2 * 8 * 4096 * 128 * 2, \
+        8 * 32 * 64 * 128 * 4
+    inputs = 2 * x + dt + bc + st
+    assert c.bytes == inputs + x + st
+    both = ops.mamba_case("r", 8, 4096, 32, 64, 128, 1, direction="fwd_bwd")
+    assert both.bytes == (inputs + x + st) + inputs + (x + st) + inputs
+    cases = suites.suite("mamba")
+    assert len(cases) == 12 and {c.op for c in cases} == {ops.MAMBA}
+    assert {c.d["seqs"] for c in cases} == {1, 8}
+
+
+def test_check_mamba_accepts_the_xla_path_and_flags_a_wrong_head():
+    """The float64 check (dt, resets, D, z around the recurrence) admits the XLA path's
+    outputs on packed inputs and rejects them with one head's y shifted."""
+    import jax.numpy as jnp
+
+    from pallasite.bench import impls
+
+    case = ops.mamba_case("tiny", 2, 128, 4, 16, 16, 2, chunk=64, seqs=3)
+    inputs = ops.make_inputs(case, 0)
+    assert "seq_idx" in inputs
+    outputs = impls.build_mamba(None, case, None, name="xla")(inputs)
+    assert ops.check_mamba(case, inputs, outputs).ok
+    y = jnp.asarray(outputs[0]).at[0, :, 0].add(1.0)
+    assert not ops.check_mamba(case, inputs, (y,) + tuple(outputs[1:])).ok

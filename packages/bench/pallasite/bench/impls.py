@@ -4,7 +4,8 @@ Each `Impl` says where it runs (`unavailable` gives the reason where it cannot, 
 record keeps as status "unsupported") and builds a function from an input set (the dict of
 ops.make_inputs) to the tuple of outputs the checks compare:
 grouped_projection fwd (y,), fwd_bwd (y, dx, dkernel); chunk_ssd fwd (y, final_state),
-fwd_bwd (y, final_state, dx, da, db, dc, dinitial_state).
+fwd_bwd (y, final_state, dx, da, db, dc, dinitial_state); mamba_chunk_scan fwd (y,
+final_state), fwd_bwd (y, final_state, then the gradients of ops.MAMBA_ARGS in order).
 
 pallasite's kernels are imported lazily, so a backend that has not landed, or a peer that is
 not installed, becomes an "unsupported" record and the CLI still runs. On a CPU the Pallas
@@ -64,6 +65,10 @@ IMPLS: tuple[Impl, ...] = (
     Impl("xla", ops.SSD, False),
     Impl("reference.ssd_chunked", ops.SSD, True),
     Impl("mamba_ssm.triton", ops.SSD, True, "torch"),
+    Impl("pallas_triton", ops.MAMBA, False),
+    Impl("pallas_mosaic_tpu", ops.MAMBA, False),
+    Impl("xla", ops.MAMBA, False),
+    Impl("mamba_ssm.triton", ops.MAMBA, True, "torch"),
 )
 
 
@@ -262,6 +267,53 @@ def ssd_grads_reference(case: ops.Case, inputs: dict) -> tuple | None:
     return vjp((inputs["dy"].astype(jnp.float32), inputs["dfinal"]))
 
 
+# ----------------------------------------------------------------------- mamba_chunk_scan
+
+
+def _mamba_forward(name: str, chunk: int, block_sizes) -> Callable:
+    """(x, dt, A, B, C, D, z, dt_bias, initial_state, seq_idx) -> (y, final_state): the
+    options a Mamba-2 layer turns on. The Pallas backends interpret on a CPU (chunk_ssd's
+    own choice there), so one path serves parity and timing."""
+    from pallasite import kernels
+
+    def fwd(x, dt, A, B, C, D, z, dt_bias, initial_state, seq_idx):
+        return kernels.mamba_chunk_scan(
+            x, dt, A, B, C, chunk, D=D, z=z, dt_bias=dt_bias, dt_softplus=True,
+            initial_states=initial_state, seq_idx=seq_idx, return_final_states=True,
+            implementation=name, block_sizes=block_sizes)
+
+    return fwd
+
+
+def build_mamba(impl, case, plat, block_sizes=None, name=None) -> Callable:
+    import jax
+
+    fwd = _mamba_forward(name or impl.name, case.d["chunk"], block_sizes)
+    if case.direction == "fwd":
+        return jax.jit(lambda i: tuple(fwd(*(i[k] for k in ops.MAMBA_ARGS),
+                                           i.get("seq_idx"))))
+
+    def fwd_bwd(i):
+        (y, final), vjp = jax.vjp(lambda *t: fwd(*t, i.get("seq_idx")),
+                                  *(i[k] for k in ops.MAMBA_ARGS))
+        return (y, final, *vjp((i["dy"], i["dfinal"])))
+
+    return jax.jit(fwd_bwd)
+
+
+def mamba_grads_reference(case: ops.Case, inputs: dict) -> tuple | None:
+    """The nine gradients of the XLA implementation with every input in fp32."""
+    import jax.numpy as jnp
+
+    try:
+        run = build_mamba(None, case, None, name="xla")
+    except (ImportError, AttributeError):
+        return None
+    wide = {k: (v.astype(jnp.float32) if jnp.issubdtype(v.dtype, jnp.floating) else v)
+            for k, v in inputs.items()}
+    return run(wide)[2:]
+
+
 # --------------------------------------------------------------------------------- build
 
 
@@ -274,6 +326,9 @@ _BLOCK_SIZES = {
                                     "MosaicGpuBlockSizes"),
     (ops.SSD, "pallas_triton"): ("pallasite.kernels.ssd.pallas_triton", "BlockSizes"),
     (ops.SSD, "pallas_mosaic_tpu"): ("pallasite.kernels.ssd.pallas_mosaic_tpu", "BlockSizes"),
+    (ops.MAMBA, "pallas_triton"): ("pallasite.kernels.ssd.pallas_triton", "BlockSizes"),
+    (ops.MAMBA, "pallas_mosaic_tpu"): ("pallasite.kernels.ssd.pallas_mosaic_tpu",
+                                       "BlockSizes"),
 }
 
 
@@ -308,6 +363,8 @@ def build(impl: Impl, case: ops.Case, plat: Platform, options: dict) -> Callable
         return peers.build_torch(impl.name, case, options)
     if case.op == ops.GP:
         return build_grouped_projection(impl, case, plat, block_sizes)
+    if case.op == ops.MAMBA:
+        return build_mamba(impl, case, plat, block_sizes)
     return build_ssd(impl, case, plat, block_sizes)
 
 

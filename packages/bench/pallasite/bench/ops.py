@@ -19,11 +19,19 @@ implementations of one case share them and their TFLOP/s are directly comparable
   x, a, b, c, dy, dfinal again and writes dx, da, db, dc, dinitial. docs/targets.md's first SSD
   row comes to 0.77 GB forward+backward (its "about 0.8 GB").
 
+- mamba_chunk_scan (the whole Mamba-2 scan: dt bias and softplus, D, z, and with
+  seqs > 1 that many packed sequences per row): chunk_ssd's flops (the elementwise work
+  around the scan is not counted); minimum bytes: x, dt (fp32), B, C, z, the fp32
+  initial state in, y and the final state out; the backward re-reads them and dy,
+  dfinal, and writes dx, ddt, dB, dC, dz and the initial state's gradient.
+
 Errors are measured against the definition, sampled so they cost little at any size:
 grouped_projection rows of y and dx and columns of a few groups' dkernel, each recomputed
 on the device with exact bf16 products summed in fp32 at HIGHEST precision; chunk_ssd's y
 and final state for a few (batch, head) pairs by a float64 numpy recurrence over the full
-sequence, and its gradients against the XLA implementation's in fp32 where that exists.
+sequence, and its gradients against the XLA implementation's in fp32 where that exists;
+mamba_chunk_scan's the same way, its dt, D, z and resets applied in float64 around the
+recurrence.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import numpy as np
 
 GP = "grouped_projection"
 SSD = "chunk_ssd"
+MAMBA = "mamba_chunk_scan"
 DIRECTIONS = ("fwd", "fwd_bwd")
 
 # "fp8": grouped_projection's recipe="fp8", bf16 operands quantized to e4m3 (1 byte each)
@@ -47,7 +56,7 @@ FP8 = "fp8"
 class Case:
     """One benchmarked point: an op, a direction, a named shape and an operand dtype."""
 
-    op: str  # GP or SSD
+    op: str  # GP, SSD or MAMBA
     direction: str  # "fwd" or "fwd_bwd"
     shape_name: str
     dims: tuple[tuple[str, int], ...]  # ordered (name, size) pairs
@@ -84,12 +93,20 @@ class Case:
 
     @property
     def flops(self) -> float:
-        return (gp_flops if self.op == GP else ssd_flops)(self.direction, **self.d)
+        if self.op == GP:
+            return gp_flops(self.direction, **self.d)
+        return ssd_flops(self.direction, **_scan_dims(self.d))
 
     @property
     def bytes(self) -> float:
-        fn = gp_bytes if self.op == GP else ssd_bytes
-        return fn(self.direction, _ITEMSIZE[self.dtype], **self.d)
+        fn = {GP: gp_bytes, SSD: ssd_bytes, MAMBA: mamba_bytes}[self.op]
+        dims = self.d if self.op == GP else _scan_dims(self.d)
+        return fn(self.direction, _ITEMSIZE[self.dtype], **dims)
+
+
+def _scan_dims(d: dict) -> dict:
+    """A scan case's dims without mamba_chunk_scan's sequence count."""
+    return {k: v for k, v in d.items() if k != "seqs"}
 
 
 # How grouped_projection's rows are split over the groups (the same split for every seed):
@@ -115,6 +132,15 @@ def gp_case(name, m, k, n, g, direction="fwd", dtype="bfloat16",
 def ssd_case(name, b, l, h, p, n, g, chunk=256, direction="fwd", dtype="bfloat16") -> Case:
     dims = (("b", b), ("l", l), ("h", h), ("p", p), ("n", n), ("g", g), ("chunk", chunk))
     return Case(SSD, direction, name, dims, dtype)
+
+
+def mamba_case(name, b, l, h, p, n, g, chunk=256, seqs=1, direction="fwd",
+               dtype="bfloat16") -> Case:
+    """mamba_chunk_scan with dt_bias, softplus, D and z on, and `seqs` packed sequences
+    per row (1: none, no seq_idx)."""
+    dims = (("b", b), ("l", l), ("h", h), ("p", p), ("n", n), ("g", g), ("chunk", chunk),
+            ("seqs", seqs))
+    return Case(MAMBA, direction, name, dims, dtype)
 
 
 # ------------------------------------------------------------------------ flops and bytes
@@ -154,6 +180,21 @@ def ssd_bytes(direction: str, itemsize: int, b: int, l: int, h: int, p: int, n: 
         return float(fwd)
     bwd = (x + a + bc) + (x + state) + (x + a + bc + state)  # re-read; dy, dfinal; grads
     return float(fwd + bwd)
+
+
+def mamba_bytes(direction: str, itemsize: int, b: int, l: int, h: int, p: int, n: int,
+                g: int, chunk: int) -> float:
+    """x, dt, B, C, z and the initial state in, y and the final state out; the backward
+    re-reads the inputs, reads dy and dfinal and writes a gradient of each input."""
+    x = b * l * h * p * itemsize
+    dt = b * l * h * 4
+    bc = 2 * b * l * g * n * itemsize
+    state = b * h * p * n * 4
+    inputs = 2 * x + dt + bc + state  # x, z, dt, B, C, initial
+    fwd = inputs + x + state
+    if direction == "fwd":
+        return float(fwd)
+    return float(fwd + inputs + (x + state) + inputs)
 
 
 # ------------------------------------------------------------------------------- inputs
@@ -198,6 +239,8 @@ def make_inputs(case: Case, seed: int) -> dict[str, Any]:
         if case.direction == "fwd_bwd":
             out["dy"] = jax.random.normal(k_cot, (d["m"], d["n"]), dt)
         return out
+    if case.op == MAMBA:
+        return _mamba_inputs(case, k_in, k_cot, k_state, dt)
     x, a, b, c = ref_inputs.ssd_inputs(k_in, d["b"], d["l"], d["h"], d["p"], d["n"], d["g"], dt)
     init = ref_inputs.ssd_initial_state(k_state, d["b"], d["h"], d["p"], d["n"])
     out = {"x": x, "a": a, "b": b, "c": c, "initial_state": init}
@@ -205,6 +248,45 @@ def make_inputs(case: Case, seed: int) -> dict[str, Any]:
         k_dy, k_df = jax.random.split(k_cot)
         out["dy"] = jax.random.normal(k_dy, x.shape, dt)
         out["dfinal"] = jax.random.normal(k_df, init.shape, init.dtype)
+    return out
+
+
+# mamba_chunk_scan's arrays, in the order the implementations take (and differentiate) them.
+MAMBA_ARGS = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_state")
+
+
+def _mamba_inputs(case: Case, k_in, k_cot, k_state, dtype) -> dict[str, Any]:
+    """A Mamba-2 layer's scan inputs: x, z, B, C ~ N(0, 1) in `dtype`; dt ~ N(-4, 1) and
+    dt_bias ~ N(0, 0.5) in fp32 (softplus gives Mamba-2's dt range), A = -exp(U[0, 1)),
+    D ~ N(0, 1); with seqs > 1, seq_idx [b, l] packs that many sequences of random
+    lengths (the same boundaries in every row)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallasite.reference import inputs as ref_inputs
+
+    d = case.d
+    b, l, h, p, n, g = (d[k] for k in ("b", "l", "h", "p", "n", "g"))
+    k = jax.random.split(k_in, 8)
+    f32 = jnp.float32
+    out = {"x": jax.random.normal(k[0], (b, l, h, p), f32).astype(dtype),
+           "dt": jax.random.normal(k[1], (b, l, h), f32) - 4.0,
+           "A": -jnp.exp(jax.random.uniform(k[2], (h,), f32)),
+           "B": jax.random.normal(k[3], (b, l, g, n), f32).astype(dtype),
+           "C": jax.random.normal(k[4], (b, l, g, n), f32).astype(dtype),
+           "D": jax.random.normal(k[5], (h,), f32),
+           "z": jax.random.normal(k[6], (b, l, h, p), f32).astype(dtype),
+           "dt_bias": 0.5 * jax.random.normal(k[7], (h,), f32),
+           "initial_state": ref_inputs.ssd_initial_state(k_state, b, h, p, n)}
+    if d["seqs"] > 1:
+        cuts = np.sort(np.random.default_rng(1234).choice(np.arange(1, l), d["seqs"] - 1,
+                                                          replace=False))
+        row = np.searchsorted(cuts, np.arange(l), side="right").astype(np.int32)
+        out["seq_idx"] = jnp.asarray(np.broadcast_to(row, (b, l)))
+    if case.direction == "fwd_bwd":
+        k_dy, k_df = jax.random.split(k_cot)
+        out["dy"] = jax.random.normal(k_dy, out["x"].shape, f32).astype(dtype)
+        out["dfinal"] = jax.random.normal(k_df, (b, h, p, n), f32)
     return out
 
 
@@ -354,6 +436,51 @@ def check_ssd(case: Case, inputs: dict, outputs: tuple, grads_ref=None) -> Error
     """Forward outputs against float64 numpy; gradients against `grads_ref` when given."""
     pairs = check_ssd_forward(case, inputs, outputs)
     ref = "float64 recurrence (3 batch/head pairs)"
+    if case.direction == "fwd_bwd" and grads_ref is not None and len(outputs) > 2:
+        pairs += list(zip(outputs[2:], grads_ref))
+        ref += "; gradients vs xla fp32"
+    return _combine(pairs, case.dtype, ref)
+
+
+def _softplus(t):
+    return np.where(t <= 20.0, np.log1p(np.exp(np.minimum(t, 20.0))), t)
+
+
+def check_mamba_forward(case: Case, inputs: dict, outputs: tuple) -> list[tuple]:
+    """(actual, expected) pairs of y and the final state for three (batch, head) pairs:
+    dt, the resets, D and z applied in float64 around the float64 recurrence."""
+    from pallasite.kernels.ssd.tuning_benchmarks import numpy_reference
+
+    d = case.d
+    f64 = lambda k: np.asarray(inputs[k], np.float64)  # noqa: E731
+    dt = _softplus(f64("dt") + f64("dt_bias"))
+    a = f64("A") * dt
+    if "seq_idx" in inputs:
+        seq = np.asarray(inputs["seq_idx"])
+        starts = np.concatenate([np.zeros_like(seq[:, :1], bool), seq[:, 1:] != seq[:, :-1]],
+                                axis=1)
+        # A reset: -1e4 (exp underflows to 0; -inf would give -inf - -inf = NaN in the
+        # closed form's exponents, and float64 keeps the steps beside it to 1e-12).
+        a = np.where(starts[..., None], -1e4, a)
+    x = f64("x")
+    picks = list(dict.fromkeys([(0, 0), (d["b"] - 1, d["h"] - 1), (d["b"] // 2, d["h"] // 2)]))
+    with np.errstate(over="ignore"):  # exp(+1e4) above the diagonal, masked by tril
+        expected = numpy_reference(x * dt[..., None], a, f64("B"), f64("C"),
+                                   f64("initial_state"), picks)
+    z, D = f64("z"), f64("D")
+    pairs = []
+    for (bi, hi), (y, final) in zip(picks, expected):
+        zz = z[bi, :, hi]
+        y = (y + D[hi] * x[bi, :, hi]) * zz / (1.0 + np.exp(-zz))
+        pairs.append((np.asarray(outputs[0][bi, :, hi], np.float64), y))
+        pairs.append((np.asarray(outputs[1][bi, hi], np.float64), final))
+    return pairs
+
+
+def check_mamba(case: Case, inputs: dict, outputs: tuple, grads_ref=None) -> Error:
+    """Forward outputs against float64 numpy; the nine gradients against `grads_ref`."""
+    pairs = check_mamba_forward(case, inputs, outputs)
+    ref = "float64 recurrence with dt, D, z (3 batch/head pairs)"
     if case.direction == "fwd_bwd" and grads_ref is not None and len(outputs) > 2:
         pairs += list(zip(outputs[2:], grads_ref))
         ref += "; gradients vs xla fp32"

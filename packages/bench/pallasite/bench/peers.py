@@ -109,6 +109,8 @@ def adapt_torch(name: str, case: ops.Case, inputs: dict) -> dict:
         return t
     if name in ("torch._scaled_grouped_mm", "torch._scaled_mm.dense"):
         return _rowwise_fp8(t)
+    if case.op == ops.MAMBA:  # the same arguments, as torch tensors
+        return t
     # mamba_ssm: dt = -a (> 0), A = -1, x / dt so that x*dt is pallasite's x.
     dt = (-t["a"]).float().clamp_min(1e-30)
     t["mamba_x"] = (t["x"].float() / dt[..., None]).to(t["x"].dtype)
@@ -125,7 +127,7 @@ def build_torch(name: str, case: ops.Case, options: dict):
     if name == "torch._scaled_mm.dense":
         return _scaled_mm_dense
     _add_mamba_path(options.get("mamba_ssm_path"))
-    return _mamba(case)
+    return _mamba_layer(case) if case.op == ops.MAMBA else _mamba(case)
 
 
 def _row_major_ok() -> bool:
@@ -232,6 +234,31 @@ def _mamba(case: ops.Case):
         torch.autograd.backward((y, final), (t["dy"], t["dfinal"]))
         # Gradients are w.r.t. mamba's (x, dt, A) parametrisation: time them, compare only y.
         return (_to_jax(y.detach()), _to_jax(final.detach()))
+
+    return lambda t: run(t, case.direction == "fwd_bwd")
+
+
+def _mamba_layer(case: ops.Case):
+    """mamba_chunk_scan_combined with a Mamba-2 layer's options (dt_bias, softplus, D, z,
+    and seq_idx when packed): its gradients are of the same nine arguments as
+    pallasite's, so all are compared."""
+    import torch
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+    chunk = case.d["chunk"]
+
+    def run(t, grads):
+        args = [t[k] for k in ops.MAMBA_ARGS]
+        if grads:
+            args = [a.detach().requires_grad_(True) for a in args]
+        x, dt, A, B, C, D, z, dt_bias, init = args
+        y, final = mamba_chunk_scan_combined(
+            x, dt, A, B, C, chunk, D=D, z=z, dt_bias=dt_bias, initial_states=init,
+            seq_idx=t.get("seq_idx"), dt_softplus=True, return_final_states=True)
+        if not grads:
+            return (_to_jax(y), _to_jax(final))
+        got = torch.autograd.grad((y, final), args, (t["dy"], t["dfinal"]))
+        return tuple(_to_jax(v) for v in (y.detach(), final.detach(), *got))
 
     return lambda t: run(t, case.direction == "fwd_bwd")
 

@@ -16,7 +16,7 @@ from pallasite.bench.records import Record
 from pallasite.bench.roofline import Roofline
 
 
-_SHORT = {"grouped_projection": "gp", "chunk_ssd": "ssd"}
+_SHORT = {"grouped_projection": "gp", "chunk_ssd": "ssd", "mamba_chunk_scan": "mamba"}
 
 
 def _label(r: Record) -> str:
@@ -75,7 +75,7 @@ def roofline_png(records: Sequence[Record], roof: Roofline, path: str,
     fig, ax = plt.subplots(figsize=(11, 7), dpi=110)
     ax.plot(xs, np.minimum(peak, roof.tbps * xs), "k-", lw=1.5,
             label=f"{roof.name}: {peak:.3g} TFLOP/s, {roof.tbps:.3g} TB/s")
-    markers = {"grouped_projection": "o", "chunk_ssd": "s"}
+    markers = {"grouped_projection": "o", "chunk_ssd": "s", "mamba_chunk_scan": "D"}
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)

@@ -90,6 +90,14 @@ def _check(case, impl, ctx, inputs, outputs) -> ops.Error:
         inputs, outputs = placement.gathered(inputs), placement.gathered(outputs)
     if case.op == ops.GP:
         return ops.check_grouped_projection(case, inputs, outputs)
+    if case.op == ops.MAMBA:  # every implementation differentiates the same arguments
+        grads = None
+        if case.direction == "fwd_bwd":
+            if case not in ctx.grads:
+                ctx.grads.clear()
+                ctx.grads[case] = impls.mamba_grads_reference(case, inputs)
+            grads = ctx.grads[case]
+        return ops.check_mamba(case, inputs, outputs, grads)
     grads = None
     if case.direction == "fwd_bwd" and impl.framework == "jax":
         if case not in ctx.grads:  # one fp32 XLA backward per case, shared by its impls

@@ -12,6 +12,9 @@
   (recipe="fp8"; the forward also from pre-quantized operands, beside torch's fp8
   grouped GEMM and its dense fp8 GEMM) and in bf16, forward and forward+backward, so
   every fp8 figure has the bf16 one of the same run beside it.
+- "mamba": mamba_chunk_scan (dt_bias, softplus, D and z on, as a Mamba-2 layer calls it)
+  on the TARGETS SSD rows, alone and with 8 sequences packed per row (seq_idx), forward
+  and forward+backward, beside mamba_ssm's mamba_chunk_scan_combined.
 - "quick": one small shape per op a GPU runs in seconds (still TARGETS-like proportions).
 - "cpu": tiny shapes the Pallas interpreters get through in seconds on two cores; the default
   on a machine without an accelerator whatever else was asked.
@@ -25,7 +28,7 @@
 from __future__ import annotations
 
 from pallasite.bench import ops
-from pallasite.bench.ops import gp_case, ssd_case
+from pallasite.bench.ops import gp_case, mamba_case, ssd_case
 
 _TARGET_GP = (
     ("mixtral", 32768, 4096, 14336, 8),
@@ -68,12 +71,16 @@ _EXTRA_GP_ZIPF = (
 
 _QUICK_GP = (("quick", 8192, 1024, 1024, 16),)
 _QUICK_SSD = (("quick", 2, 2048, 16, 64, 64, 1),)
+_PACKED = 8  # sequences per row in the "mamba" suite's packed cases
 
 # One shape per op keeps the CPU main job near a minute on two cores (each interpreted
 # kernel compiles for 2-8 s); b > 1, g > 1 and two chunks still exercise every index map.
 _CPU_GP = (("tiny", 96, 64, 128, 4),)
 _CPU_SSD = (("tiny", 2, 64, 4, 16, 16, 2),)
 _CPU_SSD_CHUNK = 32
+# mamba_chunk_scan goes through chunk_ssd's selection, which takes chunks of 64 or more.
+_CPU_MAMBA = (("tiny", 2, 128, 4, 16, 16, 2),)
+_CPU_MAMBA_CHUNK, _CPU_MAMBA_SEQS = 64, 3
 
 
 def _cases(gp_shapes, ssd_shapes, directions, chunk=256) -> list[ops.Case]:
@@ -115,17 +122,24 @@ def suite(name: str, devices: int = 2) -> list[ops.Case]:
                 for s in shapes] + _cases(_EXTRA_GP_WIDTHS + _EXTRA_GP_SMALL_M, (),
                                           ops.DIRECTIONS) + _cases(
                     (), _EXTRA_SSD, ops.DIRECTIONS, chunk=_EXTRA_SSD_CHUNK)
+    if name == "mamba":
+        return [mamba_case(*s, seqs=seqs, direction=d) for d in ops.DIRECTIONS
+                for seqs in (1, _PACKED) for s in _TARGET_SSD]
     if name == "quick":
-        return _cases(_QUICK_GP, _QUICK_SSD, ops.DIRECTIONS)
+        return _cases(_QUICK_GP, _QUICK_SSD, ops.DIRECTIONS) + [
+            mamba_case(*s, seqs=_PACKED, direction=d) for d in ops.DIRECTIONS
+            for s in _QUICK_SSD]
     if name == "cpu":
         return _cases(_CPU_GP, _CPU_SSD, ops.DIRECTIONS, chunk=_CPU_SSD_CHUNK) + [
-            gp_case(*s, direction=d, dtype=ops.FP8) for d in ops.DIRECTIONS for s in _CPU_GP]
+            gp_case(*s, direction=d, dtype=ops.FP8) for d in ops.DIRECTIONS for s in _CPU_GP
+        ] + [mamba_case(*s, chunk=_CPU_MAMBA_CHUNK, seqs=_CPU_MAMBA_SEQS, direction=d)
+             for d in ops.DIRECTIONS for s in _CPU_MAMBA]
     if name == "smoke":
         return _cases(_CPU_GP[:1], _CPU_SSD[:1], ("fwd",), chunk=_CPU_SSD_CHUNK)
     raise ValueError(f"unknown suite {name!r}; known: {', '.join(SUITES)}")
 
 
-SUITES = ("targets", "extra", "fp8", "quick", "cpu", "smoke", "scaling")
+SUITES = ("targets", "extra", "fp8", "mamba", "quick", "cpu", "smoke", "scaling")
 
 
 def filter_cases(cases: list[ops.Case], *, ops_: list[str] | None = None,
