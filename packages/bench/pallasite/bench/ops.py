@@ -434,10 +434,15 @@ def check_ssd_forward(case: Case, inputs: dict, outputs: tuple) -> list[tuple]:
 
 def check_ssd(case: Case, inputs: dict, outputs: tuple, grads_ref=None) -> Error:
     """Forward outputs against float64 numpy; gradients against `grads_ref` when given."""
-    pairs = check_ssd_forward(case, inputs, outputs)
-    ref = "float64 recurrence (3 batch/head pairs)"
+    return _check_scan(case, check_ssd_forward(case, inputs, outputs), outputs, grads_ref,
+                       "float64 recurrence (3 batch/head pairs)")
+
+
+def _check_scan(case: Case, pairs: list, outputs: tuple, grads_ref, ref: str) -> Error:
+    """A scan's forward pairs, and for fwd_bwd its gradients (outputs[2:]) against
+    `grads_ref` when given."""
     if case.direction == "fwd_bwd" and grads_ref is not None and len(outputs) > 2:
-        pairs += list(zip(outputs[2:], grads_ref))
+        pairs = pairs + list(zip(outputs[2:], grads_ref))
         ref += "; gradients vs xla fp32"
     return _combine(pairs, case.dtype, ref)
 
@@ -479,9 +484,5 @@ def check_mamba_forward(case: Case, inputs: dict, outputs: tuple) -> list[tuple]
 
 def check_mamba(case: Case, inputs: dict, outputs: tuple, grads_ref=None) -> Error:
     """Forward outputs against float64 numpy; the nine gradients against `grads_ref`."""
-    pairs = check_mamba_forward(case, inputs, outputs)
-    ref = "float64 recurrence with dt, D, z (3 batch/head pairs)"
-    if case.direction == "fwd_bwd" and grads_ref is not None and len(outputs) > 2:
-        pairs += list(zip(outputs[2:], grads_ref))
-        ref += "; gradients vs xla fp32"
-    return _combine(pairs, case.dtype, ref)
+    return _check_scan(case, check_mamba_forward(case, inputs, outputs), outputs, grads_ref,
+                       "float64 recurrence with dt, D, z (3 batch/head pairs)")
