@@ -19,6 +19,10 @@ from pallasite.kernels.platform import (
     mosaic_gpu_runs,
     triton_runs,
 )
+from pallasite.kernels.gated_delta import (
+    chunk_gated_delta_rule,
+    fused_recurrent_gated_delta_rule,
+)
 from pallasite.kernels.mamba_scan import mamba_chunk_scan
 from pallasite.kernels.quantization import BlockScaled, quantize
 from pallasite.kernels.ssd_decode import selective_state_update
@@ -35,12 +39,14 @@ __all__ = [
     "MosaicTpuBlockSizes",
     "TritonBlockSizes",
     "checked_group_sizes",
+    "chunk_gated_delta_rule",
     "grouped_projection",
     "ragged_dot_runs",
     "bf16_dot_runs",
     "chunk_ssd",
     "device_generation",
     "fp8_runs",
+    "fused_recurrent_gated_delta_rule",
     "mamba_chunk_scan",
     "mosaic_gpu_runs",
     "quantize",

@@ -113,3 +113,15 @@ def triton_shared_memory_budget(device: Any = None) -> int:
     if own is not None:
         return own
     return min(kib for gen, kib in SHARED_MEMORY_KIB.items() if int(gen[2:]) >= 80) * 1024
+
+
+def named_implementations(implementation, known: tuple[str, ...], note: str = "") -> list[str]:
+    """The implementations to try, in order: `known` for None, else the one name or the
+    sequence given (ValueError for an empty one or an unknown name, listing `known`)."""
+    if implementation is None:
+        return list(known)
+    names = [implementation] if isinstance(implementation, str) else list(implementation)
+    if not names or any(n not in known for n in names):
+        raise ValueError(f"implementation={implementation!r}: one of {known}, a sequence of "
+                         f"them, or None{note}")
+    return names

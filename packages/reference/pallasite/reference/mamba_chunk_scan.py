@@ -29,18 +29,14 @@ import numpy as np
 from jaxtyping import Array, Float, Integer
 
 from pallasite.reference import ssd_decode
+from pallasite.reference.checks import check_cu_seqlens, check_floating_arrays
+from pallasite.reference.checks import need_shape as _need
+from pallasite.reference.checks import shape_of as _shape
 
 __all__ = ["mamba_chunk_scan_reference", "validate_mamba_chunk_scan", "process_dt",
            "seq_idx_from_cu_seqlens"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def _shape(t) -> tuple[int, ...]:
-    return tuple(int(d) for d in t.shape)
-
-
-_need = ssd_decode.need_shape
 
 
 def validate_mamba_chunk_scan(x, dt, A, B, C, chunk_size, *, D=None, z=None, dt_bias=None,
@@ -52,8 +48,8 @@ def validate_mamba_chunk_scan(x, dt, A, B, C, chunk_size, *, D=None, z=None, dt_
         raise TypeError(f"chunk_size must be an int; got {type(chunk_size).__name__}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
-    ssd_decode.check_floating_arrays(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
-                                     initial_states=initial_states)
+    check_floating_arrays(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
+                          initial_states=initial_states)
     if x.ndim != 4:
         raise ValueError(f"x must be [batch, length, heads, head_dim]; got shape {_shape(x)}")
     b, length, h, p = _shape(x)
@@ -95,17 +91,7 @@ def validate_mamba_chunk_scan(x, dt, A, B, C, chunk_size, *, D=None, z=None, dt_
                          "boundaries)")
     if cu_seqlens is None:
         return
-    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
-        raise ValueError(f"cu_seqlens must be [num_sequences + 1] with at least one "
-                         f"sequence; got shape {_shape(cu_seqlens)}")
-    if b != 1:
-        raise ValueError(f"cu_seqlens packs sequences into one row: batch must be 1; "
-                         f"got x of shape {_shape(x)}")
-    if not isinstance(cu_seqlens, jax.core.Tracer):
-        v = np.asarray(cu_seqlens).astype(np.int64)
-        if v[0] != 0 or v[-1] != length or (np.diff(v) < 0).any():
-            raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the "
-                             f"length {length}; got {v.tolist()}")
+    check_cu_seqlens(cu_seqlens, b, length, f"x of shape {_shape(x)}")
 
 
 def process_dt(dt, dt_bias, dt_softplus: bool, dt_limit):

@@ -27,31 +27,15 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Integer
 
+from pallasite.reference.checks import check_floating_arrays, need_shape, shape_of
+
 __all__ = ["selective_state_update_reference", "validate_selective_state_update",
            "process_dt", "STATE_DTYPES"]
 
 STATE_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
 
 
-def _shape(t) -> tuple[int, ...]:
-    return tuple(int(d) for d in t.shape)
-
-
-def need_shape(name: str, t, shape: tuple[int, ...], layout: str) -> None:
-    """ValueError naming `name` unless t has `shape` (`layout` names its axes)."""
-    if _shape(t) != shape:
-        raise ValueError(f"{name} must be {layout} = {shape}; got {_shape(t)}")
-
-
-def check_floating_arrays(**arrays) -> None:
-    """TypeError naming the argument unless each (not None) is a floating array."""
-    for name, t in arrays.items():
-        if t is None:
-            continue
-        if not hasattr(t, "shape") or not hasattr(t, "dtype"):
-            raise TypeError(f"{name} must be an array; got {type(t).__name__}")
-        if not jnp.issubdtype(t.dtype, jnp.floating):
-            raise TypeError(f"{name} must be floating; got {t.dtype}")
+_shape = shape_of
 
 
 def validate_selective_state_update(state, x, dt, A, B, C, *, D=None, z=None,

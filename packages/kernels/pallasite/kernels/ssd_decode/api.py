@@ -28,17 +28,6 @@ log = logging.getLogger(__name__)
 IMPLEMENTATIONS = ("pallas_triton", "xla")
 
 
-def _order(implementation) -> list[str]:
-    if implementation is None:
-        return list(IMPLEMENTATIONS)
-    names = [implementation] if isinstance(implementation, str) else list(implementation)
-    unknown = [n for n in names if n not in IMPLEMENTATIONS]
-    if not names or unknown:
-        raise ValueError(f"implementation={implementation!r}: one of {IMPLEMENTATIONS}, a "
-                         f"sequence of them, or None")
-    return names
-
-
 def _refusal(name: str, explicit: bool) -> str | None:
     """Why `name` cannot run here (None: it can). An explicit pallas_triton on a CPU host
     runs interpreted."""
@@ -104,7 +93,7 @@ def selective_state_update(
                                         state_batch_indices=state_batch_indices)
     if not isinstance(dt_softplus, bool):
         raise TypeError(f"dt_softplus must be a bool; got {type(dt_softplus).__name__}")
-    names = _order(implementation)
+    names = platform.named_implementations(implementation, IMPLEMENTATIONS)
     explicit = implementation is not None
     reasons = []
     for name in names:

@@ -1,0 +1,148 @@
+"""The chunked gated delta rule in plain JAX (the WY form), differentiated by JAX.
+
+Within a chunk of C steps entered with state S [K, V], with the in-chunk cumulative log
+decay G_t = g_0 + ... + g_t, D_tj = exp(G_t - G_j) for j <= t (a masked cumulative sum,
+as the SSD's segment sums: no cancellation under strong decay), and u_t the update the
+delta rule writes at step t (S_t = exp(g_t) S_{t-1} + k_t u_t^T):
+
+    u_t = beta_t (v_t - exp(G_t) S^T k_t - sum_{j<t} D_tj (k_t . k_j) u_j)
+
+so (I + A) u = beta (V - exp(G) K S) with A_tj = beta_t D_tj (k_t . k_j) strictly below
+the diagonal. One unit lower-triangular solve per chunk gives U = (I + A)^-1 (beta V) and
+W = (I + A)^-1 (beta exp(G) K), both independent of S; then, in a scan over chunks,
+
+    u  = U - W S
+    o  = scale (exp(G) Q S + (D * Q K^T) u)            (D with its diagonal)
+    S' = exp(G_last) S + (exp(G_last - G) K)^T u
+
+Packed sequences (cu_seqlens) are laid out so that each starts on a chunk of its own (a
+static bound on the padded length, positions from cu_seqlens, so traced cu_seqlens
+work): a sequence's first chunk enters with its own initial state, its last chunk's exit
+is its final state. Padding steps have k = v = q = 0, g = 0, beta = 0: they keep the
+state and write nothing.
+
+This is the fallback every device runs and the baseline the kernels are held to. Its
+backward is JAX's reverse of the scan (the chunk states saved per chunk).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallasite.kernels.ssd.xla import segsum
+from pallasite.reference.gated_delta_rule import expand_heads, l2norm
+
+_HI = jax.lax.Precision.HIGHEST
+_einsum = functools.partial(jnp.einsum, precision=_HI)
+
+
+def _packed_positions(cu_seqlens, length: int, chunk: int):
+    """(positions [T] of each step in the chunk-aligned layout, padded length, the first
+    chunk of each sequence [N], its chunk count [N])."""
+    ends = cu_seqlens.astype(jnp.int32)
+    lengths = ends[1:] - ends[:-1]
+    counts = (lengths + chunk - 1) // chunk
+    first = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts)[:-1]])
+    steps = jnp.arange(length, dtype=jnp.int32)
+    seq = jnp.searchsorted(ends[1:], steps, side="right").astype(jnp.int32)
+    seq = jnp.clip(seq, 0, lengths.shape[0] - 1)
+    positions = first[seq] * chunk + steps - ends[seq]
+    n = lengths.shape[0]
+    padded = -(-(length + n * (chunk - 1)) // chunk) * chunk
+    return positions, padded, first, counts
+
+
+def _to_layout(t, positions, padded: int):
+    """[1, T, ...] -> [1, padded, ...]: each step at its position, zeros between."""
+    out = jnp.zeros((1, padded) + t.shape[2:], t.dtype)
+    return out.at[:, positions].set(t)
+
+
+def _chunk_terms(q, k, v, g, beta, chunk: int):
+    """Per chunk (all at once): U, W, exp(G) Q, the masked D * Q K^T, exp(G_last) and
+    exp(G_last - G) K, from [B, L, H, ...] inputs (L a multiple of the chunk)."""
+    b, length, h, dk = k.shape
+    nc = length // chunk
+    split = lambda t: t.reshape(b, nc, chunk, *t.shape[2:])  # noqa: E731
+    q, k, v, g, beta = (split(t) for t in (q, k, v, g, beta))
+    g_h = jnp.moveaxis(g, 2, -1)  # [b, nc, h, C]
+    cum = jnp.cumsum(g_h, axis=-1)
+    seg = segsum(g_h)  # [b, nc, h, C, C]: sum_{j<l<=t} g_l below, -inf above
+    decay = jnp.exp(seg)  # D_tj (0 above the diagonal)
+    to_end = decay[..., -1, :]  # exp(G_last - G_j)  [b, nc, h, C]
+    kk = _einsum("bnthk,bnjhk->bnhtj", k, k)
+    strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
+    beta_h = jnp.moveaxis(beta, 2, -1)  # [b, nc, h, C]
+    a = jnp.where(strict, beta_h[..., :, None] * decay * kk, 0.0)
+    system = a + jnp.eye(chunk, dtype=a.dtype)
+    rhs_v = beta_h[..., None] * jnp.moveaxis(v, 2, 3)  # [b, nc, h, C, V]
+    rhs_k = (beta_h * jnp.exp(cum))[..., None] * jnp.moveaxis(k, 2, 3)  # [b, nc, h, C, K]
+    solve = functools.partial(jax.scipy.linalg.solve_triangular, lower=True,
+                              unit_diagonal=True)
+    u_part, w = solve(system, rhs_v), solve(system, rhs_k)
+    q_h = jnp.moveaxis(q, 2, 3)  # [b, nc, h, C, K]
+    qk = jnp.where(jnp.tril(jnp.ones((chunk, chunk), bool)), decay, 0.0) * _einsum(
+        "bnhtk,bnhjk->bnhtj", q_h, jnp.moveaxis(k, 2, 3))
+    eq = jnp.exp(cum)[..., None] * q_h
+    kd = to_end[..., None] * jnp.moveaxis(k, 2, 3)
+    return u_part, w, eq, qk, jnp.exp(cum[..., -1]), kd
+
+
+def forward(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, chunk_size: int,
+            use_qk_l2norm_in_kernel: bool):
+    """(o [B, T, Hv, V] in v's dtype, final states [N, Hv, K, V] fp32). Inputs as the
+    public function's, validated; initial_state [N, Hv, K, V] (zeros when none)."""
+    b, length, hv, dv = v.shape
+    dk = q.shape[3]
+    f = jnp.result_type(jnp.float32, q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
+    qf, kf = (expand_heads(t.astype(f), hv) for t in (q, k))
+    if use_qk_l2norm_in_kernel:
+        qf, kf = l2norm(qf), l2norm(kf)
+    vf, gf, bf = v.astype(f), g.astype(f), beta.astype(f)
+    init = initial_state.astype(f)
+    n = init.shape[0]
+    if cu_seqlens is None:
+        padded = -(-length // chunk_size) * chunk_size
+        pad = lambda t: jnp.pad(t, [(0, 0), (0, padded - length)]  # noqa: E731
+                                + [(0, 0)] * (t.ndim - 2))
+        qf, kf, vf, gf, bf = (pad(t) for t in (qf, kf, vf, gf, bf))
+    else:
+        positions, padded, first, counts = _packed_positions(cu_seqlens, length, chunk_size)
+        qf, kf, vf, gf, bf = (_to_layout(t, positions, padded) for t in (qf, kf, vf, gf, bf))
+    nc = padded // chunk_size
+    u_part, w, eq, qk, end_decay, kd = _chunk_terms(qf, kf, vf, gf, bf, chunk_size)
+    chunks = jnp.arange(nc, dtype=jnp.int32)
+    if cu_seqlens is None:
+        entering = leaving = jnp.full((nc,), -1, jnp.int32)
+        state0 = init
+    else:  # chunk c is sequence s's first (it enters with s's initial state) or last
+        def owner(chunk_of_seq):
+            hit = (chunks[:, None] == chunk_of_seq[None, :]) & (counts[None, :] > 0)
+            return jnp.where(hit.any(1), jnp.argmax(hit, axis=1), -1).astype(jnp.int32)
+
+        entering, leaving = owner(first), owner(first + counts - 1)
+        state0 = jnp.zeros((1, hv, dk, dv), f)
+
+    def step(carry, inputs):
+        state, finals = carry
+        u_c, w_c, eq_c, qk_c, ed_c, kd_c, enter, leave = inputs
+        state = jnp.where(enter >= 0, init[jnp.maximum(enter, 0)][None], state)
+        u = u_c - _einsum("bhtk,bhkv->bhtv", w_c, state)
+        o = scale * (_einsum("bhtk,bhkv->bhtv", eq_c, state)
+                     + _einsum("bhtj,bhjv->bhtv", qk_c, u))
+        new = ed_c[..., None, None] * state + _einsum("bhtk,bhtv->bhkv", kd_c, u)
+        slot = jnp.maximum(leave, 0)  # a sequence's last chunk: its final state
+        finals = finals.at[slot].set(jnp.where(leave >= 0, new[0], finals[slot]))
+        return (new, finals), o
+
+    xs = tuple(jnp.moveaxis(t, 1, 0) for t in (u_part, w, eq, qk, end_decay, kd))
+    (last, finals), o = jax.lax.scan(jax.checkpoint(step), (state0, init),
+                                     xs + (entering, leaving))
+    o = jnp.moveaxis(o, 0, 1)  # [b, nc, h, C, V]
+    o = jnp.moveaxis(o, 2, 3).reshape(b, padded, hv, dv)
+    if cu_seqlens is None:
+        return o[:, :length].astype(v.dtype), last
+    return o[:, positions].astype(v.dtype), finals  # an empty sequence's: its initial

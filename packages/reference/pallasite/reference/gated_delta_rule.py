@@ -1,0 +1,139 @@
+"""The gated delta rule (Gated DeltaNet), one step at a time: the definition.
+
+Per batch row (or packed sequence), value head h (reading query/key head h // (Hv // Hk)),
+step t, with the state S [K, V]:
+
+    S   <- exp(g_t) S                                   (g_t <= 0: a log decay)
+    S   <- S + beta_t k_t (v_t - S^T k_t)^T             (the delta rule's update)
+    o_t  = S^T (scale q_t)                              (scale defaults to K^-1/2)
+
+q and k are L2-normalised first (x / sqrt(sum x^2 + 1e-6)) when
+`use_qk_l2norm_in_kernel`. Layouts are flash-linear-attention's: q, k [B, T, Hk, K], v
+[B, T, Hv, V] (Hv a multiple of Hk), g and beta [B, T, Hv], states [N, Hv, K, V] in
+fp32, N = B, or with cu_seqlens (B = 1, cu_seqlens [N + 1]) the number of packed
+sequences, each starting from its own initial state (zero when none is given) and
+giving its own final state (an empty sequence's is its initial state).
+
+A lax.scan over steps in fp32, or float64 where x64 is on and an input is float64; the
+outputs in v's dtype. Every contraction runs at HIGHEST precision.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Integer
+
+from pallasite.reference.checks import (check_cu_seqlens, check_floating_arrays, need_shape,
+                                        shape_of)
+
+__all__ = ["gated_delta_rule_sequential", "validate_gated_delta_rule", "l2norm",
+           "expand_heads", "L2NORM_EPS"]
+
+_HI = jax.lax.Precision.HIGHEST
+L2NORM_EPS = 1e-6
+
+
+_shape = shape_of
+
+
+def validate_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
+                              cu_seqlens=None, chunk_size=None) -> int:
+    """ValueError/TypeError naming the argument; returns N, the number of states."""
+    check_floating_arrays(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+    if q.ndim != 4:
+        raise ValueError(f"q must be [batch, time, key_heads, key_dim]; got shape "
+                         f"{_shape(q)}")
+    b, t, hk, dk = _shape(q)
+    need_shape("k", k, (b, t, hk, dk), "[batch, time, key_heads, key_dim]")
+    if v.ndim != 4 or _shape(v)[:2] != (b, t):
+        raise ValueError(f"v must be [batch, time, value_heads, value_dim] with q's batch "
+                         f"and time {(b, t)}; got shape {_shape(v)}")
+    hv, dv = _shape(v)[2:]
+    if hk == 0 or hv % hk:
+        raise ValueError(f"v's heads ({hv}) must be a multiple of q's and k's ({hk})")
+    need_shape("g", g, (b, t, hv), "[batch, time, value_heads]")
+    need_shape("beta", beta, (b, t, hv), "[batch, time, value_heads]")
+    if scale is not None and not isinstance(scale, (int, float, np.floating, np.integer)):
+        raise TypeError(f"scale must be a number or None; got {type(scale).__name__}")
+    if chunk_size is not None:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)):
+            raise TypeError(f"chunk_size must be an int; got {type(chunk_size).__name__}")
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
+    n = b
+    if cu_seqlens is not None:
+        n = check_cu_seqlens(cu_seqlens, b, t, f"q of shape {_shape(q)}")
+    if initial_state is not None:
+        need_shape("initial_state", initial_state, (n, hv, dk, dv),
+                   "[num_states, value_heads, key_dim, value_dim]")
+    return n
+
+
+def l2norm(x):
+    """x / sqrt(sum(x^2) + 1e-6) over the last axis, in x's dtype's wide form."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+
+
+def expand_heads(t, value_heads: int):
+    """q or k [B, T, Hk, K] -> [B, T, Hv, K]: value head h reads key head h // (Hv/Hk)."""
+    return jnp.repeat(t, value_heads // t.shape[2], axis=2)
+
+
+def gated_delta_rule_sequential(
+    q: Float[Array, "B T Hk K"],
+    k: Float[Array, "B T Hk K"],
+    v: Float[Array, "B T Hv V"],
+    g: Float[Array, "B T Hv"],
+    beta: Float[Array, "B T Hv"],
+    *,
+    scale: float | None = None,
+    initial_state: Float[Array, "N Hv K V"] | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Integer[Array, " N1"] | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+):
+    """(o [B, T, Hv, V] in v's dtype, final states [N, Hv, K, V] or None)."""
+    n = validate_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                  cu_seqlens=cu_seqlens)
+    wide = jnp.result_type(jnp.float32, *(x.dtype for x in (q, k, v, g, beta, initial_state)
+                                          if x is not None))
+    b, t, hk, dk = q.shape
+    hv, dv = v.shape[2:]
+    scale = dk ** -0.5 if scale is None else scale
+    qf, kf = (expand_heads(x.astype(wide), hv) for x in (q, k))
+    if use_qk_l2norm_in_kernel:
+        qf, kf = l2norm(qf), l2norm(kf)
+    init = (jnp.zeros((n, hv, dk, dv), wide) if initial_state is None
+            else initial_state.astype(wide))
+    if cu_seqlens is None:
+        starts = jnp.full((t,), -1, jnp.int32)
+        s0 = init
+    else:  # one row: the state is reset to a sequence's own at its first step
+        ends = cu_seqlens.astype(jnp.int32)
+        steps = jnp.arange(t, dtype=jnp.int32)
+        seq = jnp.searchsorted(ends[1:], steps, side="right").astype(jnp.int32)
+        starts = jnp.where(steps == ends[jnp.clip(seq, 0, n - 1)], seq, -1)
+        s0 = jnp.zeros((1, hv, dk, dv), wide)
+
+    def step(state, inputs):
+        q_t, k_t, v_t, g_t, b_t, start = inputs  # [B,H,K] x2, [B,H,V], [B,H] x2, []
+        state = jnp.where(start >= 0, init[jnp.maximum(start, 0)][None], state)
+        state = jnp.exp(g_t)[..., None, None] * state
+        pred = jnp.einsum("bhkv,bhk->bhv", state, k_t, precision=_HI)
+        state = state + (b_t[..., None] * k_t)[..., None] * (v_t - pred)[..., None, :]
+        o_t = jnp.einsum("bhkv,bhk->bhv", state, scale * q_t, precision=_HI)
+        return state, (o_t, state)
+
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (qf, kf, v.astype(wide), g.astype(wide),
+                                                beta.astype(wide))) + (starts,)
+    last, (o, states) = jax.lax.scan(step, s0, xs)
+    o = jnp.moveaxis(o, 0, 1).astype(v.dtype)
+    if not output_final_state:
+        return o, None
+    if cu_seqlens is None:
+        return o, last
+    ends = cu_seqlens.astype(jnp.int32)
+    final = states[jnp.clip(ends[1:] - 1, 0, t - 1), 0]
+    return o, jnp.where((ends[1:] > ends[:-1])[:, None, None, None], final, init)
