@@ -19,6 +19,7 @@ from pallasite.kernels.platform import (
     mosaic_gpu_runs,
     triton_runs,
 )
+from pallasite.kernels.expert_mlp import grouped_mlp
 from pallasite.kernels.gated_delta import (
     chunk_gated_delta_rule,
     fused_recurrent_gated_delta_rule,
@@ -40,6 +41,7 @@ __all__ = [
     "TritonBlockSizes",
     "checked_group_sizes",
     "chunk_gated_delta_rule",
+    "grouped_mlp",
     "grouped_projection",
     "ragged_dot_runs",
     "bf16_dot_runs",

@@ -1,0 +1,165 @@
+"""grouped_mlp against its definition (pallasite.reference.grouped_mlp): values on every
+grouped_projection backend (the Pallas kernels interpreted on CPU), both activations, row
+weights, empty groups and rows past the total, the four gradients, local experts
+(group_offset) and expert parallelism over 8 devices, the fp8 recipe, the argument
+checks; and the definition itself against a float64 NumPy loop."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import sharding_testlib as st
+from pallasite.kernels import grouped_mlp
+from pallasite.reference import parity
+from pallasite.reference.grouped_mlp import grouped_mlp_reference
+
+BACKENDS = ["xla", "pallas_triton", "pallas_mosaic_tpu"]
+SIZES = [30, 0, 40, 20]  # an empty group; 6 rows past the total
+
+
+def _inputs(seed, m=96, d=64, f=64, n=128, g=4, dtype=jnp.float32):
+    k = jax.random.split(jax.random.key(seed), 4)
+    return dict(x=jax.random.normal(k[0], (m, d)).astype(dtype),
+                gate_up_kernel=(jax.random.normal(k[1], (g, d, 2 * f)) / 8).astype(dtype),
+                down_kernel=(jax.random.normal(k[2], (g, f, n)) / 8).astype(dtype),
+                row_weights=jax.random.uniform(k[3], (m,), minval=0.1, maxval=1.0))
+
+
+def _numpy_mlp(x, wgu, wd, sizes, rw, activation):
+    """float64, row by row."""
+    x, wgu, wd = (np.asarray(t, np.float64) for t in (x, wgu, wd))
+    f = wd.shape[1]
+    out = np.zeros((x.shape[0], wd.shape[2]))
+    row = 0
+    for i, size in enumerate(sizes):
+        for r in range(row, row + size):
+            pre = x[r] @ wgu[i]
+            gate, up = pre[:f], pre[f:]
+            if activation == "swiglu":
+                act = gate / (1 + np.exp(-gate))
+            else:
+                act = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate**3)))
+            out[r] = (act * up) @ wd[i] * (1.0 if rw is None else float(rw[r]))
+        row += size
+    return out
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+def test_the_definition_against_a_numpy_loop(activation):
+    a = _inputs(1)
+    with jax.enable_x64(True):
+        wide = {k: v.astype(jnp.float64) for k, v in a.items()}
+        got = grouped_mlp_reference(**wide, group_sizes=jnp.asarray(SIZES, jnp.int32),
+                                    compute=jnp.float64, activation=activation)
+    want = _numpy_mlp(a["x"], a["gate_up_kernel"], a["down_kernel"], SIZES,
+                      np.asarray(a["row_weights"]), activation)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+def test_values_on_every_backend(backend, dtype, activation):
+    a = _inputs(2, dtype=dtype)
+    gs = jnp.asarray(SIZES, jnp.int32)
+    got = jax.jit(functools.partial(grouped_mlp, compute=dtype, interpret_on_cpu=True,
+                                    activation=activation, implementation=backend))(
+        **a, group_sizes=gs)
+    want = grouped_mlp_reference(**a, group_sizes=gs, compute=dtype, activation=activation)
+    assert got.dtype == dtype and got.shape == (96, 128)
+    assert not np.asarray(got[90:], np.float32).any()  # rows past the total
+    parity.assert_close(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                        dtype=jnp.float32, tol=parity.EXACT_FP32, what="y")
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas_triton"])
+def test_gradients_of_all_four_arguments(backend):
+    a = _inputs(3)
+    gs = jnp.asarray(SIZES, jnp.int32)
+    cot = jax.random.normal(jax.random.key(4), (96, 128))
+    names = ("x", "gate_up_kernel", "down_kernel", "row_weights")
+
+    def grads(fn):
+        def loss(*args):
+            return jnp.sum(fn(**dict(zip(names, args)), group_sizes=gs,
+                              compute=jnp.float32) * cot)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*(a[k] for k in names))
+
+    got = grads(functools.partial(grouped_mlp, interpret_on_cpu=True, implementation=backend))
+    want = grads(grouped_mlp_reference)
+    for name, g, w in zip(names, got, want):
+        parity.assert_close(np.asarray(g), np.asarray(w), dtype=jnp.float32,
+                            tol=parity.EXACT_FP32, what="d" + name)
+
+
+def test_local_experts_with_group_offset():
+    """The kernels hold experts [2, 4) of 6: only their rows are computed, the rest zero."""
+    gs = jnp.asarray([10, 15, 20, 0, 30, 12], jnp.int32)
+    local = {k: (v[2:4] if "kernel" in k else v) for k, v in
+             _inputs(5, g=6).items()}
+    got = grouped_mlp(**local, group_sizes=gs, compute=jnp.float32, group_offset=2)
+    want = grouped_mlp_reference(**local, group_sizes=gs, compute=jnp.float32, group_offset=2)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    assert not np.asarray(got[:25]).any() and not np.asarray(got[45:]).any()
+    assert np.asarray(got[25:45]).any()
+
+
+def test_expert_parallel_over_eight_devices():
+    """Each device holds one of 8 experts (group_offset = its index) and the tokens whole;
+    the sum over devices is the whole layer, values and gradients."""
+    g = 8
+    a = _inputs(6, m=160, g=g)
+    gs = jnp.asarray([20, 0, 31, 9, 40, 10, 25, 15], jnp.int32)
+    mesh = st.mesh((g,), ("expert",), st.AUTO)
+    names = ("x", "gate_up_kernel", "down_kernel", "row_weights")
+
+    def local(x, wgu, wd, rw):
+        me = jax.lax.axis_index("expert")
+        y = grouped_mlp(x, wgu, wd, gs, jnp.float32, row_weights=rw, group_offset=me)
+        return jax.lax.psum(y, "expert")
+
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("expert"), P("expert"), P()),
+                            out_specs=P())
+    cot = jax.random.normal(jax.random.key(7), (160, 128))
+
+    def run(fn):
+        return jax.jit(jax.value_and_grad(lambda *t: jnp.sum(fn(*t) * cot), argnums=(0, 1, 2, 3)))(
+            *(a[k] for k in names))
+
+    got = run(sharded)
+    want = run(lambda x, wgu, wd, rw: grouped_mlp_reference(x, wgu, wd, gs, jnp.float32,
+                                                            row_weights=rw))
+    for g_, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g_), np.asarray(w), rtol=5e-5, atol=5e-5)
+
+
+def test_fp8_recipe_stays_near_the_definition():
+    """recipe="fp8" runs both products in e4m3 (1 x 128 and 128 x 128 blocks): within a
+    few percent of the unquantized definition, as grouped_projection's recipe is."""
+    a = _inputs(8, m=256, d=256, f=128, n=256)
+    gs = jnp.asarray([64, 0, 128, 32], jnp.int32)
+    got = grouped_mlp(**a, group_sizes=gs, compute=jnp.bfloat16, recipe="fp8")
+    want = grouped_mlp_reference(**a, group_sizes=gs, compute=jnp.float32)
+    err = float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
+    assert 1e-4 < err < 0.1, err  # quantized (not the bf16 result), and close
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(activation="relu"), ValueError, "activation='relu'"),
+    (dict(gate_up_kernel=jnp.zeros((4, 64, 127))), ValueError, "odd"),
+    (dict(down_kernel=jnp.zeros((4, 32, 128))), ValueError, "down_kernel must be"),
+    (dict(row_weights=jnp.zeros((95,))), ValueError, "row_weights must be"),
+    (dict(row_weights=jnp.zeros((96,), jnp.int32)), TypeError, "row_weights must be floating"),
+    (dict(compute=None), TypeError, "compute"),
+    (dict(group_sizes=jnp.asarray([1, 2, 3], jnp.int32)), ValueError, "group_sizes"),
+])
+def test_bad_arguments_are_named(change, error, message):
+    args = dict(_inputs(9), group_sizes=jnp.asarray(SIZES, jnp.int32), compute=jnp.float32)
+    with pytest.raises(error, match=message):
+        grouped_mlp(**{**args, **change})
