@@ -1,8 +1,11 @@
-"""Throughput of the expert-parallel MoE block: fwd+bwd tokens/s on 1..D GPUs, the expert
-matmuls on pallasite's grouped_projection or on jax.lax.ragged_dot (the peer).
+"""Throughput of the expert-parallel MoE block: fwd+bwd tokens/s on 1..D GPUs, the experts
+as one pallasite grouped_mlp ("pallasite"), as three grouped_projection calls
+("pallasite_unfused": what records before 2026-12-03 call "pallasite", under the key
+"project"), or as three jax.lax.ragged_dot calls ("ragged_dot", the peer).
 
     python examples/moe_expert_parallel/bench_moe.py --config mixtral --devices 1 2 \\
-        --project pallasite ragged_dot --capacity-factor none 1.25 --out moe.jsonl
+        --experts pallasite pallasite_unfused ragged_dot --capacity-factor none 1.25 \\
+        --out moe.jsonl
 
 Weak scaling: each device routes `--tokens` tokens of its own. fwd+bwd is
 value_and_grad of a weighted sum of the block's output with respect to every weight and
@@ -41,13 +44,17 @@ CONFIGS = {
     # Qwen3-30B-A3B's: 128 narrow experts, 2048 -> 768, top 8.
     "qwen3": moe.MoeConfig(d_model=2048, d_ff=768, num_experts=128, top_k=8),
 }
-PROJECTS = {"pallasite": moe.pallasite_project, "ragged_dot": moe.ragged_dot_project}
+EXPERTS = {
+    "pallasite": moe.pallasite_experts,
+    "pallasite_unfused": lambda compute: moe.unfused_experts(moe.pallasite_project(compute)),
+    "ragged_dot": lambda compute: moe.unfused_experts(moe.ragged_dot_project(compute)),
+}
 
 
-def _step(config, mesh, dispatch, capacity_factor, project):
+def _step(config, mesh, dispatch, capacity_factor, experts):
     block = functools.partial(moe.moe_block, config=config, mesh=mesh, dispatch=dispatch,
                               capacity_factor=capacity_factor,
-                              project=project(jnp.dtype(config.compute)))
+                              experts=experts(jnp.dtype(config.compute)))
 
     def loss(params, x, weights):
         return jnp.sum(block(params, x).astype(jnp.float32) * weights)
@@ -55,7 +62,7 @@ def _step(config, mesh, dispatch, capacity_factor, project):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 
-def run(config_name, devices, project_name, dispatch, capacity_factor, tokens, seed=0):
+def run(config_name, devices, experts_name, dispatch, capacity_factor, tokens, seed=0):
     """One timed variant, as a record (dict)."""
     config = CONFIGS[config_name]
     chips = jax.devices()[:devices]
@@ -75,7 +82,7 @@ def run(config_name, devices, project_name, dispatch, capacity_factor, tokens, s
         x = put(jax.random.normal(kx, (total, config.d_model), jnp.bfloat16), "expert")
         w = put(jax.random.normal(kw, (total, config.d_model), jnp.bfloat16), "expert")
         sets.append((params, x, w))
-    step = _step(config, mesh, dispatch, capacity_factor, PROJECTS[project_name])
+    step = _step(config, mesh, dispatch, capacity_factor, EXPERTS[experts_name])
     start = time.perf_counter()
     compiled = step.lower(*sets[0]).compile()
     compile_s = time.perf_counter() - start
@@ -85,7 +92,7 @@ def run(config_name, devices, project_name, dispatch, capacity_factor, tokens, s
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": chips[0].device_kind, "devices": devices, "config": config_name,
-        **dataclasses.asdict(config), "tokens_per_device": tokens, "project": project_name,
+        **dataclasses.asdict(config), "tokens_per_device": tokens, "experts": experts_name,
         "dispatch": dispatch, "capacity_factor": capacity_factor,
         "median_s": timing.median_s, "p10_s": timing.p10_s, "p90_s": timing.p90_s,
         "compile_s": round(compile_s, 1), "xla_flags": os.environ.get("XLA_FLAGS", ""),
@@ -98,8 +105,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="mixtral")
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--project", choices=sorted(PROJECTS), nargs="+",
-                        default=["pallasite", "ragged_dot"])
+    parser.add_argument("--experts", choices=sorted(EXPERTS), nargs="+",
+                        default=["pallasite", "pallasite_unfused", "ragged_dot"])
     parser.add_argument("--dispatch", choices=moe.DISPATCHES, nargs="+", default=["ragged"])
     parser.add_argument("--capacity-factor", nargs="+", default=["none", "1.25"],
                         help="receive rows per device as a multiple of the average; none: "
@@ -108,15 +115,15 @@ def main(argv=None):
     parser.add_argument("--out", help="append the JSON records here")
     args = parser.parse_args(argv)
     factors = [None if f == "none" else float(f) for f in args.capacity_factor]
-    variants = [(devices, dispatch, factor, project)
+    variants = [(devices, dispatch, factor, experts)
                 for devices in args.devices for dispatch in args.dispatch
                 for factor in (factors if devices > 1 else [None])  # one device: every row
-                for project in args.project]
-    for devices, dispatch, factor, project in variants:
+                for experts in args.experts]
+    for devices, dispatch, factor, experts in variants:
         try:
-            record = run(args.config, devices, project, dispatch, factor, args.tokens)
+            record = run(args.config, devices, experts, dispatch, factor, args.tokens)
         except Exception as e:  # noqa: BLE001 - one variant's failure is reported
-            record = {"config": args.config, "devices": devices, "project": project,
+            record = {"config": args.config, "devices": devices, "experts": experts,
                       "dispatch": dispatch, "capacity_factor": factor,
                       "error": f"{type(e).__name__}: {e}"}
         line = json.dumps(record)

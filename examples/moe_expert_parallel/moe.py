@@ -1,4 +1,4 @@
-"""An expert-parallel mixture-of-experts feed-forward block on pallasite's grouped_projection.
+"""An expert-parallel mixture-of-experts feed-forward block on pallasite's grouped_mlp.
 
 Each device of the `expert` mesh axis holds its own tokens and E / D of the E experts
 (D devices). Per device, inside one shard_map:
@@ -12,8 +12,10 @@ Each device of the `expert` mesh axis holds its own tokens and E / D of the E ex
          (sender, receiver) pair (what CI runs on host devices);
      rows past a capacity are dropped (their output is zero), as in capacity-factor MoE;
   4. the received rows sorted by local expert;
-  5. gate, up and down projections with a SwiGLU, each one grouped_projection over the
-     local experts (any `project` with its signature: the peer is jax.lax.ragged_dot);
+  5. the experts: one grouped_mlp over the local experts (the gate-up product, the
+     SwiGLU, the down product); `experts=` swaps in another form with its signature,
+     such as `unfused_experts(project)`: three separate products on pallasite's
+     grouped_projection or on jax.lax.ragged_dot (the peer);
   6. the return trip (the same collective, reversed), the inverse sorts, and the combine
      weighted by the router's probabilities.
 
@@ -35,7 +37,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pallasite.kernels import grouped_projection
+from pallasite.kernels import grouped_mlp, grouped_projection
 
 DISPATCHES = ("ragged", "padded")
 
@@ -50,13 +52,13 @@ class MoeConfig:
 
 
 def init_params(key, config: MoeConfig, dtype=jnp.float32) -> dict:
-    """Router [d, E]; gate and up [E, d, f]; down [E, f, d] (scaled for unit outputs)."""
-    kr, kg, ku, kd = jax.random.split(key, 4)
+    """Router [d, E]; gate_up [E, d, 2f] (the gate's f columns, then the up's); down
+    [E, f, d] (scaled for unit outputs)."""
+    kr, kg, kd = jax.random.split(key, 3)
     d, f, e = config.d_model, config.d_ff, config.num_experts
     return {
         "router": jax.random.normal(kr, (d, e), dtype) / np.sqrt(d),
-        "gate": jax.random.normal(kg, (e, d, f), dtype) / np.sqrt(d),
-        "up": jax.random.normal(ku, (e, d, f), dtype) / np.sqrt(d),
+        "gate_up": jax.random.normal(kg, (e, d, 2 * f), dtype) / np.sqrt(d),
         "down": jax.random.normal(kd, (e, f, d), dtype) / np.sqrt(f),
     }
 
@@ -70,17 +72,23 @@ def route(x, router, top_k: int):
     return experts.astype(jnp.int32), jax.nn.softmax(top, axis=-1)
 
 
+def pallasite_experts(compute) -> Callable:
+    """grouped_mlp in `compute`: the whole expert MLP, h and y each rounded once."""
+    return lambda rows, sizes, gate_up, down: grouped_mlp(rows, gate_up, down, sizes, compute)
+
+
+def pallasite_fp8_experts(compute) -> Callable:
+    """grouped_mlp's fp8 training recipe: both products in e4m3 (1 x 128 activation
+    blocks, 128 x 128 weight blocks, the weight gradients' operands in 128-token
+    blocks), fp32 sums, outputs in `compute`, gradients straight through to the
+    bf16/fp32 arrays (docs/fp8.md)."""
+    return lambda rows, sizes, gate_up, down: grouped_mlp(rows, gate_up, down, sizes, compute,
+                                                          recipe="fp8")
+
+
 def pallasite_project(compute) -> Callable:
-    """grouped_projection in `compute`: the block's expert matmul."""
+    """grouped_projection in `compute`: one expert matmul (for unfused_experts)."""
     return lambda x, w, sizes: grouped_projection(x, w, sizes, compute)
-
-
-def pallasite_fp8_project(compute) -> Callable:
-    """grouped_projection's fp8 training recipe: x and the expert weights quantized to
-    e4m3 inside each product (1 x 128 activation blocks, 128 x 128 weight blocks, the
-    weight gradient's operands in 128-token blocks), fp32 sums, outputs in `compute`,
-    gradients straight through to the bf16/fp32 arrays (docs/fp8.md)."""
-    return lambda x, w, sizes: grouped_projection(x, w, sizes, compute, recipe="fp8")
 
 
 def ragged_dot_project(compute) -> Callable:
@@ -93,11 +101,15 @@ def ragged_dot_project(compute) -> Callable:
     return project
 
 
-def swiglu_experts(rows, group_sizes, gate, up, down, project):
-    """down(silu(gate(x)) * up(x)) per group of rows; rows past the total stay zero."""
-    hidden = jax.nn.silu(project(rows, gate, group_sizes).astype(jnp.float32))
-    hidden = hidden * project(rows, up, group_sizes).astype(jnp.float32)
-    return project(hidden.astype(rows.dtype), down, group_sizes)
+def unfused_experts(project) -> Callable:
+    """The expert MLP as three `project` calls (gate, up, down) with the SwiGLU between,
+    each product rounded to its output dtype: what a block without grouped_mlp runs."""
+    def experts(rows, group_sizes, gate_up, down):
+        f = gate_up.shape[2] // 2
+        hidden = jax.nn.silu(project(rows, gate_up[..., :f], group_sizes).astype(jnp.float32))
+        hidden = hidden * project(rows, gate_up[..., f:], group_sizes).astype(jnp.float32)
+        return project(hidden.astype(rows.dtype), down, group_sizes)
+    return experts
 
 
 # ------------------------------------------------------------------ dispatch maths
@@ -141,9 +153,9 @@ def _unsorted(rows, order):
 # ------------------------------------------------------------------ the block
 
 
-def _block_local(params, x, *, top_k, axis, devices, dispatch, capacity, project):
+def _block_local(params, x, *, top_k, axis, devices, dispatch, capacity, expert_mlp):
     """The block on one device's tokens and experts (inside the shard_map over `axis`)."""
-    num_experts_local = params["gate"].shape[0]
+    num_experts_local = params["gate_up"].shape[0]
     num_experts = num_experts_local * devices
     tokens, d = x.shape
     experts, probs = route(x, params["router"], top_k)
@@ -185,7 +197,7 @@ def _block_local(params, x, *, top_k, axis, devices, dispatch, capacity, project
     grouped, order_local, sizes = _grouped_by_expert(buffer, expert, num_experts_local)
 
     # 5. the experts.
-    out = swiglu_experts(grouped, sizes, params["gate"], params["up"], params["down"], project)
+    out = expert_mlp(grouped, sizes, params["gate_up"], params["down"])
     out = _unsorted(out, order_local)
 
     # 6. the return trip, the inverse sort, the weighted combine.
@@ -208,7 +220,7 @@ def _block_local(params, x, *, top_k, axis, devices, dispatch, capacity, project
 
 def moe_block(params, x, config: MoeConfig, mesh, *, axis: str = "expert",
               dispatch: str = "ragged", capacity_factor: float = 2.0,
-              project: Callable | None = None):
+              experts: Callable | None = None):
     """The expert-parallel block over `mesh`'s `axis`: x [T, d] sharded over it (each
     device routes its own tokens), the expert weights sharded over their expert axis,
     the router replicated. Returns [T, d] laid out like x.
@@ -217,7 +229,8 @@ def moe_block(params, x, config: MoeConfig, mesh, *, axis: str = "expert",
     multiple of the average, T*k/D and T*k/D^2 per device; rows past it are dropped.
     A finite number > 0 (else ValueError). `capacity_factor=None` sizes the buffers for
     the worst case (nothing is dropped).
-    project: the expert matmul (pallasite_project by default; ragged_dot_project is the
+    experts: the expert MLP, (rows, group_sizes, gate_up, down) -> rows
+    (pallasite_experts by default; unfused_experts(ragged_dot_project(...)) is the
     peer)."""
     if dispatch not in DISPATCHES:
         raise ValueError(f"dispatch={dispatch!r}: one of {DISPATCHES}")
@@ -234,11 +247,10 @@ def moe_block(params, x, config: MoeConfig, mesh, *, axis: str = "expert",
     else:
         average = assignments if dispatch == "ragged" else assignments / devices
         capacity = int(np.ceil(average * capacity_factor))
-    project = project or pallasite_project(jnp.dtype(config.compute))
+    experts = experts or pallasite_experts(jnp.dtype(config.compute))
     body = functools.partial(_block_local, top_k=config.top_k, axis=axis, devices=devices,
-                             dispatch=dispatch, capacity=capacity, project=project)
-    experts = P(axis)
-    specs = {"router": P(), "gate": experts, "up": experts, "down": experts}
+                             dispatch=dispatch, capacity=capacity, expert_mlp=experts)
+    specs = {"router": P(), "gate_up": P(axis), "down": P(axis)}
     if axis in mesh.explicit_axes:  # Explicit axes: the operands must already be laid out
         place = lambda a, spec: jax.sharding.reshard(a, NamedSharding(mesh, spec))  # noqa: E731
         params = {name: place(params[name], spec) for name, spec in specs.items()}
@@ -264,8 +276,10 @@ def reference(params, x, config: MoeConfig):
     experts, probs = route(x, params["router"], config.top_k)
     hi = jax.lax.Precision.HIGHEST
     xf = x.astype(jnp.float32)
-    gate = jnp.einsum("td,edf->etf", xf, params["gate"].astype(jnp.float32), precision=hi)
-    up = jnp.einsum("td,edf->etf", xf, params["up"].astype(jnp.float32), precision=hi)
+    f = params["down"].shape[1]
+    gate_up = params["gate_up"].astype(jnp.float32)
+    gate = jnp.einsum("td,edf->etf", xf, gate_up[..., :f], precision=hi)
+    up = jnp.einsum("td,edf->etf", xf, gate_up[..., f:], precision=hi)
     every = jnp.einsum("etf,efd->etd", jax.nn.silu(gate) * up,
                        params["down"].astype(jnp.float32), precision=hi)
     weight = jnp.sum(jax.nn.one_hot(experts, config.num_experts) * probs[..., None], axis=1)
