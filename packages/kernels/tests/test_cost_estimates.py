@@ -1,6 +1,6 @@
-"""Every pallas_call's cost estimate (21 calls: the grouped gmm and tgmm of three backends,
+"""Every pallas_call's cost estimate (22 calls: the grouped gmm and tgmm of three backends,
 the fp8 gmm and tgmm of two, the three fp8 quantizers, five SSD Triton kernels, the SSD
-Mosaic TPU forward and backward, the decode step) against a hand count.
+Mosaic TPU forward and backward, the two decode steps) against a hand count.
 
 The estimates come from pl.estimate_cost on each call's body-equivalent function and the
 bytes of the call's operands and results (pallasite.kernels.cost). The hand counts below
@@ -28,6 +28,7 @@ from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu, pallas_mosaic_tp
 from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu_fp8, pallas_triton_fp8
 from pallasite.kernels.grouped_matmul import token_blocks
 from pallasite.kernels.quantization import pallas_triton as quantize_triton
+from pallasite.kernels.gated_delta import step_pallas_triton as delta_step_triton
 from pallasite.kernels.ssd_decode import pallas_triton as decode_triton
 from pallasite.kernels.ssd import costs as ssd_costs
 from pallasite.kernels.ssd import pallas_mosaic_tpu as ssd_tpu
@@ -313,3 +314,20 @@ def test_selective_state_update():
     _check(est, 4 * b * h * p * n + b * h * p + b * h, b * h, _bytes(
         ((b,), I32), ((b, h), F32), ((h,), F32), ((b, g, n), BF16), ((b, g, n), BF16),
         ((h, p), F32), ((b, h, p), BF16), ((b, h, p), BF16), rows, ((b, h, p), BF16), rows))
+
+
+def test_gated_delta_rule_step():
+    """Per state element the decay's multiply, the prediction's product with k, the
+    update's outer product and its add, and the output's product with q (5 flops; the
+    sums over K are reductions); per row and head exp(g) (one exp), beta k (K
+    multiplies) and v - S^T k (V subtractions). Bytes: the operands, o, and the named
+    rows' states once read and once written, not the whole cache."""
+    slots, b, hk, hv, dk, dv = 9, 3, 2, 4, 16, 32
+    args = (S((slots, hv, dk, dv), F32), S((b, hk, dk), BF16), S((b, hk, dk), BF16),
+            S((b, hv, dv), BF16), S((b, hv), F32), S((b, hv), F32))
+    (est,), = _calls(lambda *a: delta_step_triton.update(*a[:6], 0.5, a[6], True),
+                     *args, S((b,), I32)).values()
+    rows = ((b, hv, dk, dv), F32)
+    _check(est, 5 * b * hv * dk * dv + b * hv * dk + b * hv * dv, b * hv, _bytes(
+        ((b,), I32), ((b, hk, dk), BF16), ((b, hk, dk), BF16), ((b, hv, dv), BF16),
+        ((b, hv), F32), ((b, hv), F32), rows, ((b, hv, dv), BF16), rows))

@@ -23,6 +23,7 @@ from pallasite.kernels.expert_mlp import grouped_mlp
 from pallasite.kernels.gated_delta import (
     chunk_gated_delta_rule,
     fused_recurrent_gated_delta_rule,
+    gated_delta_rule_step,
 )
 from pallasite.kernels.mamba_scan import mamba_chunk_scan
 from pallasite.kernels.quantization import BlockScaled, quantize
@@ -49,6 +50,7 @@ __all__ = [
     "device_generation",
     "fp8_runs",
     "fused_recurrent_gated_delta_rule",
+    "gated_delta_rule_step",
     "mamba_chunk_scan",
     "mosaic_gpu_runs",
     "quantize",

@@ -25,11 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Integer
 
+from pallasite.reference import slots as slots_
 from pallasite.reference.checks import (check_cu_seqlens, check_floating_arrays, need_shape,
                                         shape_of)
 
-__all__ = ["gated_delta_rule_sequential", "validate_gated_delta_rule", "l2norm",
-           "expand_heads", "L2NORM_EPS"]
+__all__ = ["gated_delta_rule_sequential", "gated_delta_rule_step_reference",
+           "validate_gated_delta_rule", "validate_gated_delta_rule_step", "l2norm",
+           "expand_heads", "one_step", "on_slots", "L2NORM_EPS"]
 
 _HI = jax.lax.Precision.HIGHEST
 L2NORM_EPS = 1e-6
@@ -81,6 +83,16 @@ def expand_heads(t, value_heads: int):
     return jnp.repeat(t, value_heads // t.shape[2], axis=2)
 
 
+def one_step(state, q, k, v, g, beta, scale):
+    """One step of every row and head, all in one wide dtype: (o [b, H, V], the new
+    state [b, H, K, V]) from the state [b, H, K, V], q and k [b, H, K] (heads expanded,
+    normalised if asked), v [b, H, V], g and beta [b, H]."""
+    state = jnp.exp(g)[..., None, None] * state
+    pred = jnp.einsum("bhkv,bhk->bhv", state, k, precision=_HI)
+    state = state + (beta[..., None] * k)[..., None] * (v - pred)[..., None, :]
+    return jnp.einsum("bhkv,bhk->bhv", state, scale * q, precision=_HI), state
+
+
 def gated_delta_rule_sequential(
     q: Float[Array, "B T Hk K"],
     k: Float[Array, "B T Hk K"],
@@ -120,10 +132,7 @@ def gated_delta_rule_sequential(
     def step(state, inputs):
         q_t, k_t, v_t, g_t, b_t, start = inputs  # [B,H,K] x2, [B,H,V], [B,H] x2, []
         state = jnp.where(start >= 0, init[jnp.maximum(start, 0)][None], state)
-        state = jnp.exp(g_t)[..., None, None] * state
-        pred = jnp.einsum("bhkv,bhk->bhv", state, k_t, precision=_HI)
-        state = state + (b_t[..., None] * k_t)[..., None] * (v_t - pred)[..., None, :]
-        o_t = jnp.einsum("bhkv,bhk->bhv", state, scale * q_t, precision=_HI)
+        o_t, state = one_step(state, q_t, k_t, v_t, g_t, b_t, scale)
         return state, (o_t, state)
 
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (qf, kf, v.astype(wide), g.astype(wide),
@@ -137,3 +146,62 @@ def gated_delta_rule_sequential(
     ends = cu_seqlens.astype(jnp.int32)
     final = states[jnp.clip(ends[1:] - 1, 0, t - 1), 0]
     return o, jnp.where((ends[1:] > ends[:-1])[:, None, None, None], final, init)
+
+
+# ------------------------------------------------------------------------ the decode step
+
+
+def validate_gated_delta_rule_step(state, q, k, v, g, beta, *, scale=None,
+                                   state_batch_indices=None) -> None:
+    """ValueError/TypeError naming the argument, for one token per batch row: state
+    [slots, Hv, K, V] (fp32 or bf16), q and k [b, Hk, K], v [b, Hv, V], g and beta
+    [b, Hv], state_batch_indices [b] int (concrete ones checked for repeats)."""
+    check_floating_arrays(state=state, q=q, k=k, v=v, g=g, beta=beta)
+    if state.ndim != 4:
+        raise ValueError(f"state must be [slots, value_heads, key_dim, value_dim]; got "
+                         f"shape {_shape(state)}")
+    if np.dtype(state.dtype) not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16)):
+        raise TypeError(f"state must be float32 or bfloat16; got {state.dtype}")
+    slots, hv, dk, dv = _shape(state)
+    if q.ndim != 3:
+        raise ValueError(f"q must be [batch, key_heads, key_dim]; got shape {_shape(q)}")
+    b, hk = _shape(q)[:2]
+    need_shape("q", q, (b, hk, dk), "[batch, key_heads, key_dim]")
+    need_shape("k", k, (b, hk, dk), "[batch, key_heads, key_dim]")
+    need_shape("v", v, (b, hv, dv), "[batch, value_heads, value_dim]")
+    need_shape("g", g, (b, hv), "[batch, value_heads]")
+    need_shape("beta", beta, (b, hv), "[batch, value_heads]")
+    if hk == 0 or hv % hk:
+        raise ValueError(f"the state's value heads ({hv}) must be a multiple of q's and "
+                         f"k's ({hk})")
+    if scale is not None and not isinstance(scale, (int, float, np.floating, np.integer)):
+        raise TypeError(f"scale must be a number or None; got {type(scale).__name__}")
+    slots_.check_slot_indices(state_batch_indices, slots, b)
+
+
+def on_slots(state, q, k, v, g, beta, scale, slots_of_rows, l2norm_qk: bool):
+    """The step on a cache: the rows' slots gathered, stepped in fp32 and scattered
+    back; rows outside [0, slots) read and write nothing and give o = 0."""
+    hv = state.shape[1]
+    f32 = lambda t: t.astype(jnp.float32)  # noqa: E731
+    qf, kf = (jnp.repeat(f32(t), hv // t.shape[1], axis=1) for t in (q, k))
+    if l2norm_qk:
+        qf, kf = l2norm(qf), l2norm(kf)
+    rows, live = slots_.gather(state, slots_of_rows)
+    o, new = one_step(rows, qf, kf, f32(v), f32(g), f32(beta), scale)
+    o = jnp.where(live[:, None, None], o, 0.0)
+    return o.astype(v.dtype), slots_.scatter(state, new, slots_of_rows, live)
+
+
+def gated_delta_rule_step_reference(state, q, k, v, g, beta, *, scale=None,
+                                    state_batch_indices=None,
+                                    use_qk_l2norm_in_kernel: bool = False):
+    """(o [b, Hv, V] in v's dtype, the whole cache with the named slots advanced one
+    step, in the state's dtype). Row i uses slot state_batch_indices[i] (i when None); a
+    row whose index is outside [0, slots) is padding: o = 0, no slot touched."""
+    validate_gated_delta_rule_step(state, q, k, v, g, beta, scale=scale,
+                                   state_batch_indices=state_batch_indices)
+    idx = slots_.slots_of_rows(state_batch_indices, q.shape[0])
+    dk = q.shape[2]
+    return on_slots(state, q, k, v, g, beta, dk ** -0.5 if scale is None else float(scale),
+                    idx, use_qk_l2norm_in_kernel)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Integer
 
+from pallasite.reference import slots as slots_
 from pallasite.reference.checks import check_floating_arrays, need_shape, shape_of
 
 __all__ = ["selective_state_update_reference", "validate_selective_state_update",
@@ -69,21 +70,7 @@ def validate_selective_state_update(state, x, dt, A, B, C, *, D=None, z=None,
         need_shape("z", z, (b, h, p), "[batch, heads, head_dim]")
     if dt_bias is not None:
         need_shape("dt_bias", dt_bias, (h,), "[heads]")
-    if state_batch_indices is None:
-        if slots != b:
-            raise ValueError(f"state has {slots} slots for a batch of {b}: pass "
-                             f"state_batch_indices [batch] to name each row's slot")
-        return
-    idx = state_batch_indices
-    if not hasattr(idx, "dtype") or not jnp.issubdtype(idx.dtype, jnp.integer):
-        raise TypeError(f"state_batch_indices must be an integer array; got "
-                        f"{getattr(idx, 'dtype', type(idx).__name__)}")
-    need_shape("state_batch_indices", idx, (b,), "[batch]")
-    if not isinstance(idx, jax.core.Tracer):
-        values = np.asarray(idx)
-        named = values[(values >= 0) & (values < slots)]
-        if len(np.unique(named)) != len(named):
-            raise ValueError(f"state_batch_indices names a slot twice: {values.tolist()}")
+    slots_.check_slot_indices(state_batch_indices, slots, b)
 
 
 def process_dt(dt, dt_bias, dt_softplus: bool):
@@ -134,20 +121,15 @@ def selective_state_update_reference(
     the state's dtype): the module docstring's step, in fp32."""
     validate_selective_state_update(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias,
                                     state_batch_indices=state_batch_indices)
-    b = x.shape[0]
-    idx = (jnp.arange(b, dtype=jnp.int32) if state_batch_indices is None
-           else state_batch_indices.astype(jnp.int32))
+    idx = slots_.slots_of_rows(state_batch_indices, x.shape[0])
     return on_slots(state, x, process_dt(dt, dt_bias, dt_softplus), A, B, C, D, z, idx)
 
 
 def on_slots(state, x, dt, A, B, C, D, z, slots_of_rows):
     """The step on the cache: the rows' slots gathered, stepped in fp32 and scattered
     back; rows outside [0, slots) read and write nothing and give y = 0. dt processed."""
-    slots = state.shape[0]
     f32 = lambda t: None if t is None else t.astype(jnp.float32)  # noqa: E731
-    live = (slots_of_rows >= 0) & (slots_of_rows < slots)
-    rows = state[jnp.where(live, slots_of_rows, 0)].astype(jnp.float32)
+    rows, live = slots_.gather(state, slots_of_rows)
     y, new = step(rows, f32(x), dt, f32(A), f32(B), f32(C), f32(D), f32(z))
     y = jnp.where(live[:, None, None], y, 0.0)
-    target = jnp.where(live, slots_of_rows, slots)  # out of range: dropped
-    return y.astype(x.dtype), state.at[target].set(new.astype(state.dtype), mode="drop")
+    return y.astype(x.dtype), slots_.scatter(state, new, slots_of_rows, live)

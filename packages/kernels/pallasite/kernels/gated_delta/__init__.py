@@ -3,6 +3,8 @@
 from pallasite.kernels.gated_delta.api import (
     chunk_gated_delta_rule,
     fused_recurrent_gated_delta_rule,
+    gated_delta_rule_step,
 )
 
-__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]
+__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
+           "gated_delta_rule_step"]

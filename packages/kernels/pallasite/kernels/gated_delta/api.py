@@ -1,23 +1,29 @@
 """The gated delta rule's public functions, with flash-linear-attention's arguments.
 
 `chunk_gated_delta_rule` (training and prefill: the chunked WY form) and
-`fused_recurrent_gated_delta_rule` (short sequences and decode: the step-by-step
-recurrence) compute the definition of pallasite.reference.gated_delta_rule and return
-(o, final_state or None). Implementations, in order: "xla" (xla.py, every device) is the
-only one today; naming another is an error that lists the known names. The Pallas
-kernels are not written yet (docs/gated_delta_rule.md).
+`fused_recurrent_gated_delta_rule` (short sequences: the step-by-step recurrence)
+compute the definition of pallasite.reference.gated_delta_rule and return (o,
+final_state or None). Implementations, in order: "xla" (xla.py, every device) is the
+only one today; naming another is an error that lists the known names. The chunked
+Pallas kernels are not written yet (docs/gated_delta_rule.md).
+
+`gated_delta_rule_step` is the decode step: one token per batch row into a
+slot-indexed state cache, in place where the cache is donated, on Pallas Triton
+(step_pallas_triton.py, one pass over the named slots' state) or XLA (the oracle's step).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Integer
 
-from pallasite.kernels import platform
+from pallasite.kernels import decoding, platform
 from pallasite.kernels.gated_delta import xla
 from pallasite.reference import gated_delta_rule as ref
+from pallasite.reference import slots
 
 IMPLEMENTATIONS = ("xla",)
 
@@ -100,3 +106,45 @@ def fused_recurrent_gated_delta_rule(
         q, k, v, g, beta, scale=scale, initial_state=init, output_final_state=True,
         cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     return o, (final.astype(jnp.float32) if output_final_state else None)
+
+
+def gated_delta_rule_step(
+    state: Float[Array, "slots Hv K V"],
+    q: Float[Array, "b Hk K"],
+    k: Float[Array, "b Hk K"],
+    v: Float[Array, "b Hv V"],
+    g: Float[Array, "b Hv"],
+    beta: Float[Array, "b Hv"],
+    *,
+    scale: float | None = None,
+    state_batch_indices: Integer[Array, " b"] | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    implementation: str | Sequence[str] | None = None,
+) -> tuple[Float[Array, "b Hv V"], Float[Array, "slots Hv K V"]]:
+    """One decode token per batch row: (o [b, Hv, V] in v's dtype, the state cache with
+    each named slot advanced one step, in the state's dtype).
+
+    state [slots, Hv, K, V] in fp32 or bf16; q, k [b, Hk, K]; v [b, Hv, V]; g, beta
+    [b, Hv]. state_batch_indices [b]: each row's slot (continuous batching); without
+    it, row i uses slot i and slots must equal b. A row whose index is outside
+    [0, slots) is padding: it touches no slot and gets o = 0. Slots no row names keep
+    their bits. Donate the cache (`jax.jit(..., donate_argnames="state")`) to update it
+    in place. implementation: "pallas_triton" (a CUDA GPU from sm80; interpreted when
+    named on a CPU), "xla", a sequence, or None (that order). No gradient: it is a
+    decode step (train with chunk_gated_delta_rule).
+    """
+    ref.validate_gated_delta_rule_step(state, q, k, v, g, beta, scale=scale,
+                                       state_batch_indices=state_batch_indices)
+    name = decoding.step_backend("gated_delta_rule_step", implementation)
+    slots_of_rows = slots.slots_of_rows(state_batch_indices, q.shape[0])
+    scale = q.shape[2] ** -0.5 if scale is None else float(scale)
+    stop = decoding.no_gradient("gated_delta_rule_step", "chunk_gated_delta_rule")
+    state, q, k, v, g, beta = map(stop, (state, q, k, v, g, beta))
+    if name == "xla":
+        return ref.on_slots(state, q, k, v, g, beta, scale, slots_of_rows,
+                            use_qk_l2norm_in_kernel)
+    from pallasite.kernels.gated_delta import step_pallas_triton
+
+    return step_pallas_triton.update(state, q, k, v, g, beta, scale, slots_of_rows,
+                                     use_qk_l2norm_in_kernel,
+                                     interpret=jax.default_backend() == "cpu")

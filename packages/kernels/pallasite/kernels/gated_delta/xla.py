@@ -103,7 +103,6 @@ def forward(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, chunk_size: i
         qf, kf = l2norm(qf), l2norm(kf)
     vf, gf, bf = v.astype(f), g.astype(f), beta.astype(f)
     init = initial_state.astype(f)
-    n = init.shape[0]
     if cu_seqlens is None:
         padded = -(-length // chunk_size) * chunk_size
         pad = lambda t: jnp.pad(t, [(0, 0), (0, padded - length)]  # noqa: E731

@@ -17,45 +17,15 @@ import logging
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 from jaxtyping import Array, Float, Integer
 
-from pallasite.kernels import platform
+from pallasite.kernels import decoding
+from pallasite.reference import slots
 from pallasite.reference import ssd_decode as ref
 
 log = logging.getLogger(__name__)
 
-IMPLEMENTATIONS = ("pallas_triton", "xla")
-
-
-def _refusal(name: str, explicit: bool) -> str | None:
-    """Why `name` cannot run here (None: it can). An explicit pallas_triton on a CPU host
-    runs interpreted."""
-    if name == "xla":
-        return None
-    if jax.default_backend() == "cpu":
-        return None if explicit else "pallas_triton: interpreted only when named, on a CPU"
-    if not platform.triton_runs():
-        return (f"pallas_triton needs a CUDA GPU from sm80; the device is "
-                f"{platform.device_generation()}")
-    return None
-
-
-@jax.custom_vjp
-def _no_gradient(x):
-    return x
-
-
-def _no_gradient_fwd(x):
-    return x, None
-
-
-def _no_gradient_bwd(_, ct):
-    raise TypeError("selective_state_update is a decode step and has no gradient; train "
-                    "with chunk_ssd (the chunked scan) and decode with this")
-
-
-_no_gradient.defvjp(_no_gradient_fwd, _no_gradient_bwd)
+IMPLEMENTATIONS = decoding.STEP_BACKENDS
 
 
 def selective_state_update(
@@ -93,21 +63,10 @@ def selective_state_update(
                                         state_batch_indices=state_batch_indices)
     if not isinstance(dt_softplus, bool):
         raise TypeError(f"dt_softplus must be a bool; got {type(dt_softplus).__name__}")
-    names = platform.named_implementations(implementation, IMPLEMENTATIONS)
-    explicit = implementation is not None
-    reasons = []
-    for name in names:
-        why = _refusal(name, explicit)
-        if why is None:
-            break
-        reasons.append(why)
-    else:
-        raise RuntimeError("selective_state_update: no implementation can run here:\n  "
-                           + "\n  ".join(reasons))
-    b = x.shape[0]
-    slots_of_rows = (jnp.arange(b, dtype=jnp.int32) if state_batch_indices is None
-                     else state_batch_indices.astype(jnp.int32))
-    stop = lambda t: None if t is None else _no_gradient(t)  # noqa: E731
+    name = decoding.step_backend("selective_state_update", implementation)
+    slots_of_rows = slots.slots_of_rows(state_batch_indices, x.shape[0])
+    no_gradient = decoding.no_gradient("selective_state_update", "chunk_ssd (the chunked scan)")
+    stop = lambda t: None if t is None else no_gradient(t)  # noqa: E731
     state, x, A, B, C, D, z = map(stop, (state, x, A, B, C, D, z))
     dt = stop(ref.process_dt(dt, dt_bias, dt_softplus))
     if name == "xla":
