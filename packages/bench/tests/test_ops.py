@@ -117,3 +117,22 @@ def test_check_mamba_accepts_the_xla_path_and_flags_a_wrong_head():
     assert ops.check_mamba(case, inputs, outputs).ok
     y = jnp.asarray(outputs[0]).at[0, :, 0].add(1.0)
     assert not ops.check_mamba(case, inputs, (y,) + tuple(outputs[1:])).ok
+
+
+def test_grouped_mlp_cases_flops_bytes_and_check():
+    c = ops.mlp_case("mixtral_mlp", 32768, 4096, 14336, 8)
+    assert c.kernel == "grouped_mlp.fwd" and c.flops == 6 * 32768 * 4096 * 14336
+    x, w = 32768 * 4096 * 2, 3 * 8 * 4096 * 14336 * 2
+    assert c.bytes == 2 * x + w + 4 * 8
+    both = ops.mlp_case("mixtral_mlp", 32768, 4096, 14336, 8, direction="fwd_bwd")
+    assert both.flops == 3 * c.flops and both.bytes == c.bytes + (2 * x + w) + (x + w)
+    assert {k.op for k in suites.suite("mlp")} == {ops.GMLP} and len(suites.suite("mlp")) == 6
+    from pallasite.bench import impls
+
+    tiny = ops.mlp_case("tiny_mlp", 96, 64, 64, 4, direction="fwd_bwd")
+    inputs = ops.make_inputs(tiny, 0)
+    xla = next(i for i in impls.IMPLS if i.op == ops.GMLP and i.name == "xla")
+    outputs = impls.build_grouped_mlp(xla, tiny, impls.current_platform())(inputs)
+    assert ops.check_grouped_mlp(tiny, inputs, outputs).ok
+    wrong = (outputs[0], outputs[1].at[0].add(1.0)) + tuple(outputs[2:])
+    assert not ops.check_grouped_mlp(tiny, inputs, wrong).ok

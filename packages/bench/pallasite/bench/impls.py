@@ -5,7 +5,8 @@ record keeps as status "unsupported") and builds a function from an input set (t
 ops.make_inputs) to the tuple of outputs the checks compare:
 grouped_projection fwd (y,), fwd_bwd (y, dx, dkernel); chunk_ssd fwd (y, final_state),
 fwd_bwd (y, final_state, dx, da, db, dc, dinitial_state); mamba_chunk_scan fwd (y,
-final_state), fwd_bwd (y, final_state, then the gradients of ops.MAMBA_ARGS in order).
+final_state), fwd_bwd (y, final_state, then the gradients of ops.MAMBA_ARGS in order);
+grouped_mlp fwd (y,), fwd_bwd (y, dx, dgate_up, ddown).
 
 pallasite's kernels are imported lazily, so a backend that has not landed, or a peer that is
 not installed, becomes an "unsupported" record and the CLI still runs. On a CPU the Pallas
@@ -69,6 +70,13 @@ IMPLS: tuple[Impl, ...] = (
     Impl("pallas_mosaic_tpu", ops.MAMBA, False),
     Impl("xla", ops.MAMBA, False),
     Impl("mamba_ssm.triton", ops.MAMBA, True, "torch"),
+    Impl("pallas_mosaic_gpu", ops.GMLP, False),
+    Impl("pallas_triton", ops.GMLP, False),
+    Impl("xla", ops.GMLP, False),
+    # The baseline grouped_mlp is measured against: the gate-up product rounded to bf16
+    # ([m, 2f] written and read back), the SwiGLU in XLA, the down product: three
+    # grouped_projection-era steps, on pallasite's default backends.
+    Impl("unfused", ops.GMLP, True),
 )
 
 
@@ -314,6 +322,41 @@ def mamba_grads_reference(case: ops.Case, inputs: dict) -> tuple | None:
     return run(wide)[2:]
 
 
+# ---------------------------------------------------------------------------- grouped_mlp
+
+
+def _mlp_forward(impl, plat, dtype, block_sizes) -> Callable:
+    from pallasite import kernels
+
+    if impl.name == "unfused":
+        def unfused(x, gate_up, down, gs):
+            import jax
+
+            pre = kernels.grouped_projection(x, gate_up, gs, dtype, plat.interpret)
+            f = down.shape[1]
+            h = (jax.nn.silu(pre[:, :f].astype("float32")) * pre[:, f:]).astype(dtype)
+            return kernels.grouped_projection(h, down, gs, dtype, plat.interpret)
+        return unfused
+    return lambda x, gate_up, down, gs: kernels.grouped_mlp(
+        x, gate_up, down, gs, dtype, plat.interpret, implementation=impl.name,
+        block_sizes=block_sizes)
+
+
+def build_grouped_mlp(impl, case, plat, block_sizes=None) -> Callable:
+    import jax
+
+    fwd = _mlp_forward(impl, plat, ops._dtype(case.dtype), block_sizes)
+    if case.direction == "fwd":
+        return jax.jit(lambda i: (fwd(i["x"], i["gate_up"], i["down"], i["group_sizes"]),))
+
+    def fwd_bwd(i):
+        y, vjp = jax.vjp(lambda *t: fwd(*t, i["group_sizes"]), i["x"], i["gate_up"],
+                         i["down"])
+        return (y, *vjp(i["dy"]))
+
+    return jax.jit(fwd_bwd)
+
+
 # --------------------------------------------------------------------------------- build
 
 
@@ -365,6 +408,8 @@ def build(impl: Impl, case: ops.Case, plat: Platform, options: dict) -> Callable
         return build_grouped_projection(impl, case, plat, block_sizes)
     if case.op == ops.MAMBA:
         return build_mamba(impl, case, plat, block_sizes)
+    if case.op == ops.GMLP:
+        return build_grouped_mlp(impl, case, plat, block_sizes)
     return build_ssd(impl, case, plat, block_sizes)
 
 

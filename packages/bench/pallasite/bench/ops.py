@@ -25,6 +25,11 @@ implementations of one case share them and their TFLOP/s are directly comparable
   initial state in, y and the final state out; the backward re-reads them and dy,
   dfinal, and writes dx, ddt, dB, dC, dz and the initial state's gradient.
 
+- grouped_mlp (m routed rows of width d, experts with a [d, 2f] gate-up and an [f, d]
+  down kernel): forward 2*m*d*2f + 2*m*f*d = 6*m*d*f, forward+backward 3x that. Minimum
+  bytes: x, both kernels and y once; the backward reads x, the kernels and dy and writes
+  dx and both kernels' gradients.
+
 Errors are measured against the definition, sampled so they cost little at any size:
 grouped_projection rows of y and dx and columns of a few groups' dkernel, each recomputed
 on the device with exact bf16 products summed in fp32 at HIGHEST precision; chunk_ssd's y
@@ -44,6 +49,7 @@ import numpy as np
 GP = "grouped_projection"
 SSD = "chunk_ssd"
 MAMBA = "mamba_chunk_scan"
+GMLP = "grouped_mlp"
 DIRECTIONS = ("fwd", "fwd_bwd")
 
 # "fp8": grouped_projection's recipe="fp8", bf16 operands quantized to e4m3 (1 byte each)
@@ -56,7 +62,7 @@ FP8 = "fp8"
 class Case:
     """One benchmarked point: an op, a direction, a named shape and an operand dtype."""
 
-    op: str  # GP, SSD or MAMBA
+    op: str  # GP, SSD, MAMBA or GMLP
     direction: str  # "fwd" or "fwd_bwd"
     shape_name: str
     dims: tuple[tuple[str, int], ...]  # ordered (name, size) pairs
@@ -93,14 +99,14 @@ class Case:
 
     @property
     def flops(self) -> float:
-        if self.op == GP:
-            return gp_flops(self.direction, **self.d)
+        if self.op in (GP, GMLP):
+            return (gp_flops if self.op == GP else mlp_flops)(self.direction, **self.d)
         return ssd_flops(self.direction, **_scan_dims(self.d))
 
     @property
     def bytes(self) -> float:
-        fn = {GP: gp_bytes, SSD: ssd_bytes, MAMBA: mamba_bytes}[self.op]
-        dims = self.d if self.op == GP else _scan_dims(self.d)
+        fn = {GP: gp_bytes, SSD: ssd_bytes, MAMBA: mamba_bytes, GMLP: mlp_bytes}[self.op]
+        dims = self.d if self.op in (GP, GMLP) else _scan_dims(self.d)
         return fn(self.direction, _ITEMSIZE[self.dtype], **dims)
 
 
@@ -132,6 +138,12 @@ def gp_case(name, m, k, n, g, direction="fwd", dtype="bfloat16",
 def ssd_case(name, b, l, h, p, n, g, chunk=256, direction="fwd", dtype="bfloat16") -> Case:
     dims = (("b", b), ("l", l), ("h", h), ("p", p), ("n", n), ("g", g), ("chunk", chunk))
     return Case(SSD, direction, name, dims, dtype)
+
+
+def mlp_case(name, m, d, f, g, direction="fwd", dtype="bfloat16") -> Case:
+    """grouped_mlp over m routed rows (Dirichlet-split over g experts) of width d, each
+    expert a [d, 2f] gate-up and an [f, d] down kernel, SwiGLU between."""
+    return Case(GMLP, direction, name, (("m", m), ("d", d), ("f", f), ("g", g)), dtype)
 
 
 def mamba_case(name, b, l, h, p, n, g, chunk=256, seqs=1, direction="fwd",
@@ -180,6 +192,22 @@ def ssd_bytes(direction: str, itemsize: int, b: int, l: int, h: int, p: int, n: 
         return float(fwd)
     bwd = (x + a + bc) + (x + state) + (x + a + bc + state)  # re-read; dy, dfinal; grads
     return float(fwd + bwd)
+
+
+def mlp_flops(direction: str, m: int, d: int, f: int, g: int) -> float:
+    """2*m*d*2f (gate-up) + 2*m*f*d (down) forward; three times that forward+backward."""
+    return float((1 if direction == "fwd" else 3) * 6 * m * d * f)
+
+
+def mlp_bytes(direction: str, itemsize: int, m: int, d: int, f: int, g: int) -> float:
+    """x, both kernels and y once; the backward reads x, the kernels and dy, and writes
+    dx and the kernels' gradients."""
+    x = m * d * itemsize
+    kernels = 3 * g * d * f * itemsize
+    fwd = 2 * x + kernels + 4 * g
+    if direction == "fwd":
+        return float(fwd)
+    return float(fwd + (2 * x + kernels) + (x + kernels))
 
 
 def mamba_bytes(direction: str, itemsize: int, b: int, l: int, h: int, p: int, n: int,
@@ -241,6 +269,8 @@ def make_inputs(case: Case, seed: int) -> dict[str, Any]:
         return out
     if case.op == MAMBA:
         return _mamba_inputs(case, k_in, k_cot, k_state, dt)
+    if case.op == GMLP:
+        return _mlp_inputs(case, k_in, k_cot, dt)
     x, a, b, c = ref_inputs.ssd_inputs(k_in, d["b"], d["l"], d["h"], d["p"], d["n"], d["g"], dt)
     init = ref_inputs.ssd_initial_state(k_state, d["b"], d["h"], d["p"], d["n"])
     out = {"x": x, "a": a, "b": b, "c": c, "initial_state": init}
@@ -287,6 +317,25 @@ def _mamba_inputs(case: Case, k_in, k_cot, k_state, dtype) -> dict[str, Any]:
         k_dy, k_df = jax.random.split(k_cot)
         out["dy"] = jax.random.normal(k_dy, out["x"].shape, f32).astype(dtype)
         out["dfinal"] = jax.random.normal(k_df, (b, h, p, n), f32)
+    return out
+
+
+def _mlp_inputs(case: Case, k_in, k_cot, dtype) -> dict[str, Any]:
+    """x ~ N(0, 1), kernels scaled for unit outputs (gate-up by 1/sqrt(d), down by
+    1/sqrt(f)), in `dtype`; targets.md's Dirichlet group split (the same every seed)."""
+    import jax
+
+    from pallasite.reference import inputs as ref_inputs
+
+    d = case.d
+    m, width, f, g = d["m"], d["d"], d["f"], d["g"]
+    k = jax.random.split(k_in, 3)
+    out = {"x": jax.random.normal(k[0], (m, width)).astype(dtype),
+           "gate_up": (jax.random.normal(k[1], (g, width, 2 * f)) / np.sqrt(width)).astype(dtype),
+           "down": (jax.random.normal(k[2], (g, f, width)) / np.sqrt(f)).astype(dtype),
+           "group_sizes": ref_inputs.random_group_sizes(jax.random.key(1234), m, g)}
+    if case.direction == "fwd_bwd":
+        out["dy"] = jax.random.normal(k_cot, (m, width)).astype(dtype)
     return out
 
 
@@ -486,3 +535,39 @@ def check_mamba(case: Case, inputs: dict, outputs: tuple, grads_ref=None) -> Err
     """Forward outputs against float64 numpy; the nine gradients against `grads_ref`."""
     return _check_scan(case, check_mamba_forward(case, inputs, outputs), outputs, grads_ref,
                        "float64 recurrence with dt, D, z (3 batch/head pairs)")
+
+
+def check_grouped_mlp(case: Case, inputs: dict, outputs: tuple) -> Error:
+    """y (and dx for fwd_bwd) on up to 64 sampled rows against the definition computed
+    for those rows alone: fp32 products of the bf16 operands at HIGHEST precision, h
+    rounded once, y rounded once; dx through the SwiGLU's derivative from the rows'
+    own fp32 pre-activations. The kernels' gradients are not compared here (the tests
+    hold them to the definition)."""
+    import jax
+    import jax.numpy as jnp
+
+    gs = np.asarray(inputs["group_sizes"])
+    rows = _sample_rows(gs, 64)
+    groups = jnp.asarray(_group_of(rows, gs))
+    dt = _dtype(case.dtype)
+    hi = jax.lax.Precision.HIGHEST
+    x = inputs["x"][jnp.asarray(rows)].astype(jnp.float32)
+    wgu = inputs["gate_up"][groups].astype(jnp.float32)  # [r, d, 2f]
+    wd = inputs["down"][groups].astype(jnp.float32)  # [r, f, d]
+    f = case.d["f"]
+    pre = jnp.einsum("rd,rde->re", x, wgu, precision=hi)
+    gate, up = pre[:, :f], pre[:, f:]
+    h = (jax.nn.silu(gate) * up).astype(dt).astype(jnp.float32)
+    y = jnp.einsum("rf,rfd->rd", h, wd, precision=hi).astype(dt)
+    pairs = [(jnp.asarray(outputs[0])[jnp.asarray(rows)], y)]
+    ref = "definition on sampled rows (fp32 products, h and y rounded once)"
+    if case.direction == "fwd_bwd" and len(outputs) > 1:
+        dy = inputs["dy"][jnp.asarray(rows)].astype(jnp.float32)
+        dh = jnp.einsum("rd,rfd->rf", dy.astype(dt).astype(jnp.float32), wd, precision=hi)
+        sig = jax.nn.sigmoid(gate)
+        dgate = dh * up * sig * (1 + gate * (1 - sig))
+        dup = dh * jax.nn.silu(gate)
+        dx = jnp.einsum("re,rde->rd", jnp.concatenate([dgate, dup], 1), wgu, precision=hi)
+        pairs.append((jnp.asarray(outputs[1])[jnp.asarray(rows)], dx))
+        ref += "; dx on the same rows"
+    return _combine(pairs, case.dtype, ref)

@@ -16,7 +16,8 @@ from pallasite.bench.records import Record
 from pallasite.bench.roofline import Roofline
 
 
-_SHORT = {"grouped_projection": "gp", "chunk_ssd": "ssd", "mamba_chunk_scan": "mamba"}
+_SHORT = {"grouped_projection": "gp", "chunk_ssd": "ssd", "mamba_chunk_scan": "mamba",
+          "grouped_mlp": "mlp"}
 
 
 def _label(r: Record) -> str:
@@ -75,7 +76,8 @@ def roofline_png(records: Sequence[Record], roof: Roofline, path: str,
     fig, ax = plt.subplots(figsize=(11, 7), dpi=110)
     ax.plot(xs, np.minimum(peak, roof.tbps * xs), "k-", lw=1.5,
             label=f"{roof.name}: {peak:.3g} TFLOP/s, {roof.tbps:.3g} TB/s")
-    markers = {"grouped_projection": "o", "chunk_ssd": "s", "mamba_chunk_scan": "D"}
+    markers = {"grouped_projection": "o", "chunk_ssd": "s", "mamba_chunk_scan": "D",
+               "grouped_mlp": "v"}
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)

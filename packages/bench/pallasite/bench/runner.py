@@ -90,6 +90,8 @@ def _check(case, impl, ctx, inputs, outputs) -> ops.Error:
         inputs, outputs = placement.gathered(inputs), placement.gathered(outputs)
     if case.op == ops.GP:
         return ops.check_grouped_projection(case, inputs, outputs)
+    if case.op == ops.GMLP:
+        return ops.check_grouped_mlp(case, inputs, outputs)
     if case.op == ops.MAMBA:  # every implementation differentiates the same arguments
         grads = None
         if case.direction == "fwd_bwd":

@@ -15,6 +15,10 @@
 - "mamba": mamba_chunk_scan (dt_bias, softplus, D and z on, as a Mamba-2 layer calls it)
   on the TARGETS SSD rows, alone and with 8 sequences packed per row (seq_idx), forward
   and forward+backward, beside mamba_ssm's mamba_chunk_scan_combined.
+- "mlp": grouped_mlp at three MoE layers' expert shapes (mixtral: d 4096, f 14336, 8
+  experts, 16k tokens top 2; qwen3-30B-A3B: d 2048, f 768, 128 experts, 8k tokens top 8;
+  dsv3: d 7168, f 2048, 256 experts, 8k tokens top 8), forward and forward+backward,
+  beside the unfused composition (bf16 pre-activation written and read back).
 - "quick": one small shape per op a GPU runs in seconds (still TARGETS-like proportions).
 - "cpu": tiny shapes the Pallas interpreters get through in seconds on two cores; the default
   on a machine without an accelerator whatever else was asked.
@@ -28,7 +32,7 @@
 from __future__ import annotations
 
 from pallasite.bench import ops
-from pallasite.bench.ops import gp_case, mamba_case, ssd_case
+from pallasite.bench.ops import gp_case, mamba_case, mlp_case, ssd_case
 
 _TARGET_GP = (
     ("mixtral", 32768, 4096, 14336, 8),
@@ -72,6 +76,12 @@ _EXTRA_GP_ZIPF = (
 _QUICK_GP = (("quick", 8192, 1024, 1024, 16),)
 _QUICK_SSD = (("quick", 2, 2048, 16, 64, 64, 1),)
 _PACKED = 8  # sequences per row in the "mamba" suite's packed cases
+_MLP = (  # name, routed rows, d, f, experts
+    ("mixtral_mlp", 32768, 4096, 14336, 8),
+    ("qwen3_mlp", 65536, 2048, 768, 128),
+    ("dsv3_mlp", 65536, 7168, 2048, 256),
+)
+_CPU_MLP = (("tiny_mlp", 96, 64, 64, 4),)
 
 # One shape per op keeps the CPU main job near a minute on two cores (each interpreted
 # kernel compiles for 2-8 s); b > 1, g > 1 and two chunks still exercise every index map.
@@ -125,6 +135,8 @@ def suite(name: str, devices: int = 2) -> list[ops.Case]:
     if name == "mamba":
         return [mamba_case(*s, seqs=seqs, direction=d) for d in ops.DIRECTIONS
                 for seqs in (1, _PACKED) for s in _TARGET_SSD]
+    if name == "mlp":
+        return [mlp_case(*s, direction=d) for d in ops.DIRECTIONS for s in _MLP]
     if name == "quick":
         return _cases(_QUICK_GP, _QUICK_SSD, ops.DIRECTIONS) + [
             mamba_case(*s, seqs=_PACKED, direction=d) for d in ops.DIRECTIONS
@@ -133,13 +145,14 @@ def suite(name: str, devices: int = 2) -> list[ops.Case]:
         return _cases(_CPU_GP, _CPU_SSD, ops.DIRECTIONS, chunk=_CPU_SSD_CHUNK) + [
             gp_case(*s, direction=d, dtype=ops.FP8) for d in ops.DIRECTIONS for s in _CPU_GP
         ] + [mamba_case(*s, chunk=_CPU_MAMBA_CHUNK, seqs=_CPU_MAMBA_SEQS, direction=d)
-             for d in ops.DIRECTIONS for s in _CPU_MAMBA]
+             for d in ops.DIRECTIONS for s in _CPU_MAMBA] + [
+            mlp_case(*s, direction=d) for d in ops.DIRECTIONS for s in _CPU_MLP]
     if name == "smoke":
         return _cases(_CPU_GP[:1], _CPU_SSD[:1], ("fwd",), chunk=_CPU_SSD_CHUNK)
     raise ValueError(f"unknown suite {name!r}; known: {', '.join(SUITES)}")
 
 
-SUITES = ("targets", "extra", "fp8", "mamba", "quick", "cpu", "smoke", "scaling")
+SUITES = ("targets", "extra", "fp8", "mamba", "mlp", "quick", "cpu", "smoke", "scaling")
 
 
 def filter_cases(cases: list[ops.Case], *, ops_: list[str] | None = None,
@@ -156,5 +169,5 @@ def filter_cases(cases: list[ops.Case], *, ops_: list[str] | None = None,
 def shape_names() -> list[str]:
     names = [s[0] for s in _TARGET_GP + _TARGET_SSD + _EXTRA_GP_SKEWED + _EXTRA_GP_ZIPF
              + _EXTRA_GP_WIDTHS + _EXTRA_GP_SMALL_M + _EXTRA_SSD
-             + _QUICK_GP + _CPU_GP + _CPU_SSD]
+             + _QUICK_GP + _CPU_GP + _CPU_SSD + _MLP + _CPU_MLP + _CPU_MAMBA]
     return list(dict.fromkeys(names))

@@ -1,21 +1,22 @@
 """`grouped_mlp`: the expert MLP as grouped_projection calls (the composition path).
 
-The definition is pallasite.reference.grouped_mlp's: the gate-up product's fp32 sums
-go through the activation before h is rounded, once, to compute; the down product's fp32
-sums are scaled by the row weights before y is rounded once. Here the two products are
-grouped_projection calls with an fp32 output, on compute-rounded operands:
-`grouped_projection(x_c, W_c, ..., compute=float32)` multiplies exactly the values a
-compute-dtype product would (a bf16 or fp16 value is exact in fp32 and TF32) and returns
-the fp32 sums. So every backend, group_offset, expert parallelism and sharding route of
-grouped_projection serves grouped_mlp, and JAX differentiates the composition: each
-product by grouped_projection's backward, the activation and the row weights by
-autodiff.
+The definition is pallasite.reference.grouped_mlp's: the gate-up product's fp32 sums go
+through the activation before h is rounded once to compute, and the down product's
+fp32 sums are scaled by the row weights before y is rounded once. Here the two
+products are grouped_projection calls in compute, so every backend (Mosaic GPU's
+16-bit kernels included), group_offset, expert parallelism and sharding route of
+grouped_projection serves grouped_mlp. JAX differentiates the composition: each product
+by grouped_projection's backward, the activation and the row weights by autodiff.
 
-What this path costs (and what fused kernels would save): the products read fp32
-operands, and fp32 tensor-core rates are half of bf16's or less; the `[m, 2f]`
-pre-activation is written and read back in fp32; the backward keeps it and recomputes
-nothing. recipe="fp8" runs both products through grouped_projection's fp8 recipe (h
-quantized by the down product's own quantizer, not by the gate-up epilogue).
+The composition rounds twice more than the definition: the `[m, 2f]` pre-activation to
+compute before the activation, and y before the row weights. With fp32 compute that is
+no rounding at all; with bf16 it is within the bf16 parity tolerance
+(docs/grouped_mlp.md). The fused kernels, which are not built yet, keep the sums in fp32
+through both epilogues. This path also writes and reads back the pre-activation, and
+the backward keeps it.
+
+recipe="fp8" runs both products through grouped_projection's fp8 recipe (h quantized by
+the down product's own quantizer, not by the gate-up epilogue).
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ def grouped_mlp(
     block_sizes=None,
     recipe: str | None = None,
 ) -> Float[Array, "m n"]:
-    """`[m, n]` in compute: `h = act(x W_gate) * (x W_up)` per group, rounded once to
-    compute, then `y = (h W_down) * row_weights`, rounded once.
+    """`[m, n]` in compute: `h = act(x W_gate) * (x W_up)` per group, then
+    `y = (h W_down) * row_weights`, each rounded to compute (this composition also
+    rounds the pre-activation and y before the row weights: the module docstring).
 
     x [m, k] sorted by group; gate_up_kernel [g, k, 2f] (the first f columns the gate,
     the last f the up); down_kernel [g, f, n]; group_sizes [G] int32 (G = g, or with
@@ -66,12 +68,10 @@ def grouped_mlp(
     compute = np.dtype(compute)
     product = dict(group_offset=group_offset, implementation=implementation,
                    block_sizes=block_sizes, recipe=recipe)
-    if recipe is None:  # the compute-dtype operands, multiplied with fp32 sums
-        x, gate_up_kernel, down_kernel = (t.astype(compute) for t in (x, gate_up_kernel,
-                                                                      down_kernel))
-    pre = grouped_projection(x, gate_up_kernel, group_sizes, _F32, interpret_on_cpu, **product)
-    h = activate(pre, activation).astype(compute)
-    y = grouped_projection(h, down_kernel, group_sizes, _F32, interpret_on_cpu, **product)
-    if row_weights is not None:
-        y = y * row_weights.astype(_F32)[:, None]
-    return y.astype(compute)
+    pre = grouped_projection(x, gate_up_kernel, group_sizes, compute, interpret_on_cpu,
+                             **product)
+    h = activate(pre.astype(_F32), activation).astype(compute)
+    y = grouped_projection(h, down_kernel, group_sizes, compute, interpret_on_cpu, **product)
+    if row_weights is None:
+        return y
+    return (y.astype(_F32) * row_weights.astype(_F32)[:, None]).astype(compute)
