@@ -136,3 +136,22 @@ def test_grouped_mlp_cases_flops_bytes_and_check():
     assert ops.check_grouped_mlp(tiny, inputs, outputs).ok
     wrong = (outputs[0], outputs[1].at[0].add(1.0)) + tuple(outputs[2:])
     assert not ops.check_grouped_mlp(tiny, inputs, wrong).ok
+
+
+def test_gated_delta_rule_cases_and_check():
+    c = ops.delta_case("qwen3_next", 1, 32768, 16, 32, 128, 128)
+    assert c.kernel == "gated_delta_rule.fwd"
+    assert c.flops == 32768 * 32 * (6 * 128 * 128 + 64 * (3 * 128 + 2 * 128))
+    cases = suites.suite("delta")
+    assert len(cases) == 6 and {k.op for k in cases} == {ops.GDR}
+    from pallasite.bench import impls
+
+    tiny = ops.delta_case("tiny_delta", 1, 100, 1, 2, 16, 16, chunk=16, seqs=3,
+                          direction="fwd_bwd")
+    inputs = ops.make_inputs(tiny, 0)
+    assert inputs["cu_seqlens"].shape == (4,) and inputs["initial_state"].shape[0] == 3
+    outputs = impls.build_gated_delta_rule(None, tiny, None, name="xla")(inputs)
+    grads = impls.delta_grads_reference(tiny, inputs)
+    assert ops.check_gated_delta_rule(tiny, inputs, outputs, grads).ok
+    wrong = (outputs[0].at[0, 50, 0].add(1.0),) + tuple(outputs[1:])
+    assert not ops.check_gated_delta_rule(tiny, inputs, wrong, grads).ok

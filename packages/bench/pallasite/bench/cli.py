@@ -36,7 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="smallest subset (one tiny shape per op, forward): for tests")
     p.add_argument("--suite", choices=suites.SUITES,
                    help="force a suite (default: targets on an accelerator, cpu without)")
-    p.add_argument("--op", action="append", choices=(ops.GP, ops.SSD, ops.MAMBA, ops.GMLP),
+    p.add_argument("--op", action="append", choices=(ops.GP, ops.SSD, ops.MAMBA, ops.GMLP, ops.GDR),
                    dest="ops")
     p.add_argument("--shape", action="append", dest="shapes",
                    help=f"shape name (substring); known: {', '.join(suites.shape_names())}")
@@ -96,7 +96,8 @@ def _fmt(value, spec, scale=1.0) -> str:
 
 
 TABLE_WIDTH = 120
-_SHORT_OP = {ops.GP: "gp", ops.SSD: "ssd", ops.MAMBA: "mamba", ops.GMLP: "mlp"}
+_SHORT_OP = {ops.GP: "gp", ops.SSD: "ssd", ops.MAMBA: "mamba", ops.GMLP: "mlp",
+             ops.GDR: "delta"}
 
 
 LEGEND = ("* a peer, not pallasite's. compile_s: lower and compile; time_ms: median per call. "
@@ -191,7 +192,7 @@ def main(argv=None) -> int:
     if not pairs:  # each filter matched something, but not together
         print(f"pallasite-bench: nothing to run: no case of suite {suite_name!r} passes "
               "these filters with an implementation matching them. Implementations: "
-              + "; ".join(f"{op}: {', '.join(_impl_names(op))}" for op in (ops.GP, ops.SSD, ops.MAMBA, ops.GMLP))
+              + "; ".join(f"{op}: {', '.join(_impl_names(op))}" for op in (ops.GP, ops.SSD, ops.MAMBA, ops.GMLP, ops.GDR))
               + f". Shapes: {', '.join(suites.shape_names())}.", file=sys.stderr)
         return 2
     if args.list:

@@ -6,7 +6,8 @@ ops.make_inputs) to the tuple of outputs the checks compare:
 grouped_projection fwd (y,), fwd_bwd (y, dx, dkernel); chunk_ssd fwd (y, final_state),
 fwd_bwd (y, final_state, dx, da, db, dc, dinitial_state); mamba_chunk_scan fwd (y,
 final_state), fwd_bwd (y, final_state, then the gradients of ops.MAMBA_ARGS in order);
-grouped_mlp fwd (y,), fwd_bwd (y, dx, dgate_up, ddown).
+grouped_mlp fwd (y,), fwd_bwd (y, dx, dgate_up, ddown); gated_delta_rule fwd (o,
+final_state), fwd_bwd (o, final_state, then the gradients of ops.DELTA_ARGS in order).
 
 pallasite's kernels are imported lazily, so a backend that has not landed, or a peer that is
 not installed, becomes an "unsupported" record and the CLI still runs. On a CPU the Pallas
@@ -77,6 +78,8 @@ IMPLS: tuple[Impl, ...] = (
     # ([m, 2f] written and read back), the SwiGLU in XLA, the down product: three
     # grouped_projection-era steps, on pallasite's default backends.
     Impl("unfused", ops.GMLP, True),
+    Impl("xla", ops.GDR, False),
+    Impl("fla.triton", ops.GDR, True, "torch"),  # flash-linear-attention (fla-core)
 )
 
 
@@ -121,6 +124,8 @@ def unavailable(impl: Impl, plat: Platform, options: dict) -> str | None:
         return peers.torch_missing("_scaled_mm")
     if name == "mamba_ssm.triton":
         return peers.mamba_missing(options.get("mamba_ssm_path"))
+    if name == "fla.triton":
+        return peers.fla_missing()
     return None
 
 
@@ -357,6 +362,41 @@ def build_grouped_mlp(impl, case, plat, block_sizes=None) -> Callable:
     return jax.jit(fwd_bwd)
 
 
+# ------------------------------------------------------------------------ gated delta rule
+
+
+def build_gated_delta_rule(impl, case, plat, block_sizes=None, name=None) -> Callable:
+    import jax
+
+    from pallasite import kernels
+
+    def fwd(q, k, v, g, beta, initial_state, cu_seqlens):
+        return kernels.chunk_gated_delta_rule(
+            q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+            cu_seqlens=cu_seqlens, chunk_size=case.d["chunk"],
+            implementation=name or impl.name, block_sizes=block_sizes)
+
+    if case.direction == "fwd":
+        return jax.jit(lambda i: tuple(fwd(*(i[k] for k in ops.DELTA_ARGS),
+                                           i.get("cu_seqlens"))))
+
+    def fwd_bwd(i):
+        (o, final), vjp = jax.vjp(lambda *t: fwd(*t, i.get("cu_seqlens")),
+                                  *(i[k] for k in ops.DELTA_ARGS))
+        return (o, final, *vjp((i["do"], i["dfinal"])))
+
+    return jax.jit(fwd_bwd)
+
+
+def delta_grads_reference(case: ops.Case, inputs: dict) -> tuple | None:
+    """The six gradients of the XLA form with every float input in fp32."""
+    import jax.numpy as jnp
+
+    wide = {k: (v.astype(jnp.float32) if jnp.issubdtype(v.dtype, jnp.floating) else v)
+            for k, v in inputs.items()}
+    return build_gated_delta_rule(None, case, None, name="xla")(wide)[2:]
+
+
 # --------------------------------------------------------------------------------- build
 
 
@@ -410,6 +450,8 @@ def build(impl: Impl, case: ops.Case, plat: Platform, options: dict) -> Callable
         return build_mamba(impl, case, plat, block_sizes)
     if case.op == ops.GMLP:
         return build_grouped_mlp(impl, case, plat, block_sizes)
+    if case.op == ops.GDR:
+        return build_gated_delta_rule(impl, case, plat, block_sizes)
     return build_ssd(impl, case, plat, block_sizes)
 
 

@@ -30,6 +30,14 @@ implementations of one case share them and their TFLOP/s are directly comparable
   bytes: x, both kernels and y once; the backward reads x, the kernels and dy and writes
   dx and both kernels' gradients.
 
+- gated_delta_rule (B rows of T steps, Hk key heads, Hv value heads, K x V states, chunk
+  C; with seqs > 1 that many packed sequences in one row): per step and value head
+  6*K*V for the state's three K x V products (W S, the output's S^T q, the update) and
+  C*(3K + 2V) for the in-chunk work (the causal halves of Q K^T and K K^T, their
+  products with the updates, the WY products); forward+backward 3x. Minimum bytes: q,
+  k, v, g and beta (fp32), the fp32 initial state in, o and the final state out; the
+  backward reads them again with do and dfinal and writes a gradient of each input.
+
 Errors are measured against the definition, sampled so they cost little at any size:
 grouped_projection rows of y and dx and columns of a few groups' dkernel, each recomputed
 on the device with exact bf16 products summed in fp32 at HIGHEST precision; chunk_ssd's y
@@ -50,6 +58,7 @@ GP = "grouped_projection"
 SSD = "chunk_ssd"
 MAMBA = "mamba_chunk_scan"
 GMLP = "grouped_mlp"
+GDR = "gated_delta_rule"
 DIRECTIONS = ("fwd", "fwd_bwd")
 
 # "fp8": grouped_projection's recipe="fp8", bf16 operands quantized to e4m3 (1 byte each)
@@ -62,7 +71,7 @@ FP8 = "fp8"
 class Case:
     """One benchmarked point: an op, a direction, a named shape and an operand dtype."""
 
-    op: str  # GP, SSD, MAMBA or GMLP
+    op: str  # GP, SSD, MAMBA, GMLP or GDR
     direction: str  # "fwd" or "fwd_bwd"
     shape_name: str
     dims: tuple[tuple[str, int], ...]  # ordered (name, size) pairs
@@ -99,14 +108,16 @@ class Case:
 
     @property
     def flops(self) -> float:
-        if self.op in (GP, GMLP):
-            return (gp_flops if self.op == GP else mlp_flops)(self.direction, **self.d)
+        if self.op in (GP, GMLP, GDR):
+            fn = {GP: gp_flops, GMLP: mlp_flops, GDR: delta_flops}[self.op]
+            return fn(self.direction, **self.d)
         return ssd_flops(self.direction, **_scan_dims(self.d))
 
     @property
     def bytes(self) -> float:
-        fn = {GP: gp_bytes, SSD: ssd_bytes, MAMBA: mamba_bytes, GMLP: mlp_bytes}[self.op]
-        dims = self.d if self.op in (GP, GMLP) else _scan_dims(self.d)
+        fn = {GP: gp_bytes, SSD: ssd_bytes, MAMBA: mamba_bytes, GMLP: mlp_bytes,
+              GDR: delta_bytes}[self.op]
+        dims = self.d if self.op in (GP, GMLP, GDR) else _scan_dims(self.d)
         return fn(self.direction, _ITEMSIZE[self.dtype], **dims)
 
 
@@ -144,6 +155,15 @@ def mlp_case(name, m, d, f, g, direction="fwd", dtype="bfloat16") -> Case:
     """grouped_mlp over m routed rows (Dirichlet-split over g experts) of width d, each
     expert a [d, 2f] gate-up and an [f, d] down kernel, SwiGLU between."""
     return Case(GMLP, direction, name, (("m", m), ("d", d), ("f", f), ("g", g)), dtype)
+
+
+def delta_case(name, b, t, hk, hv, k, v, chunk=64, seqs=1, direction="fwd",
+               dtype="bfloat16") -> Case:
+    """chunk_gated_delta_rule; seqs > 1 packs that many sequences of random lengths into
+    one row (b must be 1) through cu_seqlens."""
+    dims = (("b", b), ("t", t), ("hk", hk), ("hv", hv), ("k", k), ("v", v),
+            ("chunk", chunk), ("seqs", seqs))
+    return Case(GDR, direction, name, dims, dtype)
 
 
 def mamba_case(name, b, l, h, p, n, g, chunk=256, seqs=1, direction="fwd",
@@ -210,6 +230,28 @@ def mlp_bytes(direction: str, itemsize: int, m: int, d: int, f: int, g: int) -> 
     return float(fwd + (2 * x + kernels) + (x + kernels))
 
 
+def delta_flops(direction: str, b: int, t: int, hk: int, hv: int, k: int, v: int,
+                chunk: int, seqs: int) -> float:
+    """6*K*V + C*(3K + 2V) per step and value head (module docstring); fwd_bwd 3x."""
+    fwd = b * t * hv * (6 * k * v + chunk * (3 * k + 2 * v))
+    return float(fwd if direction == "fwd" else 3 * fwd)
+
+
+def delta_bytes(direction: str, itemsize: int, b: int, t: int, hk: int, hv: int, k: int,
+                v: int, chunk: int, seqs: int) -> float:
+    """q, k, v, g, beta and the initial state in; o and the final state out; the
+    backward reads the inputs again with do and dfinal, and writes their gradients."""
+    qk = 2 * b * t * hk * k * itemsize
+    vo = b * t * hv * v * itemsize
+    gates = 2 * b * t * hv * 4
+    state = max(b, seqs) * hv * k * v * 4
+    inputs = qk + vo + gates + state
+    fwd = inputs + vo + state
+    if direction == "fwd":
+        return float(fwd)
+    return float(fwd + inputs + (vo + state) + inputs)
+
+
 def mamba_bytes(direction: str, itemsize: int, b: int, l: int, h: int, p: int, n: int,
                 g: int, chunk: int) -> float:
     """x, dt, B, C, z and the initial state in, y and the final state out; the backward
@@ -271,6 +313,8 @@ def make_inputs(case: Case, seed: int) -> dict[str, Any]:
         return _mamba_inputs(case, k_in, k_cot, k_state, dt)
     if case.op == GMLP:
         return _mlp_inputs(case, k_in, k_cot, dt)
+    if case.op == GDR:
+        return _delta_inputs(case, k_in, k_cot, k_state, dt)
     x, a, b, c = ref_inputs.ssd_inputs(k_in, d["b"], d["l"], d["h"], d["p"], d["n"], d["g"], dt)
     init = ref_inputs.ssd_initial_state(k_state, d["b"], d["h"], d["p"], d["n"])
     out = {"x": x, "a": a, "b": b, "c": c, "initial_state": init}
@@ -336,6 +380,40 @@ def _mlp_inputs(case: Case, k_in, k_cot, dtype) -> dict[str, Any]:
            "group_sizes": ref_inputs.random_group_sizes(jax.random.key(1234), m, g)}
     if case.direction == "fwd_bwd":
         out["dy"] = jax.random.normal(k_cot, (m, width)).astype(dtype)
+    return out
+
+
+# chunk_gated_delta_rule's differentiated arrays, in the order the implementations take them.
+DELTA_ARGS = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+def _delta_inputs(case: Case, k_in, k_cot, k_state, dtype) -> dict[str, Any]:
+    """Gated DeltaNet's: q ~ N(0, 1), k L2-normalised, v ~ N(0, 1) in `dtype`; g =
+    logsigmoid(N(4, 1)) (decays near 1, as trained layers have them) and beta =
+    sigmoid(N(0, 1)) in fp32; a random fp32 initial state per sequence; with seqs > 1,
+    cu_seqlens of that many random lengths (the same every seed)."""
+    import jax
+    import jax.numpy as jnp
+
+    d = case.d
+    b, t, hk, hv, dk, dv = (d[x] for x in ("b", "t", "hk", "hv", "k", "v"))
+    ks = jax.random.split(k_in, 5)
+    k = jax.random.normal(ks[1], (b, t, hk, dk))
+    n = d["seqs"] if d["seqs"] > 1 else b
+    out = {"q": jax.random.normal(ks[0], (b, t, hk, dk)).astype(dtype),
+           "k": (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(dtype),
+           "v": jax.random.normal(ks[2], (b, t, hv, dv)).astype(dtype),
+           "g": jax.nn.log_sigmoid(jax.random.normal(ks[3], (b, t, hv)) + 4.0),
+           "beta": jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, hv))),
+           "initial_state": 0.1 * jax.random.normal(k_state, (n, hv, dk, dv))}
+    if d["seqs"] > 1:
+        cuts = np.sort(np.random.default_rng(1234).choice(np.arange(1, t), d["seqs"] - 1,
+                                                          replace=False))
+        out["cu_seqlens"] = jnp.asarray(np.concatenate([[0], cuts, [t]]).astype(np.int32))
+    if case.direction == "fwd_bwd":
+        k_do, k_df = jax.random.split(k_cot)
+        out["do"] = jax.random.normal(k_do, out["v"].shape).astype(dtype)
+        out["dfinal"] = jax.random.normal(k_df, out["initial_state"].shape)
     return out
 
 
@@ -571,3 +649,45 @@ def check_grouped_mlp(case: Case, inputs: dict, outputs: tuple) -> Error:
         pairs.append((jnp.asarray(outputs[1])[jnp.asarray(rows)], dx))
         ref += "; dx on the same rows"
     return _combine(pairs, case.dtype, ref)
+
+
+def _delta_numpy(q, k, v, g, beta, state, scale):
+    """One (row, value head)'s outputs [T, V] and final state in float64, step by step;
+    `state` is reset per sequence by the caller's loop."""
+    o = np.zeros((q.shape[0], v.shape[1]))
+    for t in range(q.shape[0]):
+        state = np.exp(g[t]) * state
+        state = state + beta[t] * np.outer(k[t], v[t] - state.T @ k[t])
+        o[t] = state.T @ (scale * q[t])
+    return o, state
+
+
+def check_gated_delta_rule(case: Case, inputs: dict, outputs: tuple, grads_ref=None) -> Error:
+    """o and the final states of three (row, value head) pairs against a float64 step-by-
+    step recurrence (packed sequences each from their own initial state); for fwd_bwd the
+    six gradients against `grads_ref` (the XLA form's in fp32) when given."""
+    d = case.d
+    f64 = lambda key: np.asarray(inputs[key], np.float64)  # noqa: E731
+    q, k, v, g, beta, init = (f64(x) for x in DELTA_ARGS)
+    rep, scale = d["hv"] // d["hk"], d["k"] ** -0.5
+    cu = (np.asarray(inputs["cu_seqlens"]) if "cu_seqlens" in inputs
+          else np.array([0, d["t"]]))
+    picks = list(dict.fromkeys([(0, 0), (d["b"] - 1, d["hv"] - 1),
+                                (d["b"] // 2, d["hv"] // 2)]))
+    pairs = []
+    for bi, hi in picks:
+        parts, finals = [], []
+        for s_ in range(len(cu) - 1):
+            rows = slice(cu[s_], cu[s_ + 1])
+            start = init[s_ if "cu_seqlens" in inputs else bi, hi]
+            o, final = _delta_numpy(q[bi, rows, hi // rep], k[bi, rows, hi // rep],
+                                    v[bi, rows, hi], g[bi, rows, hi], beta[bi, rows, hi],
+                                    start, scale)
+            parts.append(o)
+            finals.append(final)
+        pairs.append((np.asarray(outputs[0][bi, :, hi], np.float64), np.concatenate(parts)))
+        got_final = np.asarray(outputs[1], np.float64)
+        for s_, final in enumerate(finals):
+            pairs.append((got_final[s_ if "cu_seqlens" in inputs else bi, hi], final))
+    return _check_scan(case, pairs, outputs, grads_ref,
+                       "float64 recurrence (3 row/head pairs)")

@@ -1,4 +1,5 @@
-"""Peers outside JAX's core: tokamax, torch._grouped_mm and mamba_ssm's Triton SSD.
+"""Peers outside JAX's core: tokamax, torch._grouped_mm, mamba_ssm's Triton SSD and
+flash-linear-attention's gated delta rule.
 
 Each is optional: `*_missing` returns why it cannot run (the record says "unsupported" with
 that reason) and nothing here is imported until a peer is asked for.
@@ -85,6 +86,18 @@ def mamba_missing(explicit: str | None) -> str | None:
     return None
 
 
+def fla_missing() -> str | None:
+    """Why flash-linear-attention's gated delta rule cannot run (fla-core installed, or
+    unpacked under the peers folder)."""
+    why = torch_missing("cuda")
+    if why:
+        return why
+    root = peers_path()
+    if os.path.isdir(os.path.join(root, "fla")) and root not in sys.path:
+        sys.path.insert(0, root)
+    return _importable("fla.ops.gated_delta_rule")
+
+
 # ------------------------------------------------------------------------------- adapters
 
 
@@ -111,6 +124,10 @@ def adapt_torch(name: str, case: ops.Case, inputs: dict) -> dict:
         return _rowwise_fp8(t)
     if case.op == ops.MAMBA:  # the same arguments, as torch tensors
         return t
+    if case.op == ops.GDR:  # fla takes cu_seqlens as int64
+        if "cu_seqlens" in t:
+            t["cu_seqlens"] = t["cu_seqlens"].long()
+        return t
     # mamba_ssm: dt = -a (> 0), A = -1, x / dt so that x*dt is pallasite's x.
     dt = (-t["a"]).float().clamp_min(1e-30)
     t["mamba_x"] = (t["x"].float() / dt[..., None]).to(t["x"].dtype)
@@ -126,6 +143,8 @@ def build_torch(name: str, case: ops.Case, options: dict):
         return _scaled_grouped_mm
     if name == "torch._scaled_mm.dense":
         return _scaled_mm_dense
+    if name == "fla.triton":
+        return _fla_gated_delta_rule(case)
     _add_mamba_path(options.get("mamba_ssm_path"))
     return _mamba_layer(case) if case.op == ops.MAMBA else _mamba(case)
 
@@ -259,6 +278,28 @@ def _mamba_layer(case: ops.Case):
             return (_to_jax(y), _to_jax(final))
         got = torch.autograd.grad((y, final), args, (t["dy"], t["dfinal"]))
         return tuple(_to_jax(v) for v in (y.detach(), final.detach(), *got))
+
+    return lambda t: run(t, case.direction == "fwd_bwd")
+
+
+def _fla_gated_delta_rule(case: ops.Case):
+    """fla's chunk_gated_delta_rule on the same inputs (its layout is pallasite's): o, the
+    final states and, for fwd_bwd, the gradients of the same six arguments."""
+    import torch
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    def run(t, grads):
+        args = [t[k] for k in ops.DELTA_ARGS]
+        if grads:
+            args = [a.detach().requires_grad_(True) for a in args]
+        q, k, v, g, beta, init = args
+        o, final = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=init,
+                                          output_final_state=True,
+                                          cu_seqlens=t.get("cu_seqlens"))
+        if not grads:
+            return (_to_jax(o), _to_jax(final))
+        got = torch.autograd.grad((o, final), args, (t["do"], t["dfinal"]))
+        return tuple(_to_jax(x) for x in (o.detach(), final.detach(), *got))
 
     return lambda t: run(t, case.direction == "fwd_bwd")
 

@@ -17,7 +17,7 @@ from pallasite.bench.roofline import Roofline
 
 
 _SHORT = {"grouped_projection": "gp", "chunk_ssd": "ssd", "mamba_chunk_scan": "mamba",
-          "grouped_mlp": "mlp"}
+          "grouped_mlp": "mlp", "gated_delta_rule": "delta"}
 
 
 def _label(r: Record) -> str:
@@ -77,7 +77,7 @@ def roofline_png(records: Sequence[Record], roof: Roofline, path: str,
     ax.plot(xs, np.minimum(peak, roof.tbps * xs), "k-", lw=1.5,
             label=f"{roof.name}: {peak:.3g} TFLOP/s, {roof.tbps:.3g} TB/s")
     markers = {"grouped_projection": "o", "chunk_ssd": "s", "mamba_chunk_scan": "D",
-               "grouped_mlp": "v"}
+               "grouped_mlp": "v", "gated_delta_rule": "P"}
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)

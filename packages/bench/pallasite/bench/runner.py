@@ -92,14 +92,17 @@ def _check(case, impl, ctx, inputs, outputs) -> ops.Error:
         return ops.check_grouped_projection(case, inputs, outputs)
     if case.op == ops.GMLP:
         return ops.check_grouped_mlp(case, inputs, outputs)
-    if case.op == ops.MAMBA:  # every implementation differentiates the same arguments
-        grads = None
+    if case.op in (ops.MAMBA, ops.GDR):  # every implementation differentiates the same
+        grads = None                       # arguments, peers included
         if case.direction == "fwd_bwd":
             if case not in ctx.grads:
                 ctx.grads.clear()
-                ctx.grads[case] = impls.mamba_grads_reference(case, inputs)
+                reference = (impls.mamba_grads_reference if case.op == ops.MAMBA
+                             else impls.delta_grads_reference)
+                ctx.grads[case] = reference(case, inputs)
             grads = ctx.grads[case]
-        return ops.check_mamba(case, inputs, outputs, grads)
+        check = ops.check_mamba if case.op == ops.MAMBA else ops.check_gated_delta_rule
+        return check(case, inputs, outputs, grads)
     grads = None
     if case.direction == "fwd_bwd" and impl.framework == "jax":
         if case not in ctx.grads:  # one fp32 XLA backward per case, shared by its impls

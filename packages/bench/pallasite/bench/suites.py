@@ -19,6 +19,9 @@
   experts, 16k tokens top 2; qwen3-30B-A3B: d 2048, f 768, 128 experts, 8k tokens top 8;
   dsv3: d 7168, f 2048, 256 experts, 8k tokens top 8), forward and forward+backward,
   beside the unfused composition (bf16 pre-activation written and read back).
+- "delta": chunk_gated_delta_rule at Qwen3-Next-like (B 1, T 32768, 16 q/k heads, 32 v
+  heads, K = V = 128), (B 8, T 4096, 32 heads, 128 x 128) and 16 sequences packed into
+  32768 steps, forward and forward+backward, beside flash-linear-attention (fla-core).
 - "quick": one small shape per op a GPU runs in seconds (still TARGETS-like proportions).
 - "cpu": tiny shapes the Pallas interpreters get through in seconds on two cores; the default
   on a machine without an accelerator whatever else was asked.
@@ -32,7 +35,7 @@
 from __future__ import annotations
 
 from pallasite.bench import ops
-from pallasite.bench.ops import gp_case, mamba_case, mlp_case, ssd_case
+from pallasite.bench.ops import delta_case, gp_case, mamba_case, mlp_case, ssd_case
 
 _TARGET_GP = (
     ("mixtral", 32768, 4096, 14336, 8),
@@ -82,6 +85,12 @@ _MLP = (  # name, routed rows, d, f, experts
     ("dsv3_mlp", 65536, 7168, 2048, 256),
 )
 _CPU_MLP = (("tiny_mlp", 96, 64, 64, 4),)
+_DELTA = (  # name, b, t, hk, hv, k, v, packed sequences
+    ("qwen3_next", 1, 32768, 16, 32, 128, 128, 1),
+    ("delta_b8_t4k", 8, 4096, 32, 32, 128, 128, 1),
+    ("delta_packed16", 1, 32768, 16, 32, 128, 128, 16),
+)
+_CPU_DELTA = (("tiny_delta", 1, 100, 1, 2, 16, 16, 3),)
 
 # One shape per op keeps the CPU main job near a minute on two cores (each interpreted
 # kernel compiles for 2-8 s); b > 1, g > 1 and two chunks still exercise every index map.
@@ -137,6 +146,9 @@ def suite(name: str, devices: int = 2) -> list[ops.Case]:
                 for seqs in (1, _PACKED) for s in _TARGET_SSD]
     if name == "mlp":
         return [mlp_case(*s, direction=d) for d in ops.DIRECTIONS for s in _MLP]
+    if name == "delta":
+        return [delta_case(*s[:7], seqs=s[7], direction=d) for d in ops.DIRECTIONS
+                for s in _DELTA]
     if name == "quick":
         return _cases(_QUICK_GP, _QUICK_SSD, ops.DIRECTIONS) + [
             mamba_case(*s, seqs=_PACKED, direction=d) for d in ops.DIRECTIONS
@@ -146,13 +158,16 @@ def suite(name: str, devices: int = 2) -> list[ops.Case]:
             gp_case(*s, direction=d, dtype=ops.FP8) for d in ops.DIRECTIONS for s in _CPU_GP
         ] + [mamba_case(*s, chunk=_CPU_MAMBA_CHUNK, seqs=_CPU_MAMBA_SEQS, direction=d)
              for d in ops.DIRECTIONS for s in _CPU_MAMBA] + [
-            mlp_case(*s, direction=d) for d in ops.DIRECTIONS for s in _CPU_MLP]
+            mlp_case(*s, direction=d) for d in ops.DIRECTIONS for s in _CPU_MLP] + [
+            delta_case(*s[:7], chunk=16, seqs=s[7], direction=d) for d in ops.DIRECTIONS
+            for s in _CPU_DELTA]
     if name == "smoke":
         return _cases(_CPU_GP[:1], _CPU_SSD[:1], ("fwd",), chunk=_CPU_SSD_CHUNK)
     raise ValueError(f"unknown suite {name!r}; known: {', '.join(SUITES)}")
 
 
-SUITES = ("targets", "extra", "fp8", "mamba", "mlp", "quick", "cpu", "smoke", "scaling")
+SUITES = ("targets", "extra", "fp8", "mamba", "mlp", "delta", "quick", "cpu", "smoke",
+          "scaling")
 
 
 def filter_cases(cases: list[ops.Case], *, ops_: list[str] | None = None,
@@ -169,5 +184,5 @@ def filter_cases(cases: list[ops.Case], *, ops_: list[str] | None = None,
 def shape_names() -> list[str]:
     names = [s[0] for s in _TARGET_GP + _TARGET_SSD + _EXTRA_GP_SKEWED + _EXTRA_GP_ZIPF
              + _EXTRA_GP_WIDTHS + _EXTRA_GP_SMALL_M + _EXTRA_SSD
-             + _QUICK_GP + _CPU_GP + _CPU_SSD + _MLP + _CPU_MLP + _CPU_MAMBA]
+             + _QUICK_GP + _CPU_GP + _CPU_SSD + _MLP + _CPU_MLP + _CPU_MAMBA + _DELTA + _CPU_DELTA]
     return list(dict.fromkeys(names))
