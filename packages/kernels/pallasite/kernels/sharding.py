@@ -294,6 +294,19 @@ def run(planner: Planner, args: Sequence[jax.Array], *, rule: str,
                                    interpreted), tuple(args))
 
 
+def run_explicit(planner: Planner, args: Sequence[jax.Array]) -> tuple:
+    """For plain-JAX forms that XLA's partitioner handles itself under Auto axes and in a
+    shard_map, but whose ops have no rule under Explicit axes (a select between a
+    replicated mask and sharded operands): under Explicit axes, the planner's local
+    function in a shard_map over them, as `run` does; anywhere else, the local function
+    on the arrays as they are."""
+    mesh = _context_mesh(args)
+    if mesh.empty or not mesh.explicit_axes:
+        return tuple(planner(tuple(replicated(a.ndim) for a in args), {}).local(*args))
+    axis_sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    return _run_explicit(planner, tuple(args), mesh, axis_sizes, interpreted=False)
+
+
 def _mapped(fn, args: tuple) -> tuple:
     """fn(*args) with a batching rule: over a vmapped axis, jax.lax.map runs fn on one
     element of the batched operands at a time (the others closed over), so every kernel,

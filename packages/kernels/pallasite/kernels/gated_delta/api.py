@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Integer
 
-from pallasite.kernels import decoding, platform
-from pallasite.kernels.gated_delta import xla
+from pallasite.kernels import decoding, platform, sharding
+from pallasite.kernels.gated_delta import layouts, xla
 from pallasite.reference import gated_delta_rule as ref
 from pallasite.reference import slots
 
@@ -76,9 +76,15 @@ def chunk_gated_delta_rule(
     scale, init = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size,
                            block_sizes)
     del names  # one implementation: xla
-    o, final = xla.forward(q, k, v, g, beta, scale=scale, initial_state=init,
-                           cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+
+    def forward(q, k, v, g, beta, init, *cu):
+        return xla.forward(q, k, v, g, beta, scale=scale, initial_state=init,
+                           cu_seqlens=cu[0] if cu else None, chunk_size=chunk_size,
                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+    args = (q, k, v, g, beta, init) + (() if cu_seqlens is None else (cu_seqlens,))
+    plan = layouts.planner(forward, q.shape, v.shape, cu_seqlens is not None)
+    o, final = sharding.run_explicit(plan, args)
     return o, (final.astype(jnp.float32) if output_final_state else None)
 
 
