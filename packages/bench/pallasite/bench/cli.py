@@ -168,6 +168,22 @@ def _progress(i: int, total: int, case: ops.Case, impl: impls.Impl, start: float
     print(line, file=sys.stderr, flush=True)
 
 
+HOST_DEVICES = 8
+
+
+def _host_devices() -> None:
+    """Eight CPU devices, as the tests have, set before JAX starts (unless XLA_FLAGS
+    names a count). The Mosaic GPU interpreter runs each warpgroup as a thread executing
+    its own XLA computation with host-callback barriers between them; on one CPU device
+    the fp8 kernels' three warpgroups deadlocked in those barriers in about half the runs
+    on two cores (2026-12-03), on eight in none. GPU and TPU runs are unaffected (only the
+    CPU platform's device count changes)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = (
+            f"{flags} --xla_force_host_platform_device_count={HOST_DEVICES}").strip()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     # `bazel run` starts in the runfiles tree: resolve relative paths where the user ran it
@@ -181,6 +197,7 @@ def main(argv=None) -> int:
     # name. The suite times the tables' configs and the defaults; PALLASITE_AUTOTUNE=1 in
     # the environment times what autotune-on-miss picks instead (docs/tuning.md).
     os.environ.setdefault("PALLASITE_AUTOTUNE", "0")
+    _host_devices()
     import jax
 
     from pallasite.bench import roofline, runner
