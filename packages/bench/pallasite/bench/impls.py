@@ -298,33 +298,47 @@ def _mamba_forward(name: str, chunk: int, block_sizes) -> Callable:
     return fwd
 
 
-def build_mamba(impl, case, plat, block_sizes=None, name=None) -> Callable:
+def _scan_call(fwd, direction: str, arrays: tuple[str, ...], extra: str,
+               cotangents: tuple[str, str]) -> Callable:
+    """A scan with a final state, jitted for the case's direction: fwd(*arrays, extra)
+    -> (out, final), where `extra` is an input that is not differentiated (seq_idx,
+    cu_seqlens; absent: None); fwd_bwd returns (out, final, *gradients of `arrays`) at
+    the input set's `cotangents` of (out, final)."""
     import jax
 
-    fwd = _mamba_forward(name or impl.name, case.d["chunk"], block_sizes)
-    if case.direction == "fwd":
-        return jax.jit(lambda i: tuple(fwd(*(i[k] for k in ops.MAMBA_ARGS),
-                                           i.get("seq_idx"))))
+    if direction == "fwd":
+        return jax.jit(lambda i: tuple(fwd(*(i[k] for k in arrays), i.get(extra))))
 
     def fwd_bwd(i):
-        (y, final), vjp = jax.vjp(lambda *t: fwd(*t, i.get("seq_idx")),
-                                  *(i[k] for k in ops.MAMBA_ARGS))
-        return (y, final, *vjp((i["dy"], i["dfinal"])))
+        (out, final), vjp = jax.vjp(lambda *t: fwd(*t, i.get(extra)),
+                                    *(i[k] for k in arrays))
+        return (out, final, *vjp(tuple(i[k] for k in cotangents)))
 
     return jax.jit(fwd_bwd)
 
 
-def mamba_grads_reference(case: ops.Case, inputs: dict) -> tuple | None:
-    """The nine gradients of the XLA implementation with every input in fp32."""
+def _xla_grads(build, case: ops.Case, inputs: dict) -> tuple | None:
+    """The gradients (outputs[2:]) of `build`'s XLA implementation with every floating
+    input in fp32; None where pallasite's kernels do not import."""
     import jax.numpy as jnp
 
     try:
-        run = build_mamba(None, case, None, name="xla")
+        run = build(None, case, None, name="xla")
     except (ImportError, AttributeError):
         return None
     wide = {k: (v.astype(jnp.float32) if jnp.issubdtype(v.dtype, jnp.floating) else v)
             for k, v in inputs.items()}
     return run(wide)[2:]
+
+
+def build_mamba(impl, case, plat, block_sizes=None, name=None) -> Callable:
+    fwd = _mamba_forward(name or impl.name, case.d["chunk"], block_sizes)
+    return _scan_call(fwd, case.direction, ops.MAMBA_ARGS, "seq_idx", ("dy", "dfinal"))
+
+
+def mamba_grads_reference(case: ops.Case, inputs: dict) -> tuple | None:
+    """The nine gradients of the XLA implementation with every input in fp32."""
+    return _xla_grads(build_mamba, case, inputs)
 
 
 # ---------------------------------------------------------------------------- grouped_mlp
@@ -366,8 +380,6 @@ def build_grouped_mlp(impl, case, plat, block_sizes=None) -> Callable:
 
 
 def build_gated_delta_rule(impl, case, plat, block_sizes=None, name=None) -> Callable:
-    import jax
-
     from pallasite import kernels
 
     def fwd(q, k, v, g, beta, initial_state, cu_seqlens):
@@ -376,25 +388,12 @@ def build_gated_delta_rule(impl, case, plat, block_sizes=None, name=None) -> Cal
             cu_seqlens=cu_seqlens, chunk_size=case.d["chunk"],
             implementation=name or impl.name, block_sizes=block_sizes)
 
-    if case.direction == "fwd":
-        return jax.jit(lambda i: tuple(fwd(*(i[k] for k in ops.DELTA_ARGS),
-                                           i.get("cu_seqlens"))))
-
-    def fwd_bwd(i):
-        (o, final), vjp = jax.vjp(lambda *t: fwd(*t, i.get("cu_seqlens")),
-                                  *(i[k] for k in ops.DELTA_ARGS))
-        return (o, final, *vjp((i["do"], i["dfinal"])))
-
-    return jax.jit(fwd_bwd)
+    return _scan_call(fwd, case.direction, ops.DELTA_ARGS, "cu_seqlens", ("do", "dfinal"))
 
 
 def delta_grads_reference(case: ops.Case, inputs: dict) -> tuple | None:
     """The six gradients of the XLA form with every float input in fp32."""
-    import jax.numpy as jnp
-
-    wide = {k: (v.astype(jnp.float32) if jnp.issubdtype(v.dtype, jnp.floating) else v)
-            for k, v in inputs.items()}
-    return build_gated_delta_rule(None, case, None, name="xla")(wide)[2:]
+    return _xla_grads(build_gated_delta_rule, case, inputs)
 
 
 # --------------------------------------------------------------------------------- build
