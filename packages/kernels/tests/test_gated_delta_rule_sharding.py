@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import sharding_testlib as st
-from pallasite.kernels import chunk_gated_delta_rule
+from pallasite.kernels import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
 B, T, HK, HV, K, V = 8, 100, 8, 16, 16, 16
 
@@ -100,3 +100,22 @@ def test_inside_a_callers_shard_map():
                                 out_specs=(spec, spec)))(*args)
     want = local(*args)
     _assert_close(got, want)
+
+
+@pytest.mark.parametrize("split", ["rows", "heads"])
+def test_the_step_by_step_form_under_explicit_axes(split):
+    """fused_recurrent_gated_delta_rule takes the same plan as the chunked form: under
+    Explicit axes its scan over steps (whose carry would otherwise change layout) runs
+    on the local rows or heads, values and gradients the unsharded call's."""
+    args = _inputs(seed=3)
+    mesh = st.mesh((8,), ("x",), st.EXPLICIT)
+
+    def loss(*a):
+        o, final = fused_recurrent_gated_delta_rule(*a[:5], initial_state=a[5],
+                                                    output_final_state=True)
+        return jnp.sum(o * jnp.cos(jnp.arange(o.size, dtype=jnp.float32)).reshape(o.shape)) \
+            + jnp.sum(final ** 2)
+
+    with jax.set_mesh(mesh):
+        got = _grads(loss, _placed(args, mesh, split))
+    _assert_close(got, _grads(loss, args))

@@ -14,6 +14,7 @@ slot-indexed state cache, in place where the cache is donated, on Pallas Triton
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -72,15 +73,22 @@ def chunk_gated_delta_rule(
     [N + 1] packs them into one row (B = 1). scale defaults to K^-1/2. Differentiable in
     q, k, v, g, beta and initial_state.
     """
-    names = _names(implementation)
+    _names(implementation)  # one implementation today: xla
     scale, init = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size,
                            block_sizes)
-    del names  # one implementation: xla
+    form = functools.partial(xla.forward, chunk_size=chunk_size)
+    return _run(form, q, k, v, g, beta, scale, init, cu_seqlens, use_qk_l2norm_in_kernel,
+                output_final_state)
+
+
+def _run(form, q, k, v, g, beta, scale, init, cu_seqlens, l2norm_qk, output_final_state):
+    """form(q, k, v, g, beta, scale=, initial_state=, cu_seqlens=,
+    use_qk_l2norm_in_kernel=) -> (o, final) on the local rows and heads (layouts.py:
+    a shard_map under Explicit axes; XLA's partitioner elsewhere). The public result."""
 
     def forward(q, k, v, g, beta, init, *cu):
-        return xla.forward(q, k, v, g, beta, scale=scale, initial_state=init,
-                           cu_seqlens=cu[0] if cu else None, chunk_size=chunk_size,
-                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        return form(q, k, v, g, beta, scale=scale, initial_state=init,
+                    cu_seqlens=cu[0] if cu else None, use_qk_l2norm_in_kernel=l2norm_qk)
 
     args = (q, k, v, g, beta, init) + (() if cu_seqlens is None else (cu_seqlens,))
     plan = layouts.planner(forward, q.shape, v.shape, cu_seqlens is not None)
@@ -108,10 +116,9 @@ def fused_recurrent_gated_delta_rule(
     _names(implementation)
     scale, init = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, None,
                            block_sizes)
-    o, final = ref.gated_delta_rule_sequential(
-        q, k, v, g, beta, scale=scale, initial_state=init, output_final_state=True,
-        cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    return o, (final.astype(jnp.float32) if output_final_state else None)
+    form = functools.partial(ref.gated_delta_rule_sequential, output_final_state=True)
+    return _run(form, q, k, v, g, beta, scale, init, cu_seqlens, use_qk_l2norm_in_kernel,
+                output_final_state)
 
 
 def gated_delta_rule_step(
