@@ -167,12 +167,7 @@ def mamba_chunk_scan_reference(
 
     seq = tuple(jnp.moveaxis(t, 1, 0) for t in (w(x), dtp, w(B), w(C), starts))
     final, (ys, states) = jax.lax.scan(step, state0, seq)
-    y = jnp.moveaxis(ys, 0, 1)  # [b, l, h, p]
-    if D is not None:
-        y = y + (D.astype(wide)[:, None] if D.ndim == 1 else D.astype(wide)) * w(x)
-    if z is not None:
-        zf = w(z)
-        y = y * zf * jax.nn.sigmoid(zf)
+    y = ssd_decode.skip_and_gate(jnp.moveaxis(ys, 0, 1), w(x), w(D), w(z))  # [b, l, h, p]
     out = [y.astype(x.dtype)]
     if return_final_states:
         out.append(final)

@@ -31,7 +31,7 @@ from pallasite.reference import slots as slots_
 from pallasite.reference.checks import check_floating_arrays, need_shape, shape_of
 
 __all__ = ["selective_state_update_reference", "validate_selective_state_update",
-           "process_dt", "STATE_DTYPES"]
+           "process_dt", "skip_and_gate", "STATE_DTYPES"]
 
 STATE_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
 
@@ -96,11 +96,17 @@ def step(state_rows, x, dt, A, B, C, D, z):
     new = (state_rows * decay[:, :, None, None]
            + (dt[:, :, None] * x)[..., None] * Bh[:, :, None, :])
     y = jnp.einsum("bhpn,bhn->bhp", new, Ch, precision=jax.lax.Precision.HIGHEST)
+    return skip_and_gate(y, x, D, z), new
+
+
+def skip_and_gate(y, x, D, z):
+    """Mamba-2's output around the scan: y + D x, then y silu(z) (each when given), in
+    the operands' one dtype. y, x and z end in [..., h, p]; D is [h] or [h, p]."""
     if D is not None:
-        y = y + (D[None, :, None] if D.ndim == 1 else D[None]) * x
+        y = y + (D[:, None] if D.ndim == 1 else D) * x
     if z is not None:
         y = y * (z * jax.nn.sigmoid(z))
-    return y, new
+    return y
 
 
 def selective_state_update_reference(

@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Integer
 
@@ -31,6 +30,7 @@ from pallasite.kernels.mamba_scan import varlen
 from pallasite.kernels.ssd import api as ssd_api
 from pallasite.kernels.ssd import context_parallel
 from pallasite.reference import mamba_chunk_scan as ref
+from pallasite.reference import ssd_decode
 
 _F32 = jnp.float32
 
@@ -52,14 +52,8 @@ def _sequence_starts(seq_idx, sequence_axes):
 
 def _epilogue(y, x, D, z):
     """y + D x, then y silu(z), in fp32; y rounded once, to x's dtype."""
-    out = y.astype(_F32)
-    if D is not None:
-        d = D.astype(_F32)
-        out = out + (d[:, None] if d.ndim == 1 else d) * x.astype(_F32)
-    if z is not None:
-        zf = z.astype(_F32)
-        out = out * (zf * jax.nn.sigmoid(zf))
-    return out.astype(x.dtype)
+    f32 = lambda t: None if t is None else t.astype(_F32)  # noqa: E731
+    return ssd_decode.skip_and_gate(f32(y), f32(x), f32(D), f32(z)).astype(x.dtype)
 
 
 def mamba_chunk_scan(
