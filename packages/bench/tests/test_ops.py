@@ -58,6 +58,14 @@ def test_sample_rows_hit_every_group_boundary():
     np.testing.assert_array_equal(ops._group_of(np.array([0, 2, 3, 8]), gs), [0, 0, 2, 3])
 
 
+def test_sample_rows_reach_the_last_of_many_groups():
+    """256 groups, 64 rows: the samples spread over the groups up to the last one (a
+    fault in late groups only, as a 32-bit offset wrap gives, must show)."""
+    gs = np.full(256, 256, np.int32)
+    groups = ops._group_of(ops._sample_rows(gs, 64), gs)
+    assert groups.min() == 0 and groups.max() == 255 and len(set(groups.tolist())) == 32
+
+
 def test_check_grouped_projection_flags_a_wrong_row():
     import jax.numpy as jnp
 

@@ -21,7 +21,7 @@ from jax.sharding import AbstractDevice, AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 import sharding_testlib as st
-from pallasite.kernels import BlockScaled, grouped_projection, quantize
+from pallasite.kernels import grouped_projection, quantize
 from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu as mgpu
 from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu_fp8 as mgpu_fp8
 from pallasite.kernels.grouped_matmul import pallas_triton_fp8 as triton_fp8
@@ -409,3 +409,25 @@ def test_pre_quantized_operands_on_the_gpu():
     for name in ("pallas_mosaic_gpu", "pallas_triton", None):
         got = grouped_projection(xq, wq, sizes, jnp.float32, implementation=name)
         assert _rel(got, want) <= 2e-3, name
+
+
+@pytest.mark.gpu
+def test_recipe_with_weights_past_2_31_fp8_values():
+    """DeepSeek-V3's 256 experts of 7168 x 2048 on one device: 3.76e9 fp8 weight values,
+    past the 32-bit offsets of Pallas Triton's stores (the quantizer writes uint16 pairs
+    there). The forward and dx of the default recipe against the oracle, on rows of the
+    first group, a group past the wrap (147) and the last."""
+    g, k, n, per = 256, 7168, 2048, 16
+    kx, kw, kd = jax.random.split(jax.random.key(21), 3)
+    w = jax.random.normal(kw, (g, k, n), jnp.bfloat16) / 16
+    x = jax.random.normal(kx, (g * per, k), jnp.bfloat16)
+    dy = jax.random.normal(kd, (g * per, n), jnp.bfloat16)
+    sizes = jnp.full((g,), per, jnp.int32)
+    project = functools.partial(grouped_projection, compute=jnp.float32, recipe="fp8")
+    y, vjp = jax.vjp(lambda x: project(x, w, sizes), x)
+    (dx,) = vjp(dy.astype(jnp.float32))
+    for gi in (0, 147, 255):
+        rows = slice(gi * per, (gi + 1) * per)
+        wq = q.quantized_kernel(w[gi][None])[0]
+        assert _rel(y[rows], q.quantized_rows(x[rows]) @ wq) <= 2e-3, gi
+        assert _rel(dx[rows], q.quantized_rows(dy[rows]) @ wq.T) <= 2e-3, gi

@@ -245,6 +245,21 @@ def test_bad_arguments():
                 interpret=True)
 
 
+def test_oversized_fp8_operands_are_refused_by_name():
+    """DeepSeek-V3's 256 experts (7168 x 2048) in fp8 pass 2**31 elements in under 4 GiB:
+    Pallas Triton's 32-bit offsets would wrap, so the kernels refuse them (traced only)."""
+    s = jax.ShapeDtypeStruct
+    lhs, lhs_scales = s((256, 7168), F8), s((56, 256), jnp.float32)
+    rhs, rhs_scales = s((256, 2048, 7168), F8), s((256, 16, 56), jnp.float32)
+    with pytest.raises(ValueError, match=r"rhs \(256, 2048, 7168\) float8_e4m3fn .* 2\*\*31"):
+        jax.eval_shape(lambda *a: tf.gmm_quantized(*a, interpret=True), lhs, lhs_scales, rhs,
+                       rhs_scales, s((256,), jnp.int32))
+    with pytest.raises(ValueError, match="lhs_t"):
+        jax.eval_shape(lambda *a: tf.tgmm_quantized(*a, interpret=True),
+                       s((7168, 2**19), F8), s((2**12, 7168), jnp.float32), s((64, 2**19), F8),
+                       s((2**12, 64), jnp.float32), s((8,), jnp.int32), s((8,), jnp.int32))
+
+
 def test_zero_sizes_give_zeros():
     gs = jnp.array([3, 0], jnp.int32)
     out = tf.gmm(jnp.zeros((0, 128), BF16), jnp.zeros((2, 128, 64), BF16), gs, interpret=True)

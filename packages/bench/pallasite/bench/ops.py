@@ -459,13 +459,18 @@ def _combine(pairs, dtype: str, reference: str) -> Error:
 
 
 def _sample_rows(group_sizes: np.ndarray, count: int, seed: int = 7) -> np.ndarray:
-    """Up to `count` rows: each non-empty group's first and last row, then random ones."""
+    """Up to `count` rows: the first and last row of non-empty groups spread evenly over
+    all of them (the first and the last included, so a fault in late groups shows), then
+    random ones."""
     ends = np.cumsum(group_sizes)
     starts = ends - group_sizes
-    rows = [r for s, e in zip(starts, ends) if e > s for r in (s, e - 1)]
+    nonempty = np.flatnonzero(np.asarray(group_sizes) > 0)
+    spread = np.linspace(0, len(nonempty) - 1, min(len(nonempty), count // 2))
+    picks = nonempty[np.unique(np.round(spread).astype(int))] if len(nonempty) else []
+    rows = [int(r) for g in picks for r in (starts[g], ends[g] - 1)]
     total = int(ends[-1]) if len(ends) else 0
     rng = np.random.default_rng(seed)
-    rows = list(dict.fromkeys(int(r) for r in rows))[:count]
+    rows = list(dict.fromkeys(rows))[:count]
     if total and len(rows) < count:
         rows += [int(r) for r in rng.integers(0, total, count - len(rows))]
     return np.asarray(sorted(set(rows)), np.int32)

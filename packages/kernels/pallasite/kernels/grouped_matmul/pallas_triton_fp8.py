@@ -180,6 +180,7 @@ def gmm_quantized(
     [group_offset, group_offset + g) of group_sizes (all when None); rows of other groups
     and past the total are zeros. product ('forward' or 'dx') is the tuning key, whose
     dims are the projection's: the dx contracts n = rhs.shape[2] into k = rhs.shape[1]."""
+    _check_offsets(lhs=lhs, rhs=rhs)
     m, kc = lhs.shape
     g, nc = rhs.shape[0], rhs.shape[1]
     out_dtype = jnp.dtype(out_dtype)
@@ -246,6 +247,7 @@ def tgmm_quantized(
     dequant(lhs block) @ dequant(rhs block)^T: the token-block layouts of the module
     docstring (values [c, 128 t], scales [t, c]). m: the rows the blocks were cut from
     (the tuning key; the token axis when None)."""
+    _check_offsets(lhs_t=lhs_t, rhs_t=rhs_t)
     k, p = lhs_t.shape
     n = rhs_t.shape[0]
     g = first.shape[0]
@@ -271,6 +273,18 @@ def tgmm_quantized(
 
 
 # ------------------------------------------------------------- the backend contract
+
+
+def _check_offsets(**operands):
+    """Refuse fp8 operands Pallas Triton would address past its 32-bit offsets (more
+    than 2**31 one-byte elements in at most 4 GiB: quantization/pallas_triton.py); the
+    ordered fallback then takes the next backend."""
+    for name, a in operands.items():
+        if not quantization.pallas_triton.offsets_fit(a.shape, a.dtype):
+            raise ValueError(
+                f"pallas_triton (fp8): {name} {a.shape} {jnp.dtype(a.dtype).name} has more "
+                "than 2**31 elements in at most 2**32 bytes, past the 32-bit offsets Pallas "
+                "Triton addresses it with")
 
 
 def _check(lhs, rhs, group_sizes):
