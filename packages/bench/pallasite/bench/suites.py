@@ -66,6 +66,9 @@ _EXTRA_GP_WIDTHS = (
     ("w1408_down", 32768, 1408, 2048, 64),
     ("w5504_up", 32768, 2048, 5504, 16),
     ("w5504_down", 32768, 5504, 2048, 16),
+    # k an odd multiple of 64 (2880 = 45 x 64: gpt-oss's hidden size) and its gate-up
+    # width, over 128 experts: the odd half-tile of 128 along the contraction.
+    ("w2880_gate_up", 65536, 2880, 5760, 128),
 )
 
 _EXTRA_SSD = (("mamba2_p128_g8_c128", 4, 8192, 32, 128, 128, 8),)  # chunk 128
