@@ -1,6 +1,7 @@
-"""Every pallas_call's cost estimate (22 calls: the grouped gmm and tgmm of three backends,
+"""Every pallas_call's cost estimate (27 calls: the grouped gmm and tgmm of three backends,
 the fp8 gmm and tgmm of two, the three fp8 quantizers, five SSD Triton kernels, the SSD
-Mosaic TPU forward and backward, the two decode steps) against a hand count.
+Mosaic TPU forward and backward, the two decode steps, the chunked gated delta rule's
+three forward and two backward Triton kernels) against a hand count.
 
 The estimates come from pl.estimate_cost on each call's body-equivalent function and the
 bytes of the call's operands and results (pallasite.kernels.cost). The hand counts below
@@ -28,6 +29,7 @@ from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu, pallas_mosaic_tp
 from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu_fp8, pallas_triton_fp8
 from pallasite.kernels.grouped_matmul import token_blocks
 from pallasite.kernels.quantization import pallas_triton as quantize_triton
+from pallasite.kernels.gated_delta import pallas_triton as delta_triton
 from pallasite.kernels.gated_delta import step_pallas_triton as delta_step_triton
 from pallasite.kernels.ssd_decode import pallas_triton as decode_triton
 from pallasite.kernels.ssd import costs as ssd_costs
@@ -331,3 +333,98 @@ def test_gated_delta_rule_step():
     _check(est, 5 * b * hv * dk * dv + b * hv * dk + b * hv * dv, b * hv, _bytes(
         ((b,), I32), ((b, hk, dk), BF16), ((b, hk, dk), BF16), ((b, hv, dv), BF16),
         ((b, hv), F32), ((b, hv), F32), rows, ((b, hv, dv), BF16), rows))
+
+
+# ------------------------------------------------------------- chunked gated delta rule
+
+
+def test_chunked_gated_delta_rule_triton():
+    """Per (row, chunk, value head), C = 64 in nb = 4 blocks of S = 16 rows:
+    prep: the P = 10 lower blocks of A (2 S^2 K per k k^T block; a 3-flop segment, an exp
+    and two products per entry), the diagonal blocks' substitution (S - 1 rows, a product
+    and a subtraction per entry), the merges (M1 = 10 products A_im T_mj and M2 = 6
+    closing ones, 2 S^3 each; M1 - M2 block sums and M2 negations), beta V and
+    beta exp(G) K (an exp, an add and two products per step, a product per element),
+    and the P block products into U and W with their P - nb block sums;
+    state pass: u = U - W S, the decays to the chunk's end (a 3-flop segment and an exp
+    per step), their product with K, exp(G_last), the new state (decay, product, add);
+    output: exp(G) Q (an add and an exp per step, a product per element), its product
+    with S, per block of 32 value columns Q K^T with its decay (segment, exp, product),
+    the product with u, the sum and the scale. Bytes: operands and results once (the
+    final states, aliased to the initial ones, read and written)."""
+    b, nc, c, hk, hv, k, v, n = 1, 2, 64, 1, 2, 32, 64, 1
+    z, s, nb = b * nc * hv, 16, 4
+    p, m1, m2 = 10, 10, 6
+    t = nc * c
+    x, y, gate = S((b, t, hk, k), BF16), S((b, t, hv, v), BF16), S((b, t, hv), F32)
+    calls = _calls(lambda *a: delta_triton._kernels(
+        *a, None, scale=0.1, chunk_size=c, l2norm=False, interpret=False,
+        block_sizes={"output_block_v": 32}), x, x, y, gate, gate, S((n, hv, k, v), F32))
+    (prep,), (state,), (out,) = (calls["gated_delta_rule_" + name]
+                                 for name in ("prep", "state_pass", "output"))
+    keys, values = ((b, nc, c, hk, k), BF16), ((b, nc, c, hv, v), BF16)
+    gates, w = ((b, nc, c, hv), F32), ((b, nc, c, hv, k), BF16)
+    states, tables, init = ((b, nc, hv, k, v), BF16), ((b, nc), I32), ((n, hv, k, v), F32)
+    _check(prep, z * (p * (2 * s * s * k + 5 * s * s) + nb * (s - 1) * 2 * s * s
+                      + (m1 + m2) * 2 * s ** 3 + m1 * s * s + c * (v + k + 2)
+                      + p * 2 * s * s * (v + k) + (p - nb) * s * (v + k)),
+           z * (p * s * s + c), _bytes(keys, values, gates, gates, gates, w, values))
+    _check(state, z * (4 * c * k * v + c * v + 3 * c + c * k + 1 + 2 * k * v), z * (c + 1),
+           _bytes(w, values, keys, gates, gates, tables, tables, init, states, values, init))
+    column_blocks = v // 32
+    _check(out, z * (c + c * k + 2 * c * k * v + column_blocks * (2 * c * c * k + 4 * c * c)
+                     + 2 * c * c * v + 2 * c * v),
+           z * (c + column_blocks * c * c),
+           _bytes(keys, keys, gates, gates, states, values, values))
+
+
+def test_chunked_gated_delta_rule_triton_backward():
+    """Per (row, chunk, value head), C = 64, through jax.vjp of the kernels' forward:
+    reverse state pass: per block of 32 value columns P (Q K^T; a 3-flop segment, an exp
+    and a product per entry); du = scale P^T do + Kd dS' (the decays to the chunk's end:
+    a 3-flop segment and an exp per step; their product with K; two dots, the scale and
+    an add); exp(G) Q (an add and an exp per step, a product per element); dS =
+    exp(G_last) dS' + scale (exp(G) Q)^T do - W^T du (an add and an exp; three dots; the
+    decay's product, the scale, the subtraction and the add per element);
+    chunk gradients, per block of 32 value columns: 9 dots over K of C x C (the P and A
+    paths: dP K, dP^T Q, Q K^T, W, T^T dW, dRk W^T, K K^T, dA K, dA^T K), 4 over V of
+    C x C (do u^T, U, T^T du, dRv U^T), 3 of C K V (do S^T, u dS'^T, du S^T) and one of
+    C x C x C (dg's spans: a triangle of ones times the pair terms); 13 elementwise ops
+    per C x C entry (the segment 3, dP's scale and decay, through P, dA's sum, negation
+    and decay, through A, beta twice, the pair terms' sum), 15 per C x K, 3 per C x V,
+    one per K x V (dS' o S), 13 per step and 2 per program (exp(G_last) dS' . S); exps
+    (no flops): exp(G), exp(G_last - G), the C x C decays and exp(G_last). Bytes: operands and
+    results once (the final states' cotangents, aliased to the initial states', read and
+    written; the chunk gradients' dq, dk, dbeta and dg one share per value block)."""
+    b, nc, c, hk, hv, k, v, n = 1, 2, 64, 1, 2, 32, 64, 1
+    z, bv = b * nc * hv, 32
+    t = nc * c
+    x, y, gate = S((b, t, hk, k), BF16), S((b, t, hv, v), BF16), S((b, t, hv), F32)
+
+    def grads(*a):
+        out, pull = jax.vjp(lambda *p: delta_triton.forward(
+            *p[:5], scale=0.1, initial_state=p[5], cu_seqlens=None, chunk_size=c,
+            use_qk_l2norm_in_kernel=False,
+            block_sizes={"block_v": bv, "grads_block_v": bv}), *a)
+        return pull(out)
+
+    calls = _calls(grads, x, x, y, gate, gate, S((n, hv, k, v), F32))
+    (rev,), (chunk,) = (calls["gated_delta_rule_" + name]
+                        for name in ("reverse_state_pass", "chunk_grads"))
+    keys, values = ((b, nc, c, hk, k), BF16), ((b, nc, c, hv, v), BF16)
+    gates, w = ((b, nc, c, hv), F32), ((b, nc, c, hv, k), BF16)
+    states, tables, init = ((b, nc, hv, k, v), BF16), ((b, nc), I32), ((n, hv, k, v), F32)
+    d_exit, du = ((b, nc, hv, k, v), BF16), ((b, nc, c, hv, v), BF16)
+    blocks = v // bv
+    _check(rev, z * (blocks * (2 * c * c * k + 4 * c * c) + 4 * c + 2 * c * c * v + 2 * c * k
+                     + 6 * c * k * v + 2 * c * v + 4 * k * v + 1),
+           z * (blocks * c * c + 2 * c + 1),
+           _bytes(keys, keys, w, gates, gates, values, tables, tables, init, d_exit, du, init))
+    zb = z * blocks
+    _check(chunk, zb * (18 * c * c * k + 8 * c * c * bv + 6 * c * k * bv + 2 * c ** 3
+                        + 13 * c * c + 15 * c * k + 3 * c * bv + k * bv + 13 * c + 2),
+           zb * (c * c + 2 * c + 1),
+           _bytes(keys, keys, values, gates, gates, gates, ((b, nc, hv, c, c), F32), states,
+                  values, du, values, d_exit, ((blocks, b, nc, c, hv, k), F32),
+                  ((blocks, b, nc, c, hv, k), F32), ((b, nc, c, hv, v), F32),
+                  ((blocks, b, nc, c, hv), F32), ((blocks, b, nc, c, hv), F32)))

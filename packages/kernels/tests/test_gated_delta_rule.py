@@ -14,11 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import gated_delta_testlib as testlib
 from pallasite.kernels import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from pallasite.reference import parity
 from pallasite.reference.gated_delta_rule import gated_delta_rule_sequential
 
-REL_L2 = 1e-5  # fp32 inputs against the float64 definition
+REL_L2, NAMES = testlib.REL_L2, testlib.NAMES
 
 
 @pytest.fixture(autouse=True)
@@ -27,51 +28,12 @@ def x64():
         yield
 
 
-def _inputs(seed, b=2, t=150, hk=2, hv=4, dk=16, dv=32, n=None, decay=3.0, dtype=jnp.float32):
-    ks = jax.random.split(jax.random.key(seed), 6)
-    f = lambda i, s: jax.random.normal(ks[i], s, jnp.float32)  # noqa: E731
-    return dict(q=f(0, (b, t, hk, dk)).astype(dtype), k=f(1, (b, t, hk, dk)).astype(dtype),
-                v=f(2, (b, t, hv, dv)).astype(dtype),
-                g=-decay * jax.nn.softplus(f(3, (b, t, hv))),
-                beta=jax.nn.sigmoid(f(4, (b, t, hv))),
-                initial_state=f(5, (b if n is None else n, hv, dk, dv)))
-
-
-def _wide(a):
-    return {k: v.astype(jnp.float64) for k, v in a.items()}
-
-
-def _rel(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
-
-
-NAMES = ("q", "k", "v", "g", "beta", "initial_state")
-
-
-def _values_and_grads(fn, a, **kw):
-    """(o, final) and the gradients of a fixed projection of both wrt all six inputs."""
-
-    def loss(*args):
-        o, final = fn(*args[:5], initial_state=args[5], output_final_state=True, **kw)
-        wo = jnp.cos(jnp.arange(o.size, dtype=jnp.float32)).reshape(o.shape)
-        wf = jnp.sin(jnp.arange(final.size, dtype=jnp.float32)).reshape(final.shape)
-        return jnp.sum(o * wo) + jnp.sum(final * wf), (o, final)
-
-    grads, out = jax.jit(jax.grad(loss, argnums=tuple(range(6)), has_aux=True))(
-        *(a[k] for k in NAMES))
-    return out, grads
+_inputs, _wide, _rel = testlib.inputs, testlib.wide, testlib.rel
+_values_and_grads = testlib.values_and_grads
 
 
 def _check_against_definition(a, **kw):
-    chunked = functools.partial(chunk_gated_delta_rule, **kw)
-    definition = functools.partial(gated_delta_rule_sequential,
-                                   **{k: v for k, v in kw.items() if k != "chunk_size"})
-    (o, final), grads = _values_and_grads(chunked, a)
-    (o_ref, final_ref), grads_ref = _values_and_grads(definition, _wide(a))
-    assert o.dtype == a["v"].dtype and final.dtype == jnp.float32
-    errors = {"o": _rel(o, o_ref), "final": _rel(final, final_ref)}
-    errors.update({"d" + k: _rel(g, r) for k, g, r in zip(NAMES, grads, grads_ref)})
+    errors = testlib.errors(chunk_gated_delta_rule, a, **kw)
     assert max(errors.values()) <= REL_L2, errors
 
 
@@ -180,7 +142,8 @@ def test_fused_recurrent_form_equals_the_chunked_one():
     (dict(cu_seqlens=jnp.asarray([0, 150])), ValueError, "batch must be 1"),
     (dict(cu_seqlens=jnp.asarray([0.0, 150.0])), TypeError, "cu_seqlens must be an integer"),
     (dict(chunk_size=0), ValueError, "chunk_size"),
-    (dict(implementation="pallas_triton"), ValueError, "no Pallas kernel"),
+    (dict(implementation="mosaic_tpu"), ValueError, "implementation='mosaic_tpu'"),
+    (dict(implementation="pallas_triton", chunk_size=48), ValueError, "chunk_size=48"),
     (dict(block_sizes=object()), TypeError, "block_sizes"),
     (dict(q=jnp.zeros((2, 150, 2, 16), jnp.int32)), TypeError, "q must be floating"),
 ])

@@ -78,6 +78,7 @@ IMPLS: tuple[Impl, ...] = (
     # ([m, 2f] written and read back), the SwiGLU in XLA, the down product: three
     # grouped_projection-era steps, on pallasite's default backends.
     Impl("unfused", ops.GMLP, True),
+    Impl("pallas_triton", ops.GDR, False),
     Impl("xla", ops.GDR, False),
     Impl("fla.triton", ops.GDR, True, "torch"),  # flash-linear-attention (fla-core)
 )
@@ -422,6 +423,8 @@ def block_sizes_for(impl: Impl, raw: dict | None) -> Any:
 
     if raw is None:
         return None
+    if (impl.op, impl.name) == (ops.GDR, "pallas_triton"):
+        return dict(raw)  # the op takes a plain dict and checks it by name
     where = _BLOCK_SIZES.get((impl.op, impl.name))
     if where is None:
         raise NotImplementedError(f"{impl.name} takes no block sizes (--block-sizes)")

@@ -3,9 +3,12 @@
 `chunk_gated_delta_rule` (training and prefill: the chunked WY form) and
 `fused_recurrent_gated_delta_rule` (short sequences: the step-by-step recurrence)
 compute the definition of pallasite.reference.gated_delta_rule and return (o,
-final_state or None). Implementations, in order: "xla" (xla.py, every device) is the
-only one today; naming another is an error that lists the known names. The chunked
-Pallas kernels are not written yet (docs/gated_delta_rule.md).
+final_state or None). The chunked form's implementations: "pallas_triton"
+(pallas_triton.py: a CUDA GPU from sm80, where predicates.py admits the problem; named
+on a CPU it runs interpreted) and "xla" (xla.py, every device). A call that names none
+runs DEFAULT_ORDER: "xla" alone until the Pallas kernels have passed their GPU tests
+(they are checked through the interpreter and lowered for CUDA, not yet compiled on a
+GPU: docs/gated_delta_rule.md). The step-by-step form has one, "xla".
 
 `gated_delta_rule_step` is the decode step: one token per batch row into a
 slot-indexed state cache, in place where the cache is donated, on Pallas Triton
@@ -22,23 +25,40 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Integer
 
 from pallasite.kernels import decoding, platform, sharding
-from pallasite.kernels.gated_delta import layouts, xla
+from pallasite.kernels.gated_delta import layouts, predicates, xla
 from pallasite.reference import gated_delta_rule as ref
 from pallasite.reference import slots
 
-IMPLEMENTATIONS = ("xla",)
+IMPLEMENTATIONS = ("pallas_triton", "xla")
+# What a call naming no implementation runs. pallas_triton leads it once its GPU tests
+# have passed on a GPU; until then a caller names it.
+DEFAULT_ORDER = ("xla",)
+RECURRENT_IMPLEMENTATIONS = ("xla",)
 
 
-def _names(implementation) -> list[str]:
-    return platform.named_implementations(
-        implementation, IMPLEMENTATIONS, " (no Pallas kernel of the gated delta rule exists yet)")
+def _chunked_backend(implementation, q, k, v, g, beta, chunk_size, block_sizes):
+    """(name, interpret) of the chunked form's implementation: the first of the names
+    (DEFAULT_ORDER when None) that serves. pallas_triton serves where
+    predicates.pallas_triton_reason admits the problem on this device; where it was named
+    alone and does not, a ValueError says why (naming the argument)."""
+    names = (list(DEFAULT_ORDER) if implementation is None
+             else platform.named_implementations(implementation, IMPLEMENTATIONS))
+    reasons = []
+    for name in names:
+        if name == "xla":
+            return name, False
+        why = predicates.pallas_triton_reason(q, k, v, g, beta, chunk_size, block_sizes,
+                                              named=implementation is not None)
+        if why is None:
+            return name, jax.default_backend() == "cpu"
+        reasons.append(why)
+    raise ValueError(f"implementation={implementation!r} cannot serve this call: "
+                     + "; ".join(reasons))
 
 
 def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, block_sizes):
     """Checks (ValueError/TypeError naming the argument); the scale and initial states."""
-    if block_sizes is not None:
-        raise TypeError("block_sizes: the gated delta rule's only implementation (xla) "
-                        f"takes none; got {block_sizes!r}")
+    predicates.check_block_sizes(block_sizes)
     n = ref.validate_gated_delta_rule(q, k, v, g, beta, scale=scale,
                                       initial_state=initial_state, cu_seqlens=cu_seqlens,
                                       chunk_size=chunk_size)
@@ -72,11 +92,25 @@ def chunk_gated_delta_rule(
     initial_state [N, Hv, K, V] with N = B, or the number of sequences when cu_seqlens
     [N + 1] packs them into one row (B = 1). scale defaults to K^-1/2. Differentiable in
     q, k, v, g, beta and initial_state.
+
+    implementation: "pallas_triton", "xla", a sequence of them (each tried where it
+    serves: pallas_triton where predicates.py admits it, a CUDA GPU from sm80, K and V
+    powers of two in [16, 256], chunk_size 16, 32 or 64, bf16/fp16/fp32 inputs), or None
+    (DEFAULT_ORDER: "xla" for now). block_sizes: None or a dict for pallas_triton
+    ({"block_v": ..., "output_block_v": ..., "grads_block_v": ...}: value columns per
+    program of the state passes, the output and the chunk gradients); xla ignores it.
     """
-    _names(implementation)  # one implementation today: xla
     scale, init = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size,
                            block_sizes)
-    form = functools.partial(xla.forward, chunk_size=chunk_size)
+    name, interpret = _chunked_backend(implementation, q, k, v, g, beta, chunk_size,
+                                       block_sizes)
+    if name == "xla":
+        form = functools.partial(xla.forward, chunk_size=chunk_size)
+    else:
+        from pallasite.kernels.gated_delta import pallas_triton
+
+        form = functools.partial(pallas_triton.forward, chunk_size=chunk_size,
+                                 interpret=interpret, block_sizes=block_sizes)
     return _run(form, q, k, v, g, beta, scale, init, cu_seqlens, use_qk_l2norm_in_kernel,
                 output_final_state)
 
@@ -112,8 +146,12 @@ def fused_recurrent_gated_delta_rule(
     block_sizes=None,
 ):
     """chunk_gated_delta_rule's arguments and results (no chunk_size), computed one step
-    at a time: cheaper than the chunked form where T is a few steps (decode)."""
-    _names(implementation)
+    at a time: cheaper than the chunked form where T is a few steps (decode). Its one
+    implementation is "xla"; block_sizes must be None."""
+    platform.named_implementations(implementation, RECURRENT_IMPLEMENTATIONS)
+    if block_sizes is not None:
+        raise TypeError("block_sizes: fused_recurrent_gated_delta_rule's only "
+                        f"implementation (xla) takes none; got {block_sizes!r}")
     scale, init = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, None,
                            block_sizes)
     form = functools.partial(ref.gated_delta_rule_sequential, output_final_state=True)

@@ -15,9 +15,9 @@ W = (I + A)^-1 (beta exp(G) K), both independent of S; then, in a scan over chun
     o  = scale (exp(G) Q S + (D * Q K^T) u)            (D with its diagonal)
     S' = exp(G_last) S + (exp(G_last - G) K)^T u
 
-Packed sequences (cu_seqlens) are laid out so that each starts on a chunk of its own (a
-static bound on the padded length, positions from cu_seqlens, so traced cu_seqlens
-work): a sequence's first chunk enters with its own initial state, its last chunk's exit
+Packed sequences (cu_seqlens) are laid out so that each starts on a chunk of its own
+(packing.py: a static bound on the padded length, positions from cu_seqlens, so traced
+cu_seqlens work): a sequence's first chunk enters with its own initial state, its last chunk's exit
 is its final state. Padding steps have k = v = q = 0, g = 0, beta = 0: they keep the
 state and write nothing.
 
@@ -32,33 +32,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallasite.kernels.gated_delta import packing
 from pallasite.kernels.ssd.xla import segsum
 from pallasite.reference.gated_delta_rule import expand_heads, l2norm
 
 _HI = jax.lax.Precision.HIGHEST
 _einsum = functools.partial(jnp.einsum, precision=_HI)
-
-
-def _packed_positions(cu_seqlens, length: int, chunk: int):
-    """(positions [T] of each step in the chunk-aligned layout, padded length, the first
-    chunk of each sequence [N], its chunk count [N])."""
-    ends = cu_seqlens.astype(jnp.int32)
-    lengths = ends[1:] - ends[:-1]
-    counts = (lengths + chunk - 1) // chunk
-    first = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts)[:-1]])
-    steps = jnp.arange(length, dtype=jnp.int32)
-    seq = jnp.searchsorted(ends[1:], steps, side="right").astype(jnp.int32)
-    seq = jnp.clip(seq, 0, lengths.shape[0] - 1)
-    positions = first[seq] * chunk + steps - ends[seq]
-    n = lengths.shape[0]
-    padded = -(-(length + n * (chunk - 1)) // chunk) * chunk
-    return positions, padded, first, counts
-
-
-def _to_layout(t, positions, padded: int):
-    """[1, T, ...] -> [1, padded, ...]: each step at its position, zeros between."""
-    out = jnp.zeros((1, padded) + t.shape[2:], t.dtype)
-    return out.at[:, positions].set(t)
 
 
 def _chunk_terms(q, k, v, g, beta, chunk: int):
@@ -109,20 +88,17 @@ def forward(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, chunk_size: i
                                 + [(0, 0)] * (t.ndim - 2))
         qf, kf, vf, gf, bf = (pad(t) for t in (qf, kf, vf, gf, bf))
     else:
-        positions, padded, first, counts = _packed_positions(cu_seqlens, length, chunk_size)
-        qf, kf, vf, gf, bf = (_to_layout(t, positions, padded) for t in (qf, kf, vf, gf, bf))
+        positions, padded, first, counts = packing.packed_positions(cu_seqlens, length,
+                                                                    chunk_size)
+        qf, kf, vf, gf, bf = (packing.to_layout(t, positions, padded)
+                              for t in (qf, kf, vf, gf, bf))
     nc = padded // chunk_size
     u_part, w, eq, qk, end_decay, kd = _chunk_terms(qf, kf, vf, gf, bf, chunk_size)
-    chunks = jnp.arange(nc, dtype=jnp.int32)
     if cu_seqlens is None:
         entering = leaving = jnp.full((nc,), -1, jnp.int32)
         state0 = init
     else:  # chunk c is sequence s's first (it enters with s's initial state) or last
-        def owner(chunk_of_seq):
-            hit = (chunks[:, None] == chunk_of_seq[None, :]) & (counts[None, :] > 0)
-            return jnp.where(hit.any(1), jnp.argmax(hit, axis=1), -1).astype(jnp.int32)
-
-        entering, leaving = owner(first), owner(first + counts - 1)
+        entering, leaving = packing.chunk_owners(first, counts, nc)
         state0 = jnp.zeros((1, hv, dk, dv), f)
 
     def step(carry, inputs):

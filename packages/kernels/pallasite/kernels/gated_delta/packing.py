@@ -1,0 +1,49 @@
+"""The chunk-aligned layout of packed sequences, shared by the chunked forms.
+
+With cu_seqlens, N sequences packed into one row of T steps are laid out so that each
+starts on a chunk of its own: sequence s's steps go to positions first[s] * C + (0, 1,
+...), zeros between. The padded length is a static bound (T + N (C - 1) rounded up to
+the chunk), so cu_seqlens may be traced. Zero steps (k = v = q = 0, g = 0, beta = 0) keep
+the state and write nothing, so a chunk past a sequence's end, or past the last one,
+changes nothing. Per chunk, `chunk_owners` says whose initial state it enters with and
+whose final state it leaves with.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def packed_positions(cu_seqlens, length: int, chunk: int):
+    """(positions [T] of each step in the chunk-aligned layout, padded length, the first
+    chunk of each sequence [N], its chunk count [N])."""
+    ends = cu_seqlens.astype(jnp.int32)
+    lengths = ends[1:] - ends[:-1]
+    counts = (lengths + chunk - 1) // chunk
+    first = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts)[:-1]])
+    steps = jnp.arange(length, dtype=jnp.int32)
+    seq = jnp.searchsorted(ends[1:], steps, side="right").astype(jnp.int32)
+    seq = jnp.clip(seq, 0, lengths.shape[0] - 1)
+    positions = first[seq] * chunk + steps - ends[seq]
+    n = lengths.shape[0]
+    padded = -(-(length + n * (chunk - 1)) // chunk) * chunk
+    return positions, padded, first, counts
+
+
+def to_layout(t, positions, padded: int):
+    """[1, T, ...] -> [1, padded, ...]: each step at its position, zeros between."""
+    out = jnp.zeros((1, padded) + t.shape[2:], t.dtype)
+    return out.at[:, positions].set(t)
+
+
+def chunk_owners(first, counts, num_chunks: int):
+    """(entering, leaving) [num_chunks] int32: the sequence whose first chunk (it enters
+    with that sequence's initial state) or last chunk (its exit is that sequence's final
+    state) each chunk is, else -1. Empty sequences own no chunk."""
+    chunks = jnp.arange(num_chunks, dtype=jnp.int32)
+
+    def owner(chunk_of_seq):
+        hit = (chunks[:, None] == chunk_of_seq[None, :]) & (counts[None, :] > 0)
+        return jnp.where(hit.any(1), jnp.argmax(hit, axis=1), -1).astype(jnp.int32)
+
+    return owner(first), owner(first + counts - 1)

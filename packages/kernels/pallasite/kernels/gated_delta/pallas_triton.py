@@ -1,0 +1,564 @@
+"""The chunked gated delta rule through Pallas Triton (CUDA GPUs from sm80): xla.py's WY
+form (its docstring has the math) in three kernels on the chunk-aligned layout.
+
+Layout: the steps padded (or, with cu_seqlens, laid out by packing.py) to L = NC * C and
+split into chunks: q, k [B, NC, C, Hk, K] (value head h reads key head h // (Hv / Hk)
+through the BlockSpecs: q and k are never expanded), v [B, NC, C, Hv, V], the in-chunk
+cumulative log decay G as a double-float pair (ssd.decay.cumsum_pair: a tiny XLA pass;
+G_t - G_j is then good to eps * |G_t - G_j|, as the masked segment sums of xla.py are,
+not to eps * |G_t|, which under strong decay is a 1e-4 error of every decay) and beta,
+[B, NC, C, Hv] fp32. Matmul operands are the compute dtype (q's, k's and v's common one:
+bf16 on the tensor cores) with fp32 accumulation; fp32 operands multiply at full fp32
+precision, not TF32. Decays, the triangular solve and the carried state are fp32.
+
+  1. prep, one program per (value head, chunk, row): A = strictly-lower(beta_t
+     exp(G_t - G_j) k_t.k_j) in 16 x 16 blocks (the exponent masked before exp above the
+     diagonal, so no exp of a positive sum); (I + A)^-1 from its diagonal blocks
+     (forward substitution, 16 rows) merged block row by block row; then U = (I +
+     A)^-1 (beta V) and W = (I + A)^-1 (beta exp(G) K), stored in the compute dtype.
+  2. state pass, one program per (block of value columns, value head, row), walking the
+     chunks in order with the fp32 state [K, block_v]: it stores the state each chunk
+     enters with, u = U - W S (stored) and S <- exp(G_last) S + (exp(G_last - G) K)^T u.
+     Per-chunk tables (packing.chunk_owners) say where a sequence's initial state is
+     loaded and where its final state is stored; the finals buffer is the initial states'
+     (aliased), so a sequence that owns no chunk (empty) returns its initial state.
+  3. output, one program per (block of value columns, value head, chunk, row):
+     o = scale (exp(G) Q S_enter + (D o Q K^T) u), D the masked decay with its diagonal.
+
+q and k are L2-normalised in each kernel that reads them when asked
+(use_qk_l2norm_in_kernel), in fp32 before the cast to the compute dtype.
+
+The backward is two more kernels (pallas_triton_bwd.py: a reverse state pass and the
+chunk gradients) behind a jax.custom_vjp, on the forward's residuals: the layout's
+inputs, G's pair, W, the entry states, u and, stored by the prep only then, T = (I +
+A)^-1 in fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallasite.kernels import cost, sharding
+from pallasite.kernels.gated_delta import packing
+from pallasite.kernels.ssd import decay
+from pallasite.reference.gated_delta_rule import L2NORM_EPS
+
+F32 = jnp.float32
+SUB = 16  # rows of the triangular solve's blocks: Triton's smallest dot
+CHUNK_SIZES = (16, 32, 64)  # the prep kernel unrolls C / 16 block rows
+MIN_DIM, MAX_DIM = 16, 256  # K and V: powers of two (Triton's tiles), registers above
+DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+BLOCK_SIZE_KEYS = ("block_v", "output_block_v", "grads_block_v")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """block_v: value columns per state-pass program (more programs walk the chunks side
+    by side; the pass is a sequential loop of small dots, latency-bound). output_block_v:
+    value columns per output program (Q K^T is formed once per program, so wide blocks
+    form it fewer times). grads_block_v: value columns per program of the backward's
+    chunk-gradient kernel (its dq, dk, dbeta and dg are sums over the blocks; narrower
+    blocks hold fewer registers, wider ones recompute Q K^T, K K^T and W fewer times).
+    All powers of two from 16, cut to V; the backward's reverse state pass takes
+    block_v."""
+
+    block_v: int = 32
+    output_block_v: int = 64
+    grads_block_v: int = 64
+
+
+def block_sizes_reason(block_sizes) -> str | None:
+    """Why `block_sizes` is not a valid block-size dict (None: it is, or is None)."""
+    if block_sizes is None:
+        return None
+    if not isinstance(block_sizes, dict):
+        return f"must be None or a dict with keys from {BLOCK_SIZE_KEYS}"
+    unknown = sorted(set(block_sizes) - set(BLOCK_SIZE_KEYS))
+    if unknown:
+        return f"unknown keys {unknown}; known: {BLOCK_SIZE_KEYS}"
+    for key, value in block_sizes.items():
+        if (isinstance(value, bool) or not isinstance(value, int) or value < MIN_DIM
+                or value & (value - 1)):
+            return f"{key}={value!r} is not a power of two >= {MIN_DIM}"
+    return None
+
+
+def geometry_reason(dk: int, dv: int, chunk_size: int, dtypes) -> str | None:
+    """Why the kernels cannot run this problem (None: they can)."""
+    for name, value in (("K (q's and k's last dim)", dk), ("V (v's last dim)", dv)):
+        if value < MIN_DIM or value > MAX_DIM or value & (value - 1):
+            return f"{name} = {value} is not a power of two in [{MIN_DIM}, {MAX_DIM}]"
+    if chunk_size not in CHUNK_SIZES:
+        return f"chunk_size={chunk_size} is not one of {CHUNK_SIZES}"
+    for name, dtype in dtypes.items():
+        if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES]:
+            return f"{name} has dtype {jnp.dtype(dtype)}; the kernels take bf16, fp16 or fp32"
+    return None
+
+
+def _resolve(block_sizes, dv: int) -> BlockSizes:
+    bs = BlockSizes(**(block_sizes or {}))
+    return BlockSizes(block_v=min(bs.block_v, dv), output_block_v=min(bs.output_block_v, dv),
+                      grads_block_v=min(bs.grads_block_v, dv))
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _dot(a, b, trans_a=False, trans_b=False):
+    """plgpu.dot, fp32 accumulation; fp32 operands at full fp32 precision (Triton would
+    take TF32, a 1e-3 relative error, for fp32 by default)."""
+    precision = jax.lax.Precision.HIGHEST if a.dtype == F32 else None
+    return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=precision)
+
+
+def _normed(x, l2norm: bool):
+    """Rows of x in fp32, L2-normalised where asked (the reference's l2norm)."""
+    x = x.astype(F32)
+    if l2norm:
+        x = x * jax.lax.rsqrt(jnp.sum(x * x, axis=1) + L2NORM_EPS)[:, None]
+    return x
+
+
+def _slot(index):
+    """A table entry as a ref index: clipped at 0, in JAX's default int type (the
+    interpreter's index arithmetic mixes it with that type's zeros under x64)."""
+    return jnp.maximum(index, 0).astype(jax.dtypes.canonicalize_dtype(jnp.int64))
+
+
+def _iota(n, m, axis):
+    return jax.lax.broadcasted_iota(jnp.int32, (n, m), axis)
+
+
+def _segment(hi_t, lo_t, hi_j, lo_j):
+    """G_t - G_j from the double-float pairs (broadcast against each other)."""
+    return (hi_t - hi_j) + (lo_t - lo_j)
+
+
+def _masked_decay(hi_t, lo_t, hi_j, lo_j, keep):
+    """exp(G_t - G_j) where `keep`, else 0; the exponent is masked first, so the
+    (positive) sums above the diagonal never reach exp."""
+    seg = _segment(hi_t[:, None], lo_t[:, None], hi_j[None, :], lo_j[None, :])
+    return jnp.exp(jnp.where(keep, seg, -jnp.inf))
+
+
+def _params(num_warps=4, num_stages=1):
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+# ------------------------------------------------------------------------------ prep
+
+
+def _unit_lower_inverse(a):
+    """(I + a)^-1 for a strictly lower [n, n] fp32 a: forward substitution, one row at a
+    time (row r of the inverse is e_r - sum_{j<r} a_rj row_j). Rows are picked out with
+    masked sums: Triton cannot index registers dynamically."""
+    n = a.shape[0]
+    rows, cols = _iota(n, n, 0), _iota(n, n, 1)
+    eye = jnp.where(rows == cols, 1.0, 0.0).astype(F32)
+    inv = eye
+    for r in range(1, n):
+        a_r = jnp.sum(jnp.where(rows == r, a, 0.0), axis=0)  # a[r, :], zero from r on
+        row = eye - jnp.sum(a_r[:, None] * inv, axis=0)[None, :]
+        inv = jnp.where(rows == r, row, inv)
+    return inv
+
+
+def _prep_kernel(k_ref, v_ref, hi_ref, lo_ref, beta_ref, w_ref, u_ref, *inv_ref,
+                 l2norm: bool):
+    """U and W of one (value head, chunk, row), the solve in SUB x SUB blocks; with
+    inv_ref (the backward's residual), T = (I + A)^-1 [C, C] in fp32 too."""
+    chunk = k_ref.shape[0]
+    cd = w_ref.dtype
+    nb = chunk // SUB
+    rows = [pl.ds(i * SUB, SUB) for i in range(nb)]
+    keys = [_normed(k_ref[r, :], l2norm) for r in rows]
+    hi = [hi_ref[r] for r in rows]
+    lo = [lo_ref[r] for r in rows]
+    beta = [beta_ref[r] for r in rows]
+    strict = _iota(SUB, SUB, 0) > _iota(SUB, SUB, 1)
+
+    def a_block(i, j):  # rows of block i against columns of block j <= i
+        kk = _dot(keys[i].astype(cd), keys[j].astype(cd), trans_b=True)
+        if i == j:
+            return jnp.where(strict, beta[i][:, None] * _masked_decay(
+                hi[i], lo[i], hi[j], lo[j], strict) * kk, 0.0)
+        return beta[i][:, None] * jnp.exp(_segment(hi[i][:, None], lo[i][:, None],
+                                                   hi[j][None, :], lo[j][None, :])) * kk
+
+    # Block forward substitution: T_ii = (I + A_ii)^-1, and for j < i
+    # T_ij = -T_ii sum_{j<=m<i} A_im T_mj.
+    inv = {}
+    for i in range(nb):
+        inv[i, i] = _unit_lower_inverse(a_block(i, i))
+        a_row = [a_block(i, m) for m in range(i)]
+        for j in range(i):
+            acc = _dot(a_row[j], inv[j, j])
+            for m in range(j + 1, i):
+                acc = acc + _dot(a_row[m], inv[m, j])
+            inv[i, j] = -_dot(inv[i, i], acc)
+    if inv_ref:
+        (out,) = inv_ref
+        for i, r in enumerate(rows):
+            for j, col in enumerate(rows):
+                out[r, col] = inv[i, j] if j <= i else jnp.zeros((SUB, SUB), F32)
+
+    values = [(beta[j][:, None] * v_ref[r, :].astype(F32)).astype(cd)
+              for j, r in enumerate(rows)]
+    scaled_keys = [(beta[j] * jnp.exp(hi[j] + lo[j]))[:, None] * keys[j] for j in range(nb)]
+    scaled_keys = [x.astype(cd) for x in scaled_keys]
+    for i, r in enumerate(rows):
+        u = _dot(inv[i, 0].astype(cd), values[0])
+        w = _dot(inv[i, 0].astype(cd), scaled_keys[0])
+        for j in range(1, i + 1):
+            u = u + _dot(inv[i, j].astype(cd), values[j])
+            w = w + _dot(inv[i, j].astype(cd), scaled_keys[j])
+        u_ref[r, :] = u.astype(u_ref.dtype)
+        w_ref[r, :] = w.astype(w_ref.dtype)
+
+
+def _prep_body(k, v, hi, lo, beta, *, nb):
+    """The prep kernel's arithmetic vectorised over its programs (for pl.estimate_cost;
+    stand-in blocks of the right shapes where the kernel's are many small ones): k
+    [Z, C, K], v [Z, C, V], hi, lo and beta [Z, C]. The P = nb (nb + 1) / 2 lower blocks
+    of A (a dot, a 3-flop segment, an exp and two products per entry); the diagonal
+    blocks' substitution (S - 1 rows of a product and a subtraction per entry); the
+    merges (M1 = nb (nb - 1) (nb + 1) / 6 products A_im T_mj and M2 = nb (nb - 1) / 2
+    closing ones, S^3 each, M1 - M2 block sums and M2 negations); the scalings of V and K;
+    the P block products into U and into W and their P - nb block sums."""
+    z = k.shape[0]
+    lower = [(i, j) for i in range(nb) for j in range(i + 1)]
+    blocks = lambda t: t.reshape(z, nb, SUB, *t.shape[2:])  # noqa: E731
+    pick = lambda t, idx: jnp.stack([blocks(t)[:, i] for i in idx], 1)  # noqa: E731
+    rows, cols = [i for i, _ in lower], [j for _, j in lower]
+    kk = jnp.einsum("zpsk,zptk->zpst", pick(k, rows), pick(k, cols))
+    seg = ((pick(hi, rows)[..., :, None] - pick(hi, cols)[..., None, :])
+           + (pick(lo, rows)[..., :, None] - pick(lo, cols)[..., None, :]))
+    a = pick(beta, rows)[..., None] * jnp.exp(seg) * kk
+    inv = a[:, :nb]
+    for _ in range(SUB - 1):
+        inv = inv - a[:, :nb] * inv
+    m1 = nb * (nb - 1) * (nb + 1) // 6
+    m2 = nb * (nb - 1) // 2
+    square = jnp.broadcast_to(inv[:, :1], (z, m1 + m2, SUB, SUB))
+    merged = jnp.einsum("zpst,zptu->zpsu", square, square)
+    sums = merged[:, :m1 - m2] + merged[:, m2:m1]
+    negated = -merged[:, m1:]
+    values = beta[..., None] * v
+    keys = (beta * jnp.exp(hi + lo))[..., None] * k
+    t = jnp.broadcast_to(inv[:, :1], (z, len(lower), SUB, SUB))
+    out = []
+    for rhs in (values, keys):
+        prods = jnp.einsum("zpst,zptn->zpsn", t, pick(rhs, cols))
+        out.append(prods[:, nb:] + prods[:, :len(lower) - nb])
+    return inv, sums, negated, out
+
+
+def _prep(k, v, hi, lo, beta, hv, cd, l2norm, interpret, store_inverse=False):
+    """(U [B, NC, C, Hv, V], W [B, NC, C, Hv, K]) in the compute dtype, and with
+    store_inverse T = (I + A)^-1 [B, NC, Hv, C, C] fp32 (else None)."""
+    b, nc, chunk, hk, dk = k.shape
+    dv = v.shape[4]
+    per_key_head = hv // hk
+    gate = pl.BlockSpec((None, None, chunk, None), lambda h, c, i: (i, c, 0, h))
+    shapes = (sharding.out_struct((b, nc, chunk, hv, dk), cd, like=v),
+              sharding.out_struct((b, nc, chunk, hv, dv), cd, like=v))
+    out_specs = [
+        pl.BlockSpec((None, None, chunk, None, dk), lambda h, c, i: (i, c, 0, h, 0)),
+        pl.BlockSpec((None, None, chunk, None, dv), lambda h, c, i: (i, c, 0, h, 0)),
+    ]
+    if store_inverse:
+        shapes += (sharding.out_struct((b, nc, hv, chunk, chunk), F32, like=v),)
+        out_specs.append(pl.BlockSpec((None, None, None, chunk, chunk),
+                                      lambda h, c, i: (i, c, h, 0, 0)))
+    nb = chunk // SUB
+    z = b * nc * hv
+    row = cost.struct((z, chunk), F32)
+    estimate = cost.estimate(
+        functools.partial(_prep_body, nb=nb), cost.struct((z, chunk, dk), F32),
+        cost.struct((z, chunk, dv), F32), row, row, row,
+        inputs=(k, v, hi, lo, beta), outputs=shapes)
+    wide = max(dk, dv) > 128
+    w, big_u, *inv = pl.pallas_call(
+        functools.partial(_prep_kernel, l2norm=l2norm),
+        out_shape=shapes,
+        grid=(hv, nc, b),
+        in_specs=[
+            pl.BlockSpec((None, None, chunk, None, dk),
+                         lambda h, c, i: (i, c, 0, h // per_key_head, 0)),
+            pl.BlockSpec((None, None, chunk, None, dv), lambda h, c, i: (i, c, 0, h, 0)),
+            gate, gate, gate,
+        ],
+        out_specs=out_specs,
+        compiler_params=_params(num_warps=8 if wide else 4),
+        interpret=interpret,
+        cost_estimate=estimate,
+        name="gated_delta_rule_prep",
+    )(k, v, hi, lo, beta)
+    return big_u, w, (inv[0] if inv else None)
+
+
+# ------------------------------------------------------------------------ state pass
+
+
+def _state_kernel(w_ref, big_u_ref, k_ref, hi_ref, lo_ref, enter_ref, leave_ref, finals_ref,
+                  states_ref, u_ref, finals_out_ref, *, l2norm: bool):
+    """One (value column block, value head, row) walks its chunks in order."""
+    del finals_out_ref  # the same buffer as finals_ref (aliased)
+    nc, chunk, dk = w_ref.shape
+    bv = big_u_ref.shape[2]
+    cd = w_ref.dtype
+
+    def step(c, state):
+        enter = enter_ref[c]
+        fresh = plgpu.load(finals_ref.at[_slot(enter)],
+                           mask=jnp.full((dk, bv), enter >= 0), other=0.0)
+        state = jnp.where(enter >= 0, fresh.astype(F32), state)
+        states_ref[c] = state.astype(states_ref.dtype)
+        u = (big_u_ref[c].astype(F32) - _dot(w_ref[c], state.astype(cd))).astype(cd)
+        u_ref[c] = u
+        hi, lo = hi_ref[c], lo_ref[c]
+        hi_last, lo_last = hi_ref[c, chunk - 1], lo_ref[c, chunk - 1]
+        to_end = jnp.exp(_segment(hi_last, lo_last, hi, lo))
+        keys = (_normed(k_ref[c], l2norm) * to_end[:, None]).astype(cd)
+        state = jnp.exp(hi_last + lo_last) * state + _dot(keys, u, trans_a=True)
+        leave = leave_ref[c]
+        plgpu.store(finals_ref.at[_slot(leave)], state.astype(finals_ref.dtype),
+                    mask=jnp.full((dk, bv), leave >= 0))
+        return state
+
+    jax.lax.fori_loop(0, nc, step, jnp.zeros((dk, bv), F32))
+
+
+def _state_body(w, big_u, k, hi, lo, state):
+    """The state pass's arithmetic over every (row, chunk, head) (pl.estimate_cost): w,
+    k [Z, C, K], big_u [Z, C, V], hi, lo [Z, C], state [Z, K, V]: u = U - W S, the decays
+    to the chunk's end (segment, exp) and across it, and the new state."""
+    u = big_u - jnp.einsum("zck,zkv->zcv", w, state)
+    to_end = jnp.exp((hi[:, -1:] - hi) + (lo[:, -1:] - lo))
+    keys = k * to_end[..., None]
+    across = jnp.exp(hi[:, -1] + lo[:, -1])
+    return across[:, None, None] * state + jnp.einsum("zck,zcv->zkv", keys, u)
+
+
+def _state_pass(w, big_u, k, hi, lo, entering, leaving, init, bs: BlockSizes, l2norm,
+                interpret):
+    """(states [B, NC, Hv, K, V] entering each chunk in the compute dtype, u [B, NC, C,
+    Hv, V] in the compute dtype, finals [N, Hv, K, V] fp32)."""
+    b, nc, chunk, hv, dk = w.shape
+    hk = k.shape[3]
+    dv = big_u.shape[4]
+    per_key_head = hv // hk
+    bv = bs.block_v
+    cd = w.dtype
+    n = init.shape[0]
+    shapes = (sharding.out_struct((b, nc, hv, dk, dv), cd, like=big_u),
+              sharding.out_struct(big_u.shape, cd, like=big_u),
+              sharding.out_struct(init.shape, F32, like=init))
+    z = b * nc * hv
+    estimate = cost.estimate(
+        _state_body, cost.struct((z, chunk, dk), F32), cost.struct((z, chunk, dv), F32),
+        cost.struct((z, chunk, dk), F32), cost.struct((z, chunk), F32),
+        cost.struct((z, chunk), F32), cost.struct((z, dk, dv), F32),
+        inputs=(w, big_u, k, hi, lo, entering, leaving, init), outputs=shapes)
+    per_head = pl.BlockSpec((None, nc, chunk, None), lambda vb, h, i: (i, 0, 0, h))
+    table = pl.BlockSpec((None, nc), lambda vb, h, i: (i, 0))
+    finals = pl.BlockSpec((n, None, dk, bv), lambda vb, h, i: (0, h, 0, vb))
+    columns = pl.BlockSpec((None, nc, chunk, None, bv), lambda vb, h, i: (i, 0, 0, h, vb))
+    states, u, finals_out = pl.pallas_call(
+        functools.partial(_state_kernel, l2norm=l2norm),
+        out_shape=shapes,
+        grid=(dv // bv, hv, b),
+        in_specs=[
+            pl.BlockSpec((None, nc, chunk, None, dk), lambda vb, h, i: (i, 0, 0, h, 0)),
+            columns,
+            pl.BlockSpec((None, nc, chunk, None, dk),
+                         lambda vb, h, i: (i, 0, 0, h // per_key_head, 0)),
+            per_head, per_head, table, table, finals,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, nc, None, dk, bv), lambda vb, h, i: (i, 0, h, 0, vb)),
+            columns,
+            finals,
+        ],
+        input_output_aliases={7: 2},
+        compiler_params=_params(num_warps=4, num_stages=2),
+        interpret=interpret,
+        cost_estimate=estimate,
+        name="gated_delta_rule_state_pass",
+    )(w, big_u, k, hi, lo, entering, leaving, init)
+    return states, u, finals_out
+
+
+# ---------------------------------------------------------------------------- output
+
+
+def _output_kernel(q_ref, k_ref, hi_ref, lo_ref, s_ref, u_ref, o_ref, *, scale: float,
+                   l2norm: bool):
+    """o for one (value column block, value head, chunk, row)."""
+    chunk = q_ref.shape[0]
+    cd = u_ref.dtype
+    hi, lo = hi_ref[...], lo_ref[...]
+    q = _normed(q_ref[...], l2norm)
+    keys = _normed(k_ref[...], l2norm).astype(cd)
+    o = _dot((q * jnp.exp(hi + lo)[:, None]).astype(cd), s_ref[...])
+    causal = _iota(chunk, chunk, 0) >= _iota(chunk, chunk, 1)
+    qk = _dot(q.astype(cd), keys, trans_b=True) * _masked_decay(hi, lo, hi, lo, causal)
+    o = o + _dot(jnp.where(causal, qk, 0.0).astype(cd), u_ref[...])
+    o_ref[...] = (scale * o).astype(o_ref.dtype)
+
+
+def _output_body(q, k, hi, lo, state, u, *, columns):
+    """The output kernel's arithmetic over every (row, chunk, head) (pl.estimate_cost):
+    q, k [Z, C, K], hi, lo [Z, C], state [Z, K, V], u [Z, C, V]; Q K^T and its masked
+    decay are formed once per block of value columns (`columns` blocks)."""
+    z, chunk, _ = q.shape
+    eq = q * jnp.exp(hi + lo)[..., None]
+    o = jnp.einsum("zck,zkv->zcv", eq, state)
+    rep = lambda t: jnp.broadcast_to(t[:, None], (z, columns) + t.shape[1:])  # noqa: E731
+    hi_r, lo_r = rep(hi), rep(lo)
+    seg = (hi_r[..., :, None] - hi_r[..., None, :]) + (lo_r[..., :, None] - lo_r[..., None, :])
+    p = jnp.einsum("zbck,zbjk->zbcj", rep(q), rep(k)) * jnp.exp(seg)
+    inner = jnp.einsum("zcj,zjv->zcv", p[:, 0], u)
+    return 2.0 * (o + inner)
+
+
+def _output(q, k, hi, lo, states, u, dtype, scale, bs: BlockSizes, l2norm, interpret):
+    b, nc, chunk, hk, dk = q.shape
+    hv, dv = u.shape[3:]
+    per_key_head = hv // hk
+    bv = bs.output_block_v
+    shape = sharding.out_struct(u.shape, dtype, like=u)
+    z = b * nc * hv
+    estimate = cost.estimate(
+        functools.partial(_output_body, columns=dv // bv), cost.struct((z, chunk, dk), F32),
+        cost.struct((z, chunk, dk), F32), cost.struct((z, chunk), F32),
+        cost.struct((z, chunk), F32), cost.struct((z, dk, dv), F32),
+        cost.struct((z, chunk, dv), F32),
+        inputs=(q, k, hi, lo, states, u), outputs=(shape,))
+    key = pl.BlockSpec((None, None, chunk, None, dk),
+                       lambda vb, h, c, i: (i, c, 0, h // per_key_head, 0))
+    gate = pl.BlockSpec((None, None, chunk, None), lambda vb, h, c, i: (i, c, 0, h))
+    columns = pl.BlockSpec((None, None, chunk, None, bv), lambda vb, h, c, i: (i, c, 0, h, vb))
+    return pl.pallas_call(
+        functools.partial(_output_kernel, scale=float(scale), l2norm=l2norm),
+        out_shape=shape,
+        grid=(dv // bv, hv, nc, b),
+        in_specs=[key, key, gate, gate,
+                  pl.BlockSpec((None, None, None, dk, bv), lambda vb, h, c, i: (i, c, h, 0, vb)),
+                  columns],
+        out_specs=columns,
+        compiler_params=_params(num_warps=4, num_stages=1),
+        interpret=interpret,
+        cost_estimate=estimate,
+        name="gated_delta_rule_output",
+    )(q, k, hi, lo, states, u)
+
+
+# --------------------------------------------------------------------------- forward
+
+
+def _kernels(q, k, v, g, beta, init, cu_seqlens, *, scale, chunk_size, l2norm, interpret,
+             block_sizes, residuals=False):
+    """(o [B, T, Hv, V] in v's dtype, finals [N, Hv, K, V] fp32) through the kernels; with
+    `residuals`, also the backward's (a dict: the layout's inputs, T, W, states, u, the
+    chunk tables and the layout's positions)."""
+    b, length, hv, dv = v.shape
+    hk, dk = q.shape[2:]
+    cd = jnp.result_type(q.dtype, k.dtype, v.dtype)
+    q, k, v = (t.astype(cd) for t in (q, k, v))
+    g, beta = g.astype(F32), beta.astype(F32)
+    if cu_seqlens is None:
+        padded = -(-length // chunk_size) * chunk_size
+        pad = lambda t: jnp.pad(t, [(0, 0), (0, padded - length)]  # noqa: E731
+                                + [(0, 0)] * (t.ndim - 2))
+        q, k, v, g, beta = (pad(t) for t in (q, k, v, g, beta))
+        nc = padded // chunk_size
+        chunks = jnp.arange(nc, dtype=jnp.int32)[None, :]
+        rows = jnp.arange(b, dtype=jnp.int32)[:, None]
+        positions = None
+        entering = jnp.where(chunks == 0, rows, -1)
+        leaving = jnp.where(chunks == nc - 1, rows, -1)
+    else:
+        positions, padded, first, counts = packing.packed_positions(cu_seqlens, length,
+                                                                    chunk_size)
+        q, k, v, g, beta = (packing.to_layout(t, positions, padded)
+                            for t in (q, k, v, g, beta))
+        nc = padded // chunk_size
+        entering, leaving = (t[None] for t in packing.chunk_owners(first, counts, nc))
+    split = lambda t: t.reshape(b, nc, chunk_size, *t.shape[2:])  # noqa: E731
+    q, k, v, g, beta = (split(t) for t in (q, k, v, g, beta))
+    hi, lo = decay.cumsum_pair(g, axis=2)
+    bs = _resolve(block_sizes, dv)
+    big_u, w, inv = _prep(k, v, hi, lo, beta, hv, cd, l2norm, interpret,
+                          store_inverse=residuals)
+    states, u, finals = _state_pass(w, big_u, k, hi, lo, entering, leaving,
+                                    init.astype(F32), bs, l2norm, interpret)
+    o = _output(q, k, hi, lo, states, u, v.dtype, scale, bs, l2norm, interpret)
+    o = o.reshape(b, padded, hv, dv)
+    o = o[:, :length] if positions is None else o[:, positions]
+    if not residuals:
+        return o, finals
+    saved = dict(q=q, k=k, v=v, hi=hi, lo=lo, beta=beta, inv=inv, w=w, states=states, u=u,
+                 entering=entering, leaving=leaving, positions=positions)
+    return o, finals, saved
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    scale: float
+    chunk_size: int
+    l2norm: bool
+    interpret: bool
+    block_sizes: tuple  # sorted (key, value) pairs of the block-size dict
+
+
+def _config_kwargs(config: _Config) -> dict:
+    return dict(scale=config.scale, chunk_size=config.chunk_size, l2norm=config.l2norm,
+                interpret=config.interpret, block_sizes=dict(config.block_sizes))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _chunked(q, k, v, g, beta, init, cu_seqlens, config: _Config):
+    return _kernels(q, k, v, g, beta, init, cu_seqlens, **_config_kwargs(config))
+
+
+def _chunked_fwd(q, k, v, g, beta, init, cu_seqlens, config):
+    o, finals, saved = _kernels(q, k, v, g, beta, init, cu_seqlens, residuals=True,
+                                **_config_kwargs(config))
+    # The inputs' dtypes, for the gradients, as zero scalars (residuals are arrays).
+    dtypes = tuple(jnp.zeros((), t.dtype) for t in (q, k, v, g, beta, init))
+    return (o, finals), (saved, dtypes)
+
+
+def _chunked_bwd(config, residuals, cotangents):
+    """The backward kernels (pallas_triton_bwd.py) on the forward's residuals."""
+    from pallasite.kernels.gated_delta import pallas_triton_bwd  # it imports this module
+
+    saved, dtypes = residuals
+    do, dfinal = cotangents
+    bs = _resolve(dict(config.block_sizes), do.shape[3])
+    dq, dk, dv, dg, dbeta, dinit = pallas_triton_bwd.backward(
+        saved, do, dfinal, scale=config.scale, length=do.shape[1], l2norm=config.l2norm,
+        block_v=bs.block_v, grads_block_v=bs.grads_block_v, interpret=config.interpret)
+    grads = (dq, dk, dv, dg, dbeta, dinit)
+    return tuple(gr.astype(d.dtype) for gr, d in zip(grads, dtypes)) + (None,)
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def forward(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, chunk_size: int,
+            use_qk_l2norm_in_kernel: bool, interpret: bool = False, block_sizes=None):
+    """xla.forward's contract (o [B, T, Hv, V] in v's dtype, final states [N, Hv, K, V]
+    fp32; inputs validated, initial_state given) through the kernels, differentiable in
+    q, k, v, g, beta and initial_state. block_sizes: None or a dict (BlockSizes' fields)."""
+    config = _Config(float(scale), int(chunk_size), bool(use_qk_l2norm_in_kernel),
+                     bool(interpret), tuple(sorted((block_sizes or {}).items())))
+    return _chunked(q, k, v, g, beta, initial_state, cu_seqlens, config)

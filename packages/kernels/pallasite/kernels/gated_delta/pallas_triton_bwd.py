@@ -1,0 +1,369 @@
+"""The chunked gated delta rule's backward through Pallas Triton: two kernels on the
+forward's chunk-aligned layout, from the forward's residuals (the layout's q, k, v, G,
+beta; per chunk the solve's inverse T = (I + A)^-1, W, the entry state S and u).
+
+Per chunk, with P = D o Q K^T (D with its diagonal), Kd = exp(G_last - G) K and the
+chunk's exit cotangent dS' (the next chunk's entry cotangent, plus a sequence's final
+state's where the chunk is its last):
+
+    du  = scale P^T do + Kd dS'
+    dS  = exp(G_last) dS' + scale (exp(G) Q)^T do - W^T du        (u = U - W S)
+
+  1. reverse state pass, one program per (block of value columns, value head, row),
+     walking the chunks backwards with the fp32 dS [K, block_v]: it stores each
+     chunk's dS' and du (in the compute dtype), and a sequence's first chunk's dS as
+     its initial state's cotangent (into the final states' cotangents' buffer, aliased:
+     an empty sequence's passes through). The carry restarts from zero where a chunk
+     enters with an initial state.
+  2. chunk gradients, one program per (block of value columns, value head, chunk, row):
+     dQ = exp(G) scale do S^T + (D o scale do u^T) K; dK from P, from Kd (u dS'^T) and
+     from the solve: with dU = du and dW = -du S^T, dRv = T^T dU and dRk = T^T dW are
+     the cotangents of beta V and beta exp(G) K, and dA = -(dRv U^T + dRk W^T)
+     (d(I + A)^-1 = -T dA T), strictly lower, reaches k_t . k_j, beta and G through A_tj
+     = beta_t D_tj k_t . k_j. dV = beta dRv. The decay's cotangent dG gathers every
+     exp(G) factor's (the entry-state term, the segments of P and A, exp(G) K, Kd,
+     exp(G_last) S), and dg_s takes each over the g it spans (G is the in-chunk
+     cumulative sum of g): exp(G_t)'s from t >= s, exp(G_last - G_j)'s from j < s,
+     exp(G_t - G_j)'s from j < s <= t, exp(G_last)'s from all, so no large sums
+     cancel. dq, dk, dbeta and dg are sums over V: each value block writes its share
+     and XLA adds them.
+
+dq and dk come out per value head (fp32) and are summed over a key head's value heads in
+XLA; with use_qk_l2norm_in_kernel the kernels take the normalised q and k and the norm's
+backward is XLA's VJP of it around them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallasite.kernels import cost, sharding
+from pallasite.kernels.gated_delta import packing
+from pallasite.kernels.gated_delta.pallas_triton import (
+    F32, _dot, _iota, _masked_decay, _params, _segment, _slot)
+from pallasite.reference.gated_delta_rule import L2NORM_EPS
+
+
+def _cast_dot(cd):
+    """_dot on operands cast to the compute dtype (fp32 accumulation)."""
+    return lambda a, b, **kw: _dot(a.astype(cd), b.astype(cd), **kw)
+
+
+# ---------------------------------------------------------------- reverse state pass
+
+
+def _reverse_kernel(q_ref, k_ref, w_ref, hi_ref, lo_ref, do_ref, enter_ref, leave_ref,
+                    dfinal_ref, dexit_ref, du_ref, dinit_out_ref, *, scale: float):
+    """One (value column block, value head, row) walks its chunks backwards."""
+    del dinit_out_ref  # the same buffer as dfinal_ref (aliased)
+    nc, chunk, dk = q_ref.shape
+    bv = do_ref.shape[2]
+    cd = w_ref.dtype
+    mm = _cast_dot(cd)
+    causal = _iota(chunk, chunk, 0) >= _iota(chunk, chunk, 1)
+
+    def step(i, carry):
+        c = nc - 1 - i
+        leave = leave_ref[c]
+        final = plgpu.load(dfinal_ref.at[_slot(leave)],
+                           mask=jnp.full((dk, bv), leave >= 0), other=0.0)
+        d_exit = carry + jnp.where(leave >= 0, final.astype(F32), 0.0)
+        dexit_ref[c] = d_exit.astype(dexit_ref.dtype)
+        hi, lo = hi_ref[c], lo_ref[c]
+        hi_last, lo_last = hi_ref[c, chunk - 1], lo_ref[c, chunk - 1]
+        q, k, do = q_ref[c], k_ref[c], do_ref[c]
+        p = jnp.where(causal, _dot(q, k, trans_b=True)
+                      * _masked_decay(hi, lo, hi, lo, causal), 0.0)
+        to_end = jnp.exp(_segment(hi_last, lo_last, hi, lo))
+        du = (scale * mm(p, do, trans_a=True)
+              + mm(k.astype(F32) * to_end[:, None], d_exit))
+        du_ref[c] = du.astype(du_ref.dtype)
+        eq = q.astype(F32) * jnp.exp(hi + lo)[:, None]
+        d_enter = (jnp.exp(hi_last + lo_last) * d_exit + scale * mm(eq, do, trans_a=True)
+                   - mm(w_ref[c], du, trans_a=True))
+        enter = enter_ref[c]
+        plgpu.store(dfinal_ref.at[_slot(enter)], d_enter.astype(dfinal_ref.dtype),
+                    mask=jnp.full((dk, bv), enter >= 0))
+        return jnp.where(enter >= 0, 0.0, d_enter)
+
+    jax.lax.fori_loop(0, nc, step, jnp.zeros((dk, bv), F32))
+
+
+def _reverse_body(q, k, w, hi, lo, do, d_exit, *, columns):
+    """The reverse pass's arithmetic over every (row, chunk, head) (pl.estimate_cost): q,
+    k, w [Z, C, K], hi, lo [Z, C], do [Z, C, V], d_exit [Z, K, V]; P (Q K^T, its segment,
+    exp and product) formed once per block of value columns (`columns` blocks)."""
+    z, chunk, _ = q.shape
+    rep = lambda t: jnp.broadcast_to(t[:, None], (z, columns) + t.shape[1:])  # noqa: E731
+    hi_r, lo_r = rep(hi), rep(lo)
+    seg = (hi_r[..., :, None] - hi_r[..., None, :]) + (lo_r[..., :, None] - lo_r[..., None, :])
+    p = (jnp.einsum("zbck,zbjk->zbcj", rep(q), rep(k)) * jnp.exp(seg))[:, 0]
+    to_end = jnp.exp((hi[:, -1:] - hi) + (lo[:, -1:] - lo))
+    du = (2.0 * jnp.einsum("zcj,zcv->zjv", p, do)
+          + jnp.einsum("zck,zkv->zcv", k * to_end[..., None], d_exit))
+    eq = q * jnp.exp(hi + lo)[..., None]
+    across = jnp.exp(hi[:, -1] + lo[:, -1])
+    return (across[:, None, None] * d_exit + 2.0 * jnp.einsum("zck,zcv->zkv", eq, do)
+            - jnp.einsum("zck,zcv->zkv", w, du))
+
+
+def _reverse_pass(q, k, w, hi, lo, do, entering, leaving, dfinal, hv, scale, block_v,
+                  interpret):
+    """(dS' [B, NC, Hv, K, V] leaving each chunk and du [B, NC, C, Hv, V], both in the
+    compute dtype (the chunk-gradient kernel's dots take them so), the initial states'
+    cotangents [N, Hv, K, V] fp32)."""
+    b, nc, chunk, hk, dk = q.shape
+    dv = do.shape[4]
+    per_key_head = hv // hk
+    bv = block_v
+    n = dfinal.shape[0]
+    cd = w.dtype
+    shapes = (sharding.out_struct((b, nc, hv, dk, dv), cd, like=do),
+              sharding.out_struct(do.shape, cd, like=do),
+              sharding.out_struct(dfinal.shape, F32, like=dfinal))
+    z = b * nc * hv
+    keys = cost.struct((z, chunk, dk), F32)
+    row = cost.struct((z, chunk), F32)
+    estimate = cost.estimate(
+        functools.partial(_reverse_body, columns=dv // bv), keys, keys, keys, row, row,
+        cost.struct((z, chunk, dv), F32), cost.struct((z, dk, dv), F32),
+        inputs=(q, k, w, hi, lo, do, entering, leaving, dfinal), outputs=shapes)
+    key = pl.BlockSpec((None, nc, chunk, None, dk),
+                       lambda vb, h, i: (i, 0, 0, h // per_key_head, 0))
+    per_head = pl.BlockSpec((None, nc, chunk, None), lambda vb, h, i: (i, 0, 0, h))
+    table = pl.BlockSpec((None, nc), lambda vb, h, i: (i, 0))
+    finals = pl.BlockSpec((n, None, dk, bv), lambda vb, h, i: (0, h, 0, vb))
+    columns = pl.BlockSpec((None, nc, chunk, None, bv), lambda vb, h, i: (i, 0, 0, h, vb))
+    return pl.pallas_call(
+        functools.partial(_reverse_kernel, scale=float(scale)),
+        out_shape=shapes,
+        grid=(dv // bv, hv, b),
+        in_specs=[
+            key, key,
+            pl.BlockSpec((None, nc, chunk, None, dk), lambda vb, h, i: (i, 0, 0, h, 0)),
+            per_head, per_head, columns, table, table, finals,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, nc, None, dk, bv), lambda vb, h, i: (i, 0, h, 0, vb)),
+            columns,
+            finals,
+        ],
+        input_output_aliases={8: 2},
+        compiler_params=_params(num_warps=4, num_stages=2),
+        interpret=interpret,
+        cost_estimate=estimate,
+        name="gated_delta_rule_reverse_state_pass",
+    )(q, k, w, hi, lo, do, entering, leaving, dfinal)
+
+
+# ------------------------------------------------------------------ chunk gradients
+
+
+def _grads_kernel(q_ref, k_ref, v_ref, hi_ref, lo_ref, beta_ref, t_ref, s_ref, u_ref,
+                  du_ref, do_ref, dexit_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, dg_ref, *,
+                  scale: float):
+    """dv and this value-column block's shares of dq, dk (this value head's), dbeta and dg
+    of one (value column block, value head, chunk, row): every one is a sum over V."""
+    chunk = q_ref.shape[0]
+    cd = u_ref.dtype
+    mm = _cast_dot(cd)
+    rows, cols = _iota(chunk, chunk, 0), _iota(chunk, chunk, 1)
+    causal, strict = rows >= cols, rows > cols
+    q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
+    v, beta = v_ref[...].astype(F32), beta_ref[...]
+    hi, lo = hi_ref[...], lo_ref[...]
+    hi_last, lo_last = hi_ref[chunk - 1], lo_ref[chunk - 1]
+    inv, state, u = t_ref[...], s_ref[...], u_ref[...]
+    du, do, d_exit = du_ref[...], do_ref[...], dexit_ref[...]
+    grow = jnp.exp(hi + lo)  # exp(G)
+    to_end = jnp.exp(_segment(hi_last, lo_last, hi, lo))  # exp(G_last - G)
+
+    # o = scale (exp(G) Q S + (D o Q K^T) u)
+    d_inter = scale * grow[:, None] * mm(do, state, trans_b=True)
+    dp = jnp.where(causal, scale * mm(do, u, trans_b=True)
+                   * _masked_decay(hi, lo, hi, lo, causal), 0.0)
+    dq = d_inter + mm(dp, k)
+    dk = mm(dp, q, trans_a=True)
+    through_p = dp * mm(q, k, trans_b=True)  # on D_tj = exp(g_(j+1) + ... + g_t)
+    at_step = jnp.sum(q * d_inter, axis=1)  # on exp(G_t) = exp(g_0 + ... + g_t)
+
+    # S' = exp(G_last) S + (exp(G_last - G) K)^T u
+    d_kd = mm(u, d_exit, trans_b=True) * to_end[:, None]
+    dk = dk + d_kd
+    through_kd = jnp.sum(d_kd * k, axis=1)  # on exp(g_(j+1) + ... + g_last)
+    through_end = (jnp.exp(hi_last + lo_last)  # on exp(G_last): every g
+                   * jnp.sum(jnp.sum(d_exit * state.astype(F32), axis=1)))
+
+    # u = U - W S; U = T (beta V), W = T (beta exp(G) K), T = (I + A)^-1
+    scaled_keys = (beta * grow)[:, None] * k
+    big_u = mm(inv, beta[:, None] * v)
+    w = mm(inv, scaled_keys)
+    d_rv = mm(inv, du, trans_a=True)
+    d_rk = -mm(inv, mm(du, state, trans_b=True), trans_a=True)
+    dv = beta[:, None] * d_rv
+    dbeta = jnp.sum(d_rv * v, axis=1) + jnp.sum(d_rk * grow[:, None] * k, axis=1)
+    dk = dk + (beta * grow)[:, None] * d_rk
+    at_step = at_step + jnp.sum(d_rk * scaled_keys, axis=1)
+    da = -(mm(d_rv, big_u, trans_b=True) + mm(d_rk, w, trans_b=True))
+    da = jnp.where(strict, da * _masked_decay(hi, lo, hi, lo, strict), 0.0)
+    through_a = da * mm(k, k, trans_b=True)  # dA_tj D_tj k_t . k_j
+    dbeta = dbeta + jnp.sum(through_a, axis=1)
+    pairs = through_p + beta[:, None] * through_a
+    da = beta[:, None] * da
+    dk = dk + mm(da, k) + mm(da, k, trans_a=True)
+
+    # dg_s gathers each factor over the g it spans (no difference of cumulative sums,
+    # which would cancel): the step terms from t >= s, the end terms from j < s, the
+    # pair terms from j < s <= t (a reverse cumulative sum over t as a dot, then j < s).
+    after = jnp.where(cols >= rows, 1.0, 0.0).astype(F32)
+    spans = _dot(after, pairs)  # [s, j]: the sum over t >= s
+    dg = (jnp.sum(jnp.where(cols >= rows, at_step[None, :], 0.0), axis=1)
+          + jnp.sum(jnp.where(cols < rows, through_kd[None, :] + spans, 0.0), axis=1)
+          + through_end)
+    dq_ref[...] = dq
+    dk_ref[...] = dk
+    dv_ref[...] = dv
+    dbeta_ref[...] = dbeta
+    dg_ref[...] = dg
+
+
+def _grads_body(q, k, v, hi, lo, beta, inv, state, u, du, do, d_exit):
+    """The chunk-gradient kernel's arithmetic over every (row, chunk, head)
+    (pl.estimate_cost): q, k [Z, C, K], v, u, du, do [Z, C, V], hi, lo, beta [Z, C], inv
+    [Z, C, C], state, d_exit [Z, K, V]."""
+    mat = lambda a, b: jnp.einsum("zij,zjk->zik", a, b)  # noqa: E731
+    tr = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731
+    grow = jnp.exp(hi + lo)
+    to_end = jnp.exp((hi[:, -1:] - hi) + (lo[:, -1:] - lo))
+    seg = (hi[..., :, None] - hi[..., None, :]) + (lo[..., :, None] - lo[..., None, :])
+    decay = jnp.exp(seg)
+    d_inter = 2.0 * grow[..., None] * mat(do, tr(state))
+    dp = 2.0 * mat(do, tr(u)) * decay
+    dq = d_inter + mat(dp, k)
+    dk = mat(tr(dp), q)
+    through_p = dp * mat(q, tr(k))
+    at_step = (q * d_inter).sum(2)
+    d_kd = mat(u, tr(d_exit)) * to_end[..., None]
+    dk = dk + d_kd
+    through_kd = (d_kd * k).sum(2)
+    through_end = jnp.exp(hi[:, -1] + lo[:, -1]) * (d_exit * state).sum((1, 2))
+    scaled_keys = (beta * grow)[..., None] * k
+    big_u = mat(inv, beta[..., None] * v)
+    w = mat(inv, scaled_keys)
+    d_rv = mat(tr(inv), du)
+    d_rk = -mat(tr(inv), mat(du, tr(state)))
+    dv = beta[..., None] * d_rv
+    dbeta = (d_rv * v).sum(2) + (d_rk * grow[..., None] * k).sum(2)
+    dk = dk + (beta * grow)[..., None] * d_rk
+    at_step = at_step + (d_rk * scaled_keys).sum(2)
+    da = -(mat(d_rv, tr(big_u)) + mat(d_rk, tr(w))) * decay
+    through_a = da * mat(k, tr(k))
+    dbeta = dbeta + through_a.sum(2)
+    pairs = through_p + beta[..., None] * through_a
+    da = beta[..., None] * da
+    dk = dk + mat(da, k) + mat(tr(da), k)
+    spans = mat(jnp.ones_like(pairs), pairs)
+    dg = at_step + (through_kd + spans.sum(2)) + through_end[:, None]
+    return dq, dk, dv, dbeta, dg
+
+
+def _chunk_grads(q, k, v, hi, lo, beta, inv, states, u, du, do, d_exit, scale, block_v,
+                 interpret):
+    """(dq, dk [B, NC, C, Hv, K], dv [B, NC, C, Hv, V], dbeta, dg [B, NC, C, Hv]), fp32;
+    the value-column blocks' shares summed here."""
+    b, nc, chunk, hk, dk = q.shape
+    hv, dv = v.shape[3:]
+    per_key_head = hv // hk
+    bv = block_v
+    nvb = dv // bv
+    shapes = (sharding.out_struct((nvb, b, nc, chunk, hv, dk), F32, like=v),
+              sharding.out_struct((nvb, b, nc, chunk, hv, dk), F32, like=v),
+              sharding.out_struct(v.shape, F32, like=v),
+              sharding.out_struct((nvb,) + beta.shape, F32, like=beta),
+              sharding.out_struct((nvb,) + beta.shape, F32, like=beta))
+    z = b * nc * hv * nvb
+    keys, values = cost.struct((z, chunk, dk), F32), cost.struct((z, chunk, bv), F32)
+    row, square = cost.struct((z, chunk), F32), cost.struct((z, dk, bv), F32)
+    estimate = cost.estimate(
+        _grads_body, keys, keys, values, row, row, row, cost.struct((z, chunk, chunk), F32),
+        square, values, values, values, square,
+        inputs=(q, k, v, hi, lo, beta, inv, states, u, du, do, d_exit), outputs=shapes)
+    key = pl.BlockSpec((None, None, chunk, None, dk),
+                       lambda vb, h, c, i: (i, c, 0, h // per_key_head, 0))
+    key_out = pl.BlockSpec((None, None, None, chunk, None, dk),
+                           lambda vb, h, c, i: (vb, i, c, 0, h, 0))
+    value = pl.BlockSpec((None, None, chunk, None, bv), lambda vb, h, c, i: (i, c, 0, h, vb))
+    gate = pl.BlockSpec((None, None, chunk, None), lambda vb, h, c, i: (i, c, 0, h))
+    gate_out = pl.BlockSpec((None, None, None, chunk, None),
+                            lambda vb, h, c, i: (vb, i, c, 0, h))
+    square_spec = pl.BlockSpec((None, None, None, dk, bv),
+                               lambda vb, h, c, i: (i, c, h, 0, vb))
+    wide = max(dk, bv) > 64
+    dq, dk_, dv_, dbeta, dg = pl.pallas_call(
+        functools.partial(_grads_kernel, scale=float(scale)),
+        out_shape=shapes,
+        grid=(nvb, hv, nc, b),
+        in_specs=[key, key, value, gate, gate, gate,
+                  pl.BlockSpec((None, None, None, chunk, chunk),
+                               lambda vb, h, c, i: (i, c, h, 0, 0)),
+                  square_spec, value, value, value, square_spec],
+        out_specs=[key_out, key_out, value, gate_out, gate_out],
+        compiler_params=_params(num_warps=8 if wide else 4),
+        interpret=interpret,
+        cost_estimate=estimate,
+        name="gated_delta_rule_chunk_grads",
+    )(q, k, v, hi, lo, beta, inv, states, u, du, do, d_exit)
+    return dq.sum(0), dk_.sum(0), dv_, dbeta.sum(0), dg.sum(0)
+
+
+# ---------------------------------------------------------------------------- backward
+
+
+def _l2norm(x):
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+
+
+def backward(residuals, do, dfinal, *, scale, length: int, l2norm: bool, block_v: int,
+             grads_block_v: int, interpret: bool):
+    """(dq, dk [B, T, Hk, K], dv [B, T, Hv, V], dg, dbeta [B, T, Hv], d initial_state
+    [N, Hv, K, V]), fp32, from the forward's residuals (pallas_triton._kernels) and the
+    cotangents of o [B, T, Hv, V] and of the final states [N, Hv, K, V]."""
+    r = residuals
+    q, k, v = r["q"], r["k"], r["v"]
+    b, nc, chunk, hk, _ = q.shape
+    hv, dv = v.shape[3:]
+    padded = nc * chunk
+    cd = r["w"].dtype
+    if l2norm:  # the kernels take normalised q and k; the norm's backward is XLA's
+        (q, k), pull_norm = jax.vjp(lambda a, c: (_l2norm(a), _l2norm(c)),
+                                    q.astype(F32), k.astype(F32))
+        q, k = q.astype(cd), k.astype(cd)
+    positions = r["positions"]
+    do = do.astype(cd)
+    if positions is None:
+        do = jnp.pad(do, [(0, 0), (0, padded - length), (0, 0), (0, 0)])
+    else:
+        do = packing.to_layout(do, positions, padded)
+    do = do.reshape(b, nc, chunk, hv, dv)
+    d_exit, du, dinit = _reverse_pass(q, k, r["w"], r["hi"], r["lo"], do, r["entering"],
+                                      r["leaving"], dfinal.astype(F32), hv, scale, block_v,
+                                      interpret)
+    dq, dk, dv_, dbeta, dg = _chunk_grads(q, k, v, r["hi"], r["lo"], r["beta"], r["inv"],
+                                          r["states"], r["u"], du, do, d_exit, scale,
+                                          grads_block_v, interpret)
+    group = lambda t: t.reshape(*t.shape[:3], hk, hv // hk, t.shape[4]).sum(4)  # noqa: E731
+    dq, dk = group(dq), group(dk)
+    if l2norm:
+        dq, dk = pull_norm((dq, dk))
+    unsplit = lambda t: t.reshape(b, padded, *t.shape[3:])  # noqa: E731
+    grads = [unsplit(t) for t in (dq, dk, dv_, dg, dbeta)]
+    if positions is None:
+        grads = [t[:, :length] for t in grads]
+    else:
+        grads = [t[:, positions] for t in grads]
+    return (*grads, dinit)

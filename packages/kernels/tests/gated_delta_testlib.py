@@ -1,0 +1,65 @@
+"""What the gated delta rule's test files share: random inputs (never zeros), the
+gradients of a fixed projection of (o, final) wrt all six inputs, and the relative L2
+errors of a chunked form against the float64 step-by-step definition."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallasite.reference.gated_delta_rule import gated_delta_rule_sequential
+
+REL_L2 = 1e-5  # fp32 inputs against the float64 definition
+NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+def inputs(seed, b=2, t=150, hk=2, hv=4, dk=16, dv=32, n=None, decay=3.0,
+           dtype=jnp.float32):
+    """q, k, v in `dtype`; g = -decay * softplus(noise) (<= 0); beta in (0, 1); fp32
+    initial states [b, or n sequences, hv, dk, dv]."""
+    ks = jax.random.split(jax.random.key(seed), 6)
+    f = lambda i, s: jax.random.normal(ks[i], s, jnp.float32)  # noqa: E731
+    return dict(q=f(0, (b, t, hk, dk)).astype(dtype), k=f(1, (b, t, hk, dk)).astype(dtype),
+                v=f(2, (b, t, hv, dv)).astype(dtype),
+                g=-decay * jax.nn.softplus(f(3, (b, t, hv))),
+                beta=jax.nn.sigmoid(f(4, (b, t, hv))),
+                initial_state=f(5, (b if n is None else n, hv, dk, dv)))
+
+
+def wide(a):
+    return {k: v.astype(jnp.float64) for k, v in a.items()}
+
+
+def rel(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def values_and_grads(fn, a, **kw):
+    """(o, final) and the gradients of a fixed projection of both wrt all six inputs."""
+
+    def loss(*args):
+        o, final = fn(*args[:5], initial_state=args[5], output_final_state=True, **kw)
+        wo = jnp.cos(jnp.arange(o.size, dtype=jnp.float32)).reshape(o.shape)
+        wf = jnp.sin(jnp.arange(final.size, dtype=jnp.float32)).reshape(final.shape)
+        return jnp.sum(o * wo) + jnp.sum(final * wf), (o, final)
+
+    grads, out = jax.jit(jax.grad(loss, argnums=tuple(range(6)), has_aux=True))(
+        *(a[k] for k in NAMES))
+    return out, grads
+
+
+def errors(chunked, a, **kw):
+    """Relative L2 of o, the final states and the six gradients of `chunked` (a function
+    with chunk_gated_delta_rule's arguments) against the definition, keyed by name."""
+    definition = functools.partial(gated_delta_rule_sequential,
+                                   **{k: v for k, v in kw.items() if k != "chunk_size"})
+    (o, final), grads = values_and_grads(functools.partial(chunked, **kw), a)
+    (o_ref, final_ref), grads_ref = values_and_grads(definition, wide(a))
+    assert o.dtype == a["v"].dtype and final.dtype == jnp.float32
+    out = {"o": rel(o, o_ref), "final": rel(final, final_ref)}
+    out.update({"d" + k: rel(g, r) for k, g, r in zip(NAMES, grads, grads_ref)})
+    return out

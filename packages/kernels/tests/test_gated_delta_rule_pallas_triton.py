@@ -1,0 +1,266 @@
+"""chunk_gated_delta_rule's Pallas Triton kernels (gated_delta/pallas_triton.py) against
+the float64 step-by-step definition: through the Triton interpreter on the CPU (tiny
+shapes), compiled on a GPU (the `gpu` mark). Outputs, final states and all six gradients
+(relative L2 <= 1e-5 with fp32 inputs; the gradients from the backward kernels) under
+grouped value heads, the in-kernel L2 norm with a scale, chunks of 16 and 32 on lengths
+that are not multiples, strong decay with beta of exactly 0 and 1, packed sequences
+(traced cu_seqlens: one shorter than a chunk, one spanning chunks, an empty one, one
+ending on a chunk boundary), bf16 inputs; every kernel output written, forward and
+backward (the interpreter fills unwritten ones with NaN); value-column blocks; the value
+heads split over two devices (the kernels on the local heads); the selection and its
+refusals; the lowering for CUDA from the CPU."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+from jax.sharding import AbstractDevice, AbstractMesh
+
+import gated_delta_testlib as testlib
+from pallasite.kernels import chunk_gated_delta_rule, platform
+from pallasite.kernels.gated_delta import pallas_triton, pallas_triton_bwd, predicates
+from pallasite.reference import parity
+from pallasite.reference.gated_delta_rule import gated_delta_rule_sequential
+
+REL_L2, NAMES = testlib.REL_L2, testlib.NAMES
+KERNEL = functools.partial(chunk_gated_delta_rule, implementation="pallas_triton")
+
+
+@pytest.fixture(autouse=True)
+def x64():
+    with jax.enable_x64(True):
+        yield
+
+
+_inputs = functools.partial(testlib.inputs, b=1, t=100, hk=1, hv=2, dk=32, dv=32)
+_wide, _rel, _values_and_grads = testlib.wide, testlib.rel, testlib.values_and_grads
+
+
+def _errors(a, **kw):
+    """Relative L2 of o, the final states and the six gradients against the definition."""
+    return testlib.errors(KERNEL, a, **kw)
+
+
+CASES = {
+    "grouped_value_heads": dict(b=2),
+    "l2norm_and_scale": dict(kw=dict(use_qk_l2norm_in_kernel=True, scale=0.3)),
+    "chunk_16_length_not_a_multiple": dict(t=37, dk=16, dv=64, kw=dict(chunk_size=16)),
+    "chunk_32_two_key_heads": dict(t=70, hk=2, hv=4, dk=16, dv=16, kw=dict(chunk_size=32)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernels_against_the_definition(case):
+    spec = dict(CASES[case])
+    kw = spec.pop("kw", {})
+    errors = _errors(_inputs(1, **spec), **kw)
+    assert max(errors.values()) <= REL_L2, errors
+
+
+def test_beta_exactly_zero_and_one_and_decay_down_to_minus_twenty():
+    a = _inputs(2, t=90, decay=20.0)
+    steps = np.arange(90)
+    beta = np.asarray(a["beta"]).copy()
+    beta[:, steps % 3 == 0] = 0.0
+    beta[:, steps % 3 == 1] = 1.0
+    g = np.asarray(a["g"]).copy()
+    g[:, steps % 7 == 0] = -20.0
+    a.update(beta=jnp.asarray(beta), g=jnp.asarray(g))
+    errors = _errors(a)
+    assert max(errors.values()) <= REL_L2, errors
+
+
+def test_packed_sequences_with_traced_cu_seqlens():
+    """Five sequences in one row: one shorter than a chunk (10), an empty one, one ending
+    on a chunk boundary (54 + 10 = 64), one spanning chunks (100), a last short one
+    (20). Each from its own initial state, each its own final state (the empty one's is
+    its initial state, to the bit). cu_seqlens is a jit argument."""
+    a = _inputs(3, t=184, n=5)
+    cu = jnp.asarray([0, 10, 10, 64, 164, 184], jnp.int32)
+
+    def run(fn, arrays, cu):
+        return _values_and_grads(fn, arrays, cu_seqlens=cu)
+
+    got = jax.jit(functools.partial(run, KERNEL))(a, cu)
+    want = run(gated_delta_rule_sequential, _wide(a), cu)
+    errors = [_rel(g, w) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
+    assert max(errors) <= REL_L2, errors
+    np.testing.assert_array_equal(np.asarray(got[0][1][1]), np.asarray(a["initial_state"][1]))
+
+
+def test_bf16_inputs_within_the_bf16_tolerance():
+    a = _inputs(6, b=2, dtype=jnp.bfloat16)
+    (o, final), grads = _values_and_grads(KERNEL, a)
+    wide = {k: v.astype(jnp.float32) for k, v in a.items()}
+    (o_ref, final_ref), grads_ref = _values_and_grads(gated_delta_rule_sequential, wide)
+    assert o.dtype == jnp.bfloat16
+    for name, got, want in [("o", o, o_ref), ("final", final, final_ref)] + [
+            ("d" + k, g, r) for k, g, r in zip(NAMES, grads, grads_ref)]:
+        parity.assert_close(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                            dtype=jnp.bfloat16, what=name)
+
+
+def test_every_kernel_output_is_written():
+    """The interpreter fills a kernel's outputs with NaN before it runs: U, W, T, the
+    entry states, u, o, the final states and the backward's dS', du, initial-state
+    cotangents, dq, dk, dv, dbeta and dg all finite means every row was written (packed
+    sequences with padding chunks and an empty sequence, two rows, grouped heads)."""
+    a = _inputs(7, t=75, n=4)
+    cu = jnp.asarray([0, 5, 5, 70, 75], jnp.int32)
+    f32 = jnp.float32
+    stages = {}
+    modules = {"_prep": pallas_triton, "_state_pass": pallas_triton,
+               "_output": pallas_triton, "_reverse_pass": pallas_triton_bwd,
+               "_chunk_grads": pallas_triton_bwd}
+    real = {name: getattr(module, name) for name, module in modules.items()}
+
+    def spy(name):
+        def call(*args, **kwargs):
+            out = real[name](*args, **kwargs)
+            stages[name] = out
+            return out
+        return call
+
+    def run(*args):
+        return pallas_triton.forward(*args[:5], scale=0.2, initial_state=args[5],
+                                     cu_seqlens=cu, chunk_size=32,
+                                     use_qk_l2norm_in_kernel=False, interpret=True)
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name, module in modules.items():
+            mp.setattr(module, name, spy(name))
+        (o, final), pull = jax.vjp(run, *(a[n] for n in NAMES))
+        grads = pull((jnp.ones_like(o), jnp.ones_like(final)))
+    leaves = jax.tree.leaves(stages) + [o, final] + list(grads)
+    assert len(leaves) == 23
+    for leaf in leaves:
+        assert bool(jnp.all(jnp.isfinite(leaf.astype(f32))))
+
+
+def test_the_default_on_a_cpu_is_xla_and_refusals_name_the_argument():
+    a = _inputs(8, t=20)
+    text = str(jax.make_jaxpr(lambda **kw: chunk_gated_delta_rule(**kw))(**a))
+    assert "pallas_call" not in text
+    text = str(jax.make_jaxpr(lambda **kw: KERNEL(**kw))(**a))
+    assert "gated_delta_rule_prep" in text and "gated_delta_rule_output" in text
+    with pytest.raises(ValueError, match="chunk_size=48"):
+        KERNEL(**a, chunk_size=48)
+    with pytest.raises(ValueError, match=r"V \(v's last dim\) = 24"):
+        KERNEL(**{**a, "v": a["v"][..., :24], "initial_state": a["initial_state"][..., :24]})
+    with pytest.raises(ValueError, match="q has dtype float64"):
+        KERNEL(**{**a, "q": a["q"].astype(jnp.float64)})
+    with pytest.raises(ValueError, match="unknown keys"):
+        KERNEL(**a, block_sizes={"block_m": 16})
+    with pytest.raises(ValueError, match="block_v=24"):
+        KERNEL(**a, block_sizes={"block_v": 24})
+    with pytest.raises(TypeError, match="block_sizes must be None or a dict"):
+        KERNEL(**a, block_sizes=(16, 16))
+    # A sequence falls through to XLA where the kernels refuse.
+    o, _ = chunk_gated_delta_rule(**a, chunk_size=48, implementation=("pallas_triton", "xla"))
+    assert o.shape == a["v"].shape
+    gpu = type("Gpu", (), {"platform": "gpu", "compute_capability": "7.5"})()
+    assert "sm75" in predicates.device_reason(named=True, device=gpu)
+
+
+def test_the_kernels_run_on_local_heads_under_explicit_axes():
+    """With the value heads (and their key heads) over 2 devices under Explicit axes, the
+    sharding plan (layouts.py) runs the kernels on each device's heads: values and
+    gradients equal the unsharded call's, packed sequences included."""
+    import sharding_testlib as st
+
+    a = _inputs(12, t=50, hk=2, hv=4, dk=16, dv=16, n=2)
+    cu = jnp.asarray([0, 20, 50], jnp.int32)
+    mesh = st.mesh((2,), ("x",), st.EXPLICIT, devices=jax.devices()[:2])
+    heads = {"q": (None, None, "x"), "k": (None, None, "x"), "v": (None, None, "x"),
+             "g": (None, None, "x"), "beta": (None, None, "x"), "initial_state": (None, "x")}
+    placed = {name: st.put(t, mesh, *heads[name]) for name, t in a.items()}
+    with jax.set_mesh(mesh):
+        got = _values_and_grads(KERNEL, placed, cu_seqlens=cu, chunk_size=16)
+    want = _values_and_grads(KERNEL, a, cu_seqlens=cu, chunk_size=16)
+    errors = [_rel(g, w) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
+    assert max(errors) <= 1e-6, errors
+
+
+def test_block_sizes_change_no_result():
+    """Values and gradients with one and with two value-column blocks per program (the
+    backward's chunk-gradient kernel sums its blocks' shares)."""
+    a = _inputs(9, t=20, dk=16, dv=32)
+    got = _values_and_grads(KERNEL, a)
+    split = _values_and_grads(functools.partial(KERNEL, block_sizes={
+        "block_v": 16, "output_block_v": 16, "grads_block_v": 16}), a)
+    errors = [_rel(g, w) for g, w in zip(jax.tree.leaves(split), jax.tree.leaves(got))]
+    assert max(errors) <= REL_L2, errors  # sums in another order
+
+
+def _lowered(fn, *args):
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
+    with jax.sharding.use_abstract_mesh(mesh):
+        return export.export(
+            jax.jit(fn), platforms=["cuda"],
+            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+        )(*args).mlir_module()
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_kernels_lower_for_cuda_from_cpu(packed):
+    """The forward and the differentiated call at Qwen3-Next's heads (16 q/k, 32 v, K = V
+    = 128, bf16), a short sequence: three Triton calls in the forward, five with the
+    backward."""
+    s = jax.ShapeDtypeStruct
+    t, hk, hv, d = 256, 16, 32, 128
+    n = 3 if packed else 1
+    args = (s((1, t, hk, d), jnp.bfloat16), s((1, t, hk, d), jnp.bfloat16),
+            s((1, t, hv, d), jnp.bfloat16), s((1, t, hv), jnp.float32),
+            s((1, t, hv), jnp.float32), s((n, hv, d, d), jnp.float32))
+    cu = (s((n + 1,), jnp.int32),) if packed else ()
+
+    def forward(*a):
+        return pallas_triton.forward(*a[:5], scale=d ** -0.5, initial_state=a[5],
+                                     cu_seqlens=a[6] if packed else None, chunk_size=64,
+                                     use_qk_l2norm_in_kernel=True)
+
+    def loss(*a):
+        o, final = forward(*a)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(final)
+
+    with jax.enable_x64(False):
+        text = _lowered(forward, *args, *cu)
+        assert text.count("__gpu$xla.gpu.triton") == 3
+        # The forward's three (value_and_grad keeps its output kernel) and the
+        # backward's two: the reverse state pass and the chunk gradients.
+        grads = _lowered(jax.value_and_grad(loss, argnums=tuple(range(6))), *args, *cu)
+        assert grads.count("__gpu$xla.gpu.triton") == 5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_kernels_against_the_definition(dtype):
+    if not platform.triton_runs():
+        pytest.skip(f"needs a CUDA GPU from sm80; the device is {platform.device_generation()}")
+    dt = jnp.dtype(dtype)
+    a = _inputs(10, b=2, t=300, hk=2, hv=4, dk=64, dv=128, dtype=dt)
+    # The gradients below come from the compiled backward kernels.
+    text = str(jax.make_jaxpr(lambda *x: _values_and_grads(KERNEL, dict(zip(NAMES, x))))(
+        *(a[n] for n in NAMES)))
+    assert "gated_delta_rule_reverse_state_pass" in text
+    assert "gated_delta_rule_chunk_grads" in text
+    cu = jnp.asarray([0, 10, 10, 64, 230, 300], jnp.int32)
+    packed = {**_inputs(11, t=300, hk=2, hv=4, dk=128, dv=64, n=5, dtype=dt)}
+    for arrays, kw in ((a, {}), (packed, dict(cu_seqlens=cu, use_qk_l2norm_in_kernel=True))):
+        got = _values_and_grads(functools.partial(KERNEL, **kw), arrays)
+        if dt == jnp.float32:
+            want = _values_and_grads(functools.partial(gated_delta_rule_sequential, **kw),
+                                     _wide(arrays))
+            errors = [_rel(g, w) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
+            assert max(errors) <= REL_L2, errors
+            continue
+        wide = {k: v.astype(jnp.float32) for k, v in arrays.items()}
+        want = _values_and_grads(functools.partial(gated_delta_rule_sequential, **kw), wide)
+        for i, (g, w) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))):
+            parity.assert_close(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                dtype=jnp.bfloat16, what=f"output {i}")
