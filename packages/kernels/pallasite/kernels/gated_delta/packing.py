@@ -30,6 +30,32 @@ def packed_positions(cu_seqlens, length: int, chunk: int):
     return positions, padded, first, counts
 
 
+def lay_out(arrays, cu_seqlens, length: int, chunk: int):
+    """[B, T, ...] arrays in the chunk layout: padded to whole chunks, or with cu_seqlens
+    each sequence from a chunk of its own. (arrays, padded length, positions, first,
+    counts); the last three are None without cu_seqlens."""
+    if cu_seqlens is None:
+        padded = -(-length // chunk) * chunk
+        positions = first = counts = None
+    else:
+        positions, padded, first, counts = packed_positions(cu_seqlens, length, chunk)
+    arrays = tuple(in_layout(t, length, padded, positions) for t in arrays)
+    return arrays, padded, positions, first, counts
+
+
+def in_layout(t, length: int, padded: int, positions):
+    """One [B, T, ...] array in the layout `lay_out` chose (positions None: padded)."""
+    if positions is None:
+        return jnp.pad(t, [(0, 0), (0, padded - length)] + [(0, 0)] * (t.ndim - 2))
+    return to_layout(t, positions, padded)
+
+
+def steps_of(t, length: int, positions):
+    """[B, padded, ...] in the chunk layout -> [B, T, ...]: the steps back in order
+    (in_layout's inverse)."""
+    return t[:, :length] if positions is None else t[:, positions]
+
+
 def to_layout(t, positions, padded: int):
     """[1, T, ...] -> [1, padded, ...]: each step at its position, zeros between."""
     out = jnp.zeros((1, padded) + t.shape[2:], t.dtype)

@@ -474,23 +474,15 @@ def _kernels(q, k, v, g, beta, init, cu_seqlens, *, scale, chunk_size, l2norm, i
     cd = jnp.result_type(q.dtype, k.dtype, v.dtype)
     q, k, v = (t.astype(cd) for t in (q, k, v))
     g, beta = g.astype(F32), beta.astype(F32)
+    (q, k, v, g, beta), padded, positions, first, counts = packing.lay_out(
+        (q, k, v, g, beta), cu_seqlens, length, chunk_size)
+    nc = padded // chunk_size
     if cu_seqlens is None:
-        padded = -(-length // chunk_size) * chunk_size
-        pad = lambda t: jnp.pad(t, [(0, 0), (0, padded - length)]  # noqa: E731
-                                + [(0, 0)] * (t.ndim - 2))
-        q, k, v, g, beta = (pad(t) for t in (q, k, v, g, beta))
-        nc = padded // chunk_size
         chunks = jnp.arange(nc, dtype=jnp.int32)[None, :]
         rows = jnp.arange(b, dtype=jnp.int32)[:, None]
-        positions = None
         entering = jnp.where(chunks == 0, rows, -1)
         leaving = jnp.where(chunks == nc - 1, rows, -1)
     else:
-        positions, padded, first, counts = packing.packed_positions(cu_seqlens, length,
-                                                                    chunk_size)
-        q, k, v, g, beta = (packing.to_layout(t, positions, padded)
-                            for t in (q, k, v, g, beta))
-        nc = padded // chunk_size
         entering, leaving = (t[None] for t in packing.chunk_owners(first, counts, nc))
     split = lambda t: t.reshape(b, nc, chunk_size, *t.shape[2:])  # noqa: E731
     q, k, v, g, beta = (split(t) for t in (q, k, v, g, beta))
@@ -502,7 +494,7 @@ def _kernels(q, k, v, g, beta, init, cu_seqlens, *, scale, chunk_size, l2norm, i
                                     init.astype(F32), bs, l2norm, interpret)
     o = _output(q, k, hi, lo, states, u, v.dtype, scale, bs, l2norm, interpret)
     o = o.reshape(b, padded, hv, dv)
-    o = o[:, :length] if positions is None else o[:, positions]
+    o = packing.steps_of(o, length, positions)
     if not residuals:
         return o, finals
     saved = dict(q=q, k=k, v=v, hi=hi, lo=lo, beta=beta, inv=inv, w=w, states=states, u=u,

@@ -344,11 +344,7 @@ def backward(residuals, do, dfinal, *, scale, length: int, l2norm: bool, block_v
                                     q.astype(F32), k.astype(F32))
         q, k = q.astype(cd), k.astype(cd)
     positions = r["positions"]
-    do = do.astype(cd)
-    if positions is None:
-        do = jnp.pad(do, [(0, 0), (0, padded - length), (0, 0), (0, 0)])
-    else:
-        do = packing.to_layout(do, positions, padded)
+    do = packing.in_layout(do.astype(cd), length, padded, positions)
     do = do.reshape(b, nc, chunk, hv, dv)
     d_exit, du, dinit = _reverse_pass(q, k, r["w"], r["hi"], r["lo"], do, r["entering"],
                                       r["leaving"], dfinal.astype(F32), hv, scale, block_v,
@@ -361,9 +357,5 @@ def backward(residuals, do, dfinal, *, scale, length: int, l2norm: bool, block_v
     if l2norm:
         dq, dk = pull_norm((dq, dk))
     unsplit = lambda t: t.reshape(b, padded, *t.shape[3:])  # noqa: E731
-    grads = [unsplit(t) for t in (dq, dk, dv_, dg, dbeta)]
-    if positions is None:
-        grads = [t[:, :length] for t in grads]
-    else:
-        grads = [t[:, positions] for t in grads]
+    grads = [packing.steps_of(unsplit(t), length, positions) for t in (dq, dk, dv_, dg, dbeta)]
     return (*grads, dinit)

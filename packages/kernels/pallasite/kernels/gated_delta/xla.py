@@ -82,16 +82,8 @@ def forward(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, chunk_size: i
         qf, kf = l2norm(qf), l2norm(kf)
     vf, gf, bf = v.astype(f), g.astype(f), beta.astype(f)
     init = initial_state.astype(f)
-    if cu_seqlens is None:
-        padded = -(-length // chunk_size) * chunk_size
-        pad = lambda t: jnp.pad(t, [(0, 0), (0, padded - length)]  # noqa: E731
-                                + [(0, 0)] * (t.ndim - 2))
-        qf, kf, vf, gf, bf = (pad(t) for t in (qf, kf, vf, gf, bf))
-    else:
-        positions, padded, first, counts = packing.packed_positions(cu_seqlens, length,
-                                                                    chunk_size)
-        qf, kf, vf, gf, bf = (packing.to_layout(t, positions, padded)
-                              for t in (qf, kf, vf, gf, bf))
+    (qf, kf, vf, gf, bf), padded, positions, first, counts = packing.lay_out(
+        (qf, kf, vf, gf, bf), cu_seqlens, length, chunk_size)
     nc = padded // chunk_size
     u_part, w, eq, qk, end_decay, kd = _chunk_terms(qf, kf, vf, gf, bf, chunk_size)
     if cu_seqlens is None:
@@ -118,6 +110,5 @@ def forward(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, chunk_size: i
                                      xs + (entering, leaving))
     o = jnp.moveaxis(o, 0, 1)  # [b, nc, h, C, V]
     o = jnp.moveaxis(o, 2, 3).reshape(b, padded, hv, dv)
-    if cu_seqlens is None:
-        return o[:, :length].astype(v.dtype), last
-    return o[:, positions].astype(v.dtype), finals  # an empty sequence's: its initial
+    o = packing.steps_of(o, length, positions).astype(v.dtype)
+    return o, (last if cu_seqlens is None else finals)  # an empty sequence's: its initial
