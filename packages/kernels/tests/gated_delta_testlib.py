@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallasite.reference import parity
 from pallasite.reference.gated_delta_rule import gated_delta_rule_sequential
 
 REL_L2 = 1e-5  # fp32 inputs against the float64 definition
@@ -27,6 +28,18 @@ def inputs(seed, b=2, t=150, hk=2, hv=4, dk=16, dv=32, n=None, decay=3.0,
                 g=-decay * jax.nn.softplus(f(3, (b, t, hv))),
                 beta=jax.nn.sigmoid(f(4, (b, t, hv))),
                 initial_state=f(5, (b if n is None else n, hv, dk, dv)))
+
+
+def with_extremes(a):
+    """`a` with beta exactly 0 on every third step and exactly 1 on the next, and g = -20
+    on every seventh step."""
+    steps = np.arange(a["beta"].shape[1])
+    beta = np.asarray(a["beta"]).copy()
+    beta[:, steps % 3 == 0] = 0.0
+    beta[:, steps % 3 == 1] = 1.0
+    g = np.asarray(a["g"]).copy()
+    g[:, steps % 7 == 0] = -20.0
+    return dict(a, beta=jnp.asarray(beta), g=jnp.asarray(g))
 
 
 def wide(a):
@@ -63,3 +76,30 @@ def errors(chunked, a, **kw):
     out = {"o": rel(o, o_ref), "final": rel(final, final_ref)}
     out.update({"d" + k: rel(g, r) for k, g, r in zip(NAMES, grads, grads_ref)})
     return out
+
+
+def check_packed(chunked, a, cu):
+    """Values and gradients with traced cu_seqlens (a jit argument) within REL_L2 of the
+    definition; sequence 1 is empty, so its final state is its initial state, to the bit."""
+
+    def run(fn, arrays, cu):
+        return values_and_grads(fn, arrays, cu_seqlens=cu)
+
+    got = jax.jit(functools.partial(run, chunked))(a, cu)
+    want = run(gated_delta_rule_sequential, wide(a), cu)
+    errors = [rel(g, w) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
+    assert max(errors) <= REL_L2, errors
+    np.testing.assert_array_equal(np.asarray(got[0][1][1]), np.asarray(a["initial_state"][1]))
+
+
+def check_bf16(chunked, a):
+    """bf16 inputs: o, the final states and the six gradients within the bf16 parity
+    tolerance of the definition on the same (rounded) inputs."""
+    (o, final), grads = values_and_grads(chunked, a)
+    widened = {k: v.astype(jnp.float32) for k, v in a.items()}
+    (o_ref, final_ref), grads_ref = values_and_grads(gated_delta_rule_sequential, widened)
+    assert o.dtype == jnp.bfloat16
+    for name, got, want in [("o", o, o_ref), ("final", final, final_ref)] + [
+            ("d" + k, g, r) for k, g, r in zip(NAMES, grads, grads_ref)]:
+        parity.assert_close(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                            dtype=jnp.bfloat16, what=name)

@@ -11,12 +11,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import gated_delta_testlib as testlib
 from pallasite.kernels import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-from pallasite.reference import parity
 from pallasite.reference.gated_delta_rule import gated_delta_rule_sequential
 
 REL_L2, NAMES = testlib.REL_L2, testlib.NAMES
@@ -54,15 +52,7 @@ def test_chunked_form_against_the_definition(case):
 
 
 def test_beta_exactly_zero_and_one_and_decay_down_to_minus_twenty():
-    a = _inputs(2, t=100)
-    steps = np.arange(100)
-    beta = np.asarray(a["beta"]).copy()
-    beta[:, steps % 3 == 0] = 0.0
-    beta[:, steps % 3 == 1] = 1.0
-    g = np.asarray(a["g"]).copy()
-    g[:, steps % 7 == 0] = -20.0
-    a.update(beta=jnp.asarray(beta), g=jnp.asarray(g))
-    _check_against_definition(a, chunk_size=32)
+    _check_against_definition(testlib.with_extremes(_inputs(2, t=100)), chunk_size=32)
 
 
 def test_packed_sequences_with_traced_cu_seqlens():
@@ -72,15 +62,7 @@ def test_packed_sequences_with_traced_cu_seqlens():
     a = _inputs(3, b=1, t=300, n=5)
     cu = jnp.asarray([0, 10, 10, 64, 230, 300], jnp.int32)
 
-    def run(fn, arrays, cu):
-        return _values_and_grads(fn, arrays, cu_seqlens=cu)
-
-    got = jax.jit(functools.partial(run, chunk_gated_delta_rule))(a, cu)
-    want = run(gated_delta_rule_sequential, _wide(a), cu)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        assert _rel(g, w) <= REL_L2
-    np.testing.assert_allclose(np.asarray(got[0][1][1]), np.asarray(a["initial_state"][1]),
-                               rtol=0, atol=0)
+    testlib.check_packed(chunk_gated_delta_rule, a, cu)
 
 
 def test_state_chaining_through_initial_state():
@@ -110,14 +92,7 @@ def test_long_sequence():
 
 def test_bf16_inputs_within_the_bf16_tolerance():
     a = _inputs(6, dtype=jnp.bfloat16)
-    (o, final), grads = _values_and_grads(chunk_gated_delta_rule, a)
-    wide = {k: v.astype(jnp.float32) for k, v in a.items()}
-    (o_ref, final_ref), grads_ref = _values_and_grads(gated_delta_rule_sequential, wide)
-    assert o.dtype == jnp.bfloat16
-    for name, got, want in [("o", o, o_ref), ("final", final, final_ref)] + [
-            ("d" + k, g, r) for k, g, r in zip(NAMES, grads, grads_ref)]:
-        parity.assert_close(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                            dtype=jnp.bfloat16, what=name)
+    testlib.check_bf16(chunk_gated_delta_rule, a)
 
 
 def test_fused_recurrent_form_equals_the_chunked_one():

@@ -63,15 +63,7 @@ def test_kernels_against_the_definition(case):
 
 
 def test_beta_exactly_zero_and_one_and_decay_down_to_minus_twenty():
-    a = _inputs(2, t=90, decay=20.0)
-    steps = np.arange(90)
-    beta = np.asarray(a["beta"]).copy()
-    beta[:, steps % 3 == 0] = 0.0
-    beta[:, steps % 3 == 1] = 1.0
-    g = np.asarray(a["g"]).copy()
-    g[:, steps % 7 == 0] = -20.0
-    a.update(beta=jnp.asarray(beta), g=jnp.asarray(g))
-    errors = _errors(a)
+    errors = _errors(testlib.with_extremes(_inputs(2, t=90, decay=20.0)))
     assert max(errors.values()) <= REL_L2, errors
 
 
@@ -83,26 +75,12 @@ def test_packed_sequences_with_traced_cu_seqlens():
     a = _inputs(3, t=184, n=5)
     cu = jnp.asarray([0, 10, 10, 64, 164, 184], jnp.int32)
 
-    def run(fn, arrays, cu):
-        return _values_and_grads(fn, arrays, cu_seqlens=cu)
-
-    got = jax.jit(functools.partial(run, KERNEL))(a, cu)
-    want = run(gated_delta_rule_sequential, _wide(a), cu)
-    errors = [_rel(g, w) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
-    assert max(errors) <= REL_L2, errors
-    np.testing.assert_array_equal(np.asarray(got[0][1][1]), np.asarray(a["initial_state"][1]))
+    testlib.check_packed(KERNEL, a, cu)
 
 
 def test_bf16_inputs_within_the_bf16_tolerance():
     a = _inputs(6, b=2, dtype=jnp.bfloat16)
-    (o, final), grads = _values_and_grads(KERNEL, a)
-    wide = {k: v.astype(jnp.float32) for k, v in a.items()}
-    (o_ref, final_ref), grads_ref = _values_and_grads(gated_delta_rule_sequential, wide)
-    assert o.dtype == jnp.bfloat16
-    for name, got, want in [("o", o, o_ref), ("final", final, final_ref)] + [
-            ("d" + k, g, r) for k, g, r in zip(NAMES, grads, grads_ref)]:
-        parity.assert_close(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                            dtype=jnp.bfloat16, what=name)
+    testlib.check_bf16(KERNEL, a)
 
 
 def test_every_kernel_output_is_written():
