@@ -24,6 +24,7 @@ tests/test_gated_delta_rule_step.py's.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -64,6 +65,21 @@ def _nbytes(tree) -> int:
     return int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree)))
 
 
+def _pallasite(step, cache, sets, interpret):
+    """step(state, token, implementation) on each of pallasite's backends (the kernel only
+    compiled): ([(name, seconds)], {backend: y of sets[0] from `cache`})."""
+    out, first_y = [], {}
+    for impl in ("pallas_triton", "xla"):
+        if interpret and impl == "pallas_triton":
+            continue  # the interpreter is not timed; the tests check it
+        run = functools.partial(step, implementation=impl)
+        first_y[impl] = np.asarray(jax.jit(run)(cache, sets[0])[0], np.float32)
+        chain = _Chain(jax.jit(run, donate_argnums=0), cache + 0.0)
+        jax.block_until_ready(chain(sets[0]))
+        out.append(("pallasite." + impl, _time(chain, sets, harness.jax_sync)))
+    return out, first_y
+
+
 def _copy_rate(named_bytes: int) -> float:
     """GB/s of an XLA copy moving `named_bytes` (read) into a new buffer (write)."""
     src = [jnp.ones((named_bytes // 4,), F32) + s for s in range(3)]
@@ -94,22 +110,13 @@ def mamba_step(rows, slots, h, p, g, n, interpret, with_peers):
     sets = [_mamba_tokens(rows, h, p, g, n, s) for s in range(3)]
     named = rows * h * p * n * 4
     moved = 2 * named + _nbytes(sets[0]) + rows * h * p * 2
-    out = []
-    first_y = {}
-    for impl in ("pallas_triton", "xla"):
-        if interpret and impl == "pallas_triton":
-            continue  # the interpreter is not timed; the tests check it
+    def step(state, t, implementation):
+        return selective_state_update(state, t["x"], t["dt"], A, t["B"], t["C"], D=D,
+                                      z=t["z"], dt_bias=dt_bias, dt_softplus=True,
+                                      state_batch_indices=order,
+                                      implementation=implementation)
 
-        def step(state, t, impl=impl):
-            return selective_state_update(state, t["x"], t["dt"], A, t["B"], t["C"], D=D,
-                                          z=t["z"], dt_bias=dt_bias, dt_softplus=True,
-                                          state_batch_indices=order, implementation=impl)
-
-        jitted = jax.jit(step, donate_argnums=0)
-        first_y[impl] = np.asarray(jax.jit(step)(cache, sets[0])[0], np.float32)
-        chain = _Chain(jitted, cache + 0.0)
-        jax.block_until_ready(chain(sets[0]))
-        out.append(("pallasite." + impl, _time(chain, sets, harness.jax_sync)))
+    out, first_y = _pallasite(step, cache, sets, interpret)
     if with_peers and (why := peers.mamba_missing(None)) is None:
         import torch
         from mamba_ssm.ops.triton.selective_state_update import selective_state_update as ssu
@@ -153,22 +160,13 @@ def delta_step(rows, slots, hk, hv, dk, dv, interpret, with_peers):
     sets = [_delta_tokens(rows, hk, hv, dk, dv, s) for s in range(3)]
     named = rows * hv * dk * dv * 4
     moved = 2 * named + _nbytes(sets[0]) + rows * hv * dv * 2
-    out = []
-    first_y = {}
-    for impl in ("pallas_triton", "xla"):
-        if interpret and impl == "pallas_triton":
-            continue
+    def step(state, t, implementation):
+        return gated_delta_rule_step(state, t["q"], t["k"], t["v"], t["g"], t["beta"],
+                                     state_batch_indices=order,
+                                     use_qk_l2norm_in_kernel=True,
+                                     implementation=implementation)
 
-        def step(state, t, impl=impl):
-            return gated_delta_rule_step(state, t["q"], t["k"], t["v"], t["g"], t["beta"],
-                                         state_batch_indices=order,
-                                         use_qk_l2norm_in_kernel=True, implementation=impl)
-
-        jitted = jax.jit(step, donate_argnums=0)
-        first_y[impl] = np.asarray(jax.jit(step)(cache, sets[0])[0], np.float32)
-        chain = _Chain(jitted, cache + 0.0)
-        jax.block_until_ready(chain(sets[0]))
-        out.append(("pallasite." + impl, _time(chain, sets, harness.jax_sync)))
+    out, first_y = _pallasite(step, cache, sets, interpret)
     if with_peers and rows == slots and (why := peers.fla_missing()) is None:
         import torch
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_step
