@@ -15,9 +15,8 @@ layouts, one pass over the input each.
 
 Pallas Triton (jax 0.11.2) addresses an array with 32-bit signed offsets unless the array
 holds more than 2**32 bytes. A 1-byte array of more than 2**31 elements and at most 2**32
-(2-4 GiB of fp8:
-DeepSeek-V3's 256 experts of 7168 x 2048 on one device) therefore overflows them, and
-stores land before the array. `offsets_fit` says when that happens. weight_blocks then
+(2-4 GiB of fp8: DeepSeek-V3's 256 experts of 7168 x 2048 on one device) therefore
+overflows them, and stores land before the array. `offsets_fit` says when that happens. weight_blocks then
 writes each pair of neighbouring values as one uint16 (half the elements, the same bytes)
 and hands back the fp8 view of those bytes; rows and token_blocks, which reach that size
 only for activations of 2 GiB and more, take the XLA forms there.
@@ -165,14 +164,18 @@ def token_blocks(x: jax.Array, start: jax.Array, rows: jax.Array, dtype, *, tran
 # --------------------------------------------------------------------------- weights
 
 
+def _block_amax(w):
+    """amax of a 2-D block, one axis at a time: Pallas Triton lowers a reduction over two
+    axes with the operand's rank in its sharding, which fails under a mesh (jax 0.11.2)."""
+    return ref.amax(ref.amax(w, axis=1), axis=0)
+
+
 def _weight_kernel(w_ref, v_ref, s_ref, *, k, n, fp8, transpose):
     gi, kb, nb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     mask = _ok(kb * BLOCK, BLOCK, k)[:, None] & _ok(nb * BLOCK, BLOCK, n)[None, :]
     ks, ns = pl.ds(kb * BLOCK, BLOCK), pl.ds(nb * BLOCK, BLOCK)
     w = plgpu.load(w_ref.at[gi, ks, ns], mask=mask, other=0.0).astype(jnp.float32)
-    # One axis at a time: Pallas Triton lowers a reduction over two axes with the
-    # operand's rank in its sharding, which fails under a mesh (jax 0.11.2).
-    scale, inverse = ref.scale_and_inverse(ref.amax(ref.amax(w, axis=1), axis=0), fp8)
+    scale, inverse = ref.scale_and_inverse(_block_amax(w), fp8)
     values = ref.to_fp8(w, inverse, fp8)
     if transpose:
         plgpu.store(v_ref.at[gi, ns, ks], values.T, mask=mask.T)
@@ -216,9 +219,8 @@ def _weight_kernel_pairs(w_ref, v_ref, s_ref, *, k, n, fp8, transpose):
         return w.astype(jnp.float32), mask
 
     (even, mask), (odd, _) = load(0), load(1)  # the dimension is even: pairs share a mask
-    block_amax = lambda w: ref.amax(ref.amax(w, axis=1), axis=0)  # noqa: E731
     scale, inverse = ref.scale_and_inverse(
-        _amax_of_both(block_amax(even), block_amax(odd)), fp8)
+        _amax_of_both(_block_amax(even), _block_amax(odd)), fp8)
     even, odd = ref.to_fp8(even, inverse, fp8), ref.to_fp8(odd, inverse, fp8)
     if transpose:
         packed = _pack_pairs(even.T, odd.T)  # [n block, k pairs]
