@@ -1,0 +1,227 @@
+"""The gated delta rule's Pallas Triton kernels stage by stage, beside fla's stages, on one
+GPU, in one process: where the forward's and the backward's time goes.
+
+    OUT=folder PYTHONPATH=<the four package roots>:.peers python3 tools/sweeps/gated_delta_stages.py
+    python3 tools/sweeps/gated_delta_stages.py --smoke   # tiny shapes, interpreters, no fla
+
+Stages (bf16, chunk 64, no cu_seqlens): the XLA prologue (layout and the cumulative decay
+pair), prep (the WY solve: U, W), the state pass at each block_v, the output at each
+output_block_v, the whole forward, the reverse state pass, the chunk gradients at each
+grads_block_v and the whole forward+backward; each kernel also at other warp counts
+(`warps` in the records; "default" is the module's own; the first shape only). fla (when importable): its
+cumsum, intra-chunk (kkt + solve + w/u), state pass (fwd_h) and output (fwd_o), and its
+whole forward. Every time is the bench harness's queued method (calls back to back, one
+synchronisation per sample, median). JSON lines to $OUT/gated_delta_stages.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+
+os.environ.setdefault("PALLASITE_AUTOTUNE", "0")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.experimental.pallas import triton as plgpu  # noqa: E402
+
+from pallasite.bench import harness, peers  # noqa: E402
+from pallasite.kernels.gated_delta import packing  # noqa: E402
+from pallasite.kernels.gated_delta import pallas_triton as pt  # noqa: E402
+from pallasite.kernels.gated_delta import pallas_triton_bwd as ptb  # noqa: E402
+from pallasite.kernels.ssd import decay  # noqa: E402
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+SHAPES = {"qwen3_next": (1, 32768, 16, 32, 128, 128), "delta_b8_t4k": (8, 4096, 32, 32, 128, 128)}
+SMOKE = {"tiny": (1, 128, 2, 4, 16, 32)}
+WARPS = {"value": None}  # None: each kernel's own num_warps
+
+
+def _params(num_warps=4, num_stages=1):
+    return plgpu.CompilerParams(num_warps=WARPS["value"] or num_warps, num_stages=num_stages)
+
+
+pt._params = ptb._params = _params  # the sweep's warp override (None keeps the module's)
+
+
+def emit(rec):
+    print(json.dumps(rec), flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "gated_delta_stages.jsonl"), "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
+def ms(fn, *args, sync=harness.jax_sync, samples=10):
+    jax.block_until_ready(fn(*args)) if sync is harness.jax_sync else fn(*args)
+    t = harness.steady_state(lambda _: fn(*args), [None], sync, compile_s=0.0, warmup=2,
+                             samples=samples, budget_s=1.0)
+    return t.median_s * 1e3
+
+
+def inputs(b, t, hk, hv, dk, dv, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 6)
+    q = jax.random.normal(ks[0], (b, t, hk, dk), F32)
+    k = jax.random.normal(ks[1], (b, t, hk, dk), F32)
+    q = (q / jnp.linalg.norm(q, axis=-1, keepdims=True)).astype(BF16)
+    k = (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(BF16)
+    v = jax.random.normal(ks[2], (b, t, hv, dv), BF16)
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (b, t, hv), F32) - 2.0)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, hv), F32))
+    init = jax.random.normal(ks[5], (b, hv, dk, dv), F32) * 0.1
+    return q, k, v, g, beta, init
+
+
+def pallasite_stages(name, shape, interpret, sweep_warps):
+    b, t, hk, hv, dk, dv = shape
+    chunk = 64
+    q, k, v, g, beta, init = inputs(*shape)
+    scale = dk ** -0.5
+
+    @jax.jit
+    def prologue(q, k, v, g, beta):
+        (q, k, v, g, beta), padded, _, _, _ = packing.lay_out((q, k, v, g, beta), None, t,
+                                                              chunk)
+        nc = padded // chunk
+        split = lambda a: a.reshape(b, nc, chunk, *a.shape[2:])  # noqa: E731
+        q, k, v, g, beta = (split(a) for a in (q, k, v, g, beta))
+        hi, lo = decay.cumsum_pair(g, axis=2)
+        return q, k, v, hi, lo, beta
+
+    lq, lk, lv, hi, lo, lbeta = prologue(q, k, v, g, beta)
+    nc = lq.shape[1]
+    chunks = jnp.arange(nc, dtype=jnp.int32)[None, :]
+    rows = jnp.arange(b, dtype=jnp.int32)[:, None]
+    entering = jnp.where(chunks == 0, rows, -1)
+    leaving = jnp.where(chunks == nc - 1, rows, -1)
+    base = dict(op="gated_delta_rule", shape=name, impl="pallasite.pallas_triton")
+
+    def rec(stage, value, **kw):
+        emit(dict(base, stage=stage, ms=round(value, 4), **kw))
+
+    rec("prologue_xla", ms(prologue, q, k, v, g, beta))
+    for warps in (None, 2, 8) if sweep_warps else (None,):
+        WARPS["value"] = warps
+        tag = warps or "default"
+        prep = jax.jit(lambda lk, lv, hi, lo, lb: pt._prep(lk, lv, hi, lo, lb, hv, BF16, False,
+                                                            interpret))
+        big_u, w, _ = prep(lk, lv, hi, lo, lbeta)
+        rec("prep", ms(prep, lk, lv, hi, lo, lbeta), warps=tag)
+        for bv in (16, 32, 64):
+            if bv > dv:
+                continue
+            bs = pt.BlockSizes(block_v=bv)
+            state = jax.jit(functools.partial(pt._state_pass, bs=bs, l2norm=False,
+                                              interpret=interpret))
+            states, u, _ = state(w, big_u, lk, hi, lo, entering, leaving, init)
+            rec("state_pass", ms(state, w, big_u, lk, hi, lo, entering, leaving, init),
+                warps=tag, block_v=bv)
+        for bv in (32, 64, 128):
+            if bv > dv:
+                continue
+            bs = pt.BlockSizes(output_block_v=bv)
+            out = jax.jit(lambda *a, bs=bs: pt._output(*a, BF16, scale, bs, False, interpret))
+            rec("output", ms(out, lq, lk, hi, lo, states, u), warps=tag, output_block_v=bv)
+    WARPS["value"] = None
+
+    def fwd(q, k, v, g, beta, init):
+        return pt.forward(q, k, v, g, beta, scale=scale, initial_state=init, cu_seqlens=None,
+                          chunk_size=chunk, use_qk_l2norm_in_kernel=False, interpret=interpret)
+
+    rec("forward", ms(jax.jit(fwd), q, k, v, g, beta, init))
+    do = jax.random.normal(jax.random.key(9), v.shape, BF16)
+    dfinal = jax.random.normal(jax.random.key(10), init.shape, F32)
+
+    def loss(*args):
+        o, final = fwd(*args)
+        return jnp.vdot(o.astype(F32), do.astype(F32)) + jnp.vdot(final, dfinal)
+
+    rec("forward_backward", ms(jax.jit(jax.grad(loss, argnums=range(6))), q, k, v, g, beta,
+                               init))
+    saved = jax.jit(lambda *a: pt._kernels(*a, None, scale=scale, chunk_size=chunk,
+                                           l2norm=False, interpret=interpret, block_sizes=None,
+                                           residuals=True)[2])(q, k, v, g, beta, init)
+    ldo = do.reshape(lv.shape)
+    for warps in (None, 8) if sweep_warps else (None,):
+        WARPS["value"] = warps
+        tag = warps or "default"
+        for bv in (b for b in (16, 32, 64) if b <= dv):
+            rev = jax.jit(lambda *a, bv=bv: ptb._reverse_pass(*a, hv, scale, bv, interpret))
+            d_exit, du, _ = rev(lq, lk, saved["w"], hi, lo, ldo, entering, leaving, dfinal)
+            rec("reverse_pass", ms(rev, lq, lk, saved["w"], hi, lo, ldo, entering, leaving,
+                                   dfinal), warps=tag, block_v=bv)
+        for bv in (b for b in (32, 64, 128) if b <= dv):
+            grads = jax.jit(lambda *a, bv=bv: ptb._chunk_grads(*a, scale, bv, interpret))
+            args = (lq, lk, lv, hi, lo, lbeta, saved["inv"], saved["states"], saved["u"], du,
+                    ldo, d_exit)
+            rec("chunk_grads", ms(grads, *args), warps=tag, grads_block_v=bv)
+    WARPS["value"] = None
+
+
+def fla_stages(name, shape):
+    import torch
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_fwd_o
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    b, t, hk, hv, dk, dv = shape
+    dev = "cuda"
+    q = torch.nn.functional.normalize(torch.randn(b, t, hk, dk, device=dev), dim=-1).bfloat16()
+    k = torch.nn.functional.normalize(torch.randn(b, t, hk, dk, device=dev), dim=-1).bfloat16()
+    v = torch.randn(b, t, hv, dv, device=dev).bfloat16()
+    g = -torch.nn.functional.softplus(torch.randn(b, t, hv, device=dev) - 2.0)
+    beta = torch.sigmoid(torch.randn(b, t, hv, device=dev))
+    init = torch.randn(b, hv, dk, dv, device=dev) * 0.1
+    sync = lambda _: torch.cuda.synchronize()  # noqa: E731
+    base = dict(op="gated_delta_rule", shape=name, impl="fla.triton")
+
+    def rec(stage, fn):
+        fn()
+        torch.cuda.synchronize()
+        emit(dict(base, stage=stage, ms=round(ms(lambda: fn(), sync=sync), 4)))
+
+    with torch.no_grad():
+        gc = chunk_local_cumsum(g, chunk_size=64, scale=RCP_LN2)
+        rec("cumsum", lambda: chunk_local_cumsum(g, chunk_size=64, scale=RCP_LN2))
+        w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=gc, beta=beta, chunk_size=64)
+        rec("intra (kkt+solve+w/u)",
+            lambda: chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=gc, beta=beta, chunk_size=64))
+        h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=gc, initial_state=init,
+                                                   output_final_state=True, chunk_size=64)
+        rec("fwd_h (state pass)",
+            lambda: chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=gc, initial_state=init,
+                                                 output_final_state=True, chunk_size=64))
+        rec("fwd_o (output)", lambda: chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=gc,
+                                                  scale=dk ** -0.5, chunk_size=64))
+        rec("forward", lambda: chunk_gated_delta_rule(q, k, v, g, beta, initial_state=init,
+                                                      output_final_state=True))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args(argv)
+    shapes = SMOKE if args.smoke else SHAPES
+    for i, (name, shape) in enumerate(shapes.items()):
+        pallasite_stages(name, shape, interpret=args.smoke, sweep_warps=i == 0)
+        if not args.smoke:
+            why = peers.fla_missing()
+            if why is None:
+                try:
+                    fla_stages(name, shape)
+                except Exception as err:  # noqa: BLE001 - a peer's failure is reported
+                    emit(dict(op="gated_delta_rule", shape=name, impl="fla.triton",
+                              error=f"{type(err).__name__}: {err}"[:300]))
+                peers.release_torch_memory()
+            else:
+                emit(dict(op="gated_delta_rule", shape=name, impl="fla.triton", missing=why))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
