@@ -145,6 +145,26 @@ def test_the_default_on_a_cpu_is_xla_and_refusals_name_the_argument():
     assert "sm75" in predicates.device_reason(named=True, device=gpu)
 
 
+def test_the_default_on_a_gpu_from_sm80_is_the_kernels(monkeypatch):
+    """Where Triton runs (faked: the CPU taken for an sm80+ GPU) a call naming no
+    implementation traces the kernels; a problem they refuse (chunk 48) takes XLA."""
+    monkeypatch.setattr(predicates.platform, "triton_runs", lambda device=None: True)
+    a = _inputs(8, t=20)
+    text = str(jax.make_jaxpr(lambda **kw: chunk_gated_delta_rule(**kw))(**a))
+    assert "gated_delta_rule_prep" in text and "gated_delta_rule_output" in text
+    text = str(jax.make_jaxpr(lambda **kw: chunk_gated_delta_rule(**kw, chunk_size=48))(**a))
+    assert "pallas_call" not in text
+
+
+def test_block_v_follows_the_program_count():
+    """The state passes' default block: the widest that keeps about one program per SM."""
+    assert pallas_triton.default_block_v(1, 32, 128) == 32  # 4 x 32 = 128 programs
+    assert pallas_triton.default_block_v(8, 32, 128) == 64
+    assert pallas_triton.default_block_v(1, 4, 128) == 16
+    assert pallas_triton.default_block_v(1, 4, 16) == 16
+    assert pallas_triton._resolve({"block_v": 64}, 1, 4, 32).block_v == 32
+
+
 def test_the_kernels_run_on_local_heads_under_explicit_axes():
     """With the value heads (and their key heads) over 2 devices under Explicit axes, the
     sharding plan (layouts.py) runs the kernels on each device's heads: values and

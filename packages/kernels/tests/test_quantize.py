@@ -91,26 +91,6 @@ def test_weight_blocks_match_the_xla_form(transpose):
         _same(got, want)
 
 
-@pytest.mark.parametrize("transpose", [False, True])
-def test_weight_blocks_in_uint16_pairs_are_the_same_bytes(transpose):
-    """The layout taken where the values pass 2**31 elements (offsets_fit), forced on a
-    small stack: partial blocks on both axes, a NaN, an infinity, an all-zero block."""
-    w = jax.random.normal(jax.random.key(3), (3, 200, 300)).astype(jnp.bfloat16)
-    w = w.at[1, 5, 141].set(jnp.nan).at[2, 130, 7].set(-jnp.inf).at[0, :128, :128].set(0.0)
-    got = pallas_triton.weight_blocks(w, F8, transpose=transpose, interpret=True, pairs=True)
-    want = xla.weight_blocks(w, F8, transpose=transpose)
-    for a, b in zip(got, want):
-        assert a.shape == b.shape and a.dtype == b.dtype
-        _same(a, b)
-
-
-def test_weight_blocks_with_an_odd_last_axis_take_the_xla_form_for_pairs():
-    w = jax.random.normal(jax.random.key(4), (2, 130, 99)).astype(jnp.bfloat16)
-    got = pallas_triton.weight_blocks(w, F8, transpose=False, interpret=True, pairs=True)
-    for a, b in zip(got, xla.weight_blocks(w, F8, transpose=False)):
-        _same(a, b)
-
-
 def test_offsets_fit_only_where_32_bits_cover_every_element():
     fits = pallas_triton.offsets_fit
     assert fits((256, 7168, 2048), jnp.bfloat16)  # 7.5 GB: 64-bit offsets
@@ -121,8 +101,8 @@ def test_offsets_fit_only_where_32_bits_cover_every_element():
 
 
 def test_oversized_fp8_values_never_reach_a_pallas_triton_store(monkeypatch):
-    """At DeepSeek-V3's weight size the quantizers choose the pair layout (weights) or
-    the XLA forms (rows, token blocks), traced abstractly: nothing is allocated."""
+    """At DeepSeek-V3's weight size (and for activations past 2**31 fp8 values) every
+    quantizer takes its XLA form, traced abstractly: nothing is allocated."""
     s = jax.ShapeDtypeStruct
     seen = []
     real = pallas_triton.pl.pallas_call
@@ -137,13 +117,16 @@ def test_oversized_fp8_values_never_reach_a_pallas_triton_store(monkeypatch):
                              s((256, 7168, 2048), jnp.bfloat16))
         assert out[0].dtype == F8
         assert out[0].shape == ((256, 2048, 7168) if transpose else (256, 7168, 2048))
-    assert seen == ["quantize_weight_blocks_pairs"] * 2
+    assert seen == []
     big = s((2**20 + 1, 2**11), jnp.bfloat16)  # over 2**31 fp8 values
     jax.eval_shape(lambda x: pallas_triton.rows(x, F8), big)
     jax.eval_shape(lambda x: pallas_triton.token_blocks(
         x, jnp.zeros((2**13,), jnp.int32), jnp.ones((2**13,), jnp.int32), F8,
         transpose=False), big)
-    assert seen == ["quantize_weight_blocks_pairs"] * 2  # rows, token blocks: XLA forms
+    assert seen == []
+    small = s((8, 512, 1024), jnp.bfloat16)  # the kernels still take what fits
+    jax.eval_shape(lambda w: pallas_triton.weight_blocks(w, F8, transpose=True), small)
+    assert seen == ["quantize_weight_blocks"]
 
 
 @pytest.mark.parametrize("block", [(1, 128), (128, 1), (1, 128, 128), (2, 64)])
@@ -200,7 +183,7 @@ def _h200():
         (1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda")))
 
 
-@pytest.mark.parametrize("kind", ["rows", "token_blocks", "weight_blocks", "weight_pairs"])
+@pytest.mark.parametrize("kind", ["rows", "token_blocks", "weight_blocks"])
 def test_quantizers_lower_for_cuda_from_cpu(kind):
     s = jax.ShapeDtypeStruct
     if kind == "rows":
@@ -209,8 +192,7 @@ def test_quantizers_lower_for_cuda_from_cpu(kind):
         f = lambda a, st, r: pallas_triton.token_blocks(a, st, r, F8)  # noqa: E731
         args = (s((4096, 512), jnp.bfloat16), s((40,), jnp.int32), s((40,), jnp.int32))
     else:
-        f = lambda w: pallas_triton.weight_blocks(  # noqa: E731
-            w, F8, transpose=True, pairs=kind == "weight_pairs")
+        f = lambda w: pallas_triton.weight_blocks(w, F8, transpose=True)  # noqa: E731
         args = (s((8, 512, 1024), jnp.bfloat16),)
     with _h200():
         text = export.export(
@@ -245,8 +227,9 @@ def test_compiled_quantizers_match_the_xla_forms(m, c):
 @pytest.mark.gpu
 @pytest.mark.parametrize("transpose", [False, True])
 def test_compiled_weight_blocks_past_2_31_fp8_values(transpose):
-    """256 x 7168 x 2048 (DeepSeek-V3's experts): the uint16-pair layout on the device,
-    groups before and after the 32-bit wrap (147 on) against the XLA form."""
+    """256 x 7168 x 2048 (DeepSeek-V3's experts, past 32-bit offsets: the XLA form) on
+    the device, groups before and after where the offsets would wrap (147 on), against
+    the XLA form of each group alone."""
     w = jax.random.normal(jax.random.key(6), (256, 7168, 2048), jnp.bfloat16)
     values, scales = jax.jit(lambda a: pallas_triton.weight_blocks(a, F8, transpose=transpose))(w)
     assert values.dtype == F8

@@ -60,17 +60,28 @@ BLOCK_SIZE_KEYS = ("block_v", "output_block_v", "grads_block_v")
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """block_v: value columns per state-pass program (more programs walk the chunks side
-    by side; the pass is a sequential loop of small dots, latency-bound). output_block_v:
-    value columns per output program (Q K^T is formed once per program, so wide blocks
-    form it fewer times). grads_block_v: value columns per program of the backward's
-    chunk-gradient kernel (its dq, dk, dbeta and dg are sums over the blocks; narrower
-    blocks hold fewer registers, wider ones recompute Q K^T, K K^T and W fewer times).
-    All powers of two from 16, cut to V; the backward's reverse state pass takes
-    block_v."""
+    by side; the pass is a sequential loop of small dots, latency-bound); None picks the
+    widest of 64, 32, 16 that still gives STATE_PROGRAMS programs. output_block_v: value
+    columns per output program (Q K^T is formed once per program, so wide blocks form it
+    fewer times). grads_block_v: value columns per program of the backward's
+    chunk-gradient kernel (its dq, dk, dbeta and dg are sums over the blocks; wider
+    blocks recompute Q K^T, K K^T and W fewer times). All powers of two from 16, cut to
+    V; the backward's reverse state pass takes block_v.
 
-    block_v: int = 32
-    output_block_v: int = 64
-    grads_block_v: int = 64
+    The defaults are the H200's best of a sweep (tools/sweeps/gated_delta_stages.py,
+    2026-12-03, bf16, K = V = 128, docs/performance.md): at (B 1, T 32768, Hv 32) the
+    state pass took 1.43 / 1.34 / 1.73 ms at block_v 16 / 32 / 64 and at (B 8, T 4096,
+    Hv 32) 1.37 / 0.91 / 0.69; the output 1.06 / 0.77 / 0.52 ms at output_block_v 32 /
+    64 / 128; the chunk gradients 38.8 / 26.0 / 17.5 ms at grads_block_v 32 / 64 /
+    128."""
+
+    block_v: int | None = None
+    output_block_v: int = 128
+    grads_block_v: int = 128
+
+
+# The state passes' programs wanted before block_v narrows: about one per SM of an H200.
+STATE_PROGRAMS = 128
 
 
 def block_sizes_reason(block_sizes) -> str | None:
@@ -102,9 +113,19 @@ def geometry_reason(dk: int, dv: int, chunk_size: int, dtypes) -> str | None:
     return None
 
 
-def _resolve(block_sizes, dv: int) -> BlockSizes:
+def default_block_v(batch: int, hv: int, dv: int) -> int:
+    """The widest state-pass block (64, 32 or 16 columns) that gives the state passes
+    STATE_PROGRAMS programs, else 16."""
+    for bv in (64, 32):
+        if -(-dv // bv) * hv * batch >= STATE_PROGRAMS:
+            return min(bv, dv)
+    return min(16, dv)
+
+
+def _resolve(block_sizes, batch: int, hv: int, dv: int) -> BlockSizes:
     bs = BlockSizes(**(block_sizes or {}))
-    return BlockSizes(block_v=min(bs.block_v, dv), output_block_v=min(bs.output_block_v, dv),
+    block_v = default_block_v(batch, hv, dv) if bs.block_v is None else bs.block_v
+    return BlockSizes(block_v=min(block_v, dv), output_block_v=min(bs.output_block_v, dv),
                       grads_block_v=min(bs.grads_block_v, dv))
 
 
@@ -284,7 +305,9 @@ def _prep(k, v, hi, lo, beta, hv, cd, l2norm, interpret, store_inverse=False):
         functools.partial(_prep_body, nb=nb), cost.struct((z, chunk, dk), F32),
         cost.struct((z, chunk, dv), F32), row, row, row,
         inputs=(k, v, hi, lo, beta), outputs=shapes)
-    wide = max(dk, dv) > 128
+    # Two warps for K, V <= 128: 1.63 against 1.90 ms at four and 3.42 at eight (H200,
+    # B 1, T 32768, Hv 32, 2026-12-03).
+    warps = 8 if max(dk, dv) > 128 else 2
     w, big_u, *inv = pl.pallas_call(
         functools.partial(_prep_kernel, l2norm=l2norm),
         out_shape=shapes,
@@ -296,7 +319,7 @@ def _prep(k, v, hi, lo, beta, hv, cd, l2norm, interpret, store_inverse=False):
             gate, gate, gate,
         ],
         out_specs=out_specs,
-        compiler_params=_params(num_warps=8 if wide else 4),
+        compiler_params=_params(num_warps=warps),
         interpret=interpret,
         cost_estimate=estimate,
         name="gated_delta_rule_prep",
@@ -487,7 +510,7 @@ def _kernels(q, k, v, g, beta, init, cu_seqlens, *, scale, chunk_size, l2norm, i
     split = lambda t: t.reshape(b, nc, chunk_size, *t.shape[2:])  # noqa: E731
     q, k, v, g, beta = (split(t) for t in (q, k, v, g, beta))
     hi, lo = decay.cumsum_pair(g, axis=2)
-    bs = _resolve(block_sizes, dv)
+    bs = _resolve(block_sizes, b, hv, dv)
     big_u, w, inv = _prep(k, v, hi, lo, beta, hv, cd, l2norm, interpret,
                           store_inverse=residuals)
     states, u, finals = _state_pass(w, big_u, k, hi, lo, entering, leaving,
@@ -535,7 +558,7 @@ def _chunked_bwd(config, residuals, cotangents):
 
     saved, dtypes = residuals
     do, dfinal = cotangents
-    bs = _resolve(dict(config.block_sizes), do.shape[3])
+    bs = _resolve(dict(config.block_sizes), do.shape[0], do.shape[2], do.shape[3])
     dq, dk, dv, dg, dbeta, dinit = pallas_triton_bwd.backward(
         saved, do, dfinal, scale=config.scale, length=do.shape[1], l2norm=config.l2norm,
         block_v=bs.block_v, grads_block_v=bs.grads_block_v, interpret=config.interpret)

@@ -16,10 +16,10 @@ layouts, one pass over the input each.
 Pallas Triton (jax 0.11.2) addresses an array with 32-bit signed offsets unless the array
 holds more than 2**32 bytes. A 1-byte array of more than 2**31 elements and at most 2**32
 (2-4 GiB of fp8: DeepSeek-V3's 256 experts of 7168 x 2048 on one device) therefore
-overflows them, and stores land before the array. `offsets_fit` says when that happens. weight_blocks then
-writes each pair of neighbouring values as one uint16 (half the elements, the same bytes)
-and hands back the fp8 view of those bytes; rows and token_blocks, which reach that size
-only for activations of 2 GiB and more, take the XLA forms there.
+overflows them, and stores land before the array. `offsets_fit` says when that happens;
+every quantizer takes its XLA form there. (A weight kernel that stored uint16 pairs of fp8
+values, the same bytes in half the elements, ran at 1.36 TB/s on those DeepSeek-V3
+weights, against 1.93 for the XLA form, on an H200 on 2026-12-03: docs/performance.md.)
 
 The scale and rounding are the oracle's functions (pallasite.reference.quantization),
 traced into the kernel body, so both compute the same expressions. Loads and stores are
@@ -185,83 +185,24 @@ def _weight_kernel(w_ref, v_ref, s_ref, *, k, n, fp8, transpose):
         plgpu.store(s_ref.at[gi, kb, nb], scale)
 
 
-def _pack_pairs(even, odd):
-    """Two fp8 tensors as one uint16 tensor, `even` in the low byte: the little-endian
-    bytes of [e0, o0, e1, o1, ...]."""
-    lo = jax.lax.bitcast_convert_type(even, jnp.uint8).astype(jnp.uint16)
-    hi = jax.lax.bitcast_convert_type(odd, jnp.uint8).astype(jnp.uint16)
-    return lo | (hi << 8)
-
-
-def _amax_of_both(a, b):
-    """The larger of two blocks' amax, NaN where either is (a GPU max drops NaN)."""
-    return jnp.where((a != a) | (b != b), jnp.nan, jnp.maximum(a, b))
-
-
-def _weight_kernel_pairs(w_ref, v_ref, s_ref, *, k, n, fp8, transpose):
-    """_weight_kernel with the values stored as uint16 pairs of neighbours along the
-    output's last axis (k with `transpose`, else n): two loads through index arrays, the
-    even and the odd members (the interpreter takes no strided slices)."""
-    gi, kb, nb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    half = BLOCK // 2
-    pair = 2 * jnp.arange(half, dtype=jnp.int32)
-    block = jnp.arange(BLOCK, dtype=jnp.int32)
-
-    def load(first):
-        if transpose:  # [k pairs, n block]
-            rows = (kb * BLOCK + first + pair)[:, None] + jnp.zeros((1, BLOCK), jnp.int32)
-            cols = (nb * BLOCK + block)[None, :] + jnp.zeros((half, 1), jnp.int32)
-        else:  # [k block, n pairs]
-            rows = (kb * BLOCK + block)[:, None] + jnp.zeros((1, half), jnp.int32)
-            cols = (nb * BLOCK + first + pair)[None, :] + jnp.zeros((BLOCK, 1), jnp.int32)
-        mask = (rows < k) & (cols < n)
-        w = plgpu.load(w_ref.at[gi, rows, cols], mask=mask, other=0.0)
-        return w.astype(jnp.float32), mask
-
-    (even, mask), (odd, _) = load(0), load(1)  # the dimension is even: pairs share a mask
-    scale, inverse = ref.scale_and_inverse(
-        _amax_of_both(_block_amax(even), _block_amax(odd)), fp8)
-    even, odd = ref.to_fp8(even, inverse, fp8), ref.to_fp8(odd, inverse, fp8)
-    if transpose:
-        packed = _pack_pairs(even.T, odd.T)  # [n block, k pairs]
-        plgpu.store(v_ref.at[gi, pl.ds(nb * BLOCK, BLOCK), pl.ds(kb * half, half)], packed,
-                    mask=mask.T)
-        plgpu.store(s_ref.at[gi, nb, kb], scale)
-    else:
-        packed = _pack_pairs(even, odd)  # [k block, n pairs]
-        plgpu.store(v_ref.at[gi, pl.ds(kb * BLOCK, BLOCK), pl.ds(nb * half, half)], packed,
-                    mask=mask)
-        plgpu.store(s_ref.at[gi, kb, nb], scale)
-
-
-def weight_blocks(w: jax.Array, dtype, *, transpose: bool, interpret: bool = False,
-                  pairs: bool | None = None) -> tuple[jax.Array, jax.Array]:
+def weight_blocks(w: jax.Array, dtype, *, transpose: bool,
+                  interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """w [g, k, n] -> (values [g, k, n], scales [g, kb, nb]), or with `transpose`
-    ([g, n, k], [g, nb, kb]). pairs: store the values as uint16 pairs (None: where the
-    values' offsets would not fit 32 bits; module docstring)."""
+    ([g, n, k], [g, nb, kb]). The XLA form where 32-bit offsets would not reach every
+    value (module docstring)."""
     g, k, n = w.shape
     kb, nb = _cdiv(k, BLOCK), _cdiv(n, BLOCK)
     shape, scales = ((g, n, k), (g, nb, kb)) if transpose else ((g, k, n), (g, kb, nb))
-    if pairs is None:
-        pairs = not offsets_fit(shape, dtype)
-    if pairs and shape[-1] % 2:  # no whole pairs along the last axis
+    if not (offsets_fit(shape, dtype) and offsets_fit(w.shape, w.dtype)):
         return xla.weight_blocks(w, dtype, transpose=transpose)
-    if not offsets_fit(w.shape, w.dtype):
-        return xla.weight_blocks(w, dtype, transpose=transpose)
-    stored = (shape[:2] + (shape[2] // 2,), jnp.uint16) if pairs else (shape, dtype)
-    out = (sharding.out_struct(*stored, like=w),
+    out = (sharding.out_struct(shape, dtype, like=w),
            sharding.out_struct(scales, jnp.float32, like=w))
-    body = _weight_kernel_pairs if pairs else _weight_kernel
-    values, scale = pl.pallas_call(
-        functools.partial(body, k=k, n=n, fp8=dtype, transpose=transpose),
+    return pl.pallas_call(
+        functools.partial(_weight_kernel, k=k, n=n, fp8=dtype, transpose=transpose),
         out_shape=out,
         grid=(g, kb, nb),
         compiler_params=_params(),
         interpret=interpret,
         cost_estimate=_cost(w, out, dtype),
-        name="quantize_weight_blocks_pairs" if pairs else "quantize_weight_blocks",
+        name="quantize_weight_blocks",
     )(w)
-    if pairs:  # [..., pairs] uint16 -> [..., pairs, 2] bytes -> fp8, the same memory
-        values = jax.lax.bitcast_convert_type(values, jnp.uint8)
-        values = jax.lax.bitcast_convert_type(values, dtype).reshape(shape)
-    return values, scale
