@@ -119,3 +119,93 @@ def test_the_step_by_step_form_under_explicit_axes(split):
     with jax.set_mesh(mesh):
         got = _grads(loss, _placed(args, mesh, split))
     _assert_close(got, _grads(loss, args))
+
+
+# --------------------------------------------------------- the sequence over devices
+
+TS = 96  # 8 parts of 12 steps: fewer chunks (of 32) than devices, each part padded
+
+
+def _sequence_inputs(seed):
+    args = _inputs(seed)
+    return tuple(t[:, :TS] for t in args[:5]) + (args[5],)
+
+
+def _time_split(args, mesh):
+    q, k, v, g, beta, s0 = args
+    return tuple(st.put(t, mesh, None, "x") for t in (q, k, v, g, beta)) + (st.put(s0, mesh),)
+
+
+def test_the_sequence_split_under_explicit_axes():
+    """T over 8 devices under jit: each device runs its 12 steps, the entering states
+    come from one exchange of state-sized arrays (context_parallel.py), and values and
+    all six gradients equal the unsharded call's. No array with a time axis moves."""
+    args = _sequence_inputs(seed=4)
+    mesh = st.mesh((8,), ("x",), st.EXPLICIT)
+    placed = _time_split(args, mesh)
+    with jax.set_mesh(mesh):
+        got = _grads(_loss, placed)
+        found = st.compiled_collectives(jax.grad(_loss, argnums=tuple(range(6))), *placed)
+    _assert_close(got, _grads(_loss, args))
+    moved = [s for shapes in found.values() for s in st.big(shapes)]
+    assert moved, "expected the entering-state exchange"
+    assert all(int(np.prod(s)) <= 8 * B * HV * K * max(K, V) for s in moved), found
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_triton"])
+def test_the_sequence_split_inside_a_callers_shard_map(implementation):
+    """The caller's shard_map splits T over 4 devices and names the axis as
+    sequence_axes: values and gradients equal the unsharded call's (pallas_triton
+    through its interpreter, which runs without check_vma), and the final state is the
+    whole sequence's on every device."""
+    args = _sequence_inputs(seed=5)
+    args = tuple(t[:2] for t in args)  # two rows keep the interpreter quick
+    mesh = st.mesh((4,), ("x",), st.AUTO, devices=jax.devices()[:4])
+    kw = dict(output_final_state=True, chunk_size=16, implementation=implementation)
+
+    def loss_of(o, final):
+        weights = jnp.cos(jnp.arange(o.size, dtype=jnp.float32)).reshape(o.shape)
+        return jnp.sum(o * weights) + jnp.sum(final ** 2)
+
+    def local(*a):
+        return chunk_gated_delta_rule(*a[:5], initial_state=a[5], sequence_axes="x", **kw)
+
+    t_spec = P(None, "x")
+    split = jax.shard_map(local, mesh=mesh, in_specs=(t_spec,) * 5 + (P(),),
+                          out_specs=(t_spec, P()), check_vma=implementation == "xla")
+    whole = lambda *a: chunk_gated_delta_rule(*a[:5], initial_state=a[5], **kw)  # noqa: E731
+    _assert_close(jax.jit(split)(*args), whole(*args))
+    got = _grads(lambda *a: loss_of(*split(*a)), args)
+    _assert_close(got, _grads(lambda *a: loss_of(*whole(*a)), args))
+
+
+def test_the_sequence_split_refuses_packed_sequences_by_name():
+    args = _sequence_inputs(seed=6)
+    args = tuple(t[:1] for t in args[:5]) + (args[5][:2],)
+    mesh = st.mesh((2,), ("x",), st.AUTO, devices=jax.devices()[:2])
+    cu = jnp.asarray([0, 40, TS // 2], jnp.int32)
+
+    def local(*a):
+        return chunk_gated_delta_rule(*a[:5], initial_state=a[5], cu_seqlens=cu,
+                                      sequence_axes="x")
+
+    with pytest.raises(NotImplementedError, match="cu_seqlens"):
+        jax.shard_map(local, mesh=mesh, in_specs=(P(None, "x"),) * 5 + (P(),),
+                      out_specs=(P(None, "x"), P()))(*args)
+    with pytest.raises(ValueError, match="sequence_axes='y'"):
+        jax.shard_map(lambda *a: chunk_gated_delta_rule(*a[:5], sequence_axes="y"),
+                      mesh=mesh, in_specs=(P(None, "x"),) * 5,
+                      out_specs=(P(None, "x"), P()))(*args[:5])
+
+
+def test_packed_sequences_with_time_split_are_taken_whole():
+    """cu_seqlens with T laid out over devices under jit: the planner keeps no time axis
+    (the packed row is gathered), and the values equal the unsharded call's."""
+    args = _sequence_inputs(seed=7)
+    args = tuple(t[:1] for t in args[:5]) + (args[5][:3],)
+    cu = jnp.asarray([0, 30, 31, TS], jnp.int32)
+    mesh = st.mesh((8,), ("x",), st.EXPLICIT)
+    loss = functools.partial(_loss, cu_seqlens=cu)
+    with jax.set_mesh(mesh):
+        got = _grads(loss, _time_split(args, mesh))
+    _assert_close(got, _grads(loss, args))

@@ -115,6 +115,21 @@ def fits(axes: Axes, dim: int, axis_sizes: Mapping[str, int]) -> Axes:
     return axes if axes and dim % size(axes, axis_sizes) == 0 else ()
 
 
+def sequence_axes_in_context(sequence_axes) -> tuple[str, ...]:
+    """An op's `sequence_axes` argument as a tuple of manual mesh axes of the shard_map
+    in context (the axes a caller's shard_map splits the sequence over); () for None."""
+    if sequence_axes is None:
+        return ()
+    axes = (sequence_axes,) if isinstance(sequence_axes, str) else tuple(sequence_axes)
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    missing = [a for a in axes if not isinstance(a, str) or a not in manual]
+    if not axes or missing:
+        raise ValueError(f"sequence_axes={sequence_axes!r}: name the manual axes of the "
+                         f"shard_map in context that split the sequence (manual here: "
+                         f"{tuple(manual)})")
+    return axes
+
+
 def shard_index(axes: Axes):
     """This shard's index along a dimension split over `axes` (0 when unsplit)."""
     return jax.lax.axis_index(axes) if axes else jnp.int32(0)

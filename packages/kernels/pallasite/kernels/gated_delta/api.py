@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Integer
 
 from pallasite.kernels import decoding, platform, sharding
-from pallasite.kernels.gated_delta import layouts, predicates, xla
+from pallasite.kernels.gated_delta import context_parallel, layouts, predicates, xla
 from pallasite.reference import gated_delta_rule as ref
 from pallasite.reference import slots
 
@@ -83,6 +83,7 @@ def chunk_gated_delta_rule(
     chunk_size: int = 64,
     implementation: str | Sequence[str] | None = None,
     block_sizes=None,
+    sequence_axes: str | Sequence[str] | None = None,
 ):
     """(o [B, T, Hv, V] in v's dtype, final_state [N, Hv, K, V] fp32 or None).
 
@@ -98,7 +99,22 @@ def chunk_gated_delta_rule(
     (DEFAULT_ORDER: pallas_triton where it serves, else xla). block_sizes: None or a dict for pallas_triton
     ({"block_v": ..., "output_block_v": ..., "grads_block_v": ...}: value columns per
     program of the state passes, the output and the chunk gradients); xla ignores it.
+
+    The sequence split over devices (context parallelism, context_parallel.py): under
+    jit with Explicit axes, T laid out over mesh axes (not the batch's or heads') that
+    divide it stays split, the devices passing only state-sized arrays; inside a
+    shard_map, name the manual axes the local arrays' T is split over, in order, as
+    `sequence_axes` (each part may have any length; the final state and the initial
+    state's gradient are the whole sequence's on every device). Packed sequences
+    (cu_seqlens) are not split: under jit they are taken whole; with sequence_axes they
+    raise NotImplementedError.
     """
+    sequence_axes = sharding.sequence_axes_in_context(sequence_axes)
+    if sequence_axes and cu_seqlens is not None:
+        raise NotImplementedError(
+            f"chunk_gated_delta_rule: sequence_axes={sequence_axes} with cu_seqlens (packed "
+            "sequences split over devices) is not supported; pass the whole packed row to "
+            "each device, or split unpacked rows")
     scale, init = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size,
                            block_sizes)
     name, interpret = _chunked_backend(implementation, q, k, v, g, beta, chunk_size,
@@ -111,20 +127,38 @@ def chunk_gated_delta_rule(
         form = functools.partial(pallas_triton.forward, chunk_size=chunk_size,
                                  interpret=interpret, block_sizes=block_sizes)
     return _run(form, q, k, v, g, beta, scale, init, cu_seqlens, use_qk_l2norm_in_kernel,
-                output_final_state)
+                output_final_state, sequence_axes=sequence_axes,
+                split_sequence=not sequence_axes)
 
 
-def _run(form, q, k, v, g, beta, scale, init, cu_seqlens, l2norm_qk, output_final_state):
+def _run(form, q, k, v, g, beta, scale, init, cu_seqlens, l2norm_qk, output_final_state,
+         sequence_axes=(), split_sequence=False):
     """form(q, k, v, g, beta, scale=, initial_state=, cu_seqlens=,
     use_qk_l2norm_in_kernel=) -> (o, final) on the local rows and heads (layouts.py:
-    a shard_map under Explicit axes; XLA's partitioner elsewhere). The public result."""
+    a shard_map under Explicit axes; XLA's partitioner elsewhere). The public result.
+    sequence_axes: a caller's shard_map splits T over these (context_parallel.split);
+    split_sequence: the form may run on a part of T under Explicit axes, where T's
+    layout allows."""
 
-    def forward(q, k, v, g, beta, init, *cu):
-        return form(q, k, v, g, beta, scale=scale, initial_state=init,
-                    cu_seqlens=cu[0] if cu else None, use_qk_l2norm_in_kernel=l2norm_qk)
+    def forward_over(axes):
+        axes = axes or sequence_axes
+        part = context_parallel.split(form, axes) if axes else form
+
+        def forward(q, k, v, g, beta, init, *cu):
+            if not axes:
+                # Inside a shard_map with check_vma, an initial state replicated beside
+                # split rows takes their varying type (the scans' carries need one). A
+                # split sequence keeps it as given: its final state is then the same
+                # on every part.
+                q, k, v, g, beta, init = sharding.vary_together((q, k, v, g, beta, init))
+            return part(q, k, v, g, beta, scale=scale, initial_state=init,
+                        cu_seqlens=cu[0] if cu else None, use_qk_l2norm_in_kernel=l2norm_qk)
+
+        return forward
 
     args = (q, k, v, g, beta, init) + (() if cu_seqlens is None else (cu_seqlens,))
-    plan = layouts.planner(forward, q.shape, v.shape, cu_seqlens is not None)
+    plan = layouts.planner(forward_over, q.shape, v.shape, cu_seqlens is not None,
+                           split_sequence=split_sequence)
     o, final = sharding.run_explicit(plan, args)
     return o, (final.astype(jnp.float32) if output_final_state else None)
 

@@ -100,7 +100,7 @@ def mamba_chunk_scan(
                                   dt_limit=dt_limit, initial_states=initial_states,
                                   seq_idx=seq_idx, cu_seqlens=cu_seqlens,
                                   return_varlen_states=return_varlen_states)
-    sequence_axes = ssd_api._check_sequence_axes(sequence_axes)
+    sequence_axes = sharding.sequence_axes_in_context(sequence_axes)
     if return_varlen_states and sequence_axes:
         raise NotImplementedError(
             "mamba_chunk_scan: return_varlen_states with sequence_axes (cu_seqlens are "

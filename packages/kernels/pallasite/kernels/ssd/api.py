@@ -254,20 +254,6 @@ def _unchunked(y, x, split: bool = False):
     return sharding.layout_like(y[:, :x.shape[1]], jax.typeof(x).sharding)
 
 
-def _check_sequence_axes(sequence_axes) -> tuple[str, ...]:
-    """sequence_axes as a tuple of manual mesh axes of the shard_map in context."""
-    if sequence_axes is None:
-        return ()
-    axes = (sequence_axes,) if isinstance(sequence_axes, str) else tuple(sequence_axes)
-    manual = jax.sharding.get_abstract_mesh().manual_axes
-    missing = [a for a in axes if not isinstance(a, str) or a not in manual]
-    if not axes or missing:
-        raise ValueError(f"sequence_axes={sequence_axes!r}: name the manual axes of the "
-                         f"shard_map in context that split the sequence (manual here: "
-                         f"{tuple(manual)})")
-    return axes
-
-
 def _sequence_stays_split(x, nc: int, whole_chunks: bool) -> bool:
     """Whether x's sequence split (if any) can stay split through the chunked scan: the
     length a whole number of chunks and the chunk count divisible by the shards. Explicit
@@ -337,7 +323,7 @@ def chunk_ssd(
     if block_sizes is not None:
         _blocks_owner(block_sizes)  # a wrong type fails here, before any kernel
     check_sequence(x, a, b, c, initial_state, chunk_size)
-    sequence_axes = _check_sequence_axes(sequence_axes)
+    sequence_axes = sharding.sequence_axes_in_context(sequence_axes)
     bsz, length, h, p = x.shape
     g, n = b.shape[-2:]
     if initial_state is None:

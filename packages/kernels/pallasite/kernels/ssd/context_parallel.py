@@ -79,10 +79,10 @@ def _gathered(state, total, axes):
     all_gather's is not on JAX 0.11.2), so the whole sequence's final state and the
     initial state's cotangent are too."""
     me = jax.lax.axis_index(axes)
-    return _rows(state, axes), _rows(total, axes), me
+    return parts_in_order(state, axes), parts_in_order(total, axes), me
 
 
-def _rows(t, axes):
+def parts_in_order(t, axes):
     """[shards, *t.shape]: every part's t in sequence order, the same on every part."""
     me = jax.lax.axis_index(axes)
     shards = jax.lax.psum(1, axes)
@@ -92,7 +92,7 @@ def _rows(t, axes):
 def previous_part(t, first, axes):
     """The previous part's t (for the sequence's first part: `first`), e.g. the last
     step's value of an array split along the sequence."""
-    rows = _rows(t, axes)
+    rows = parts_in_order(t, axes)
     me = jax.lax.axis_index(axes)
     return jnp.where(me == 0, first, rows[jnp.maximum(me - 1, 0)])
 
