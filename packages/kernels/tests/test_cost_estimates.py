@@ -1,7 +1,8 @@
-"""Every pallas_call's cost estimate (27 calls: the grouped gmm and tgmm of three backends,
+"""Every pallas_call's cost estimate (29 calls: the grouped gmm and tgmm of three backends,
 the fp8 gmm and tgmm of two, the three fp8 quantizers, five SSD Triton kernels, the SSD
 Mosaic TPU forward and backward, the two decode steps, the chunked gated delta rule's
-three forward and two backward Triton kernels) against a hand count.
+three forward and two backward Triton kernels and its Mosaic TPU forward and backward)
+against a hand count.
 
 The estimates come from pl.estimate_cost on each call's body-equivalent function and the
 bytes of the call's operands and results (pallasite.kernels.cost). The hand counts below
@@ -428,3 +429,39 @@ def test_chunked_gated_delta_rule_triton_backward():
                   values, du, values, d_exit, ((blocks, b, nc, c, hv, k), F32),
                   ((blocks, b, nc, c, hv, k), F32), ((b, nc, c, hv, v), F32),
                   ((blocks, b, nc, c, hv), F32), ((blocks, b, nc, c, hv), F32)))
+
+
+def test_chunked_gated_delta_rule_mosaic_tpu():
+    """Per (row, chunk, value head), C = 64, the chunk terms formed in XLA:
+    forward: u = U - W S (a dot and a subtraction), o = scale (exp(G) Q S + (D * Q K^T)
+    u) (two dots, an add and the scale), S' = exp(G_last) S + (Kd)^T u (a dot, a product
+    and an add); backward: u again, du = scale P^T do + Kd dS' (two dots, the scale and
+    an add), dS = exp(G_last) dS' + scale (exp(G) Q)^T do - W^T du (two dots, a product,
+    the scale, a subtraction and an add), dW = -du S^T, d(exp(G) Q) = scale do S^T,
+    dP = scale do u^T, dKd = u dS'^T (four dots, a negation and two scales) and
+    d exp(G_last) = <S, dS'> (a product per element; the sum is not counted). No exps.
+    Bytes: operands and results once (the tables, the terms, the initial or final-state
+    cotangents aliased to the outputs, read and written)."""
+    from pallasite.kernels.gated_delta import pallas_mosaic_tpu as delta_tpu
+
+    b, nc, c, hk, hv, k, v, n = 1, 2, 64, 1, 2, 32, 64, 1
+    z, t = b * nc * hv, nc * c
+    x, y, gate = S((b, t, hk, k), BF16), S((b, t, hv, v), BF16), S((b, t, hv), F32)
+
+    def grads(*a):
+        out, pull = jax.vjp(lambda *p: delta_tpu.forward(
+            *p[:5], scale=0.1, initial_state=p[5], cu_seqlens=None, chunk_size=c,
+            use_qk_l2norm_in_kernel=False), *a)
+        return pull(out)
+
+    calls = _calls(grads, x, x, y, gate, gate, S((n, hv, k, v), F32))
+    (fwd,), (bwd,) = (calls[f"gated_delta_rule_{d}_mosaic_tpu"] for d in ("forward", "backward"))
+    tables = ((b, nc), I32)
+    terms = [((b, nc, hv, c, v), F32), ((b, nc, hv, c, k), F32), ((b, nc, hv, c, k), F32),
+             ((b, nc, hv, c, c), F32), ((b, nc, hv, 1, 1), F32), ((b, nc, hv, c, k), F32)]
+    state, states = ((n, hv, k, v), F32), ((b, nc, hv, k, v), F32)
+    rows_v = ((b, nc, hv, c, v), BF16)
+    _check(fwd, z * (6 * c * k * v + 2 * c * c * v + 3 * c * v + 2 * k * v), 0,
+           _bytes(tables, tables, *terms, state, rows_v, states, state))
+    _check(bwd, z * (14 * c * k * v + 4 * c * c * v + 3 * c * v + 5 * k * v + 2 * c * k + c * c),
+           0, _bytes(tables, tables, tables, *terms, states, rows_v, state, *terms, state))

@@ -5,7 +5,9 @@
 compute the definition of pallasite.reference.gated_delta_rule and return (o,
 final_state or None). The chunked form's implementations: "pallas_triton"
 (pallas_triton.py: a CUDA GPU from sm80, where predicates.py admits the problem; named
-on a CPU it runs interpreted) and "xla" (xla.py, every device). A call that names none
+on a CPU it runs interpreted), "pallas_mosaic_tpu" (pallas_mosaic_tpu.py: the state pass
+as Mosaic TPU kernels, on a TPU or interpreted on a CPU, only where named) and "xla"
+(xla.py, every device). A call that names none
 runs DEFAULT_ORDER: the Pallas kernels where they serve, else XLA (on an H200 the
 kernels' forward takes 4.0 ms where the XLA form takes 25.9 at Qwen3-Next's shape:
 docs/gated_delta_rule.md). The step-by-step form has one, "xla".
@@ -29,7 +31,7 @@ from pallasite.kernels.gated_delta import context_parallel, layouts, predicates,
 from pallasite.reference import gated_delta_rule as ref
 from pallasite.reference import slots
 
-IMPLEMENTATIONS = ("pallas_triton", "xla")
+IMPLEMENTATIONS = ("pallas_triton", "pallas_mosaic_tpu", "xla")
 # What a call naming no implementation runs: each name where it serves, in order.
 DEFAULT_ORDER = ("pallas_triton", "xla")
 RECURRENT_IMPLEMENTATIONS = ("xla",)
@@ -46,11 +48,16 @@ def _chunked_backend(implementation, q, k, v, g, beta, chunk_size, block_sizes):
     for name in names:
         if name == "xla":
             return name, False
-        why = predicates.pallas_triton_reason(q, k, v, g, beta, chunk_size, block_sizes,
-                                              named=implementation is not None)
+        named = implementation is not None
+        if name == "pallas_triton":
+            why = predicates.pallas_triton_reason(q, k, v, g, beta, chunk_size, block_sizes,
+                                                  named=named)
+        else:
+            why = predicates.pallas_mosaic_tpu_reason(q, k, v, g, beta, chunk_size,
+                                                      named=named)
         if why is None:
             return name, jax.default_backend() == "cpu"
-        reasons.append(why)
+        reasons.append(f"{name}: {why}")
     raise ValueError(f"implementation={implementation!r} cannot serve this call: "
                      + "; ".join(reasons))
 
@@ -93,9 +100,11 @@ def chunk_gated_delta_rule(
     [N + 1] packs them into one row (B = 1). scale defaults to K^-1/2. Differentiable in
     q, k, v, g, beta and initial_state.
 
-    implementation: "pallas_triton", "xla", a sequence of them (each tried where it
-    serves: pallas_triton where predicates.py admits it, a CUDA GPU from sm80, K and V
-    powers of two in [16, 256], chunk_size 16, 32 or 64, bf16/fp16/fp32 inputs), or None
+    implementation: "pallas_triton", "pallas_mosaic_tpu", "xla", a sequence of them
+    (each tried where it serves: pallas_triton where predicates.py admits it, a CUDA GPU
+    from sm80, K and V powers of two in [16, 256], chunk_size 16, 32 or 64,
+    bf16/fp16/fp32 inputs; pallas_mosaic_tpu on a TPU, or a CPU interpreted, a chunk
+    that is a multiple of 8, only when named), or None
     (DEFAULT_ORDER: pallas_triton where it serves, else xla). block_sizes: None or a dict for pallas_triton
     ({"block_v": ..., "output_block_v": ..., "grads_block_v": ...}: value columns per
     program of the state passes, the output and the chunk gradients); xla ignores it.
@@ -121,6 +130,11 @@ def chunk_gated_delta_rule(
                                        block_sizes)
     if name == "xla":
         form = functools.partial(xla.forward, chunk_size=chunk_size)
+    elif name == "pallas_mosaic_tpu":
+        from pallasite.kernels.gated_delta import pallas_mosaic_tpu
+
+        form = functools.partial(pallas_mosaic_tpu.forward, chunk_size=chunk_size,
+                                 interpret=interpret)
     else:
         from pallasite.kernels.gated_delta import pallas_triton
 

@@ -10,8 +10,10 @@ The default order (api.IMPLEMENTATIONS) takes the kernels wherever both hold, el
 
 from __future__ import annotations
 
+import jax
+
 from pallasite.kernels import platform
-from pallasite.kernels.gated_delta import pallas_triton
+from pallasite.kernels.gated_delta import pallas_mosaic_tpu, pallas_triton
 
 
 def check_block_sizes(block_sizes) -> None:
@@ -49,5 +51,23 @@ def pallas_triton_reason(q, k, v, g, beta, chunk_size, block_sizes=None, *,
     if q.shape[1] == 0:
         return "T = 0: no steps to compute"
     return pallas_triton.geometry_reason(
+        q.shape[3], v.shape[3], chunk_size,
+        {"q": q.dtype, "k": k.dtype, "v": v.dtype, "g": g.dtype, "beta": beta.dtype})
+
+
+def pallas_mosaic_tpu_reason(q, k, v, g, beta, chunk_size, *, named: bool = False,
+                             device=None) -> str | None:
+    """None where pallas_mosaic_tpu serves chunk_gated_delta_rule: on a TPU, or on a CPU
+    when named (the TPU interpreter); a chunk that is a multiple of 8; bf16, fp16 or fp32
+    inputs. Never by default: it runs only where a caller names it."""
+    device = device if device is not None else jax.devices()[0]
+    if not named:
+        return "pallas_mosaic_tpu runs only where named (no TPU measurement yet)"
+    if device.platform not in ("tpu", "cpu"):
+        return (f"pallas_mosaic_tpu needs a TPU (or a CPU, interpreted); the device is "
+                f"{platform.device_generation(device)}")
+    if q.shape[1] == 0:
+        return "T = 0: no steps to compute"
+    return pallas_mosaic_tpu.geometry_reason(
         q.shape[3], v.shape[3], chunk_size,
         {"q": q.dtype, "k": k.dtype, "v": v.dtype, "g": g.dtype, "beta": beta.dtype})

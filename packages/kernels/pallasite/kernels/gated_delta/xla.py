@@ -40,7 +40,7 @@ _HI = jax.lax.Precision.HIGHEST
 _einsum = functools.partial(jnp.einsum, precision=_HI)
 
 
-def _chunk_terms(q, k, v, g, beta, chunk: int):
+def chunk_terms(q, k, v, g, beta, chunk: int):
     """Per chunk (all at once): U, W, exp(G) Q, the masked D * Q K^T, exp(G_last) and
     exp(G_last - G) K, from [B, L, H, ...] inputs (L a multiple of the chunk)."""
     b, length, h, dk = k.shape
@@ -85,7 +85,7 @@ def forward(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, chunk_size: i
     (qf, kf, vf, gf, bf), padded, positions, first, counts = packing.lay_out(
         (qf, kf, vf, gf, bf), cu_seqlens, length, chunk_size)
     nc = padded // chunk_size
-    u_part, w, eq, qk, end_decay, kd = _chunk_terms(qf, kf, vf, gf, bf, chunk_size)
+    u_part, w, eq, qk, end_decay, kd = chunk_terms(qf, kf, vf, gf, bf, chunk_size)
     if cu_seqlens is None:
         entering = leaving = jnp.full((nc,), -1, jnp.int32)
         state0 = init
