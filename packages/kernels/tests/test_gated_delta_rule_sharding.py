@@ -209,3 +209,24 @@ def test_packed_sequences_with_time_split_are_taken_whole():
     with jax.set_mesh(mesh):
         got = _grads(loss, _time_split(args, mesh))
     _assert_close(got, _grads(loss, args))
+
+
+def test_the_step_by_step_form_splits_the_sequence_too():
+    """fused_recurrent_gated_delta_rule with T over 8 devices under Explicit axes: the
+    same exchange of state-sized arrays, values and gradients the unsharded call's."""
+    args = _sequence_inputs(seed=8)
+    mesh = st.mesh((8,), ("x",), st.EXPLICIT)
+
+    def loss(*a):
+        o, final = fused_recurrent_gated_delta_rule(*a[:5], initial_state=a[5],
+                                                    output_final_state=True)
+        return jnp.sum(o * jnp.cos(jnp.arange(o.size, dtype=jnp.float32)).reshape(o.shape)) \
+            + jnp.sum(final ** 2)
+
+    placed = _time_split(args, mesh)
+    with jax.set_mesh(mesh):
+        got = _grads(loss, placed)
+        found = st.compiled_collectives(jax.grad(loss, argnums=tuple(range(6))), *placed)
+    _assert_close(got, _grads(loss, args))
+    moved = [s for shapes in found.values() for s in st.big(shapes)]
+    assert all(int(np.prod(s)) <= 8 * B * HV * K * max(K, V) for s in moved), found

@@ -79,6 +79,7 @@ IMPLS: tuple[Impl, ...] = (
     # grouped_projection-era steps, on pallasite's default backends.
     Impl("unfused", ops.GMLP, True),
     Impl("pallas_triton", ops.GDR, False),
+    Impl("pallas_mosaic_tpu", ops.GDR, False),
     Impl("xla", ops.GDR, False),
     Impl("fla.triton", ops.GDR, True, "torch"),  # flash-linear-attention (fla-core)
 )

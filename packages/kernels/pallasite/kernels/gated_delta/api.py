@@ -62,6 +62,18 @@ def _chunked_backend(implementation, q, k, v, g, beta, chunk_size, block_sizes):
                      + "; ".join(reasons))
 
 
+def _sequence_axes(sequence_axes, cu_seqlens) -> tuple[str, ...]:
+    """sequence_axes checked against the shard_map in context; packed sequences are not
+    split (NotImplementedError)."""
+    axes = sharding.sequence_axes_in_context(sequence_axes)
+    if axes and cu_seqlens is not None:
+        raise NotImplementedError(
+            f"the gated delta rule: sequence_axes={axes} with cu_seqlens (packed sequences "
+            "split over devices) is not supported; pass the whole packed row to each "
+            "device, or split unpacked rows")
+    return axes
+
+
 def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, block_sizes):
     """Checks (ValueError/TypeError naming the argument); the scale and initial states."""
     predicates.check_block_sizes(block_sizes)
@@ -118,12 +130,7 @@ def chunk_gated_delta_rule(
     (cu_seqlens) are not split: under jit they are taken whole; with sequence_axes they
     raise NotImplementedError.
     """
-    sequence_axes = sharding.sequence_axes_in_context(sequence_axes)
-    if sequence_axes and cu_seqlens is not None:
-        raise NotImplementedError(
-            f"chunk_gated_delta_rule: sequence_axes={sequence_axes} with cu_seqlens (packed "
-            "sequences split over devices) is not supported; pass the whole packed row to "
-            "each device, or split unpacked rows")
+    sequence_axes = _sequence_axes(sequence_axes, cu_seqlens)
     scale, init = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size,
                            block_sizes)
     name, interpret = _chunked_backend(implementation, q, k, v, g, beta, chunk_size,
@@ -191,11 +198,14 @@ def fused_recurrent_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     implementation: str | Sequence[str] | None = None,
     block_sizes=None,
+    sequence_axes: str | Sequence[str] | None = None,
 ):
     """chunk_gated_delta_rule's arguments and results (no chunk_size), computed one step
     at a time: cheaper than the chunked form where T is a few steps (decode). Its one
-    implementation is "xla"; block_sizes must be None."""
+    implementation is "xla"; block_sizes must be None. The sequence splits over devices
+    as the chunked form's does (sequence_axes, Explicit axes)."""
     platform.named_implementations(implementation, RECURRENT_IMPLEMENTATIONS)
+    sequence_axes = _sequence_axes(sequence_axes, cu_seqlens)
     if block_sizes is not None:
         raise TypeError("block_sizes: fused_recurrent_gated_delta_rule's only "
                         f"implementation (xla) takes none; got {block_sizes!r}")
@@ -203,7 +213,8 @@ def fused_recurrent_gated_delta_rule(
                            block_sizes)
     form = functools.partial(ref.gated_delta_rule_sequential, output_final_state=True)
     return _run(form, q, k, v, g, beta, scale, init, cu_seqlens, use_qk_l2norm_in_kernel,
-                output_final_state)
+                output_final_state, sequence_axes=sequence_axes,
+                split_sequence=not sequence_axes)
 
 
 def gated_delta_rule_step(
