@@ -35,6 +35,14 @@ def _loss(*args, cu_seqlens=None):
     return jnp.sum(o * weights) + jnp.sum(final ** 2)
 
 
+def _recurrent_loss(*args):
+    """_loss through fused_recurrent_gated_delta_rule."""
+    o, final = fused_recurrent_gated_delta_rule(*args[:5], initial_state=args[5],
+                                                output_final_state=True)
+    weights = jnp.cos(jnp.arange(o.size, dtype=jnp.float32)).reshape(o.shape)
+    return jnp.sum(o * weights) + jnp.sum(final ** 2)
+
+
 def _grads(fn, args):
     return jax.jit(jax.value_and_grad(fn, argnums=tuple(range(6))))(*args)
 
@@ -110,15 +118,9 @@ def test_the_step_by_step_form_under_explicit_axes(split):
     args = _inputs(seed=3)
     mesh = st.mesh((8,), ("x",), st.EXPLICIT)
 
-    def loss(*a):
-        o, final = fused_recurrent_gated_delta_rule(*a[:5], initial_state=a[5],
-                                                    output_final_state=True)
-        return jnp.sum(o * jnp.cos(jnp.arange(o.size, dtype=jnp.float32)).reshape(o.shape)) \
-            + jnp.sum(final ** 2)
-
     with jax.set_mesh(mesh):
-        got = _grads(loss, _placed(args, mesh, split))
-    _assert_close(got, _grads(loss, args))
+        got = _grads(_recurrent_loss, _placed(args, mesh, split))
+    _assert_close(got, _grads(_recurrent_loss, args))
 
 
 # --------------------------------------------------------- the sequence over devices
@@ -217,16 +219,11 @@ def test_the_step_by_step_form_splits_the_sequence_too():
     args = _sequence_inputs(seed=8)
     mesh = st.mesh((8,), ("x",), st.EXPLICIT)
 
-    def loss(*a):
-        o, final = fused_recurrent_gated_delta_rule(*a[:5], initial_state=a[5],
-                                                    output_final_state=True)
-        return jnp.sum(o * jnp.cos(jnp.arange(o.size, dtype=jnp.float32)).reshape(o.shape)) \
-            + jnp.sum(final ** 2)
-
     placed = _time_split(args, mesh)
     with jax.set_mesh(mesh):
-        got = _grads(loss, placed)
-        found = st.compiled_collectives(jax.grad(loss, argnums=tuple(range(6))), *placed)
-    _assert_close(got, _grads(loss, args))
+        got = _grads(_recurrent_loss, placed)
+        found = st.compiled_collectives(jax.grad(_recurrent_loss, argnums=tuple(range(6))),
+                                        *placed)
+    _assert_close(got, _grads(_recurrent_loss, args))
     moved = [s for shapes in found.values() for s in st.big(shapes)]
     assert all(int(np.prod(s)) <= 8 * B * HV * K * max(K, V) for s in moved), found
