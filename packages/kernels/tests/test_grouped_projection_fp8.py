@@ -412,6 +412,7 @@ def test_pre_quantized_operands_on_the_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_memory_hog
 def test_recipe_with_weights_past_2_31_fp8_values():
     """DeepSeek-V3's 256 experts of 7168 x 2048 on one device: 3.76e9 fp8 weight values,
     past the 32-bit offsets of Pallas Triton's stores (the quantizer takes its XLA form

@@ -225,6 +225,7 @@ def test_compiled_quantizers_match_the_xla_forms(m, c):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_memory_hog
 @pytest.mark.parametrize("transpose", [False, True])
 def test_compiled_weight_blocks_past_2_31_fp8_values(transpose):
     """256 x 7168 x 2048 (DeepSeek-V3's experts, past 32-bit offsets: the XLA form) on
