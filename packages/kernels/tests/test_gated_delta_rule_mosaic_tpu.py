@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
 import gated_delta_testlib as testlib
-from pallasite.kernels import chunk_gated_delta_rule
+from pallasite.kernels import chunk_gated_delta_rule, platform
 from pallasite.kernels.gated_delta import pallas_mosaic_tpu
 
 REL_L2, NAMES = testlib.REL_L2, testlib.NAMES
@@ -70,7 +70,7 @@ def test_every_kernel_output_is_written():
     packed sequences, trailing padding chunks, an empty sequence)."""
     a = _inputs(5, t=75, n=4)
     cu = jnp.asarray([0, 5, 5, 70, 75], jnp.int32)
-    assert pallas_mosaic_tpu._interpret(True).uninitialized_memory == "nan"
+    assert platform.mosaic_tpu_interpret(True).uninitialized_memory == "nan"
     seen = []
     real = pallas_mosaic_tpu._scan_forward, pallas_mosaic_tpu._scan_backward
 

@@ -66,6 +66,17 @@ def device_generation(device: Any = None) -> str:
     return device.platform
 
 
+def mosaic_tpu_interpret(interpret):
+    """pallas_call's `interpret` for a Mosaic TPU kernel: True -> the TPU interpreter
+    (default InterpretParams: unwritten outputs read as NaN), False -> compiled; an
+    InterpretParams passes through."""
+    if interpret is True:
+        from jax.experimental.pallas import tpu as pltpu  # only where a kernel runs
+
+        return pltpu.InterpretParams()
+    return interpret or False
+
+
 def triton_runs(device: Any = None) -> bool:
     """Pallas Triton kernels: a CUDA GPU from sm80 (Ampere), where bf16 mma exists."""
     device = device if device is not None else _default_device()

@@ -62,6 +62,18 @@ def to_layout(t, positions, padded: int):
     return out.at[:, positions].set(t)
 
 
+def chunk_tables(batch: int, num_chunks: int, first, counts):
+    """(entering, leaving) [batch, num_chunks] int32 for the kernels: the sequence whose
+    initial state a chunk enters with and whose final state its exit is, else -1. Without
+    packing (first None) each row is one sequence, its first and last chunk; with it
+    (batch 1), chunk_owners'."""
+    if first is None:
+        chunks = jnp.arange(num_chunks, dtype=jnp.int32)[None, :]
+        rows = jnp.arange(batch, dtype=jnp.int32)[:, None]
+        return jnp.where(chunks == 0, rows, -1), jnp.where(chunks == num_chunks - 1, rows, -1)
+    return tuple(t[None] for t in chunk_owners(first, counts, num_chunks))
+
+
 def chunk_owners(first, counts, num_chunks: int):
     """(entering, leaving) [num_chunks] int32: the sequence whose first chunk (it enters
     with that sequence's initial state) or last chunk (its exit is that sequence's final

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallasite.kernels import cost, sharding
+from pallasite.kernels import cost, platform, sharding
 from pallasite.kernels.gated_delta import packing, xla
 from pallasite.reference.gated_delta_rule import expand_heads, l2norm
 
@@ -68,10 +68,6 @@ def geometry_reason(dk: int, dv: int, chunk_size: int, dtypes) -> str | None:
 def _dot(a, b, trans_a=False, trans_b=False):
     dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
     return jax.lax.dot_general(a, b, dims, precision=_HI, preferred_element_type=F32)
-
-
-def _interpret(interpret):
-    return pltpu.InterpretParams() if interpret is True else (interpret or False)
 
 
 def _params():
@@ -204,7 +200,7 @@ def _scan_forward(terms, init, entering, owner, scale, out_dtype, interpret):
         compiler_params=_params(),
         cost_estimate=_estimate(_forward_body, terms, (entering, owner, *terms, init),
                                 shapes),
-        interpret=_interpret(interpret),
+        interpret=platform.mosaic_tpu_interpret(interpret),
         name="gated_delta_rule_forward_mosaic_tpu",
     )(entering, owner, u_part, w, eq, qk, ed, kd, init)
 
@@ -231,7 +227,7 @@ def _scan_backward(terms, states, do, dfinal, entering, leaving, owner, scale, i
         cost_estimate=_estimate(_backward_body, terms,
                                 (entering, leaving, owner, *terms, states, do, dfinal),
                                 shapes, "rows_v", "state"),
-        interpret=_interpret(interpret),
+        interpret=platform.mosaic_tpu_interpret(interpret),
         name="gated_delta_rule_backward_mosaic_tpu",
     )(entering, leaving, owner, u_part, w, eq, qk, ed, kd, states, do, dfinal)
 
@@ -262,18 +258,6 @@ def _scan_bwd(scale, out_dtype, interpret, residuals, cotangents):
 _scan.defvjp(_scan_fwd, _scan_bwd)
 
 
-def _tables(b, nc, cu_seqlens, first, counts):
-    """(entering, leaving, owner) [b, nc] int32 (module docstring)."""
-    if cu_seqlens is None:
-        chunks = jnp.arange(nc, dtype=jnp.int32)[None, :]
-        rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, nc))
-        return (jnp.where(chunks == 0, rows, -1), jnp.where(chunks == nc - 1, rows, -1),
-                rows)
-    entering, leaving = packing.chunk_owners(first, counts, nc)
-    owner = jnp.maximum(jax.lax.cummax(entering, axis=0), 0)
-    return entering[None], leaving[None], owner[None]
-
-
 def forward(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, chunk_size: int,
             use_qk_l2norm_in_kernel: bool, interpret: bool = False):
     """xla.forward's contract (o [B, T, Hv, V] in v's dtype, final states [N, Hv, K, V]
@@ -290,7 +274,9 @@ def forward(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, chunk_size: i
     u_part, w, eq, qk, end_decay, kd = xla.chunk_terms(qf, kf, vf, gf, bf, chunk_size)
     # [b, nc, h, ...]: each (row, chunk, head)'s block spans its last two dims.
     terms = (u_part, w, eq, qk, end_decay[..., None, None], kd)
-    entering, leaving, owner = _tables(b, nc, cu_seqlens, first, counts)
+    entering, leaving = packing.chunk_tables(b, nc, first, counts)
+    # Each chunk's owner: the latest sequence start at or before it.
+    owner = jnp.maximum(jax.lax.cummax(entering, axis=1), 0)
     o, finals = _scan(terms, initial_state.astype(F32), entering, leaving, owner,
                       float(scale), jnp.dtype(v.dtype), interpret)
     o = jnp.moveaxis(o, 2, 3).reshape(b, padded, hv, dv)

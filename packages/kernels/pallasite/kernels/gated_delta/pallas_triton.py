@@ -500,13 +500,7 @@ def _kernels(q, k, v, g, beta, init, cu_seqlens, *, scale, chunk_size, l2norm, i
     (q, k, v, g, beta), padded, positions, first, counts = packing.lay_out(
         (q, k, v, g, beta), cu_seqlens, length, chunk_size)
     nc = padded // chunk_size
-    if cu_seqlens is None:
-        chunks = jnp.arange(nc, dtype=jnp.int32)[None, :]
-        rows = jnp.arange(b, dtype=jnp.int32)[:, None]
-        entering = jnp.where(chunks == 0, rows, -1)
-        leaving = jnp.where(chunks == nc - 1, rows, -1)
-    else:
-        entering, leaving = (t[None] for t in packing.chunk_owners(first, counts, nc))
+    entering, leaving = packing.chunk_tables(b, nc, first, counts)
     split = lambda t: t.reshape(b, nc, chunk_size, *t.shape[2:])  # noqa: E731
     q, k, v, g, beta = (split(t) for t in (q, k, v, g, beta))
     hi, lo = decay.cumsum_pair(g, axis=2)

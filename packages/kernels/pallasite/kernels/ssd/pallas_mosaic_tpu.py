@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float
 
-from pallasite.kernels import cost, sharding
+from pallasite.kernels import cost, platform, sharding
 from pallasite.kernels.ssd import costs, decay
 from pallasite.reference import ssd as ref
 
@@ -251,12 +251,6 @@ def _params(block_sizes):
     )
 
 
-def _interpret(interpret):
-    if interpret is True:
-        return pltpu.InterpretParams()
-    return interpret or False
-
-
 def forward_cost(shape_x, groups, n, inputs, outputs) -> pl.CostEstimate:
     """The forward program's work (costs.tpu_forward) and the call's bytes. B and C are
     read once per head (each head's program reads its group's block)."""
@@ -303,7 +297,7 @@ def forward(
         compiler_params=_params(block_sizes),
         cost_estimate=forward_cost(x.shape, groups, n, outputs=out_shapes, inputs=(
             x, b, c, row, col, cost.struct(initial_state.shape, _F32))),
-        interpret=_interpret(interpret),
+        interpret=platform.mosaic_tpu_interpret(interpret),
         name="ssd_forward_mosaic_tpu",
     )(_head_major(x), _head_major(b), _head_major(c), row, col, initial_state.astype(_F32))
     return _chunk_major(y), final, states
@@ -347,7 +341,7 @@ def backward(
         cost_estimate=backward_cost(x.shape, groups, n, outputs=out_shapes, inputs=(
             x, b, c, row, col, cost.struct(chunk_states.shape, _F32), x,
             cost.struct(dfinal_state.shape, _F32))),
-        interpret=_interpret(interpret),
+        interpret=platform.mosaic_tpu_interpret(interpret),
         name="ssd_backward_mosaic_tpu",
     )(_head_major(x), _head_major(b), _head_major(c), row, col, chunk_states.astype(_F32),
       _head_major(dy.astype(x.dtype)), dfinal_state.astype(_F32))
