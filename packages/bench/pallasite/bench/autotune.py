@@ -117,8 +117,10 @@ def _gp_impls(interpret: bool = False, everything: bool = False) -> list[Impl]:
 
 
 def _ssd_default(module, dims: dict):
-    fn = getattr(module, "default_block_sizes", None)
-    return fn(chunk=dims["chunk"]) if fn else module.resolve_block_sizes(None, dims["chunk"])
+    """The backend's default for this shape in bf16, clamped to the chunk, as a call with no
+    table entry resolves it (`resolve_block_sizes` with the caller's config)."""
+    default = module.default_block_sizes(dims["head_dim"], dims["state"], itemsize=2)
+    return module.resolve_block_sizes(default, dims["chunk"])
 
 
 def _ssd_impls(interpret: bool = False, everything: bool = False) -> list[Impl]:
