@@ -366,3 +366,36 @@ def test_dx_is_keyed_by_the_projections_dims(module, monkeypatch, tmp_path):
         assert sel.source == "default"
         assert sel.config == pallas_mosaic_gpu.default_block_sizes(product="dx", m=m, k=k,
                                                                    n=n, g=g)
+
+
+@pytest.mark.parametrize("product, dims, expected", [
+    ("forward", (32768, 2048, 1024, 64), {"grid_block_n": 16}),          # olmoe
+    ("dx", (65536, 2880, 5760, 128), {"block_n": 192, "stages": 4}),     # k = 45 x 64
+    ("dkernel", (65536, 2880, 5760, 128), {"block_m": 192, "stages": 4}),
+])
+def test_h200_mosaic_gpu_entries_reach_default_calls(product, dims, expected, monkeypatch,
+                                                      tmp_path):
+    """The Mosaic GPU entries the H200 autotune run earned (2026-12-03) are what a default
+    call of each product picks on an (abstract) H200, keyed by the projection's dims."""
+    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(tmp_path / "cache"))
+    monkeypatch.setattr(select_module, "_memo", {})
+    monkeypatch.setattr(tuning, "device_kind", lambda: "NVIDIA H200")
+    m, k, n, g = dims
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    dy = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+    kernel = jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
+    calls = {
+        "forward": (lambda a, w, s: pallas_mosaic_gpu.gmm(a, w, s), (x, kernel, sizes)),
+        "dx": (lambda a, w, s: pallas_mosaic_gpu.gmm(a, w, s, transpose_rhs=True),
+               (dy, kernel, sizes)),
+        "dkernel": (lambda a, b, s: pallas_mosaic_gpu.tgmm(a, b, s), (x, dy, sizes)),
+    }
+    fn, args = calls[product]
+    with tuning.recording() as seen:
+        jax.eval_shape(fn, *args)
+    ((_, implementation, sel),) = seen
+    assert implementation == f"pallas_mosaic_gpu:{product}"
+    assert sel.source == "table", sel
+    for field, value in expected.items():
+        assert getattr(sel.config, field) == value, (field, sel.config)
