@@ -3,6 +3,7 @@ GPU, in one process: where the forward's and the backward's time goes.
 
     OUT=folder PYTHONPATH=<the four package roots>:.peers python3 tools/sweeps/gated_delta_stages.py
     python3 tools/sweeps/gated_delta_stages.py --smoke   # tiny shapes, interpreters, no fla
+    ... gated_delta_stages.py --only backward --no-fla   # the backward's stages alone
 
 Stages (bf16, chunk 64, no cu_seqlens): the XLA prologue (layout and the cumulative decay
 pair), prep (the WY solve: U, W), the state pass at each block_v, the output at each
@@ -74,7 +75,7 @@ def inputs(b, t, hk, hv, dk, dv, seed=0):
     return q, k, v, g, beta, init
 
 
-def pallasite_stages(name, shape, interpret, sweep_warps):
+def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "backward")):
     b, t, hk, hv, dk, dv = shape
     chunk = 64
     q, k, v, g, beta, init = inputs(*shape)
@@ -102,7 +103,7 @@ def pallasite_stages(name, shape, interpret, sweep_warps):
         emit(dict(base, stage=stage, ms=round(value, 4), **kw))
 
     rec("prologue_xla", ms(prologue, q, k, v, g, beta))
-    for warps in (None, 2, 8) if sweep_warps else (None,):
+    for warps in ((None, 2, 8) if sweep_warps else (None,)) if "forward" in only else ():
         WARPS["value"] = warps
         tag = warps or "default"
         prep = jax.jit(lambda lk, lv, hi, lo, lb: pt._prep(lk, lv, hi, lo, lb, hv, BF16, False,
@@ -130,7 +131,10 @@ def pallasite_stages(name, shape, interpret, sweep_warps):
         return pt.forward(q, k, v, g, beta, scale=scale, initial_state=init, cu_seqlens=None,
                           chunk_size=chunk, use_qk_l2norm_in_kernel=False, interpret=interpret)
 
-    rec("forward", ms(jax.jit(fwd), q, k, v, g, beta, init))
+    if "forward" in only:
+        rec("forward", ms(jax.jit(fwd), q, k, v, g, beta, init))
+    if "backward" not in only:
+        return
     do = jax.random.normal(jax.random.key(9), v.shape, BF16)
     dfinal = jax.random.normal(jax.random.key(10), init.shape, F32)
 
@@ -144,7 +148,7 @@ def pallasite_stages(name, shape, interpret, sweep_warps):
                                            l2norm=False, interpret=interpret, block_sizes=None,
                                            residuals=True)[2])(q, k, v, g, beta, init)
     ldo = do.reshape(lv.shape)
-    for warps in (None, 8) if sweep_warps else (None,):
+    for warps in (None, 4) if sweep_warps else (None,):
         WARPS["value"] = warps
         tag = warps or "default"
         for bv in (b for b in (16, 32, 64) if b <= dv):
@@ -205,11 +209,15 @@ def fla_stages(name, shape):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--only", action="append", choices=("forward", "backward"),
+                        help="these passes' stages alone (repeatable; default both)")
+    parser.add_argument("--no-fla", action="store_true", help="leave fla's stages out")
     args = parser.parse_args(argv)
     shapes = SMOKE if args.smoke else SHAPES
     for i, (name, shape) in enumerate(shapes.items()):
-        pallasite_stages(name, shape, interpret=args.smoke, sweep_warps=i == 0)
-        if not args.smoke:
+        pallasite_stages(name, shape, interpret=args.smoke, sweep_warps=i == 0,
+                         only=tuple(args.only or ("forward", "backward")))
+        if not (args.smoke or args.no_fla):
             why = peers.fla_missing()
             if why is None:
                 try:

@@ -1,7 +1,7 @@
-"""Every pallas_call's cost estimate (29 calls: the grouped gmm and tgmm of three backends,
+"""Every pallas_call's cost estimate (30 calls: the grouped gmm and tgmm of three backends,
 the fp8 gmm and tgmm of two, the three fp8 quantizers, five SSD Triton kernels, the SSD
 Mosaic TPU forward and backward, the two decode steps, the chunked gated delta rule's
-three forward and two backward Triton kernels and its Mosaic TPU forward and backward)
+three forward and three backward Triton kernels and its Mosaic TPU forward and backward)
 against a hand count.
 
 The estimates come from pl.estimate_cost on each call's body-equivalent function and the
@@ -387,16 +387,20 @@ def test_chunked_gated_delta_rule_triton_backward():
     an add); exp(G) Q (an add and an exp per step, a product per element); dS =
     exp(G_last) dS' + scale (exp(G) Q)^T do - W^T du (an add and an exp; three dots; the
     decay's product, the scale, the subtraction and the add per element);
-    chunk gradients, per block of 32 value columns: 9 dots over K of C x C (the P and A
-    paths: dP K, dP^T Q, Q K^T, W, T^T dW, dRk W^T, K K^T, dA K, dA^T K), 4 over V of
-    C x C (do u^T, U, T^T du, dRv U^T), 3 of C K V (do S^T, u dS'^T, du S^T) and one of
-    C x C x C (dg's spans: a triangle of ones times the pair terms); 13 elementwise ops
-    per C x C entry (the segment 3, dP's scale and decay, through P, dA's sum, negation
-    and decay, through A, beta twice, the pair terms' sum), 15 per C x K, 3 per C x V,
-    one per K x V (dS' o S), 13 per step and 2 per program (exp(G_last) dS' . S); exps
-    (no flops): exp(G), exp(G_last - G), the C x C decays and exp(G_last). Bytes: operands and
-    results once (the final states' cotangents, aliased to the initial states', read and
-    written; the chunk gradients' dq, dk, dbeta and dg one share per value block)."""
+    chunk gradients, two kernels per block of 32 value columns. Through the output and
+    the exit state: 3 dots over K of C x C (dP K, dP^T Q, Q K^T), one over V (do u^T), 2
+    of C K V (do S^T, u dS'^T) and one of C x C x C (dg's spans: a triangle of ones
+    times the pair terms); 6 elementwise ops per C x C entry (the segment 3, dP's scale
+    and decay, through P), 6 per C x K, one per K x V (dS' o S), 8 per step and 2 per
+    program (exp(G_last) dS' . S); exps: exp(G), exp(G_last - G), the C x C decays and
+    exp(G_last). Through the solve: 6 dots over K of C x C (T^T dW, W, dRk W^T, K K^T,
+    dA K, dA^T K), 3 over V (T^T du, U, dRv U^T), one of C K V (du S^T) and the spans
+    again; 9 per C x C entry (the segment 3, dA's sum, negation and decay, through A,
+    beta twice), 9 per C x K, 3 per C x V and 7 per step; exps: exp(G) and the decays.
+    Bytes: operands and results once (the final states' cotangents, aliased to the
+    initial states', read and written; dk's and dg's shares, aliased from the first
+    chunk-gradient kernel to the second, likewise; dq, dk, dbeta and dg one share per
+    value block)."""
     b, nc, c, hk, hv, k, v, n = 1, 2, 64, 1, 2, 32, 64, 1
     z, bv = b * nc * hv, 32
     t = nc * c
@@ -410,8 +414,8 @@ def test_chunked_gated_delta_rule_triton_backward():
         return pull(out)
 
     calls = _calls(grads, x, x, y, gate, gate, S((n, hv, k, v), F32))
-    (rev,), (chunk,) = (calls["gated_delta_rule_" + name]
-                        for name in ("reverse_state_pass", "chunk_grads"))
+    (rev,), (state,), (solve,) = (calls["gated_delta_rule_" + name] for name in (
+        "reverse_state_pass", "chunk_grads_state", "chunk_grads_solve"))
     keys, values = ((b, nc, c, hk, k), BF16), ((b, nc, c, hv, v), BF16)
     gates, w = ((b, nc, c, hv), F32), ((b, nc, c, hv, k), BF16)
     states, tables, init = ((b, nc, hv, k, v), BF16), ((b, nc), I32), ((n, hv, k, v), F32)
@@ -422,13 +426,18 @@ def test_chunked_gated_delta_rule_triton_backward():
            z * (blocks * c * c + 2 * c + 1),
            _bytes(keys, keys, w, gates, gates, values, tables, tables, init, d_exit, du, init))
     zb = z * blocks
-    _check(chunk, zb * (18 * c * c * k + 8 * c * c * bv + 6 * c * k * bv + 2 * c ** 3
-                        + 13 * c * c + 15 * c * k + 3 * c * bv + k * bv + 13 * c + 2),
+    key_shares, gate_shares = ((blocks, b, nc, c, hv, k), F32), ((blocks, b, nc, c, hv), F32)
+    _check(state, zb * (6 * c * c * k + 2 * c * c * bv + 4 * c * k * bv + 2 * c ** 3
+                        + 6 * c * c + 6 * c * k + k * bv + 8 * c + 2),
            zb * (c * c + 2 * c + 1),
-           _bytes(keys, keys, values, gates, gates, gates, ((b, nc, hv, c, c), F32), states,
-                  values, du, values, d_exit, ((blocks, b, nc, c, hv, k), F32),
-                  ((blocks, b, nc, c, hv, k), F32), ((b, nc, c, hv, v), F32),
-                  ((blocks, b, nc, c, hv), F32), ((blocks, b, nc, c, hv), F32)))
+           _bytes(keys, keys, gates, gates, states, values, values, d_exit,
+                  key_shares, key_shares, gate_shares))
+    _check(solve, zb * (12 * c * c * k + 6 * c * c * bv + 2 * c * k * bv + 2 * c ** 3
+                        + 9 * c * c + 9 * c * k + 3 * c * bv + 7 * c),
+           zb * (c * c + c),
+           _bytes(keys, values, gates, gates, gates, ((b, nc, hv, c, c), F32), states, du,
+                  key_shares, gate_shares, ((b, nc, c, hv, v), F32), gate_shares, key_shares,
+                  gate_shares))
 
 
 def test_chunked_gated_delta_rule_mosaic_tpu():

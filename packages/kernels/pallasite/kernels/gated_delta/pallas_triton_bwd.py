@@ -162,114 +162,135 @@ def _reverse_pass(q, k, w, hi, lo, do, entering, leaving, dfinal, hv, scale, blo
 
 
 # ------------------------------------------------------------------ chunk gradients
+#
+# Two kernels per (value column block, value head, chunk, row), each with about half the
+# live registers of one kernel doing both (which spilled: 17.5 ms at Qwen3-Next's shape on
+# an H200). Every gradient they share (dk, dg) is a sum of the two kernels' terms: the
+# second takes the first's shares and adds its own in place (aliased), so XLA adds nothing.
 
 
-def _grads_kernel(q_ref, k_ref, v_ref, hi_ref, lo_ref, beta_ref, t_ref, s_ref, u_ref,
-                  du_ref, do_ref, dexit_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, dg_ref, *,
-                  scale: float):
-    """dv and this value-column block's shares of dq, dk (this value head's), dbeta and dg
-    of one (value column block, value head, chunk, row): every one is a sum over V."""
+def _dg_of(at_step, spanned, end_terms, pairs):
+    """dg_s of one chunk from its factors' cotangents: each exp(G) factor over the g it
+    spans, with no difference of cumulative sums (which would cancel): `at_step` (on
+    exp(G_t)) from t >= s, `spanned` (on exp(G_last - G_j)) from j < s, `pairs` [t, j] (on
+    exp(G_t - G_j)) from j < s <= t (a reverse cumulative sum over t as a dot, then
+    j < s), and `end_terms` (on exp(G_last)) from every s; None: no such factor."""
+    chunk = at_step.shape[0]
+    rows, cols = _iota(chunk, chunk, 0), _iota(chunk, chunk, 1)
+    after = jnp.where(cols >= rows, 1.0, 0.0).astype(F32)
+    spans = _dot(after, pairs)  # [s, j]: the sum over t >= s
+    inner = jnp.where(cols < rows, spans if spanned is None else spanned[None, :] + spans, 0.0)
+    out = jnp.sum(jnp.where(cols >= rows, at_step[None, :], 0.0), axis=1) + jnp.sum(inner, axis=1)
+    return out if end_terms is None else out + end_terms
+
+
+def _grads_state_kernel(q_ref, k_ref, hi_ref, lo_ref, s_ref, u_ref, do_ref, dexit_ref,
+                        dq_ref, dk_ref, dg_ref, *, scale: float):
+    """The gradients through the output and the chunk's exit state:
+    o = scale (exp(G) Q S + (D o Q K^T) u) and S' = exp(G_last) S + (exp(G_last - G) K)^T u;
+    dq whole, and the first terms of dk and dg (this value-column block's shares)."""
     chunk = q_ref.shape[0]
     cd = u_ref.dtype
     mm = _cast_dot(cd)
-    rows, cols = _iota(chunk, chunk, 0), _iota(chunk, chunk, 1)
-    causal, strict = rows >= cols, rows > cols
-    q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
-    v, beta = v_ref[...].astype(F32), beta_ref[...]
+    causal = _iota(chunk, chunk, 0) >= _iota(chunk, chunk, 1)
     hi, lo = hi_ref[...], lo_ref[...]
     hi_last, lo_last = hi_ref[chunk - 1], lo_ref[chunk - 1]
-    inv, state, u = t_ref[...], s_ref[...], u_ref[...]
-    du, do, d_exit = du_ref[...], do_ref[...], dexit_ref[...]
-    grow = jnp.exp(hi + lo)  # exp(G)
-    to_end = jnp.exp(_segment(hi_last, lo_last, hi, lo))  # exp(G_last - G)
-
-    # o = scale (exp(G) Q S + (D o Q K^T) u)
-    d_inter = scale * grow[:, None] * mm(do, state, trans_b=True)
-    dp = jnp.where(causal, scale * mm(do, u, trans_b=True)
+    q, k = q_ref[...], k_ref[...]
+    do, state = do_ref[...], s_ref[...]
+    d_inter = scale * jnp.exp(hi + lo)[:, None] * mm(do, state, trans_b=True)
+    dp = jnp.where(causal, scale * mm(do, u_ref[...], trans_b=True)
                    * _masked_decay(hi, lo, hi, lo, causal), 0.0)
-    dq = d_inter + mm(dp, k)
-    dk = mm(dp, q, trans_a=True)
+    dq_ref[...] = d_inter + mm(dp, k)
     through_p = dp * mm(q, k, trans_b=True)  # on D_tj = exp(g_(j+1) + ... + g_t)
-    at_step = jnp.sum(q * d_inter, axis=1)  # on exp(G_t) = exp(g_0 + ... + g_t)
-
-    # S' = exp(G_last) S + (exp(G_last - G) K)^T u
-    d_kd = mm(u, d_exit, trans_b=True) * to_end[:, None]
-    dk = dk + d_kd
-    through_kd = jnp.sum(d_kd * k, axis=1)  # on exp(g_(j+1) + ... + g_last)
+    at_step = jnp.sum(q.astype(F32) * d_inter, axis=1)  # on exp(G_t) = exp(g_0 + ... + g_t)
+    d_exit = dexit_ref[...]
+    d_kd = (mm(u_ref[...], d_exit, trans_b=True)
+            * jnp.exp(_segment(hi_last, lo_last, hi, lo))[:, None])
+    dk_ref[...] = mm(dp, q, trans_a=True) + d_kd
+    through_kd = jnp.sum(d_kd * k.astype(F32), axis=1)  # on exp(g_(j+1) + ... + g_last)
     through_end = (jnp.exp(hi_last + lo_last)  # on exp(G_last): every g
-                   * jnp.sum(jnp.sum(d_exit * state.astype(F32), axis=1)))
+                   * jnp.sum(jnp.sum(d_exit.astype(F32) * state.astype(F32), axis=1)))
+    dg_ref[...] = _dg_of(at_step, through_kd, through_end, through_p)
 
-    # u = U - W S; U = T (beta V), W = T (beta exp(G) K), T = (I + A)^-1
+
+def _grads_solve_kernel(k_ref, v_ref, hi_ref, lo_ref, beta_ref, t_ref, s_ref, du_ref,
+                        dk_in_ref, dg_in_ref, dv_ref, dbeta_ref, dk_ref, dg_ref):
+    """The gradients through the solve: u = U - W S, U = T (beta V), W = T (beta exp(G) K),
+    T = (I + A)^-1, A_tj = beta_t D_tj k_t . k_j (strictly lower). dv, dbeta (this
+    block's share), and dk and dg added to the first kernel's shares (aliased)."""
+    del dk_in_ref, dg_in_ref  # the same buffers as dk_ref, dg_ref
+    chunk = k_ref.shape[0]
+    cd = du_ref.dtype
+    mm = _cast_dot(cd)
+    strict = _iota(chunk, chunk, 0) > _iota(chunk, chunk, 1)
+    hi, lo, beta = hi_ref[...], lo_ref[...], beta_ref[...]
+    k, v = k_ref[...].astype(F32), v_ref[...].astype(F32)
+    inv, du = t_ref[...], du_ref[...]
+    grow = jnp.exp(hi + lo)
     scaled_keys = (beta * grow)[:, None] * k
-    big_u = mm(inv, beta[:, None] * v)
-    w = mm(inv, scaled_keys)
-    d_rv = mm(inv, du, trans_a=True)
-    d_rk = -mm(inv, mm(du, state, trans_b=True), trans_a=True)
-    dv = beta[:, None] * d_rv
+    d_rv = mm(inv, du, trans_a=True)  # the cotangents of beta V and of beta exp(G) K
+    d_rk = -mm(inv, mm(du, s_ref[...], trans_b=True), trans_a=True)
+    dv_ref[...] = beta[:, None] * d_rv
     dbeta = jnp.sum(d_rv * v, axis=1) + jnp.sum(d_rk * grow[:, None] * k, axis=1)
-    dk = dk + (beta * grow)[:, None] * d_rk
-    at_step = at_step + jnp.sum(d_rk * scaled_keys, axis=1)
-    da = -(mm(d_rv, big_u, trans_b=True) + mm(d_rk, w, trans_b=True))
+    at_step = jnp.sum(d_rk * scaled_keys, axis=1)
+    da = -(mm(d_rv, mm(inv, beta[:, None] * v), trans_b=True)
+           + mm(d_rk, mm(inv, scaled_keys), trans_b=True))  # d(I + A)^-1 = -T dA T
     da = jnp.where(strict, da * _masked_decay(hi, lo, hi, lo, strict), 0.0)
     through_a = da * mm(k, k, trans_b=True)  # dA_tj D_tj k_t . k_j
-    dbeta = dbeta + jnp.sum(through_a, axis=1)
-    pairs = through_p + beta[:, None] * through_a
+    dbeta_ref[...] = dbeta + jnp.sum(through_a, axis=1)
     da = beta[:, None] * da
-    dk = dk + mm(da, k) + mm(da, k, trans_a=True)
-
-    # dg_s gathers each factor over the g it spans (no difference of cumulative sums,
-    # which would cancel): the step terms from t >= s, the end terms from j < s, the
-    # pair terms from j < s <= t (a reverse cumulative sum over t as a dot, then j < s).
-    after = jnp.where(cols >= rows, 1.0, 0.0).astype(F32)
-    spans = _dot(after, pairs)  # [s, j]: the sum over t >= s
-    dg = (jnp.sum(jnp.where(cols >= rows, at_step[None, :], 0.0), axis=1)
-          + jnp.sum(jnp.where(cols < rows, through_kd[None, :] + spans, 0.0), axis=1)
-          + through_end)
-    dq_ref[...] = dq
-    dk_ref[...] = dk
-    dv_ref[...] = dv
-    dbeta_ref[...] = dbeta
-    dg_ref[...] = dg
+    dk_ref[...] += (beta * grow)[:, None] * d_rk + mm(da, k) + mm(da, k, trans_a=True)
+    dg_ref[...] += _dg_of(at_step, None, None, beta[:, None] * through_a)
 
 
-def _grads_body(q, k, v, hi, lo, beta, inv, state, u, du, do, d_exit):
-    """The chunk-gradient kernel's arithmetic over every (row, chunk, head)
-    (pl.estimate_cost): q, k [Z, C, K], v, u, du, do [Z, C, V], hi, lo, beta [Z, C], inv
-    [Z, C, C], state, d_exit [Z, K, V]."""
+def _dg_body(at_step, spanned, end_terms, pairs):
+    """_dg_of over [Z, C] rows (pl.estimate_cost)."""
+    spans = jnp.einsum("zst,ztj->zsj", jnp.ones_like(pairs), pairs)
+    out = at_step + spans.sum(2)
+    out = out if end_terms is None else out + end_terms
+    return out if spanned is None else out + spanned
+
+
+def _grads_state_body(q, k, hi, lo, state, u, do, d_exit):
+    """The first chunk-gradient kernel's arithmetic over every (row, chunk, head)
+    (pl.estimate_cost): q, k [Z, C, K], hi, lo [Z, C], state, d_exit [Z, K, V], u, do
+    [Z, C, V]."""
     mat = lambda a, b: jnp.einsum("zij,zjk->zik", a, b)  # noqa: E731
     tr = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731
-    grow = jnp.exp(hi + lo)
-    to_end = jnp.exp((hi[:, -1:] - hi) + (lo[:, -1:] - lo))
     seg = (hi[..., :, None] - hi[..., None, :]) + (lo[..., :, None] - lo[..., None, :])
-    decay = jnp.exp(seg)
-    d_inter = 2.0 * grow[..., None] * mat(do, tr(state))
-    dp = 2.0 * mat(do, tr(u)) * decay
+    d_inter = 2.0 * jnp.exp(hi + lo)[..., None] * mat(do, tr(state))
+    dp = 2.0 * mat(do, tr(u)) * jnp.exp(seg)
     dq = d_inter + mat(dp, k)
-    dk = mat(tr(dp), q)
     through_p = dp * mat(q, tr(k))
     at_step = (q * d_inter).sum(2)
-    d_kd = mat(u, tr(d_exit)) * to_end[..., None]
-    dk = dk + d_kd
+    d_kd = mat(u, tr(d_exit)) * jnp.exp((hi[:, -1:] - hi) + (lo[:, -1:] - lo))[..., None]
+    dk = mat(tr(dp), q) + d_kd
     through_kd = (d_kd * k).sum(2)
     through_end = jnp.exp(hi[:, -1] + lo[:, -1]) * (d_exit * state).sum((1, 2))
+    return dq, dk, _dg_body(at_step, through_kd, through_end[:, None], through_p)
+
+
+def _grads_solve_body(k, v, hi, lo, beta, inv, state, du, dk_in, dg_in):
+    """The second chunk-gradient kernel's arithmetic over every (row, chunk, head)
+    (pl.estimate_cost): k [Z, C, K], v, du [Z, C, V], hi, lo, beta [Z, C], inv [Z, C, C],
+    state [Z, K, V]; dk_in [Z, C, K] and dg_in [Z, C], the first kernel's shares."""
+    mat = lambda a, b: jnp.einsum("zij,zjk->zik", a, b)  # noqa: E731
+    tr = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731
+    seg = (hi[..., :, None] - hi[..., None, :]) + (lo[..., :, None] - lo[..., None, :])
+    grow = jnp.exp(hi + lo)
     scaled_keys = (beta * grow)[..., None] * k
-    big_u = mat(inv, beta[..., None] * v)
-    w = mat(inv, scaled_keys)
     d_rv = mat(tr(inv), du)
     d_rk = -mat(tr(inv), mat(du, tr(state)))
     dv = beta[..., None] * d_rv
     dbeta = (d_rv * v).sum(2) + (d_rk * grow[..., None] * k).sum(2)
-    dk = dk + (beta * grow)[..., None] * d_rk
-    at_step = at_step + (d_rk * scaled_keys).sum(2)
-    da = -(mat(d_rv, tr(big_u)) + mat(d_rk, tr(w))) * decay
+    at_step = (d_rk * scaled_keys).sum(2)
+    da = -(mat(d_rv, tr(mat(inv, beta[..., None] * v)))
+           + mat(d_rk, tr(mat(inv, scaled_keys)))) * jnp.exp(seg)
     through_a = da * mat(k, tr(k))
     dbeta = dbeta + through_a.sum(2)
-    pairs = through_p + beta[..., None] * through_a
     da = beta[..., None] * da
-    dk = dk + mat(da, k) + mat(tr(da), k)
-    spans = mat(jnp.ones_like(pairs), pairs)
-    dg = at_step + (through_kd + spans.sum(2)) + through_end[:, None]
-    return dq, dk, dv, dbeta, dg
+    dk = dk_in + (beta * grow)[..., None] * d_rk + mat(da, k) + mat(tr(da), k)
+    return dv, dbeta, dk, dg_in + _dg_body(at_step, None, None, beta[..., None] * through_a)
 
 
 def _chunk_grads(q, k, v, hi, lo, beta, inv, states, u, du, do, d_exit, scale, block_v,
@@ -281,18 +302,11 @@ def _chunk_grads(q, k, v, hi, lo, beta, inv, states, u, du, do, d_exit, scale, b
     per_key_head = hv // hk
     bv = block_v
     nvb = dv // bv
-    shapes = (sharding.out_struct((nvb, b, nc, chunk, hv, dk), F32, like=v),
-              sharding.out_struct((nvb, b, nc, chunk, hv, dk), F32, like=v),
-              sharding.out_struct(v.shape, F32, like=v),
-              sharding.out_struct((nvb,) + beta.shape, F32, like=beta),
-              sharding.out_struct((nvb,) + beta.shape, F32, like=beta))
+    key_shares = sharding.out_struct((nvb, b, nc, chunk, hv, dk), F32, like=v)
+    gate_shares = sharding.out_struct((nvb,) + beta.shape, F32, like=beta)
     z = b * nc * hv * nvb
     keys, values = cost.struct((z, chunk, dk), F32), cost.struct((z, chunk, bv), F32)
     row, square = cost.struct((z, chunk), F32), cost.struct((z, dk, bv), F32)
-    estimate = cost.estimate(
-        _grads_body, keys, keys, values, row, row, row, cost.struct((z, chunk, chunk), F32),
-        square, values, values, values, square,
-        inputs=(q, k, v, hi, lo, beta, inv, states, u, du, do, d_exit), outputs=shapes)
     key = pl.BlockSpec((None, None, chunk, None, dk),
                        lambda vb, h, c, i: (i, c, 0, h // per_key_head, 0))
     key_out = pl.BlockSpec((None, None, None, chunk, None, dk),
@@ -303,21 +317,41 @@ def _chunk_grads(q, k, v, hi, lo, beta, inv, states, u, du, do, d_exit, scale, b
                             lambda vb, h, c, i: (vb, i, c, 0, h))
     square_spec = pl.BlockSpec((None, None, None, dk, bv),
                                lambda vb, h, c, i: (i, c, h, 0, vb))
-    wide = max(dk, bv) > 64
-    dq, dk_, dv_, dbeta, dg = pl.pallas_call(
-        functools.partial(_grads_kernel, scale=float(scale)),
+    warps = 8 if max(dk, bv) > 64 else 4
+    grid = (nvb, hv, nc, b)
+    shapes = (key_shares, key_shares, gate_shares)
+    dq, dk_, dg = pl.pallas_call(
+        functools.partial(_grads_state_kernel, scale=float(scale)),
         out_shape=shapes,
-        grid=(nvb, hv, nc, b),
-        in_specs=[key, key, value, gate, gate, gate,
+        grid=grid,
+        in_specs=[key, key, gate, gate, square_spec, value, value, square_spec],
+        out_specs=[key_out, key_out, gate_out],
+        compiler_params=_params(num_warps=warps),
+        interpret=interpret,
+        cost_estimate=cost.estimate(
+            _grads_state_body, keys, keys, row, row, square, values, values, square,
+            inputs=(q, k, hi, lo, states, u, do, d_exit), outputs=shapes),
+        name="gated_delta_rule_chunk_grads_state",
+    )(q, k, hi, lo, states, u, do, d_exit)
+    shapes = (sharding.out_struct(v.shape, F32, like=v), gate_shares, key_shares, gate_shares)
+    dv_, dbeta, dk_, dg = pl.pallas_call(
+        _grads_solve_kernel,
+        out_shape=shapes,
+        grid=grid,
+        in_specs=[key, value, gate, gate, gate,
                   pl.BlockSpec((None, None, None, chunk, chunk),
                                lambda vb, h, c, i: (i, c, h, 0, 0)),
-                  square_spec, value, value, value, square_spec],
-        out_specs=[key_out, key_out, value, gate_out, gate_out],
-        compiler_params=_params(num_warps=8 if wide else 4),
+                  square_spec, value, key_out, gate_out],
+        out_specs=[value, gate_out, key_out, gate_out],
+        input_output_aliases={8: 2, 9: 3},
+        compiler_params=_params(num_warps=warps),
         interpret=interpret,
-        cost_estimate=estimate,
-        name="gated_delta_rule_chunk_grads",
-    )(q, k, v, hi, lo, beta, inv, states, u, du, do, d_exit)
+        cost_estimate=cost.estimate(
+            _grads_solve_body, keys, values, row, row, row, cost.struct((z, chunk, chunk), F32),
+            square, values, keys, row,
+            inputs=(k, v, hi, lo, beta, inv, states, du, dk_, dg), outputs=shapes),
+        name="gated_delta_rule_chunk_grads_solve",
+    )(k, v, hi, lo, beta, inv, states, du, dk_, dg)
     return dq.sum(0), dk_.sum(0), dv_, dbeta.sum(0), dg.sum(0)
 
 
