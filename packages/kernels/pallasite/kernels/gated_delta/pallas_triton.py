@@ -72,8 +72,8 @@ class BlockSizes:
     2026-12-03, bf16, K = V = 128, docs/performance.md): at (B 1, T 32768, Hv 32) the
     state pass took 1.43 / 1.34 / 1.73 ms at block_v 16 / 32 / 64 and at (B 8, T 4096,
     Hv 32) 1.37 / 0.91 / 0.69; the output 1.06 / 0.77 / 0.52 ms at output_block_v 32 /
-    64 / 128; the chunk gradients 38.8 / 26.0 / 17.5 ms at grads_block_v 32 / 64 /
-    128."""
+    64 / 128; the chunk gradients (two kernels since 4c65601) 20.0 / 10.2 / 8.1 ms at
+    grads_block_v 32 / 64 / 128."""
 
     block_v: int | None = None
     output_block_v: int = 128
