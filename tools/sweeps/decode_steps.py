@@ -5,6 +5,11 @@ same state bytes (the ceiling). JSON lines to $OUT/decode_steps.jsonl, a table o
 
     OUT=folder PYTHONPATH=<the four package roots>:.peers python3 tools/sweeps/decode_steps.py
     python3 tools/sweeps/decode_steps.py --smoke      # tiny shapes, interpreters, no peers
+    ... decode_steps.py --delta-configs               # also the delta step's launch grid
+
+`--delta-configs` times gated_delta_rule_step's Pallas Triton kernel at every (BLOCK_V,
+NUM_WARPS) of DELTA_CONFIGS as well (implementation `pallas_triton[bv=..,w=..]`), each
+compared with the XLA step's y (relative L2) from the same state.
 
 A step reads and writes each named slot's state once (fp32), which is nearly all of its
 traffic: GB/s counts the named state twice plus the token's inputs and outputs, and
@@ -37,6 +42,7 @@ from pallasite.bench import harness, peers
 from pallasite.kernels import gated_delta_rule_step, selective_state_update
 
 F32, BF16 = jnp.float32, jnp.bfloat16
+DELTA_CONFIGS = [(bv, w) for bv in (32, 64, 128) for w in (1, 2, 4, 8)]
 
 
 class _Chain:
@@ -154,7 +160,30 @@ def _delta_tokens(b, hk, hv, dk, dv, seed):
             "beta": jax.nn.sigmoid(jax.random.normal(k[4], (b, hv), F32))}
 
 
-def delta_step(rows, slots, hk, hv, dk, dv, interpret, with_peers):
+def _delta_configs(step, cache, sets, reference):
+    """The Triton step at each (BLOCK_V, NUM_WARPS) of DELTA_CONFIGS, then the module's own
+    again: [(name, seconds, rel_l2 against `reference`)]."""
+    from pallasite.kernels.gated_delta import step_pallas_triton as kernel
+
+    own = (kernel.BLOCK_V, kernel.NUM_WARPS)
+    out = []
+    try:
+        for bv, warps in DELTA_CONFIGS:
+            kernel.BLOCK_V, kernel.NUM_WARPS = bv, warps
+            jax.clear_caches()
+            run = functools.partial(step, implementation="pallas_triton")
+            y = np.asarray(jax.jit(run)(cache, sets[0])[0], np.float32)
+            chain = _Chain(jax.jit(run, donate_argnums=0), cache + 0.0)
+            jax.block_until_ready(chain(sets[0]))
+            out.append((f"pallas_triton[bv={bv},w={warps}]",
+                        _time(chain, sets, harness.jax_sync), _rel(y, reference)))
+    finally:
+        kernel.BLOCK_V, kernel.NUM_WARPS = own
+        jax.clear_caches()
+    return out
+
+
+def delta_step(rows, slots, hk, hv, dk, dv, interpret, with_peers, configs=False):
     cache = jax.random.normal(jax.random.key(0), (slots, hv, dk, dv), F32) * 0.1
     order = jax.random.permutation(jax.random.key(4), slots)[:rows].astype(jnp.int32)
     sets = [_delta_tokens(rows, hk, hv, dk, dv, s) for s in range(3)]
@@ -167,6 +196,8 @@ def delta_step(rows, slots, hk, hv, dk, dv, interpret, with_peers):
                                      implementation=implementation)
 
     out, first_y = _pallasite(step, cache, sets, interpret)
+    if configs and not interpret:
+        out += _delta_configs(step, cache, sets, first_y["xla"])
     if with_peers and rows == slots and (why := peers.fla_missing()) is None:
         import torch
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_step
@@ -192,6 +223,8 @@ def delta_step(rows, slots, hk, hv, dk, dv, interpret, with_peers):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes through the interpreters")
+    p.add_argument("--delta-configs", action="store_true",
+                   help="also the delta step's kernel at every (BLOCK_V, NUM_WARPS)")
     args = p.parse_args(argv)
     smoke = args.smoke or jax.default_backend() == "cpu"
     cases = ([("mamba2_tiny", mamba_step, (4, 6, 4, 16, 1, 16)),
@@ -203,7 +236,8 @@ def main(argv=None) -> int:
     path = os.path.join(os.environ.get("OUT", "."), "decode_steps.jsonl")
     with open(path, "a") as f:
         for name, run, dims in cases:
-            named, moved, results = run(*dims, interpret=smoke, with_peers=not smoke)
+            extra = {"configs": args.delta_configs} if run is delta_step else {}
+            named, moved, results = run(*dims, interpret=smoke, with_peers=not smoke, **extra)
             ceiling = _copy_rate(named)
             for impl, seconds, *rel in results:
                 rate = moved / seconds / 1e9
