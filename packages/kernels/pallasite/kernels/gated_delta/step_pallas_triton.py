@@ -25,8 +25,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallasite.kernels import cost, sharding
 from pallasite.reference.gated_delta_rule import L2NORM_EPS
 
-BLOCK_V = 32  # value columns per program: K x 32 fp32 state (16 KiB at K = 128)
-NUM_WARPS = 4
+BLOCK_V = 64  # value columns per program: K x 64 fp32 state (32 KiB at K = 128)
+NUM_WARPS = 2
 
 
 def _pow2(n: int) -> int:
