@@ -162,7 +162,65 @@ def test_block_v_follows_the_program_count():
     assert pallas_triton.default_block_v(8, 32, 128) == 64
     assert pallas_triton.default_block_v(1, 4, 128) == 16
     assert pallas_triton.default_block_v(1, 4, 16) == 16
-    assert pallas_triton._resolve({"block_v": 64}, 1, 4, 32).block_v == 32
+    dims = dict(batch=1, length=64, hv=4, dk=16, dv=32, chunk=32, dtype=jnp.float32)
+    assert pallas_triton._resolve({"block_v": 64}, **dims).block_v == 32
+    assert pallas_triton._resolve(None, **dims).block_v == 16  # no table entry on a CPU
+
+
+def _table_with(tmp_path, config, device_kind="NVIDIA H200"):
+    """The checked-in gated_delta_rule table plus one entry for the small shapes below."""
+    import json
+
+    from pallasite.tuning import tables
+
+    data = json.loads(tables.table_path("gated_delta_rule").read_text())
+    data["entries"] = [{
+        "implementation": "pallas_triton", "device_kind": device_kind,
+        "dtypes": ["bfloat16"], "config": config,
+        "bucket": {"batch": "upto_1", "length": "upto_4k", "heads": "upto_16",
+                   "key_dim": "upto_64", "value_dim": "upto_64", "chunk": "upto_32"},
+        "measured": {"shape": "a test's"}}]
+    (tmp_path / "gated_delta_rule.json").write_text(json.dumps(data))
+    return tmp_path
+
+
+def test_a_table_entry_sets_both_passes_blocks(monkeypatch, tmp_path):
+    """With no block_sizes, the forward and the backward look up pallasite.tuning's table
+    under one key (device kind, compute dtype, shape bucket) and run its entry: here
+    grads_block_v 16 splits the chunk gradients' 64 value columns into 4 programs. A
+    caller's block_sizes (any key) bypasses the table; another device kind's entry, or
+    an entry that is not valid block sizes, is passed over for the defaults."""
+    from pallasite import tuning
+    from pallasite.tuning import tables
+
+    monkeypatch.setattr(tuning, "device_kind", lambda: "NVIDIA H200")
+    a = _inputs(3, t=40, hk=1, hv=2, dk=32, dv=64, dtype=jnp.bfloat16)
+    args = [a[n] for n in NAMES]
+
+    def trace(block_sizes=None):
+        def loss(*x):
+            o, final = pallas_triton.forward(
+                *x[:5], scale=0.2, initial_state=x[5], cu_seqlens=None, chunk_size=32,
+                use_qk_l2norm_in_kernel=False, interpret=True, block_sizes=block_sizes)
+            return jnp.sum(o.astype(jnp.float32)) + jnp.sum(final)
+
+        with tuning.recording() as seen:
+            text = str(jax.make_jaxpr(jax.grad(loss, argnums=tuple(range(6))))(*args))
+        return seen, text
+
+    entry = {"block_v": 32, "output_block_v": 64, "grads_block_v": 16}
+    monkeypatch.setattr(tables, "DATA_DIR", _table_with(tmp_path, entry))
+    seen, text = trace()
+    assert [(op, impl, sel.source) for op, impl, sel in seen] == [
+        ("gated_delta_rule", "pallas_triton", "table")] * 2  # forward, backward
+    assert all(sel.config == pallas_triton.BlockSizes(**entry) for _, _, sel in seen)
+    assert "f32[4,1,2,32,2,32]" in text  # dq's shares: one per 16-column block
+    assert trace({"grads_block_v": 64})[0] == []  # the caller's: no lookup
+
+    for other, kind in ((entry, "NVIDIA A100"), ({**entry, "grads_block_v": 24}, "NVIDIA H200")):
+        monkeypatch.setattr(tables, "DATA_DIR", _table_with(tmp_path, other, kind))
+        seen, _ = trace()
+        assert {sel.source for _, _, sel in seen} == {"default"}
 
 
 def test_the_kernels_run_on_local_heads_under_explicit_axes():

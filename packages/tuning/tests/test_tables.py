@@ -83,6 +83,10 @@ def test_json_round_trip_and_replacing_an_entry():
     ("grouped_projection", {"m": 32768, "k": 2048, "n": 1024, "g": 64}),
     ("ssd", {"length": 4096, "heads": 32, "head_dim": 64, "state": 128, "chunk": 256}),
     ("ssd", {"length": 16384, "heads": 80, "head_dim": 64, "state": 128, "chunk": 256}),
+    ("gated_delta_rule", {"batch": 1, "length": 32768, "heads": 32, "key_dim": 128,
+                          "value_dim": 128, "chunk": 64}),
+    ("gated_delta_rule", {"batch": 8, "length": 4096, "heads": 32, "key_dim": 128,
+                          "value_dim": 128, "chunk": 64}),
 ])
 def test_checked_in_tables_parse_and_cover_the_targets(op, shape):
     t = load_table(op)

@@ -13,8 +13,10 @@ tried and failed, the date, the device and the jax version: the tables hold meas
 only. `--dry-run` lists the keys and candidates and runs nothing; `--results FILE` appends
 one JSON line per key with every trial (status, time, error).
 
-The kernels are reached through their backend functions (`gmm`/`tgmm`, SSD `forward`),
-called with `block_sizes=` so the table under test never decides what is timed.
+The kernels are reached through their backend functions (`gmm`/`tgmm`, SSD `forward` and
+`backward`, the gated delta rule's `forward` and its VJP), called with `block_sizes=` so
+the table under test never decides what is timed. `--op gated_delta_rule` tunes one key
+per shape (its block sizes serve the forward and the backward) on its two bench shapes.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from pallasite.kernels.gated_delta import tuning_benchmarks as gdr_benchmarks
 from pallasite.kernels.grouped_matmul import tuning_benchmarks as gp_benchmarks
 from pallasite.kernels.ssd import tuning_benchmarks as ssd_benchmarks
 from pallasite.tuning import autotune as tuner
@@ -42,6 +45,7 @@ from pallasite.tuning.configs import config_from_dict, config_to_dict
 
 GP = "grouped_projection"
 SSD = "ssd"
+GDR = "gated_delta_rule"
 BF16 = "bfloat16"
 
 # docs/targets.md shapes. grouped_projection: (m, k, n, g); ssd: SSD_DIMS.
@@ -56,6 +60,11 @@ SSD_TARGETS = {
     "b8_l4096_h32": (8, 4096, 32, 64, 128, 1, 256),
     "b4_l8192_h64_g8": (4, 8192, 64, 64, 128, 8, 256),
     "b2_l16384_h80": (2, 16384, 80, 64, 128, 1, 256),
+}
+# The gated delta rule's bench shapes (docs/gated_delta_rule.md): gdr_benchmarks.DIMS.
+GDR_TARGETS = {
+    "qwen3_next": (1, 32768, 32, 128, 128, 64, 16),
+    "b8_t4096_h32": (8, 4096, 32, 128, 128, 64, 32),
 }
 
 
@@ -137,6 +146,20 @@ def _ssd_impls(interpret: bool = False, everything: bool = False) -> list[Impl]:
     return out
 
 
+# ------------------------------------------------------------------ gated_delta_rule
+
+
+def _gdr_impls(interpret: bool = False, everything: bool = False) -> list[Impl]:
+    """One key, pallas_triton: its block sizes serve the forward and the backward."""
+    from pallasite.kernels import platform
+
+    mod = _try_import("pallasite.kernels.gated_delta.pallas_triton")
+    if mod is None or not (platform.triton_runs() or interpret or everything):
+        return []
+    return [Impl("pallas_triton", mod.BlockSizes, mod.BlockSizes(),
+                 lambda d, t=BF16: gdr_benchmarks.benchmark(mod, d, t, interpret))]
+
+
 # ------------------------------------------------------------------------------ driver
 
 
@@ -152,6 +175,8 @@ def targets(op: str) -> dict[str, dict]:
     """Table dims plus what the benchmark needs, per docs/targets.md shape name."""
     if op == GP:
         return {name: dict(zip("mkng", v)) for name, v in GP_TARGETS.items()}
+    if op == GDR:
+        return {name: dict(zip(gdr_benchmarks.DIMS, v)) for name, v in GDR_TARGETS.items()}
     return {name: dict(zip(SSD_DIMS, v))
             for name, v in SSD_TARGETS.items()}
 
@@ -268,7 +293,7 @@ def _from_results(args, table: tables.Table, path: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--op", required=True, choices=(GP, SSD))
+    parser.add_argument("--op", required=True, choices=(GP, SSD, GDR))
     parser.add_argument("--device-kind", required=True,
                         help="the table key; must be this device's kind ('auto': this device's)")
     parser.add_argument("--implementation", action="append", help="only these keys (repeatable)")
@@ -304,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.dry_run or args.interpret) and tables.normalize_device_kind(actual) != tables.normalize_device_kind(args.device_kind):
         parser.error(f"--device-kind {args.device_kind!r} but this device is {actual!r}")
     # A dry run lists every implementation, whether or not this device runs it.
-    impls = (_gp_impls if args.op == GP else _ssd_impls)(args.interpret, args.dry_run)
+    impls = {GP: _gp_impls, SSD: _ssd_impls, GDR: _gdr_impls}[args.op](args.interpret,
+                                                                        args.dry_run)
     if args.implementation:
         impls = [i for i in impls if i.name in args.implementation]
     if not impls:

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallasite import tuning
 from pallasite.kernels import cost, sharding
 from pallasite.kernels.gated_delta import packing
 from pallasite.kernels.ssd import decay
@@ -122,8 +123,29 @@ def default_block_v(batch: int, hv: int, dv: int) -> int:
     return min(16, dv)
 
 
-def _resolve(block_sizes, batch: int, hv: int, dv: int) -> BlockSizes:
-    bs = BlockSizes(**(block_sizes or {}))
+def _fits(bs: BlockSizes) -> bool:
+    """Whether a stored config (a table or cache entry) is valid block sizes."""
+    return block_sizes_reason(
+        {k: v for k, v in dataclasses.asdict(bs).items() if v is not None}) is None
+
+
+def _resolve(block_sizes, *, batch: int, length: int, hv: int, dk: int, dv: int,
+             chunk: int, dtype) -> BlockSizes:
+    """The one place block sizes are chosen, for the forward and the backward alike: the
+    caller's dict (any key given), else pallasite.tuning's table entry for this device,
+    compute dtype and shape bucket, else BlockSizes' defaults; block_v None becomes
+    default_block_v's pick, and every block is cut to V. No autotune on a miss: the
+    table's entries come from the offline autotuner (`bench.autotune --op
+    gated_delta_rule`)."""
+    if block_sizes:
+        bs = BlockSizes(**block_sizes)
+    else:
+        shape = {"batch": batch, "length": length, "heads": hv, "key_dim": dk,
+                 "value_dim": dv, "chunk": chunk}
+        bs = tuning.select_block_sizes(
+            "gated_delta_rule", "pallas_triton", device_kind=tuning.device_kind(),
+            dtypes=(dtype,), shape=shape, config_type=BlockSizes, default=BlockSizes(),
+            fits=lambda config, dims: _fits(config)).config
     block_v = default_block_v(batch, hv, dv) if bs.block_v is None else bs.block_v
     return BlockSizes(block_v=min(block_v, dv), output_block_v=min(bs.output_block_v, dv),
                       grads_block_v=min(bs.grads_block_v, dv))
@@ -504,7 +526,8 @@ def _kernels(q, k, v, g, beta, init, cu_seqlens, *, scale, chunk_size, l2norm, i
     split = lambda t: t.reshape(b, nc, chunk_size, *t.shape[2:])  # noqa: E731
     q, k, v, g, beta = (split(t) for t in (q, k, v, g, beta))
     hi, lo = decay.cumsum_pair(g, axis=2)
-    bs = _resolve(block_sizes, b, hv, dv)
+    bs = _resolve(block_sizes, batch=b, length=length, hv=hv, dk=dk, dv=dv, chunk=chunk_size,
+                  dtype=cd)
     big_u, w, inv = _prep(k, v, hi, lo, beta, hv, cd, l2norm, interpret,
                           store_inverse=residuals)
     states, u, finals = _state_pass(w, big_u, k, hi, lo, entering, leaving,
@@ -552,7 +575,9 @@ def _chunked_bwd(config, residuals, cotangents):
 
     saved, dtypes = residuals
     do, dfinal = cotangents
-    bs = _resolve(dict(config.block_sizes), do.shape[0], do.shape[2], do.shape[3])
+    bs = _resolve(dict(config.block_sizes), batch=do.shape[0], length=do.shape[1],
+                  hv=do.shape[2], dk=saved["q"].shape[4], dv=do.shape[3],
+                  chunk=config.chunk_size, dtype=saved["w"].dtype)
     dq, dk, dv, dg, dbeta, dinit = pallas_triton_bwd.backward(
         saved, do, dfinal, scale=config.scale, length=do.shape[1], l2norm=config.l2norm,
         block_v=bs.block_v, grads_block_v=bs.grads_block_v, interpret=config.interpret)
