@@ -28,6 +28,7 @@ def test_cli_smoke(tmp_path, capsys):
     by = {(r.kernel, r.implementation): r for r in recs}
     assert by[("grouped_projection.fwd", "xla")].status == "ok"
     assert by[("grouped_projection.fwd", "xla")].steady_state_time > 0
+    assert by[("grouped_projection.fwd", "xla")].temp_bytes >= 0  # XLA's memory analysis
     assert by[("grouped_projection.fwd", "jax.lax.ragged_dot")].peer
     assert by[("grouped_projection.fwd", "tokamax.mosaic")].status == "unsupported"
     triton = by[("grouped_projection.fwd", "pallas_triton")]

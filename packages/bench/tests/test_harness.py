@@ -47,6 +47,25 @@ def test_compile_jax_times_ahead_of_time():
         compiled({"a": jnp.ones(4)})  # compiled for one shape only
 
 
+def test_temp_bytes_counts_what_a_backward_keeps():
+    """A forward+backward keeps its forward's intermediates for the backward: XLA's
+    temporary bytes grow with them; arguments and outputs are not counted."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss(x, layers):
+        for _ in range(layers):
+            x = jnp.tanh(x @ x)
+        return jnp.sum(x)
+
+    x = jnp.ones((128, 128), jnp.float32)
+    temp = [harness.temp_bytes(harness.compile_jax(
+        jax.jit(jax.grad(lambda a, n=n: loss(a, n))), x)[0]) for n in (1, 4)]
+    assert 0 < temp[0] < temp[1]
+    assert temp[1] >= 3 * 128 * 128 * 4  # at least the three extra layers' activations
+    assert harness.temp_bytes(object()) is None  # no analysis: None, not an error
+
+
 def test_issue_time_tells_host_bound_from_device_bound():
     """A call that holds the host (dispatch slower than the device) issues as slowly as it
     runs; one that returns at once and waits in the sync does not."""

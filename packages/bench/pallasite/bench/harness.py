@@ -68,6 +68,17 @@ def compile_jax(fn: Callable, example: Any) -> tuple[Callable, float]:
     return compiled, time.perf_counter() - start
 
 
+def temp_bytes(compiled) -> int | None:
+    """XLA's temporary buffer bytes for one call of a compiled JAX function: activations,
+    what a forward keeps for its backward inside one value_and_grad, workspace; its
+    arguments and outputs are not counted. None where the backend gives no analysis."""
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - a backend without memory analysis
+        return None
+    return None if stats is None else int(stats.temp_size_in_bytes)
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     pos = q * (len(ordered) - 1)

@@ -49,6 +49,7 @@ class Record:
     peer: bool = False
     timing: str = ""  # "device" | "host" (CPU) | "parity only (interpreter)" | ""
     compile_time: float | None = None  # seconds
+    temp_bytes: int | None = None  # XLA's temporary buffers of one call (JAX implementations)
     steady_state_time: float | None = None  # seconds, median per call
     time_p10: float | None = None
     time_p90: float | None = None

@@ -171,6 +171,7 @@ def _measure(case, impl, ctx) -> Record:
         with tuning.recording() as selections:
             call, compile_s = harness.compile_jax(fn, adapted[0])
         kw_used["used"] = used_block_sizes(selections)
+        kw_used["temp_bytes"] = harness.temp_bytes(call)
         outputs = call(adapted[0])
         sync(outputs)
     error = _check(case, impl, ctx, sets[0], outputs)
