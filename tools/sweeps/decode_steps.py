@@ -71,6 +71,16 @@ def _nbytes(tree) -> int:
     return int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree)))
 
 
+def _first_y_and_time(step, impl, cache, sets):
+    """(y of sets[0] from `cache`, seconds per call of the donated step chained over
+    `sets`) of step(state, token, implementation=impl)."""
+    run = functools.partial(step, implementation=impl)
+    y = np.asarray(jax.jit(run)(cache, sets[0])[0], np.float32)
+    chain = _Chain(jax.jit(run, donate_argnums=0), cache + 0.0)
+    jax.block_until_ready(chain(sets[0]))
+    return y, _time(chain, sets, harness.jax_sync)
+
+
 def _pallasite(step, cache, sets, interpret):
     """step(state, token, implementation) on each of pallasite's backends (the kernel only
     compiled): ([(name, seconds)], {backend: y of sets[0] from `cache`})."""
@@ -78,11 +88,8 @@ def _pallasite(step, cache, sets, interpret):
     for impl in ("pallas_triton", "xla"):
         if interpret and impl == "pallas_triton":
             continue  # the interpreter is not timed; the tests check it
-        run = functools.partial(step, implementation=impl)
-        first_y[impl] = np.asarray(jax.jit(run)(cache, sets[0])[0], np.float32)
-        chain = _Chain(jax.jit(run, donate_argnums=0), cache + 0.0)
-        jax.block_until_ready(chain(sets[0]))
-        out.append(("pallasite." + impl, _time(chain, sets, harness.jax_sync)))
+        first_y[impl], seconds = _first_y_and_time(step, impl, cache, sets)
+        out.append(("pallasite." + impl, seconds))
     return out, first_y
 
 
@@ -161,8 +168,8 @@ def _delta_tokens(b, hk, hv, dk, dv, seed):
 
 
 def _delta_configs(step, cache, sets, reference):
-    """The Triton step at each (BLOCK_V, NUM_WARPS) of DELTA_CONFIGS, then the module's own
-    again: [(name, seconds, rel_l2 against `reference`)]."""
+    """The Triton step at each (BLOCK_V, NUM_WARPS) of DELTA_CONFIGS (the module's own
+    restored after): [(name, seconds, rel_l2 against `reference`)]."""
     from pallasite.kernels.gated_delta import step_pallas_triton as kernel
 
     own = (kernel.BLOCK_V, kernel.NUM_WARPS)
@@ -171,12 +178,8 @@ def _delta_configs(step, cache, sets, reference):
         for bv, warps in DELTA_CONFIGS:
             kernel.BLOCK_V, kernel.NUM_WARPS = bv, warps
             jax.clear_caches()
-            run = functools.partial(step, implementation="pallas_triton")
-            y = np.asarray(jax.jit(run)(cache, sets[0])[0], np.float32)
-            chain = _Chain(jax.jit(run, donate_argnums=0), cache + 0.0)
-            jax.block_until_ready(chain(sets[0]))
-            out.append((f"pallas_triton[bv={bv},w={warps}]",
-                        _time(chain, sets, harness.jax_sync), _rel(y, reference)))
+            y, seconds = _first_y_and_time(step, "pallas_triton", cache, sets)
+            out.append((f"pallas_triton[bv={bv},w={warps}]", seconds, _rel(y, reference)))
     finally:
         kernel.BLOCK_V, kernel.NUM_WARPS = own
         jax.clear_caches()

@@ -92,11 +92,7 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
         return q, k, v, hi, lo, beta
 
     lq, lk, lv, hi, lo, lbeta = prologue(q, k, v, g, beta)
-    nc = lq.shape[1]
-    chunks = jnp.arange(nc, dtype=jnp.int32)[None, :]
-    rows = jnp.arange(b, dtype=jnp.int32)[:, None]
-    entering = jnp.where(chunks == 0, rows, -1)
-    leaving = jnp.where(chunks == nc - 1, rows, -1)
+    entering, leaving = packing.chunk_tables(b, lq.shape[1], None, None)
     base = dict(op="gated_delta_rule", shape=name, impl="pallasite.pallas_triton")
 
     def rec(stage, value, **kw):

@@ -388,24 +388,18 @@ DELTA_ARGS = ("q", "k", "v", "g", "beta", "initial_state")
 
 
 def _delta_inputs(case: Case, k_in, k_cot, k_state, dtype) -> dict[str, Any]:
-    """Gated DeltaNet's: q ~ N(0, 1), k L2-normalised, v ~ N(0, 1) in `dtype`; g =
-    logsigmoid(N(4, 1)) (decays near 1, as trained layers have them) and beta =
-    sigmoid(N(0, 1)) in fp32; a random fp32 initial state per sequence; with seqs > 1,
-    cu_seqlens of that many random lengths (the same every seed)."""
+    """Gated DeltaNet's (pallasite.reference.inputs.gated_delta_inputs), a random fp32
+    initial state per sequence; with seqs > 1, cu_seqlens of that many random lengths
+    (the same every seed)."""
     import jax
     import jax.numpy as jnp
 
+    from pallasite.reference import inputs as ref_inputs
+
     d = case.d
     b, t, hk, hv, dk, dv = (d[x] for x in ("b", "t", "hk", "hv", "k", "v"))
-    ks = jax.random.split(k_in, 5)
-    k = jax.random.normal(ks[1], (b, t, hk, dk))
-    n = d["seqs"] if d["seqs"] > 1 else b
-    out = {"q": jax.random.normal(ks[0], (b, t, hk, dk)).astype(dtype),
-           "k": (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(dtype),
-           "v": jax.random.normal(ks[2], (b, t, hv, dv)).astype(dtype),
-           "g": jax.nn.log_sigmoid(jax.random.normal(ks[3], (b, t, hv)) + 4.0),
-           "beta": jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, hv))),
-           "initial_state": 0.1 * jax.random.normal(k_state, (n, hv, dk, dv))}
+    out = ref_inputs.gated_delta_inputs(k_in, k_state, b, t, hk, hv, dk, dv, dtype,
+                                        states=d["seqs"] if d["seqs"] > 1 else b)
     if d["seqs"] > 1:
         cuts = np.sort(np.random.default_rng(1234).choice(np.arange(1, t), d["seqs"] - 1,
                                                           replace=False))

@@ -33,6 +33,7 @@ __all__ = [
     "grouped_projection_inputs",
     "ssd_inputs",
     "ssd_initial_state",
+    "gated_delta_inputs",
 ]
 
 
@@ -217,3 +218,25 @@ def ssd_initial_state(
     """A random (nonzero) initial state [batch, heads, head_dim, state], fp32 by default."""
     (state0,) = _normals(key, (batch, heads, head_dim, state))
     return state0.astype(dtype)
+
+
+def gated_delta_inputs(
+    key: jax.Array, state_key: jax.Array, batch: int, length: int, key_heads: int,
+    value_heads: int, key_dim: int, value_dim: int, dtype, *, states: int | None = None,
+) -> dict[str, Array]:
+    """chunk_gated_delta_rule's arrays as a Gated DeltaNet layer has them: q ~ N(0, 1), k
+    L2-normalised, v ~ N(0, 1) in `dtype` ([batch, length, heads, dim]); g =
+    logsigmoid(N(4, 1)) (decays near 1, as trained layers have them) and beta =
+    sigmoid(N(0, 1)) in fp32 ([batch, length, value_heads]); from `state_key`, a random
+    fp32 initial state [states (default batch), value_heads, key_dim, value_dim] x 0.1."""
+    ks = jax.random.split(key, 5)
+    keys_shape = (batch, length, key_heads, key_dim)
+    k = jax.random.normal(ks[1], keys_shape)
+    return {"q": jax.random.normal(ks[0], keys_shape).astype(dtype),
+            "k": (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(dtype),
+            "v": jax.random.normal(ks[2], (batch, length, value_heads, value_dim)).astype(dtype),
+            "g": jax.nn.log_sigmoid(jax.random.normal(ks[3], (batch, length, value_heads)) + 4.0),
+            "beta": jax.nn.sigmoid(jax.random.normal(ks[4], (batch, length, value_heads))),
+            "initial_state": 0.1 * jax.random.normal(
+                state_key, (batch if states is None else states, value_heads, key_dim,
+                            value_dim))}

@@ -123,10 +123,14 @@ def default_block_v(batch: int, hv: int, dv: int) -> int:
     return min(16, dv)
 
 
+def as_block_dict(bs: BlockSizes) -> dict:
+    """`bs` as the block_sizes dict the kernels take (None fields left out)."""
+    return {k: v for k, v in dataclasses.asdict(bs).items() if v is not None}
+
+
 def _fits(bs: BlockSizes) -> bool:
     """Whether a stored config (a table or cache entry) is valid block sizes."""
-    return block_sizes_reason(
-        {k: v for k, v in dataclasses.asdict(bs).items() if v is not None}) is None
+    return block_sizes_reason(as_block_dict(bs)) is None
 
 
 def _resolve(block_sizes, *, batch: int, length: int, hv: int, dk: int, dv: int,

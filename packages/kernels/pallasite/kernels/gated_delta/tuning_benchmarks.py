@@ -11,37 +11,17 @@ fp32 on the same (rounded) inputs.
 
 from __future__ import annotations
 
-import dataclasses
 from types import ModuleType
 from typing import Mapping
 
 import jax
 import jax.numpy as jnp
 
+from pallasite.reference import inputs as ref_inputs
 from pallasite.tuning import Benchmark
 
 # The shape keys of the table (pallas_triton._resolve's lookup), then the benchmark's own.
 DIMS = ("batch", "length", "heads", "key_dim", "value_dim", "chunk", "key_heads")
-
-
-def synthetic_inputs(dims: Mapping[str, int], dtype):
-    """q, k (unit rows, as a model's L2-normalised keys), v in `dtype`; g <= 0, beta in
-    (0, 1) and the initial states [batch, Hv, K, V] fp32; seeded."""
-    b, t, hv, dk, dv = (dims[k] for k in ("batch", "length", "heads", "key_dim", "value_dim"))
-    hk = dims["key_heads"]
-    ks = jax.random.split(jax.random.key(0), 6)
-    unit = lambda x: x * jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True))  # noqa: E731
-    f = lambda i, s: jax.random.normal(ks[i], s, jnp.float32)  # noqa: E731
-    return dict(q=unit(f(0, (b, t, hk, dk))).astype(dtype),
-                k=unit(f(1, (b, t, hk, dk))).astype(dtype),
-                v=f(2, (b, t, hv, dv)).astype(dtype),
-                g=-jax.nn.softplus(f(3, (b, t, hv)) - 2.0),
-                beta=jax.nn.sigmoid(f(4, (b, t, hv))),
-                initial_state=0.1 * f(5, (b, hv, dk, dv)))
-
-
-def _block_dict(config) -> dict:
-    return {k: v for k, v in dataclasses.asdict(config).items() if v is not None}
 
 
 def benchmark(backend: ModuleType, dims: Mapping[str, int], dtype="bfloat16",
@@ -50,7 +30,9 @@ def benchmark(backend: ModuleType, dims: Mapping[str, int], dtype="bfloat16",
     blocks, against the XLA form in fp32."""
     from pallasite.kernels.gated_delta import xla
 
-    a = synthetic_inputs(dims, jnp.dtype(dtype))
+    a = ref_inputs.gated_delta_inputs(
+        jax.random.key(0), jax.random.key(2), dims["batch"], dims["length"],
+        dims["key_heads"], dims["heads"], dims["key_dim"], dims["value_dim"], jnp.dtype(dtype))
     names = tuple(a)
     hv, chunk = dims["heads"], dims["chunk"]
     heads = jnp.asarray(sorted({0, hv - 1}))
@@ -70,7 +52,7 @@ def benchmark(backend: ModuleType, dims: Mapping[str, int], dtype="bfloat16",
 
     def build(cfg):
         fn = lambda *x, **k: backend.forward(*x, **k, interpret=interpret,  # noqa: E731
-                                             block_sizes=_block_dict(cfg))
+                                             block_sizes=backend.as_block_dict(cfg))
         f = jax.jit(lambda *x: checked(fn, *x))
         return lambda: f(*(a[n] for n in names))
 
