@@ -3,8 +3,8 @@ torch._grouped_mm's forward, dx and dkernel, every time by the queued method (N 
 to back, one synchronisation, time / N; median of 5).
 
 A variant is a "+"-joined list of changes to the product's default blocks: stagesN, gbnN
-(snake width), delayN (delay_release), epiN (epilogue_block_n), bmN (block_m), pingpong
-(the ping-pong gmm and dx), coop (the cooperative warp-specialised gmm and dx instead),
+(snake width), delayN (delay_release), epiN (epilogue_block_n), bmN (block_m), bnN (block_n), pingpong
+(the ping-pong kernels), coop (the cooperative warp-specialised gmm and dx instead),
 onewg (the one-warpgroup kernel); or to the dkernel's boundary masks: chunkN (rows per
 masked chunk) and fullmask (whole blocks in the accumulator layout, the form before
 2026-12-02); "default" changes nothing.
@@ -45,7 +45,8 @@ OUT = os.environ.get("OUT", "/tmp")
 SHAPES = {"mixtral": (32768, 4096, 14336, 8), "dsv3": (65536, 7168, 2048, 256),
           "w1408_up": (32768, 2048, 1408, 64), "w5504_up": (32768, 2048, 5504, 16),
           "qwen3": (65536, 2048, 768, 128), "olmoe": (32768, 2048, 1024, 64),
-          "w1408_down": (32768, 1408, 2048, 64), "w5504_down": (32768, 5504, 2048, 16)}
+          "w1408_down": (32768, 1408, 2048, 64), "w5504_down": (32768, 5504, 2048, 16),
+          "w2880": (65536, 2880, 5760, 128)}
 VARIANTS = os.environ.get("VARIANTS", "default").split(",")
 PRODUCTS = os.environ.get("PRODUCTS", "fwd,dx,dk").split(",")
 
@@ -107,19 +108,19 @@ def apply(variant):
 
 def bs_for(variant, prod, m, k, n, g):
     product = {"fwd": "forward", "dx": "dx", "dk": "dkernel"}[prod]
-    # The dx is a gmm whose output is k wide and whose contraction is n: its default is
-    # picked from those, as gmm picks it (before 2026-12-02 this passed the forward's
-    # k and n, which timed another config as the dx "default" where k and n differ in
-    # kind; docs/performance.md, "one-pass tile table").
-    kk, nn = (n, k) if prod == "dx" else (k, n)
-    bs = M.default_block_sizes(product=product, m=m, k=kk, n=nn, g=g)
+    # default_block_sizes takes the projection's dims for every product (the dx's output
+    # width is k) and picks each product's default from them, as gmm and tgmm do.
+    bs = M.default_block_sizes(product=product, m=m, k=k, n=n, g=g)
     for part in variant.split("+"):
         if part.startswith("stages"):
             bs = dataclasses.replace(bs, stages=int(part[6:]))
         if part.startswith("gbn"):
             bs = dataclasses.replace(bs, grid_block_n=int(part[3:]))
         if part == "onewg":
-            bs = dataclasses.replace(bs, warp_specialized=False, delay_release=0, epilogue_block_n=None)
+            bs = dataclasses.replace(bs, warp_specialized=False, delay_release=0,
+                                     epilogue_block_n=None, pingpong=False)
+        if part.startswith("bn") and part[2:].isdigit():
+            bs = dataclasses.replace(bs, block_n=int(part[2:]))
         if part.startswith("bm") and part[2:].isdigit():
             bs = dataclasses.replace(bs, block_m=int(part[2:]))
         if part.startswith("epi"):

@@ -248,25 +248,17 @@ def test_interpret_warp_specialized_gmm_and_dx(m, k, n, sizes, variant, monkeypa
     assert (np.asarray(dx)[total:] == 0).all() and (np.asarray(out)[total:] == 0).all()
 
 
-def test_pingpong_fit_and_dkernel(monkeypatch):
+def test_pingpong_fit():
     """A ping-pong stage holds one 128-column rhs block: 5 stages of 32 KiB beside two
-    whole bf16 output slots fit 227 KiB (3 with fp32 slots). The dkernel has no ping-pong
-    kernel and runs the cooperative one."""
+    whole bf16 output slots fit 227 KiB (3 with fp32 slots). The dkernel's 192 x 128
+    tiles (lhs 64 x 192, rhs 64 x 128: 40 KiB a stage) fit 4 stages beside two 192 x 64
+    bf16 strips."""
     pp = dataclasses.replace(_WS4, stages=6, pingpong=True)
     assert mgpu._fit_warp_specialized(pp, 1024, 2, 2).stages == 5
     assert mgpu._fit_warp_specialized(pp, 1024, 2, 4).stages == 3
     assert not mgpu._fit_warp_specialized(pp, 320, 2, 2).pingpong  # 320 is not whole blocks
-    built = []
-    real = mgpu._tgmm_kernel_warp_specialized
-    monkeypatch.setattr(mgpu, "_tgmm_kernel_warp_specialized",
-                        lambda *a: built.append(a) or real(*a))
-    gs = jnp.array([40, 0, 60], jnp.int32)
-    x, _, dy = _operands(jax.random.key(3), 128, 64, 128, 3)
-    dk = mgpu.tgmm(x, dy, gs, num_groups=3, out_dtype=jnp.float32, block_sizes=PINGPONG,
-                   interpret=True)
-    assert len(built) == 1 and not built[0][4].pingpong
-    assert_close(dk, tgmm_reference(*_f32(x, dy), gs, 3), dtype=jnp.float32, tol=EXACT_FP32,
-                 what="tgmm")
+    tall = dataclasses.replace(pp, block_m=192, epilogue_block_n=64)
+    assert mgpu._fit_warp_specialized(tall, 5760, 2, 2).stages == 4
 
 
 @pytest.mark.parametrize("n,in_bytes,out_bytes,ws,stages", [
@@ -328,16 +320,29 @@ def test_interpret_tgmm(m, k, n, sizes):
     assert (np.asarray(dk)[empty] == 0).all()
 
 
-@pytest.mark.parametrize("blocks", [SMALL_WS, STRIPED_WS, STRIPED_WS_DELAYED],
-                         ids=["whole", "strips", "strips_delayed"])
+# The dkernel's producer / two-consumer kernels: cooperative (the epilogue whole, in
+# strips, delayed releases) and ping-pong (2 and 3 stages, whole tiles and strips).
+_WS_TGMM_KERNELS = {
+    "whole": ("_tgmm_kernel_warp_specialized", SMALL_WS),
+    "strips": ("_tgmm_kernel_warp_specialized", STRIPED_WS),
+    "strips_delayed": ("_tgmm_kernel_warp_specialized", STRIPED_WS_DELAYED),
+    "pingpong2": ("_tgmm_kernel_pingpong", PINGPONG),
+    "pingpong3_strips": ("_tgmm_kernel_pingpong", dataclasses.replace(
+        STRIPED_WS, pingpong=True, stages=3)),
+    # 192-row tiles where k allows (TGMM_PINGPONG_TALL's shape)
+    "pingpong_tall": ("_tgmm_kernel_pingpong", dataclasses.replace(PINGPONG, block_m=192)),
+}
+
+
+@pytest.mark.parametrize("variant", list(_WS_TGMM_KERNELS))
 @pytest.mark.parametrize("m,k,n,sizes", INTERPRET_WS_CASES + [(200, 64, 128, [70, 0, 100])])
-def test_interpret_warp_specialized_tgmm(m, k, n, sizes, blocks, monkeypatch):
-    """The producer / two-consumer dkernel: each group's rows only (NaN rows past the
+def test_interpret_warp_specialized_tgmm(m, k, n, sizes, variant, monkeypatch):
+    """The producer / two-consumer dkernels: each group's rows only (NaN rows past the
     total and a neighbour's rows masked in both operands), empty groups zero."""
+    kernel, blocks = _WS_TGMM_KERNELS[variant]
     built = []
-    real = mgpu._tgmm_kernel_warp_specialized
-    monkeypatch.setattr(mgpu, "_tgmm_kernel_warp_specialized",
-                        lambda *a: built.append(a) or real(*a))
+    real = getattr(mgpu, kernel)
+    monkeypatch.setattr(mgpu, kernel, lambda *a: built.append(a) or real(*a))
     gs = jnp.array(sizes, jnp.int32)
     x, _, dy = _operands(jax.random.key(m + 2), m, k, n, len(sizes))
     total = sum(sizes)
@@ -357,8 +362,8 @@ def test_interpret_warp_specialized_tgmm(m, k, n, sizes, blocks, monkeypatch):
 H200_LIKE_TGMM = dataclasses.replace(STRIPED_WS_DELAYED, block_m=128)
 
 
-@pytest.mark.parametrize("blocks", [SMALL, STRIPED_WS_DELAYED, H200_LIKE_TGMM],
-                         ids=["one_wg", "strips_delayed", "h200_like"])
+@pytest.mark.parametrize("blocks", [SMALL, STRIPED_WS_DELAYED, H200_LIKE_TGMM, PINGPONG],
+                         ids=["one_wg", "strips_delayed", "h200_like", "pingpong"])
 @pytest.mark.parametrize("poisoned", [1, 3])
 def test_interpret_tgmm_keeps_a_groups_non_finite_rows_to_itself(blocks, poisoned):
     """NaN in one group's rows of x and Inf in its rows of dy (group starts off the 8-row
@@ -408,9 +413,12 @@ _BLOCKS = {
     "ws_strips": dataclasses.replace(mgpu.GMM_WARP_SPECIALIZED, stages=4, epilogue_block_n=64),
     "one_wg": mgpu.GMM_LARGE_GROUPS,
     "small": mgpu.MosaicGpuBlockSizes(block_m=64, block_n=64, stages=3, grid_block_n=4),
-    # the ping-pong gmm and dx at the config measured on the H200 (docs/performance.md,
-    # "ping-pong"); its dkernel is the cooperative one
+    # the ping-pong gmm, dx and dkernel at the config measured on the H200 for the gmm
+    # (docs/performance.md, "ping-pong")
     "pingpong": dataclasses.replace(mgpu.GMM_WARP_SPECIALIZED, pingpong=True, stages=5),
+    # the ping-pong dkernel with 192-row tiles in 64-column strips
+    "pingpong_tall": dataclasses.replace(mgpu.GMM_WARP_SPECIALIZED, pingpong=True, stages=4,
+                                         block_m=192, epilogue_block_n=64),
     # the forward and dx default where groups average 1024 rows or more
     "large_tiles": mgpu.GMM_LARGE_TILES,
 }
@@ -420,7 +428,8 @@ _BLOCKS = {
     ("forward", "default"), ("dx", "default"), ("dkernel", "default"),
     ("forward", "ws_delayed"), ("dx", "ws_delayed"), ("forward", "one_wg"), ("dx", "one_wg"),
     ("dkernel", "ws"), ("forward", "ws_strips"), ("dx", "ws_strips"), ("dkernel", "ws_strips"),
-    ("forward", "pingpong"), ("dx", "pingpong"), ("forward", "large_tiles"),
+    ("forward", "pingpong"), ("dx", "pingpong"), ("dkernel", "pingpong"),
+    ("dkernel", "pingpong_tall"), ("forward", "large_tiles"),
     ("dx", "large_tiles"),
 ])
 def test_lowers_for_cuda_from_cpu(product, blocks, monkeypatch):
@@ -438,6 +447,21 @@ def test_odd_halves_lower_for_cuda_from_cpu(product, monkeypatch):
     bs = mgpu.default_block_sizes(product=product, m=4096, k=1408, n=1408, g=8)
     assert bs.warp_specialized and bs.pingpong == (product != "dkernel")
     _export_for_cuda(product, None, (4096, 1408, 1408, 8), monkeypatch)
+
+
+@pytest.mark.parametrize("product,dims", [
+    ("forward", (4096, 1152, 576, 8)), ("dx", (4096, 576, 1152, 8)),
+    ("dkernel", (4096, 576, 1152, 8)),
+])
+def test_odd_64s_take_192_wide_pingpong_tiles(product, dims, monkeypatch):
+    """An output width (the dkernel: k) of 576 = 9 x 64 = 3 x 192, as 2880: the ping-pong
+    kernels with 192-wide tiles by default, which lower for an H200."""
+    m, k, n, g = dims
+    bs = mgpu.default_block_sizes(product=product, m=m, k=k, n=n, g=g)
+    wide = bs.block_m if product == "dkernel" else bs.block_n
+    assert bs.pingpong and wide == 192, bs
+    assert mgpu.default_block_sizes(product=product, m=m, k=2 * k, n=2 * n, g=g) != bs
+    _export_for_cuda(product, None, dims, monkeypatch)
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])
@@ -509,6 +533,7 @@ _GPU_BLOCK_CASES = {
     "one_wg": ("dirichlet", "many_small", "total_lt_m"),
     "ws": ("many_small", "skewed", "one_group"),
     "pingpong": ("dirichlet", "many_small", "total_lt_m", "all_empty", "odd_m"),
+    "pingpong_tall": ("dirichlet", "skewed", "total_lt_m", "one_group", "odd_m"),
     "large_tiles": ("dirichlet", "skewed", "total_lt_m", "one_group", "odd_m"),
 }
 

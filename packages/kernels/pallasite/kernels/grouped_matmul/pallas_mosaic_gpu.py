@@ -54,7 +54,9 @@ the default where the output width is an odd count of 128-column halves): the co
 take alternate tiles fed through one ring that is never drained, so one's epilogue
 overlaps the other's wgmma; on the H200 4-7% faster than the cooperative kernel on those
 widths, 12-25% slower on even counts (docs/performance.md "ping-pong", "boundary masks
-by chunk").
+by chunk"). A ping-pong tgmm (_tgmm_kernel_pingpong) likewise; with 192-wide tiles it is
+the default for gmm, dx and tgmm where the width is an odd multiple of 64 that 192
+divides (2880: dx 1.64x, dkernel 1.44x the previous defaults, GMM_PINGPONG_WIDE).
 
 Measured on one H200 (2026-11-30, docs/performance.md issue 7), bench harness (rotated
 inputs, every peer in one process), TFLOP/s forward with the default: mixtral 643, dsv3
@@ -224,6 +226,22 @@ TGMM_WARP_SPECIALIZED = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64
                                             grid_block_n=4, warp_specialized=True,
                                             delay_release=1, epilogue_block_n=64)
 TGMM_DEFAULT = MosaicGpuBlockSizes(block_m=128, block_n=128, block_k=64, stages=4, grid_block_n=8)
+# Widths that are an odd multiple of 64 but whole 192-column blocks (2880 = 45 x 64 = 15 x
+# 192; gpt-oss's hidden size): 128-column tiles leave the last one half empty and, the
+# width not splitting into 128-column halves, run the one-warpgroup kernel. 192-wide tiles
+# on the ping-pong kernels instead, 4 stages beside 64-column strips. 2026-12-03 21:0x UTC
+# on the H200 at m 65536, k 2880, n 5760, g 128 (autotune, median of interleaved calls):
+# dx 3.78 ms against 6.19 for the 128-column default and 4.16 for 192-column one-warpgroup
+# tiles; dkernel (192 rows of k a tile) 4.10 ms against 5.91 for the cooperative default and
+# 5.04-5.31 for 192-row one-warpgroup tiles. The ping-pong dkernel at 128-row tiles lost to
+# the cooperative one on every other measured shape (dsv3 5.17 / 4.97 ms, qwen3 0.468 /
+# 0.455, olmoe 0.308 / 0.295, mixtral 6.31 / 5.81), so it is the default only here.
+GMM_PINGPONG_WIDE = MosaicGpuBlockSizes(block_m=128, block_n=192, block_k=64, stages=4,
+                                        grid_block_n=8, warp_specialized=True,
+                                        epilogue_block_n=64, pingpong=True)
+TGMM_PINGPONG_TALL = MosaicGpuBlockSizes(block_m=192, block_n=128, block_k=64, stages=4,
+                                         grid_block_n=4, warp_specialized=True,
+                                         epilogue_block_n=64, pingpong=True)
 
 
 def refusal(compute: Dtype, operands: Sequence[jax.Array], *, on_device: bool
@@ -273,7 +291,11 @@ def default_block_sizes(*, product: str, m: int, k: int, n: int, g: int) -> Mosa
         n = k
     if product == "dkernel":
         splits = n % TGMM_WARP_SPECIALIZED.block_n == 0
+        if splits and _odd_64s_whole_192s(k):
+            return TGMM_PINGPONG_TALL
         return TGMM_WARP_SPECIALIZED if splits else TGMM_DEFAULT
+    if _odd_64s_whole_192s(n):
+        return GMM_PINGPONG_WIDE
     large_groups = m >= 1024 * max(g, 1)
     halves, rest = divmod(n, GMM_WARP_SPECIALIZED.block_n)  # n: the output width
     if rest == 0 and halves % 2:
@@ -281,6 +303,12 @@ def default_block_sizes(*, product: str, m: int, k: int, n: int, g: int) -> Mosa
     if rest == 0:
         return GMM_LARGE_TILES if large_groups else GMM_WARP_SPECIALIZED
     return GMM_LARGE_GROUPS if large_groups else GMM_SMALL_GROUPS
+
+
+def _odd_64s_whole_192s(width: int) -> bool:
+    """A width that 128-column tiles cover with a half-empty last one and 192-column tiles
+    exactly (GMM_PINGPONG_WIDE, TGMM_PINGPONG_TALL)."""
+    return width % 128 == 64 and width % 192 == 0
 
 
 # --------------------------------------------------------------------------- helpers
@@ -1093,6 +1121,134 @@ def _tgmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, dtype):
     return body
 
 
+def _tgmm_kernel_pingpong(m, k, n, g, bs: MosaicGpuBlockSizes, num_programs: int):
+    """tgmm with a TMA producer warpgroup and two consumer warpgroups on alternate tiles.
+
+    The (group, k tile, n tile) walk of _tgmm_kernel, tiles block_m x block_n. Program p
+    takes the linear tiles p, p + P, p + 2P, ...; its j-th tile belongs to consumer j % 2.
+    As in _gmm_kernel_pingpong, the producer streams each tile's row steps through one ring
+    of `stages` (lhs, rhs) buffers without draining it between tiles, so one consumer's
+    epilogue (a block_m x block_n store) runs while the other's wgmmas keep the tensor
+    cores busy. Where groups are short (512 rows: 8 steps a tile) that epilogue is a large
+    share of a tile, and the cooperative kernel, whose consumers store together, leaves
+    the tensor cores idle for it. A consumer masks its own steps' boundary rows in SMEM
+    (_mask_outside_group); an empty group's tile has no steps and stores zeros.
+    Barriers as in _gmm_kernel_pingpong: full[c * stages + s], empty[s], each slot
+    released one step late.
+    """
+    bm, bn, bk, stages = bs.block_m, bs.block_n, bs.block_k, bs.stages
+    grid_m, grid_n = k // bm, n // bn
+    per_group = grid_m * grid_n
+    strip = _epilogue_strip(bs)
+
+    def body(starts_gmem, sizes_gmem, lhs_gmem, rhs_gmem, out_gmem):
+        transforms = _swizzle_transforms(lhs_gmem.dtype)
+        program = lax.axis_index("sm")
+        mine = jnp.maximum(g * per_group - program + num_programs - 1, 0) // num_programs
+        wg = lax.axis_index("wg")
+
+        def tile(j):
+            t = program + j * num_programs
+            gi = t // per_group
+            mi, ni = plgpu.planar_snake(lax.rem(t, per_group), (grid_m, grid_n), 1,
+                                        bs.grid_block_n)
+            start = starts_gmem[gi]
+            size = sizes_gmem[gi]
+            base = start // 8 * 8
+            steps = jnp.where(size > 0, (start + size - base + bk - 1) // bk, 0)
+            return gi, mi, ni, start, size, base, steps
+
+        @functools.partial(
+            pl.run_scoped,
+            lhs_smem=plgpu.SMEM((stages, bk, bm), lhs_gmem.dtype, transforms=transforms),
+            rhs_smem=plgpu.SMEM((stages, bk, bn), rhs_gmem.dtype, transforms=transforms),
+            o_smem=plgpu.SMEM((2, bm, strip), out_gmem.dtype,
+                              transforms=_swizzle_transforms(out_gmem.dtype)),
+            full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * stages),
+            empty=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+            collective_axes="wg",
+        )
+        def _(lhs_smem, rhs_smem, o_smem, full, empty):
+            @pl.when(wg == 2)
+            def _producer():
+                plgpu.set_max_registers(40, action="decrease")
+
+                def load_tile(j, q):
+                    _, mi, ni, _, _, base, steps = tile(j)
+                    first = lax.rem(j, 2) * stages  # consumer j % 2's full barriers
+
+                    @pl.loop(0, steps)
+                    def _(kk):
+                        slot = lax.rem(q + kk, stages)
+
+                        @pl.when(q + kk >= stages)
+                        def _():
+                            plgpu.barrier_wait(empty.at[slot])
+
+                        rows = pl.ds(pl.multiple_of(base + kk * bk, 8), bk)
+                        plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, pl.ds(mi * bm, bm)],
+                                                lhs_smem.at[slot], full.at[first + slot])
+                        plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, pl.ds(ni * bn, bn)],
+                                                rhs_smem.at[slot], full.at[first + slot])
+
+                    return q + steps
+
+                issued = lax.fori_loop(0, mine, load_tile, jnp.int32(0))
+
+                # Observe the last releases, so no barrier is left mid-phase.
+                @pl.loop(jnp.maximum(issued - stages, 0), issued)
+                def _(q):
+                    plgpu.barrier_wait(empty.at[lax.rem(q, stages)])
+
+            @pl.when(wg < 2)
+            def _consumer():
+                plgpu.set_max_registers(232, action="increase")
+
+                def run_tile(j, q):
+                    gi, mi, ni, start, size, base, steps = tile(j)
+
+                    @pl.when(lax.rem(j, 2) == wg)
+                    def _():
+                        def acc_scope(acc_ref):
+                            @pl.loop(0, steps)
+                            def _(kk):
+                                slot = lax.rem(q + kk, stages)
+                                plgpu.barrier_wait(full.at[wg * stages + slot])
+                                a, b = lhs_smem.at[slot], rhs_smem.at[slot]
+                                _mask_outside_group(kk, start, size, base, bk, a, b)
+                                plgpu.wgmma(acc_ref, a.transpose((1, 0)), b)
+                                plgpu.wgmma_wait(1)
+
+                                @pl.when(kk > 0)
+                                def _():
+                                    plgpu.barrier_arrive(empty.at[lax.rem(q + kk - 1, stages)])
+
+                            plgpu.wgmma_wait(0)
+
+                            @pl.when(steps > 0)
+                            def _():
+                                plgpu.barrier_arrive(empty.at[lax.rem(q + steps - 1, stages)])
+
+                            return acc_ref[...]
+
+                        acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn), jnp.float32))
+                        out = acc.astype(o_smem.dtype)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slot free again
+                        for s in range(bn // strip):
+                            _fill_slot(out, o_smem.at[wg], s)
+                            plgpu.copy_smem_to_gmem(
+                                o_smem.at[wg],
+                                out_gmem.at[gi, pl.ds(mi * bm, bm),
+                                            pl.ds(ni * bn + s * strip, strip)])
+
+                    return q + steps
+
+                lax.fori_loop(0, mine, run_tile, jnp.int32(0))
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    return body
+
+
 def _tgmm_local(lhs, rhs, group_sizes, row_start, *, out_dtype, bs, interpret):
     m, k = lhs.shape
     n = rhs.shape[1]
@@ -1101,9 +1257,14 @@ def _tgmm_local(lhs, rhs, group_sizes, row_start, *, out_dtype, bs, interpret):
     out_type = sharding.out_struct((g, k, n), out_dtype, like=lhs)
     cost = costs.tgmm(m, k, n, lhs.dtype, inputs=(starts, sizes, lhs, rhs),
                       outputs=(out_type,))
-    make = _tgmm_kernel_warp_specialized if bs.warp_specialized else _tgmm_kernel
+    if bs.pingpong:
+        body = _tgmm_kernel_pingpong(m, k, n, g, bs, _num_programs(interpret))
+    elif bs.warp_specialized:
+        body = _tgmm_kernel_warp_specialized(m, k, n, g, bs, lhs.dtype)
+    else:
+        body = _tgmm_kernel(m, k, n, g, bs, lhs.dtype)
     call = pl.kernel(
-        make(m, k, n, g, bs, lhs.dtype),
+        body,
         out_type=out_type,
         mesh=_mesh(bs, interpret),
         compiler_params=_compiler_params(),
@@ -1138,8 +1299,7 @@ def tgmm(
     n = rhs.shape[1]
     bs = resolve_block_sizes(block_sizes, product="dkernel", m=m, k=k, n=n,
                              g=group_sizes.shape[0], dtype=lhs.dtype, interpret=interpret)
-    # The dkernel has no ping-pong kernel: a pingpong config runs the cooperative one.
-    bs = dataclasses.replace(bs, block_m=_fit_block(k, bs.block_m), pingpong=False)
+    bs = dataclasses.replace(bs, block_m=_fit_block(k, bs.block_m))
     bs = _fit_block_n(bs, n)
     if bs.warp_specialized:
         bs = _fit_warp_specialized(bs, n, jnp.dtype(lhs.dtype).itemsize, out_dtype.itemsize)
