@@ -127,11 +127,14 @@ class MosaicGpuBlockSizes:
     output slot (the strips go out one after another through it), and the shared memory
     freed holds one more pipeline stage: 4 stages of 128x(2x128)x64 fit beside 64-column
     strips, 3 beside whole 128-column tiles.
-    pingpong (gmm and dx only; implies warp_specialized): the two consumer warpgroups
-    take alternate block_m x block_n tiles instead of halves of one, fed in order by the
-    producer through one ring of `stages` buffers that is never drained between tiles,
-    so one consumer's epilogue overlaps the other's wgmma (_gmm_kernel_pingpong). The
-    default where the output width is an odd count of block_n columns (GMM_PINGPONG).
+    pingpong (implies warp_specialized): the two consumer warpgroups take alternate
+    block_m x block_n tiles instead of halves of one, fed in order by the producer
+    through one ring of `stages` buffers that is never drained between tiles, so one
+    consumer's epilogue overlaps the other's wgmma (_gmm_kernel_pingpong,
+    _tgmm_kernel_pingpong). The gmm and dx default where the output width is an odd
+    count of block_n columns (GMM_PINGPONG), and with 192-wide tiles for every product
+    where it is an odd multiple of 64 that 192 divides (GMM_PINGPONG_WIDE,
+    TGMM_PINGPONG_TALL).
     """
 
     block_m: int = 128
