@@ -434,6 +434,16 @@ def _row_tile_table(group_sizes: jax.Array, m: int, block_m: int, row_start=None
     return table, tile_end[-1:].astype(jnp.int32)
 
 
+def _row_tile(table_gmem, index, num_tiles, grid_n: int, bs: MosaicGpuBlockSizes, g: int):
+    """Snake step `index`'s row tile mi and column tile ni, with the tile's table row
+    (_row_tile_table): segment, load row (8-aligned), first row, valid rows, and whether
+    the segment is a group's (else rows of no group: no matmul, zeros stored)."""
+    mi, ni = plgpu.planar_snake(index, (num_tiles, grid_n), 1, bs.grid_block_n)
+    seg = table_gmem[0, mi]
+    return (mi, ni, seg, pl.multiple_of(table_gmem[1, mi], 8), table_gmem[2, mi],
+            table_gmem[3, mi], seg < g)
+
+
 def _k_steps(live, k_steps: int, delay: int):
     """Pipeline steps of a row tile: all k_steps for a group's rows; for rows of no group
     (zeros, no matmul) the fewest a pipeline with `delay` releases in flight takes."""
@@ -503,12 +513,8 @@ def _gmm_kernel(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_rhs: bool):
 
         @plgpu.nd_loop((num_tiles * grid_n,), collective_axes="sm")
         def _(info):
-            mi, ni = plgpu.planar_snake(info.index[0], (num_tiles, grid_n), 1, bs.grid_block_n)
-            seg = table_gmem[0, mi]
-            load0 = pl.multiple_of(table_gmem[1, mi], 8)
-            row0 = table_gmem[2, mi]
-            rows = table_gmem[3, mi]
-            live = seg < g  # else rows of no group: the accumulator stays zero
+            mi, ni, seg, load0, row0, rows, live = _row_tile(table_gmem, info.index[0],
+                                                             num_tiles, grid_n, bs, g)
 
             def acc_scope(acc_ref):
                 def mma(_, a_smem, b_smem):
@@ -635,13 +641,8 @@ def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_
         def _(allocations, o_smem):
             @plgpu.nd_loop((num_tiles * grid_n,), collective_axes="sm")
             def _(info):
-                mi, ni = plgpu.planar_snake(info.index[0], (num_tiles, grid_n), 1,
-                                            bs.grid_block_n)
-                seg = table_gmem[0, mi]
-                load0 = pl.multiple_of(table_gmem[1, mi], 8)
-                row0 = table_gmem[2, mi]
-                rows = table_gmem[3, mi]
-                live = seg < g  # else rows of no group: the accumulator stays zero
+                mi, ni, seg, load0, row0, rows, live = _row_tile(table_gmem, info.index[0],
+                                                                 num_tiles, grid_n, bs, g)
                 cols = pl.ds(wg * bn, bn)
 
                 def mma(_, a_smem, b_smem, acc_ref):
@@ -675,6 +676,63 @@ def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     return body
+
+
+def _ring_barriers(stages: int) -> dict:
+    """The ping-pong kernels' ring barriers: full[c * stages + s] (the two TMA copies of a
+    step in slot s for consumer c) and empty[s] (its consumer has read slot s)."""
+    return dict(full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * stages),
+                empty=plgpu.Barrier(num_arrivals=1, num_barriers=stages))
+
+
+def _ring_produce(q, steps, j, stages: int, full, empty, load_step):
+    """Producer side of the ping-pong ring: a tile's `steps` steps into the slots from
+    the program's step q on, each once its slot's previous reader released it;
+    load_step(kk, slot, barrier) issues step kk's two copies. Returns the next q."""
+    first = lax.rem(j, 2) * stages  # consumer j % 2's full barriers
+
+    @pl.loop(0, steps)
+    def _(kk):
+        slot = lax.rem(q + kk, stages)
+
+        @pl.when(q + kk >= stages)
+        def _():
+            plgpu.barrier_wait(empty.at[slot])
+
+        load_step(kk, slot, full.at[first + slot])
+
+    return q + steps
+
+
+def _ring_drain(issued, stages: int, empty):
+    """The producer observes the last releases, so no barrier is left mid-phase."""
+
+    @pl.loop(jnp.maximum(issued - stages, 0), issued)
+    def _(q):
+        plgpu.barrier_wait(empty.at[lax.rem(q, stages)])
+
+
+def _ring_consume(q, steps, wg, stages: int, full, empty, mma_step):
+    """Consumer side: for each of a tile's steps, wait for its copies, mma_step(kk, slot)
+    (issues its wgmma), keep one wgmma group in flight and release the previous step's
+    slot (one step late); then retire the last group and release its slot."""
+
+    @pl.loop(0, steps)
+    def _(kk):
+        slot = lax.rem(q + kk, stages)
+        plgpu.barrier_wait(full.at[wg * stages + slot])
+        mma_step(kk, slot)
+        plgpu.wgmma_wait(1)
+
+        @pl.when(kk > 0)
+        def _():
+            plgpu.barrier_arrive(empty.at[lax.rem(q + kk - 1, stages)])
+
+    plgpu.wgmma_wait(0)
+
+    @pl.when(steps > 0)
+    def _():
+        plgpu.barrier_arrive(empty.at[lax.rem(q + steps - 1, stages)])
 
 
 def _gmm_kernel_pingpong(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_rhs: bool,
@@ -723,8 +781,7 @@ def _gmm_kernel_pingpong(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_rhs: boo
             rhs_smem=plgpu.SMEM((stages, *rhs_block), rhs_gmem.dtype, transforms=transforms),
             o_smem=plgpu.SMEM((2, bm, _epilogue_strip(bs)), out_gmem.dtype,
                               transforms=_swizzle_transforms(out_gmem.dtype, rows=1)),
-            full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * stages),
-            empty=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+            **_ring_barriers(stages),
             collective_axes="wg",
         )
         def _(lhs_smem, rhs_smem, o_smem, full, empty):
@@ -736,31 +793,18 @@ def _gmm_kernel_pingpong(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_rhs: boo
                     mi, ni, seg, steps = tile(j)
                     load0 = pl.multiple_of(table_gmem[1, mi], 8)
                     weights = rhs_gmem.at[jnp.minimum(seg, g - 1)]
-                    first = lax.rem(j, 2) * stages  # consumer j % 2's full barriers
 
-                    @pl.loop(0, steps)
-                    def _(kk):
-                        slot = lax.rem(q + kk, stages)
-
-                        @pl.when(q + kk >= stages)
-                        def _():
-                            plgpu.barrier_wait(empty.at[slot])
-
+                    def load_step(kk, slot, barrier):
                         cols = pl.ds(pl.multiple_of(kk * bk, bk), bk)
                         plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(load0, bm), cols],
-                                                lhs_smem.at[slot], full.at[first + slot])
+                                                lhs_smem.at[slot], barrier)
                         block = (weights.at[pl.ds(ni * bn, bn), cols] if transpose_rhs
                                  else weights.at[cols, pl.ds(ni * bn, bn)])
-                        plgpu.copy_gmem_to_smem(block, rhs_smem.at[slot], full.at[first + slot])
+                        plgpu.copy_gmem_to_smem(block, rhs_smem.at[slot], barrier)
 
-                    return q + steps
+                    return _ring_produce(q, steps, j, stages, full, empty, load_step)
 
-                issued = lax.fori_loop(0, mine, load_tile, jnp.int32(0))
-
-                # Observe the last releases, so no barrier is left mid-phase.
-                @pl.loop(jnp.maximum(issued - stages, 0), issued)
-                def _(q):
-                    plgpu.barrier_wait(empty.at[lax.rem(q, stages)])
+                _ring_drain(lax.fori_loop(0, mine, load_tile, jnp.int32(0)), stages, empty)
 
             @pl.when(wg < 2)
             def _consumer():
@@ -772,25 +816,12 @@ def _gmm_kernel_pingpong(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_rhs: boo
                     @pl.when(lax.rem(j, 2) == wg)
                     def _():
                         def acc_scope(acc_ref):
-                            @pl.loop(0, steps)
-                            def _(kk):
-                                slot = lax.rem(q + kk, stages)
-                                plgpu.barrier_wait(full.at[wg * stages + slot])
+                            def mma_step(kk, slot):
                                 b = rhs_smem.at[slot]
                                 plgpu.wgmma(acc_ref, lhs_smem.at[slot],
                                             b.transpose((1, 0)) if transpose_rhs else b)
-                                plgpu.wgmma_wait(1)
 
-                                @pl.when(kk > 0)
-                                def _():
-                                    plgpu.barrier_arrive(empty.at[lax.rem(q + kk - 1, stages)])
-
-                            plgpu.wgmma_wait(0)
-
-                            @pl.when(steps > 0)
-                            def _():
-                                plgpu.barrier_arrive(empty.at[lax.rem(q + steps - 1, stages)])
-
+                            _ring_consume(q, steps, wg, stages, full, empty, mma_step)
                             return acc_ref[...]
 
                         acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn), jnp.float32))
@@ -1136,8 +1167,8 @@ def _tgmm_kernel_pingpong(m, k, n, g, bs: MosaicGpuBlockSizes, num_programs: int
     share of a tile, and the cooperative kernel, whose consumers store together, leaves
     the tensor cores idle for it. A consumer masks its own steps' boundary rows in SMEM
     (_mask_outside_group); an empty group's tile has no steps and stores zeros.
-    Barriers as in _gmm_kernel_pingpong: full[c * stages + s], empty[s], each slot
-    released one step late.
+    The ring's barriers and protocol are _gmm_kernel_pingpong's (_ring_produce,
+    _ring_consume).
     """
     bm, bn, bk, stages = bs.block_m, bs.block_n, bs.block_k, bs.stages
     grid_m, grid_n = k // bm, n // bn
@@ -1167,8 +1198,7 @@ def _tgmm_kernel_pingpong(m, k, n, g, bs: MosaicGpuBlockSizes, num_programs: int
             rhs_smem=plgpu.SMEM((stages, bk, bn), rhs_gmem.dtype, transforms=transforms),
             o_smem=plgpu.SMEM((2, bm, strip), out_gmem.dtype,
                               transforms=_swizzle_transforms(out_gmem.dtype)),
-            full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * stages),
-            empty=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+            **_ring_barriers(stages),
             collective_axes="wg",
         )
         def _(lhs_smem, rhs_smem, o_smem, full, empty):
@@ -1178,30 +1208,17 @@ def _tgmm_kernel_pingpong(m, k, n, g, bs: MosaicGpuBlockSizes, num_programs: int
 
                 def load_tile(j, q):
                     _, mi, ni, _, _, base, steps = tile(j)
-                    first = lax.rem(j, 2) * stages  # consumer j % 2's full barriers
 
-                    @pl.loop(0, steps)
-                    def _(kk):
-                        slot = lax.rem(q + kk, stages)
-
-                        @pl.when(q + kk >= stages)
-                        def _():
-                            plgpu.barrier_wait(empty.at[slot])
-
+                    def load_step(kk, slot, barrier):
                         rows = pl.ds(pl.multiple_of(base + kk * bk, 8), bk)
                         plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, pl.ds(mi * bm, bm)],
-                                                lhs_smem.at[slot], full.at[first + slot])
+                                                lhs_smem.at[slot], barrier)
                         plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, pl.ds(ni * bn, bn)],
-                                                rhs_smem.at[slot], full.at[first + slot])
+                                                rhs_smem.at[slot], barrier)
 
-                    return q + steps
+                    return _ring_produce(q, steps, j, stages, full, empty, load_step)
 
-                issued = lax.fori_loop(0, mine, load_tile, jnp.int32(0))
-
-                # Observe the last releases, so no barrier is left mid-phase.
-                @pl.loop(jnp.maximum(issued - stages, 0), issued)
-                def _(q):
-                    plgpu.barrier_wait(empty.at[lax.rem(q, stages)])
+                _ring_drain(lax.fori_loop(0, mine, load_tile, jnp.int32(0)), stages, empty)
 
             @pl.when(wg < 2)
             def _consumer():
@@ -1213,25 +1230,12 @@ def _tgmm_kernel_pingpong(m, k, n, g, bs: MosaicGpuBlockSizes, num_programs: int
                     @pl.when(lax.rem(j, 2) == wg)
                     def _():
                         def acc_scope(acc_ref):
-                            @pl.loop(0, steps)
-                            def _(kk):
-                                slot = lax.rem(q + kk, stages)
-                                plgpu.barrier_wait(full.at[wg * stages + slot])
+                            def mma_step(kk, slot):
                                 a, b = lhs_smem.at[slot], rhs_smem.at[slot]
                                 _mask_outside_group(kk, start, size, base, bk, a, b)
                                 plgpu.wgmma(acc_ref, a.transpose((1, 0)), b)
-                                plgpu.wgmma_wait(1)
 
-                                @pl.when(kk > 0)
-                                def _():
-                                    plgpu.barrier_arrive(empty.at[lax.rem(q + kk - 1, stages)])
-
-                            plgpu.wgmma_wait(0)
-
-                            @pl.when(steps > 0)
-                            def _():
-                                plgpu.barrier_arrive(empty.at[lax.rem(q + steps - 1, stages)])
-
+                            _ring_consume(q, steps, wg, stages, full, empty, mma_step)
                             return acc_ref[...]
 
                         acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn), jnp.float32))

@@ -46,7 +46,6 @@ import functools
 import sys
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -215,13 +214,8 @@ def _gmm_kernel(m, k, n, g, bs: MosaicGpuFp8BlockSizes, stages: int):
         def _(allocations, o_smem):
             @plgpu.nd_loop((num_tiles * grid_n,), collective_axes="sm")
             def _(info):
-                mi, ni = plgpu.planar_snake(info.index[0], (num_tiles, grid_n), 1,
-                                            bs.grid_block_n)
-                seg = table_gmem[0, mi]
-                load0 = pl.multiple_of(table_gmem[1, mi], 8)
-                row0 = table_gmem[2, mi]
-                rows = table_gmem[3, mi]
-                live = seg < g  # else rows of no group: no matmul, zeros stored
+                mi, ni, seg, load0, row0, rows, live = bf16._row_tile(
+                    table_gmem, info.index[0], num_tiles, grid_n, bs, g)
                 gi = jnp.minimum(seg, g - 1)
 
                 def mma(idx, a_smem, a_scales_smem, b_smem, total):

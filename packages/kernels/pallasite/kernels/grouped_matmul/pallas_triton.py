@@ -143,7 +143,10 @@ def _swizzle(pid, num_tiles: int, num_col_tiles: int, group_m: int):
 
 
 def _gmm_kernel(group_ref, start_ref, end_ref, lhs_ref, rhs_ref, out_ref, *, bs, m, k, n,
-                num_groups, num_tiles, transpose_rhs):
+                num_groups, num_tiles, transpose_rhs, epilogue=None):
+    """One (row tile, column tile) of gmm. With `epilogue` (grouped_mlp's gate-up, not
+    transposed): rhs is [g, k, 2n] (gate columns, then up), the tile keeps a gate and an
+    up accumulator for its n-wide output columns, and stores epilogue(gate, up)."""
     bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
     tile, col = _swizzle(pl.program_id(0), num_tiles, cdiv(n, bn), bs.group_m)
     group, start, end = group_ref[tile], start_ref[tile], end_ref[tile]
@@ -167,10 +170,17 @@ def _gmm_kernel(group_ref, start_ref, end_ref, lhs_ref, rhs_ref, out_ref, *, bs,
             else:
                 b = _load(rhs_ref.at[gi, ks, cols], _and(k_ok, col_ok))
                 dims = (((1,), (0,)), ((), ()))
-            return acc + jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+            if epilogue is None:
+                return acc + jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+            up = _load(rhs_ref.at[gi, ks, pl.ds(n + col * bn, bn)], _and(k_ok, col_ok))
+            return (acc[0] + jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32),
+                    acc[1] + jax.lax.dot_general(a, up, dims, preferred_element_type=jnp.float32))
 
-        acc = jax.lax.fori_loop(0, cdiv(k, bk), step, jnp.zeros((bm, bn), jnp.float32))
-        plgpu.store(out_ref.at[rows, cols], acc.astype(out_ref.dtype), mask=store_ok)
+        zeros = jnp.zeros((bm, bn), jnp.float32)
+        acc = jax.lax.fori_loop(0, cdiv(k, bk), step,
+                                zeros if epilogue is None else (zeros, zeros))
+        out = acc if epilogue is None else epilogue(*acc)
+        plgpu.store(out_ref.at[rows, cols], out.astype(out_ref.dtype), mask=store_ok)
 
     @pl.when(group == num_groups)  # rows past the total: zeros, per the contract
     def _zeros():
@@ -201,25 +211,37 @@ def gmm(
     groups [group_offset, group_offset + g) of group_sizes (all of them when None); rows
     of other groups are zero tiles (no matmul)."""
     m, k = lhs.shape
-    g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     # Tuning keys and fit rules take the projection's dims: dx contracts its n (here k)
     # and writes its k (here n).
     k_proj, n_proj = (n, k) if transpose_rhs else (k, n)
     bs = resolve_block_sizes(block_sizes, product="dx" if transpose_rhs else "forward",
                              m=m, k=k_proj, n=n_proj, g=group_sizes.shape[0], dtype=lhs.dtype,
                              interpret=interpret)
+    name = "grouped_projection_gmm_dx" if transpose_rhs else "grouped_projection_gmm"
+    return gmm_call(lhs, rhs, group_sizes, n, bs, group_offset=group_offset,
+                    transpose_rhs=transpose_rhs, out_dtype=out_dtype, interpret=interpret,
+                    name=name)
+
+
+def gmm_call(lhs, rhs, group_sizes, n: int, bs: config.TritonBlockSizes, *, group_offset,
+             transpose_rhs: bool, out_dtype, interpret: bool, name: str, epilogue=None):
+    """The gmm kernel's call for an [m, n] output with blocks `bs` (gmm's, and
+    grouped_mlp's gate-up with an `epilogue` of its two accumulators, rhs [g, k, 2n])."""
+    m, k = lhs.shape
+    g = rhs.shape[0]
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     sizes, row_start = local_groups(group_sizes, group_offset, g)
     meta = make_group_metadata(sizes, m, bs.block_m, aligned=False, include_tail=True,
                                row_start=row_start)
     num_tiles = num_visits(m, g, bs.block_m)
     kernel = functools.partial(
         _gmm_kernel, bs=bs, m=m, k=k, n=n, num_groups=g, num_tiles=num_tiles,
-        transpose_rhs=transpose_rhs,
+        transpose_rhs=transpose_rhs, epilogue=epilogue,
     )
     out_shape = sharding.out_struct((m, n), out_dtype, like=lhs)
-    cost = costs.gmm(m, k, n, lhs.dtype, transpose_rhs=transpose_rhs,
+    cost = costs.gmm(m, k, n if epilogue is None else 2 * n, lhs.dtype,
+                     transpose_rhs=transpose_rhs,
                      inputs=(meta.group, meta.start, meta.end, lhs, rhs), outputs=(out_shape,))
     return pl.pallas_call(
         kernel,
@@ -228,7 +250,7 @@ def gmm(
         compiler_params=_params(bs),
         interpret=interpret,
         cost_estimate=cost,
-        name="grouped_projection_gmm_dx" if transpose_rhs else "grouped_projection_gmm",
+        name=name,
     )(meta.group, meta.start, meta.end, lhs, rhs)
 
 

@@ -1,0 +1,31 @@
+"""The gate-up epilogue's activations in the operations every kernel lowering has (exp,
+tanh, arithmetic): the reference's jax.nn forms (pallasite.reference.grouped_mlp
+.ACTIVATIONS) written out, so the fused kernels and their backward compute the same
+function."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+ACTIVATION_NAMES = ("swiglu", "geglu")
+_GELU_C = 0.7978845608028654  # sqrt(2 / pi)
+
+
+def check_activation(activation: str) -> None:
+    """ValueError naming a bad activation."""
+    if activation not in ACTIVATION_NAMES:
+        raise ValueError(f"activation={activation!r}: one of {ACTIVATION_NAMES}")
+
+
+def activation_fp32(gate: jax.Array, activation: str) -> jax.Array:
+    """act(gate): silu for "swiglu", the tanh-approximate GELU for "geglu"."""
+    check_activation(activation)
+    if activation == "swiglu":
+        return gate / (1.0 + jnp.exp(-gate))
+    return 0.5 * gate * (1.0 + jnp.tanh(_GELU_C * (gate + 0.044715 * gate * gate * gate)))
+
+
+def gated(gate: jax.Array, up: jax.Array, activation: str) -> jax.Array:
+    """h = act(gate) * up, the fused kernels' epilogue on their fp32 accumulators."""
+    return activation_fp32(gate, activation) * up

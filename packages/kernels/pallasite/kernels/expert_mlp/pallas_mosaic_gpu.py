@@ -1,0 +1,203 @@
+"""grouped_mlp's gate-up product with its activation in the epilogue, on Hopper (sm90)
+through Pallas Mosaic GPU: h = act(x W_gate) * (x W_up), [m, f], one kernel.
+
+The composition path writes the [m, 2f] pre-activation in compute and reads it back for
+the activation. Here each tile's gate and up sums stay in fp32 registers and only h is
+stored, rounded once (the definition's rounding, pallasite.reference.grouped_mlp).
+
+The kernel is grouped_matmul.pallas_mosaic_gpu's warp-specialised gmm (its row-tile
+table, planar snake, ragged TMA row stores and zero tiles for rows of no group) with a
+second rhs operand: a tile is block_m rows x 2*block_n columns of h, for which the
+producer loads the matching gate columns [c, c + 2*block_n) and up columns [f + c, f + c
++ 2*block_n) of the group's [k, 2f] kernel into each stage. Consumer w owns h's columns
+[w*block_n, (w+1)*block_n) of the tile: two wgmma accumulators (gate, up), block_m x
+block_n each, and the epilogue act(gate) * up. A tile does the tensor work of a
+block_m x 4*block_n pre-activation tile, so block_n = 64 keeps the cooperative gmm's
+128 x 256 per program. Each step's two wgmmas retire before its stage is released
+(no delayed release: two commit groups per step).
+
+expert_mlp.ops.gate_up_activation is the differentiable form over this kernel and
+pallas_triton.py's.
+
+Not yet measured on a GPU (lowered for an H200 and run by the interpreter on the CPU):
+grouped_mlp does not select it yet; docs/grouped_mlp.md says what is left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxtyping import Array, Int, Shaped
+
+from pallasite.kernels import sharding
+from pallasite.kernels.grouped_matmul import costs
+from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu as base
+from pallasite.kernels.expert_mlp import epilogue
+from pallasite.kernels.grouped_matmul.group_metadata import local_groups
+
+_F32 = jnp.float32
+
+# 128 rows x (2 x 64) columns of h a tile: the gate and up stages (16 KiB each) beside
+# the lhs block (16 KiB) give 48 KiB a stage; 4 stages fit beside two 128 x 64 bf16
+# output slots. Not tuned on a GPU yet.
+GATE_UP_DEFAULT = base.MosaicGpuBlockSizes(block_m=128, block_n=64, block_k=64, stages=4,
+                                           grid_block_n=8, warp_specialized=True)
+
+
+def _stages_that_fit(bs: base.MosaicGpuBlockSizes, in_bytes: int, out_bytes: int) -> int:
+    """Stages of (lhs block_m x block_k, gate and up block_k x 2 block_n) beside two
+    block_m x block_n output slots in shared memory."""
+    per_stage = (bs.block_m * bs.block_k + 2 * bs.block_k * 2 * bs.block_n) * in_bytes
+    slots = 2 * bs.block_m * bs.block_n * out_bytes
+    return int(min(bs.stages, (base._SMEM_BYTES - slots) // per_stage))
+
+
+def _gate_up_kernel(k, f, g, bs: base.MosaicGpuBlockSizes, activation: str):
+    bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
+    cta_n = 2 * bn
+    grid_n = pl.cdiv(f, cta_n)
+
+    def pipeline(mma, compute_context, steps=k // bk):
+        return plgpu.emit_pipeline_warp_specialized(
+            mma,
+            grid=(steps,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((bk, cta_n), lambda kk: (kk, 0), memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((bk, cta_n), lambda kk: (kk, 0), memory_space=plgpu.SMEM),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=bs.stages,
+            compute_context=compute_context,
+        )
+
+    def body(table_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem):
+        num_tiles = count_gmem[0]
+        wg = lax.axis_index("wg")
+        ignore = lambda *_, **__: None  # noqa: E731 - allocations do not depend on the body
+        block = rhs_gmem.at[0, :, pl.ds(0, cta_n)]
+        allocs = pipeline(ignore, ignore).get_allocations(lhs_gmem.at[pl.ds(0, bm)], block,
+                                                          block)
+        o_type = plgpu.SMEM((2, bm, bn), out_gmem.dtype,
+                            transforms=base._swizzle_transforms(out_gmem.dtype, rows=1))
+
+        @functools.partial(pl.run_scoped, allocations=allocs, o_smem=o_type,
+                           collective_axes="wg")
+        def _(allocations, o_smem):
+            @plgpu.nd_loop((num_tiles * grid_n,), collective_axes="sm")
+            def _(info):
+                # rows of no group (not live): act(0) * 0 = 0 is stored
+                mi, ni, seg, load0, row0, rows, live = base._row_tile(
+                    table_gmem, info.index[0], num_tiles, grid_n, bs, g)
+                cols = pl.ds(wg * bn, bn)
+
+                def mma(_, a_smem, gate_smem, up_smem, accs):
+                    acc_gate, acc_up = accs
+
+                    @pl.when(live)
+                    def _():
+                        plgpu.wgmma(acc_gate, a_smem, gate_smem.at[:, cols])
+                        plgpu.wgmma(acc_up, a_smem, up_smem.at[:, cols])
+                        plgpu.wgmma_wait(0)
+
+                    return accs
+
+                def compute_context(run_pipeline):
+                    @functools.partial(pl.run_scoped,
+                                       acc_gate=plgpu.ACC((bm, bn), _F32),
+                                       acc_up=plgpu.ACC((bm, bn), _F32))
+                    def _(acc_gate, acc_up):
+                        run_pipeline((acc_gate, acc_up))
+                        h = epilogue.gated(acc_gate[...], acc_up[...], activation)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slot free again
+
+                        @pl.when(base._live_half(ni, wg, bs, f))
+                        def _():
+                            base._store_rows_from(h, o_smem.at[wg], out_gmem, row0, rows,
+                                                  row0 - load0, ni * cta_n + wg * bn, bm)
+
+                weights = rhs_gmem.at[jnp.minimum(seg, g - 1)]
+                pipeline(mma, compute_context, base._k_steps(live, k // bk, 0))(
+                    lhs_gmem.at[pl.ds(load0, bm)],
+                    weights.at[:, pl.ds(ni * cta_n, cta_n)],
+                    weights.at[:, pl.ds(f + ni * cta_n, cta_n)],
+                    allocations=allocations)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    return body
+
+
+def _split_padded(rhs: jax.Array, f: int, f_p: int) -> jax.Array:
+    """[g, k, 2f] -> [g, k, 2 f_p]: the gate and up halves each padded to f_p columns."""
+    if f_p == f:
+        return rhs
+    pad = ((0, 0), (0, 0), (0, f_p - f))
+    return jnp.concatenate([jnp.pad(rhs[..., :f], pad), jnp.pad(rhs[..., f:], pad)], -1)
+
+
+@sharding.local_operands("grouped_mlp")
+def gate_up(
+    lhs: Shaped[Array, "m k"],
+    rhs: Shaped[Array, "g k two_f"],
+    group_sizes: Int[Array, " G"],
+    *,
+    activation: str = "swiglu",
+    group_offset=None,
+    out_dtype: Any = None,
+    block_sizes: base.MosaicGpuBlockSizes | None = None,
+    interpret: bool = False,
+) -> Shaped[Array, "m f"]:
+    """h[rows of group i] = act(lhs_i W_gate[i]) * (lhs_i W_up[i]), W_gate = rhs[..., :f],
+    W_up = rhs[..., f:]; fp32 sums, rounded once to out_dtype (lhs's when None). rhs
+    holds groups [group_offset, group_offset + g) of group_sizes (all when None); rows of
+    no local group are zero. block_sizes: block_n is h's columns per consumer (a tile is
+    2 * block_n wide); warp_specialized must be True."""
+    epilogue.check_activation(activation)
+    base._check_gmm(lhs, rhs, group_sizes, False, group_offset)
+    if rhs.shape[2] % 2:
+        raise ValueError(f"rhs must be [g, k, 2f] (gate columns, then up); its last dim is "
+                         f"odd: shape {rhs.shape}")
+    bs = block_sizes or GATE_UP_DEFAULT
+    if not bs.warp_specialized or bs.pingpong:
+        raise ValueError(f"gate_up runs the cooperative warp-specialised kernel only; got "
+                         f"{bs}")
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    m, k = lhs.shape
+    g, f = rhs.shape[0], rhs.shape[2] // 2
+    if m == 0 or f == 0 or g == 0:
+        return jnp.zeros((m, f), out_dtype)
+    bs = base._fit_block_n(bs, f)
+    stages = _stages_that_fit(bs, jnp.dtype(lhs.dtype).itemsize, out_dtype.itemsize)
+    if stages < 2:
+        raise ValueError(f"gate_up: {bs} does not fit two stages in shared memory")
+    bs = dataclasses.replace(bs, stages=stages, epilogue_block_n=None)
+    f_p = -(-f // bs.block_n) * bs.block_n
+    lhs_p = base._pad_axis(base._pad_axis(lhs, 1, bs.block_k), 0, 8, bs.block_m)
+    rhs_p = base._pad_axis(_split_padded(rhs, f, f_p), 1, bs.block_k)
+    k_p = lhs_p.shape[1]
+    sizes, row_start = local_groups(group_sizes, group_offset, g)
+    table, count = base._row_tile_table(sizes, lhs_p.shape[0], bs.block_m, row_start)
+    out_type = sharding.out_struct((lhs_p.shape[0], f_p), out_dtype, like=lhs)
+    cost = costs.gmm(lhs_p.shape[0], k_p, 2 * f_p, lhs.dtype, transpose_rhs=False,
+                     inputs=(table, count, lhs_p, rhs_p), outputs=(out_type,))
+    call = pl.kernel(
+        _gate_up_kernel(k_p, f_p, g, bs, activation),
+        out_type=out_type,
+        mesh=base._mesh(bs, interpret),
+        compiler_params=base._compiler_params(),
+        interpret=base._interpret_params(interpret),
+        cost_estimate=cost,
+        name="grouped_mlp_gate_up_mosaic_gpu",
+    )
+    return call(table, count, lhs_p, rhs_p)[:m, :f]
+

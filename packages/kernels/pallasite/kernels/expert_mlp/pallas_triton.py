@@ -1,0 +1,62 @@
+"""grouped_mlp's gate-up product with its activation in the epilogue, through Pallas
+Triton (CUDA GPUs from sm80): h = act(x W_gate) * (x W_up), [m, f], one kernel.
+
+It is grouped_matmul.pallas_triton's gmm (unaligned row tiles from the group metadata,
+masked loads and stores, zero tiles for rows past the total) with a second weight block
+per k step: a program's f-wide output columns [c, c + block_n) read the gate columns
+[c, c + block_n) and the up columns [f + c, f + c + block_n) of the group's [k, 2f]
+kernel into two fp32 accumulators, and stores act(gate) * up rounded once. A tile does
+the tensor work of a block_m x 2 block_n pre-activation tile, so the gmm's 128 x 256
+tile becomes 128 x 128 here.
+
+Not yet measured on a GPU (lowered for an H200 and run by the interpreter on the CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax.numpy as jnp
+from jaxtyping import Array, Int, Shaped
+
+from pallasite.kernels import sharding
+from pallasite.kernels.expert_mlp import epilogue
+from pallasite.kernels.grouped_matmul import config
+from pallasite.kernels.grouped_matmul import pallas_triton as base
+
+# The gmm default's tensor work per program (128 x 256 of the pre-activation). Not tuned.
+GATE_UP_DEFAULT = config.TritonBlockSizes(128, 128, 64, group_m=8, num_warps=8, num_stages=3)
+
+
+@sharding.local_operands("grouped_mlp")
+def gate_up(
+    lhs: Shaped[Array, "m k"],
+    rhs: Shaped[Array, "g k two_f"],
+    group_sizes: Int[Array, " G"],
+    *,
+    activation: str = "swiglu",
+    group_offset=None,
+    out_dtype: Any = None,
+    block_sizes: config.TritonBlockSizes | None = None,
+    interpret: bool = False,
+) -> Shaped[Array, "m f"]:
+    """h[rows of group i] = act(lhs_i W_gate[i]) * (lhs_i W_up[i]), W_gate = rhs[..., :f],
+    W_up = rhs[..., f:]; fp32 sums, rounded once to out_dtype (lhs's when None). rhs
+    holds groups [group_offset, group_offset + g) of group_sizes (all when None); rows of
+    no local group are zero. block_sizes: block_n is h's columns per program."""
+    epilogue.check_activation(activation)
+    if lhs.ndim != 2 or rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1] or rhs.shape[2] % 2:
+        raise ValueError(f"lhs must be [m, k] and rhs [g, k, 2f] (gate columns, then up); "
+                         f"got {lhs.shape} and {rhs.shape}")
+    if lhs.dtype != rhs.dtype:
+        raise TypeError(f"lhs and rhs must share the compute dtype, got {lhs.dtype} and "
+                        f"{rhs.dtype}")
+    f = rhs.shape[2] // 2
+    if 0 in lhs.shape or f == 0 or rhs.shape[0] == 0:
+        return jnp.zeros((lhs.shape[0], f), jnp.dtype(out_dtype or lhs.dtype))
+    return base.gmm_call(lhs, rhs, group_sizes, f, block_sizes or GATE_UP_DEFAULT,
+                         group_offset=group_offset, transpose_rhs=False,
+                         out_dtype=out_dtype, interpret=interpret,
+                         name="grouped_mlp_gate_up_triton",
+                         epilogue=functools.partial(epilogue.gated, activation=activation))

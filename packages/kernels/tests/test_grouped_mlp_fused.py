@@ -1,0 +1,199 @@
+"""grouped_mlp's fused gate-up (h = act(x W_gate) * (x W_up) in the kernel's epilogue) on
+Mosaic GPU and Pallas Triton, and its differentiable form (expert_mlp.ops): against the
+definition's first half in the interpreters on the CPU (both activations, empty groups,
+rows past the total, m off the 8-row grid, f padded to the tile, local experts, bf16
+rounded once, both gradients), lowered for an H200 from the CPU, and on a GPU."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from pallasite.kernels import platform
+from pallasite.kernels.expert_mlp import ops
+from pallasite.kernels.expert_mlp import pallas_mosaic_gpu as fused_mgpu
+from pallasite.kernels.expert_mlp import pallas_triton as fused_triton
+from pallasite.kernels.grouped_matmul import config
+from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu as mgpu
+from pallasite.reference.grouped_mlp import activate
+from pallasite.reference.grouped_projection import gmm_reference
+from pallasite.reference.inputs import random_group_sizes
+from pallasite.reference.parity import EXACT_FP32, assert_close
+
+BF16 = jnp.bfloat16
+BACKENDS = {"pallas_mosaic_gpu": fused_mgpu, "pallas_triton": fused_triton}
+# Interpreter-sized tiles: Mosaic GPU 64 rows x (2 x 64) columns of h, 2 stages; Triton
+# 32 x 32 with 32-deep steps (blocks that do not divide m, k or f: masked edges).
+SMALL = {"pallas_mosaic_gpu": mgpu.MosaicGpuBlockSizes(block_m=64, block_n=64, block_k=64,
+                                                       stages=2, grid_block_n=2,
+                                                       warp_specialized=True),
+         "pallas_triton": config.TritonBlockSizes(32, 32, 32, group_m=2, num_warps=4,
+                                                  num_stages=2)}
+
+
+def _operands(seed, m, k, f, g, dtype=BF16):
+    kx, kw = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(dtype)
+    w = (jax.random.normal(kw, (g, k, 2 * f), jnp.float32) / np.sqrt(k)).astype(dtype)
+    return x, w
+
+
+def _h_reference(x, w, sizes, activation):
+    """act(gate) * up in fp32 from fp32 products of the same (rounded) operands."""
+    pre = gmm_reference(x.astype(jnp.float32), w.astype(jnp.float32), sizes)
+    return activate(pre, activation)
+
+
+def _around(w):
+    """w [2, k, 2f] as experts [1, 3) of 4: the others' weights zero (act(0) * 0 = 0)."""
+    other = jnp.zeros_like(w[:1])
+    return jnp.concatenate([other, w, other])
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+@pytest.mark.parametrize("m,k,f,sizes", [
+    (200, 128, 128, [70, 0, 100]),   # an empty group, 30 rows past the total
+    (131, 64, 64, [3, 60, 1, 0, 57]),  # m off the 8-row grid; one tile half past f
+    (96, 64, 192, [0, 0, 0]),        # every group empty: zeros
+    (160, 192, 96, [50, 110]),       # f = 96: padded (Mosaic GPU) or masked (Triton)
+])
+def test_interpret_gate_up_matches_the_definition(m, k, f, sizes, activation, backend):
+    gs = jnp.array(sizes, jnp.int32)
+    x, w = _operands(m + f, m, k, f, len(sizes))
+    h = BACKENDS[backend].gate_up(x, w, gs, activation=activation, out_dtype=jnp.float32,
+                                  block_sizes=SMALL[backend], interpret=True)
+    assert h.shape == (m, f) and h.dtype == jnp.float32
+    assert_close(h, _h_reference(x, w, gs, activation), dtype=jnp.float32, tol=EXACT_FP32,
+                 what=f"gate_up {activation}")
+    assert (np.asarray(h)[sum(sizes):] == 0).all()
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_interpret_gate_up_local_experts_and_bf16_output(backend):
+    """rhs holds groups [1, 3) of four: the other experts' rows are zero; h in bf16 is
+    the fp32 result rounded once."""
+    sizes = jnp.array([20, 30, 25, 15], jnp.int32)
+    x, w = _operands(3, 96, 64, 64, 2)
+    h = BACKENDS[backend].gate_up(x, w, sizes, group_offset=jnp.int32(1),
+                                  block_sizes=SMALL[backend], interpret=True)
+    assert h.dtype == BF16
+    ref = _h_reference(x, _around(w), sizes, "swiglu")
+    assert_close(h, ref, dtype=BF16, what="gate_up, local experts")
+    h = np.asarray(h, np.float32)
+    assert (h[:20] == 0).all() and (h[75:] == 0).all()
+    same = np.mean(h[20:75] == np.asarray(ref.astype(BF16), np.float32)[20:75])
+    assert same > 0.95, same
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+@pytest.mark.parametrize("local", [False, True])
+def test_interpret_gate_up_activation_gradients(activation, local, backend):
+    """The differentiable form's forward and backward (the pre-activation recomputed from
+    x, the grouped dx and dkernel) against the definition's first half under jax.vjp,
+    bf16 operands; with local experts (groups [1, 3) of 4) too."""
+    sizes = jnp.array([40, 0, 50, 30] if local else [40, 0, 50], jnp.int32)
+    x, w = _operands(5, 136, 64, 64, 2 if local else 3)
+    dh = jax.random.normal(jax.random.key(6), (136, 64), jnp.float32)
+    widen = _around if local else (lambda t: t)
+
+    def ours(a, b):
+        return ops.gate_up_activation(a, b, sizes, BF16, backend=backend,
+                                      activation=activation,
+                                      group_offset=1 if local else None, interpret=True)
+
+    def definition(a, b):
+        return _h_reference(a, widen(b), sizes, activation)
+
+    h, vjp = jax.vjp(ours, x, w)
+    h_ref, vjp_ref = jax.vjp(definition, x, w)
+    assert h.dtype == BF16
+    assert_close(h, h_ref, dtype=BF16, what="h")
+    (dx, dw), (dx_ref, dw_ref) = vjp(dh.astype(BF16)), vjp_ref(dh)
+    assert dx.dtype == x.dtype and dw.dtype == w.dtype
+    assert_close(dx, dx_ref, dtype=BF16, what="dx")
+    assert_close(dw, dw_ref, dtype=BF16, what="dkernel")
+    if local:  # rows of the other experts: no gradient
+        assert not np.asarray(dx[:40], np.float32).any()
+        assert not np.asarray(dx[90:], np.float32).any()
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_gate_up_refuses_bad_arguments(backend):
+    x, w = _operands(0, 64, 64, 64, 2)
+    gs = jnp.array([30, 34], jnp.int32)
+    gate_up = BACKENDS[backend].gate_up
+    with pytest.raises(ValueError, match="activation='relu'"):
+        gate_up(x, w, gs, activation="relu", interpret=True)
+    with pytest.raises(ValueError, match="odd|2f"):
+        gate_up(x, w[..., :-1], gs, interpret=True)
+    with pytest.raises(ValueError, match="backend='xla'"):
+        ops.gate_up_activation(x, w, gs, BF16, backend="xla")
+
+
+def test_mosaic_gpu_gate_up_tiles():
+    """Only the cooperative warp-specialised kernel; its default fits 4 stages: 128 x 64
+    lhs and two 64 x 128 rhs blocks (48 KiB a stage) beside two 128 x 64 bf16 slots."""
+    x, w = _operands(0, 64, 64, 64, 2)
+    with pytest.raises(ValueError, match="cooperative warp-specialised"):
+        fused_mgpu.gate_up(x, w, jnp.array([30, 34], jnp.int32),
+                           block_sizes=mgpu.GMM_LARGE_GROUPS, interpret=True)
+    assert fused_mgpu._stages_that_fit(fused_mgpu.GATE_UP_DEFAULT, 2, 2) == 4
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+def test_gate_up_lowers_for_cuda_from_cpu(backend, activation, monkeypatch):
+    """The default tiles lower for an H200: Mosaic GPU through layout inference, wgmma
+    and TMA; Triton to its custom call. The differentiated op too (gate-up forward,
+    gmm, dx and tgmm backward)."""
+    monkeypatch.setattr(mgpu, "_num_programs", lambda interpret: 132)
+    m, k, f, g = 4096, 512, 1024, 8
+    s = jax.ShapeDtypeStruct
+    args = (s((m, k), BF16), s((g, k, 2 * f), BF16), s((g,), jnp.int32))
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
+
+    def loss(a, b, c):
+        h = ops.gate_up_activation(a, b, c, BF16, backend=backend, activation=activation)
+        return jnp.sum(h.astype(jnp.float32))
+
+    for fn in (lambda a, b, c: BACKENDS[backend].gate_up(a, b, c, activation=activation),
+               jax.grad(loss, argnums=(0, 1))):
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = export.export(
+                jax.jit(fn), platforms=["cuda"],
+                disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+            )(*args).mlir_module()
+        assert ("mosaic_gpu" if backend == "pallas_mosaic_gpu" else "triton") in text
+
+
+def _gpu_runs(backend):
+    return platform.mosaic_gpu_runs() if backend == "pallas_mosaic_gpu" else platform.triton_runs()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+def test_gpu_gate_up_and_gradients(backend, activation):
+    if not _gpu_runs(backend):
+        pytest.skip(f"{backend} does not run on this GPU")
+    m, k, f, g = 4096, 512, 768, 8
+    gs = random_group_sizes(jax.random.key(1), m, g, total=3900)
+    x, w = _operands(2, m, k, f, g)
+    dh = jax.random.normal(jax.random.key(5), (m, f), jnp.float32)
+    h = jax.jit(lambda a, b, c: BACKENDS[backend].gate_up(
+        a, b, c, activation=activation, out_dtype=jnp.float32))(x, w, gs)
+    assert_close(h, _h_reference(x, w, gs, activation), dtype=BF16, what="gate_up")
+    assert (np.asarray(h)[3900:] == 0).all()
+    ours = jax.jit(lambda a, b: ops.gate_up_activation(a, b, gs, BF16, backend=backend,
+                                                       activation=activation))
+    h, vjp = jax.vjp(ours, x, w)
+    h_ref, vjp_ref = jax.vjp(lambda a, b: _h_reference(a, b, gs, activation), x, w)
+    assert_close(h, h_ref, dtype=BF16, what="h")
+    for got, want, name in zip(vjp(dh.astype(BF16)), vjp_ref(dh), ("dx", "dkernel")):
+        assert_close(got, want, dtype=BF16, what=name)
