@@ -146,6 +146,21 @@ def test_grouped_mlp_cases_flops_bytes_and_check():
     assert not ops.check_grouped_mlp(tiny, inputs, wrong).ok
 
 
+@pytest.mark.parametrize("name", ["pallas_mosaic_gpu.fused", "pallas_triton.fused"])
+def test_grouped_mlp_fused_implementations_pass_the_check(name):
+    """The fused gate-up implementations (interpreted here): forward and the four
+    outputs of forward+backward pass the grouped_mlp check; parity only on a CPU."""
+    from pallasite.bench import impls
+
+    impl = next(i for i in impls.IMPLS if i.op == ops.GMLP and i.name == name)
+    plat = impls.current_platform()
+    assert impls.unavailable(impl, plat, {}) is None and impls.parity_only(impl, plat)
+    tiny = ops.mlp_case("tiny_mlp", 96, 64, 64, 4, direction="fwd_bwd")
+    inputs = ops.make_inputs(tiny, 0)
+    outputs = impls.build_grouped_mlp(impl, tiny, plat)(inputs)
+    assert len(outputs) == 4 and ops.check_grouped_mlp(tiny, inputs, outputs).ok
+
+
 def test_gated_delta_rule_cases_and_check():
     c = ops.delta_case("qwen3_next", 1, 32768, 16, 32, 128, 128)
     assert c.kernel == "gated_delta_rule.fwd"

@@ -45,6 +45,10 @@ class Impl:
 # "<backend>.quantized": the fp8 forward of operands quantized beforehand (BlockScaled,
 # made outside the timed call), the product alone, as the fp8 peers are timed.
 QUANTIZED = ".quantized"
+# "<backend>.fused": grouped_mlp with the gate-up through the backend's fused kernel
+# (expert_mlp.ops.gate_up_activation: act(gate) * up in its epilogue, the pre-activation
+# recomputed in the backward), then the down product on the same backend.
+FUSED = ".fused"
 
 IMPLS: tuple[Impl, ...] = (
     Impl("pallas_mosaic_gpu", ops.GP, False, dtypes=_WIDE + (ops.FP8,)),
@@ -74,6 +78,8 @@ IMPLS: tuple[Impl, ...] = (
     Impl("pallas_mosaic_gpu", ops.GMLP, False),
     Impl("pallas_triton", ops.GMLP, False),
     Impl("xla", ops.GMLP, False),
+    Impl("pallas_mosaic_gpu" + FUSED, ops.GMLP, False, dtypes=("bfloat16", "float16")),
+    Impl("pallas_triton" + FUSED, ops.GMLP, False),
     # The baseline grouped_mlp is measured against: the gate-up product rounded to bf16
     # ([m, 2f] written and read back), the SwiGLU in XLA, the down product: three
     # grouped_projection-era steps, on pallasite's default backends.
@@ -107,7 +113,7 @@ def current_platform() -> Platform:
 def unavailable(impl: Impl, plat: Platform, options: dict) -> str | None:
     """Why `impl` cannot run here, or None."""
     name = impl.name
-    name = name.removesuffix(QUANTIZED)
+    name = name.removesuffix(QUANTIZED).removesuffix(FUSED)
     if name == "pallas_mosaic_gpu" and not (plat.mosaic_gpu or plat.interpret):
         return "Mosaic GPU needs a Hopper GPU (sm90)"
     if name == "pallas_triton" and not (plat.triton or plat.interpret):
@@ -133,7 +139,8 @@ def unavailable(impl: Impl, plat: Platform, options: dict) -> str | None:
 
 def parity_only(impl: Impl, plat: Platform) -> bool:
     """Interpreter runs: checked for parity, not timed."""
-    return plat.interpret and impl.name.removesuffix(QUANTIZED) in _INTERPRETABLE
+    return (plat.interpret
+            and impl.name.removesuffix(QUANTIZED).removesuffix(FUSED) in _INTERPRETABLE)
 
 
 # --------------------------------------------------------------------- grouped_projection
@@ -358,6 +365,17 @@ def _mlp_forward(impl, plat, dtype, block_sizes) -> Callable:
             h = (jax.nn.silu(pre[:, :f].astype("float32")) * pre[:, f:]).astype(dtype)
             return kernels.grouped_projection(h, down, gs, dtype, plat.interpret)
         return unfused
+    if impl.name.endswith(FUSED):
+        from pallasite.kernels.expert_mlp import ops as mlp_ops
+
+        backend = impl.name.removesuffix(FUSED)
+
+        def fused(x, gate_up, down, gs):
+            h = mlp_ops.gate_up_activation(x, gate_up, gs, dtype, backend=backend,
+                                           interpret=plat.interpret)
+            return kernels.grouped_projection(h, down, gs, dtype, plat.interpret,
+                                              implementation=backend)
+        return fused
     return lambda x, gate_up, down, gs: kernels.grouped_mlp(
         x, gate_up, down, gs, dtype, plat.interpret, implementation=impl.name,
         block_sizes=block_sizes)
