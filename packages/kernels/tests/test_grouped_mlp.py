@@ -117,19 +117,24 @@ def test_local_experts_with_group_offset():
     assert np.asarray(got[25:45]).any()
 
 
-def test_expert_parallel_over_eight_devices():
+@pytest.mark.parametrize("dtype, implementation", [
+    (jnp.float32, None), (jnp.bfloat16, "pallas_triton")])  # the composition; fused
+def test_expert_parallel_over_eight_devices(dtype, implementation, monkeypatch):
     """Each device holds one of 8 experts (group_offset = its index) and the tokens whole;
-    the sum over devices is the whole layer, values and gradients."""
+    the sum over devices is the whole layer, values and gradients. In bf16 with Triton
+    named, the gate-up takes the fused route inside the shard_map."""
+    seen = _record_fused(monkeypatch)
     g = 8
-    a = _inputs(6, m=160, g=g)
+    a = _inputs(6, m=160, g=g, dtype=dtype)
     gs = jnp.asarray([20, 0, 31, 9, 40, 10, 25, 15], jnp.int32)
     mesh = st.mesh((g,), ("expert",), st.AUTO)
     names = ("x", "gate_up_kernel", "down_kernel", "row_weights")
 
     def local(x, wgu, wd, rw):
         me = jax.lax.axis_index("expert")
-        y = grouped_mlp(x, wgu, wd, gs, jnp.float32, row_weights=rw, group_offset=me)
-        return jax.lax.psum(y, "expert")
+        y = grouped_mlp(x, wgu, wd, gs, dtype, True, row_weights=rw, group_offset=me,
+                        implementation=implementation)
+        return jax.lax.psum(y.astype(jnp.float32), "expert")
 
     sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("expert"), P("expert"), P()),
                             out_specs=P())
@@ -140,10 +145,15 @@ def test_expert_parallel_over_eight_devices():
             *(a[k] for k in names))
 
     got = run(sharded)
-    want = run(lambda x, wgu, wd, rw: grouped_mlp_reference(x, wgu, wd, gs, jnp.float32,
-                                                            row_weights=rw))
+    want = run(lambda x, wgu, wd, rw: grouped_mlp_reference(
+        x, wgu, wd, gs, dtype, row_weights=rw).astype(jnp.float32))
     for g_, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(g_), np.asarray(w), rtol=5e-5, atol=5e-5)
+        if dtype == jnp.float32:
+            np.testing.assert_allclose(np.asarray(g_), np.asarray(w), rtol=5e-5, atol=5e-5)
+        else:
+            parity.assert_close(np.asarray(g_, np.float32), np.asarray(w, np.float32),
+                                dtype=dtype, what="expert parallel, bf16")
+    assert seen == ([implementation] if implementation else [])
 
 
 def test_fp8_recipe_stays_near_the_definition():
@@ -170,3 +180,67 @@ def test_bad_arguments_are_named(change, error, message):
     args = dict(_inputs(9), group_sizes=jnp.asarray(SIZES, jnp.int32), compute=jnp.float32)
     with pytest.raises(error, match=message):
         grouped_mlp(**{**args, **change})
+
+
+# ------------------------------------------------------------------ the fused gate-up route
+
+
+def _record_fused(monkeypatch):
+    """The gate-up calls that take the fused route."""
+    from pallasite.kernels.expert_mlp import api, ops
+
+    seen = []
+    real = ops.gate_up_activation
+    monkeypatch.setattr(api.ops, "gate_up_activation",
+                        lambda *a, **k: seen.append(k["backend"]) or real(*a, **k))
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["pallas_mosaic_gpu", "pallas_triton"])
+def test_naming_a_fused_backend_takes_the_fused_gate_up(backend, monkeypatch):
+    """bf16 with one fused backend named: the gate-up runs fused (h rounded once, as the
+    definition), values and the four gradients within the bf16 tolerance of the
+    definition's; fp32 compute keeps the composition."""
+    seen = _record_fused(monkeypatch)
+    a = _inputs(10, dtype=jnp.bfloat16)
+    gs = jnp.asarray(SIZES, jnp.int32)
+    names = ("x", "gate_up_kernel", "down_kernel", "row_weights")
+    cot = jax.random.normal(jax.random.key(11), (96, 128))
+
+    def run(fn):
+        def loss(*t):
+            y = fn(**dict(zip(names, t)), group_sizes=gs, compute=jnp.bfloat16)
+            return jnp.sum(y.astype(jnp.float32) * cot), y
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(
+            *(a[k] for k in names))
+
+    (_, y), grads = run(functools.partial(grouped_mlp, interpret_on_cpu=True,
+                                          implementation=backend))
+    assert seen == [backend]
+    (_, y_ref), grads_ref = run(grouped_mlp_reference)
+    parity.assert_close(y, y_ref, dtype=jnp.bfloat16, what="y")
+    for name, g, w in zip(names, grads, grads_ref):
+        parity.assert_close(g, w, dtype=jnp.bfloat16, what="d" + name)
+    if backend == "pallas_triton":  # Mosaic GPU takes 16-bit compute only
+        grouped_mlp(**_inputs(10), group_sizes=gs, compute=jnp.float32,
+                    interpret_on_cpu=True, implementation=backend)
+        assert seen == [backend]  # fp32 compute: the composition
+
+
+def test_the_default_and_sharded_operands_keep_the_composition(monkeypatch):
+    """implementation=None (until the fused kernels are measured) and operands over an
+    Explicit mesh axis (the fused kernels run on local operands) take the composition."""
+    seen = _record_fused(monkeypatch)
+    a = _inputs(12, dtype=jnp.bfloat16)
+    gs = jnp.asarray(SIZES, jnp.int32)
+    grouped_mlp(**a, group_sizes=gs, compute=jnp.bfloat16, interpret_on_cpu=True)
+    mesh = st.mesh((8,), ("data",), st.EXPLICIT)
+    x = jax.device_put(a["x"], jax.NamedSharding(mesh, P("data", None)))
+    with jax.set_mesh(mesh):
+        y = jax.jit(lambda t: grouped_mlp(t, a["gate_up_kernel"], a["down_kernel"], gs,
+                                          jnp.bfloat16, interpret_on_cpu=True,
+                                          implementation="pallas_triton"))(x)
+    assert seen == []
+    want = grouped_mlp_reference(**{**a, "row_weights": None}, group_sizes=gs,
+                                 compute=jnp.bfloat16)
+    parity.assert_close(y, want, dtype=jnp.bfloat16, what="y, rows over 8 devices")

@@ -207,7 +207,7 @@ def whole_along(t, dims: Sequence[int], like=None):
     (manual axes, local arrays) or without a mesh: t as it is.
     like: an operand of the op that made t, whose mesh to use under Auto axes with no
     mesh in context (a custom call's result carries none in its type)."""
-    mesh = _context_mesh([t] if like is None else [t, like])
+    mesh = context_mesh([t] if like is None else [t, like])
     if mesh.empty:
         return t
     if mesh.explicit_axes:
@@ -277,7 +277,9 @@ def backend_options(name: str, interpret) -> dict:
             "interpreted": interpreted}
 
 
-def _context_mesh(args):
+def context_mesh(args):
+    """The mesh in context (a jit's or shard_map's abstract mesh), else the first
+    operand's type's mesh, else the empty mesh."""
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty:
         return mesh
@@ -315,7 +317,7 @@ def run_explicit(planner: Planner, args: Sequence[jax.Array]) -> tuple:
     replicated mask and sharded operands): under Explicit axes, the planner's local
     function in a shard_map over them, as `run` does; anywhere else, the local function
     on the arrays as they are."""
-    mesh = _context_mesh(args)
+    mesh = context_mesh(args)
     if mesh.empty or not mesh.explicit_axes:
         return tuple(planner(tuple(replicated(a.ndim) for a in args), {}).local(*args))
     axis_sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
@@ -345,13 +347,13 @@ def _mapped(fn, args: tuple) -> tuple:
 
 
 def _run(planner, args, rule, reduction_factors, partitionable, interpreted) -> tuple:
-    mesh = _context_mesh(args)
+    mesh = context_mesh(args)
     axis_sizes = dict(zip(mesh.axis_names, mesh.axis_sizes)) if not mesh.empty else {}
     if not mesh.empty and mesh.explicit_axes:
         return _run_explicit(planner, args, mesh, axis_sizes, interpreted)
     if not mesh.empty and mesh.manual_axes:
         # The caller's shard_map: local arrays (remaining Auto axes replicate the call).
-        return _local_call(_unsharded(planner, args, axis_sizes).local, args, interpreted)
+        return local_call(_unsharded(planner, args, axis_sizes).local, args, interpreted)
     if not partitionable:
         return tuple(_unsharded(planner, args, axis_sizes).local(*args))
     return _run_auto(planner, args, rule, reduction_factors)
@@ -362,7 +364,10 @@ def _unsharded(planner, args, axis_sizes) -> Plan:
     return planner(tuple(replicated(a.ndim) for a in args), axis_sizes)
 
 
-def _local_call(local, args, interpreted: bool) -> tuple:
+def local_call(local, args, interpreted: bool) -> tuple:
+    """local(*args) on operands cast to one varying type (vary_together); for the
+    interpreters (interpreted) inside a shard_map, computed from invariant copies
+    (_on_invariant). Returns local's outputs as a tuple."""
     axes = varying_union(args)
     args = _vary_as(args, axes)
     if interpreted and axes:
@@ -396,7 +401,7 @@ def _run_explicit(planner, args, mesh, axis_sizes, interpreted):
     args = _resharded(args, plan.in_dims, given, mesh)
 
     def body(*local_args):
-        return _local_call(plan.local, local_args, interpreted)
+        return local_call(plan.local, local_args, interpreted)
 
     outs = jax.shard_map(
         body, mesh=mesh, axis_names=free,

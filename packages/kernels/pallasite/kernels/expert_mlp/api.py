@@ -17,17 +17,28 @@ the backward keeps it.
 
 recipe="fp8" runs both products through grouped_projection's fp8 recipe (h quantized by
 the down product's own quantizer, not by the gate-up epilogue).
+
+The fused gate-up (expert_mlp.ops: act(gate) * up in the kernel's epilogue, h rounded
+once, the pre-activation recomputed in the backward) runs where a caller names one of
+its backends alone (implementation="pallas_mosaic_gpu" or "pallas_triton") and nothing
+asks for more than it does (_fused_refusal): 16-bit compute, no recipe or block sizes,
+first-order reverse mode at most, operands local (unsharded, or a shard_map's). The
+default (implementation=None) stays the composition until the fused kernels are
+measured on a GPU against it (docs/grouped_mlp.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from pallasite.kernels.grouped_matmul.api import grouped_projection
+from pallasite.kernels import autodiff, sharding
+from pallasite.kernels.expert_mlp import ops
+from pallasite.kernels.grouped_matmul.api import backend_refusal, grouped_projection
 from pallasite.reference.grouped_mlp import activate, validate_grouped_mlp
 from pallasite.reference.grouped_projection import Dtype
 
@@ -59,7 +70,8 @@ def grouped_mlp(
     row) or None. activation: "swiglu" (silu) or "geglu" (tanh-approximate GELU). Rows
     past sum(group_sizes), and of other experts with a group_offset, are zero.
     interpret_on_cpu, implementation, block_sizes, recipe: grouped_projection's, for both
-    products.
+    products; "pallas_mosaic_gpu" or "pallas_triton" named alone runs the gate-up fused
+    where it can (the module docstring).
     Differentiable in x, both kernels and row_weights.
     """
     validate_grouped_mlp(x, gate_up_kernel, down_kernel, group_sizes, compute,
@@ -68,10 +80,37 @@ def grouped_mlp(
     compute = np.dtype(compute)
     product = dict(group_offset=group_offset, implementation=implementation,
                    block_sizes=block_sizes, recipe=recipe)
-    pre = grouped_projection(x, gate_up_kernel, group_sizes, compute, interpret_on_cpu,
-                             **product)
-    h = activate(pre.astype(_F32), activation).astype(compute)
+    interpret = bool(interpret_on_cpu) and jax.default_backend() == "cpu"
+    why = _fused_refusal(implementation, compute, (x, gate_up_kernel, down_kernel),
+                         block_sizes, recipe, interpret)
+    if why is None:
+        h = ops.gate_up_activation(x, gate_up_kernel, group_sizes, compute,
+                                   backend=implementation, activation=activation,
+                                   group_offset=group_offset, interpret=interpret)
+    else:
+        pre = grouped_projection(x, gate_up_kernel, group_sizes, compute, interpret_on_cpu,
+                                 **product)
+        h = activate(pre.astype(_F32), activation).astype(compute)
     y = grouped_projection(h, down_kernel, group_sizes, compute, interpret_on_cpu, **product)
     if row_weights is None:
         return y
     return (y.astype(_F32) * row_weights.astype(_F32)[:, None]).astype(compute)
+
+
+def _fused_refusal(implementation, compute, operands, block_sizes, recipe, interpret
+                   ) -> str | None:
+    """Why the gate-up takes the composition rather than the fused kernel (None: fused)."""
+    if not isinstance(implementation, str) or implementation not in ops.FUSED_BACKENDS:
+        return f"implementation={implementation!r} names no fused backend alone"
+    if recipe is not None or block_sizes is not None:
+        return "a recipe or block sizes (the composition's products take them)"
+    if np.dtype(compute).itemsize != 2:
+        return f"compute={np.dtype(compute).name} (the fused kernels take 16-bit compute)"
+    if 0 in operands[0].shape or 0 in operands[1].shape:
+        return "a zero-size operand"
+    if (why := autodiff.beyond_first_order(*operands)) is not None:
+        return why
+    mesh = sharding.context_mesh(operands)
+    if not mesh.empty and set(mesh.axis_names) - set(mesh.manual_axes):
+        return "operands laid out over mesh axes (the fused kernels run on local operands)"
+    return backend_refusal(implementation, compute, operands[:2], interpret)

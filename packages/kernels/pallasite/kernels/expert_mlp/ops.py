@@ -19,6 +19,7 @@ import importlib
 import jax
 import jax.numpy as jnp
 
+from pallasite.kernels import sharding
 from pallasite.kernels.expert_mlp import epilogue
 
 FUSED_BACKENDS = ("pallas_mosaic_gpu", "pallas_triton")
@@ -52,30 +53,44 @@ def _gate_up(backend, activation, all_groups, interpret, compute, x, w, group_si
                     offset)[0]
 
 
+# Each pass runs through sharding.local_call: inside a shard_map its operands take one
+# varying type, as grouped_projection's kernels do (the interpreters compute from
+# invariant copies there).
 def _forward(backend, activation, all_groups, interpret, compute, x, w, group_sizes, offset):
     fused, _ = _modules(backend)
-    h = fused.gate_up(x.astype(compute), w.astype(compute), group_sizes,
-                      activation=activation, group_offset=None if all_groups else offset,
-                      interpret=interpret)
+
+    def gate_up(x_c, w_c, sizes, start):
+        return (fused.gate_up(x_c, w_c, sizes, activation=activation,
+                              group_offset=None if all_groups else start,
+                              interpret=interpret),)
+
+    (h,) = sharding.local_call(gate_up, (x.astype(compute), w.astype(compute), group_sizes, offset),
+                                 interpret)
     return h, (x, w, group_sizes, offset)
 
 
 def _backward(backend, activation, all_groups, interpret, compute, residuals, dh):
     x, w, group_sizes, offset = residuals
     _, grouped = _modules(backend)
-    local = dict(group_offset=None if all_groups else offset, interpret=interpret)
-    x_c, w_c = x.astype(compute), w.astype(compute)
     f = w.shape[2] // 2
-    pre = grouped.gmm(x_c, w_c, group_sizes, out_dtype=_F32, **local)
-    gate, up = pre[:, :f], pre[:, f:]
-    dh = dh.astype(_F32)
-    act, act_vjp = jax.vjp(lambda t: epilogue.activation_fp32(t, activation), gate)
-    (d_gate,) = act_vjp(dh * up)
-    d_pre = jnp.concatenate([d_gate, dh * act], axis=1).astype(compute)
-    dx = grouped.gmm(d_pre, w_c, group_sizes, transpose_rhs=True, out_dtype=x.dtype, **local)
-    dw = grouped.tgmm(x_c, d_pre, group_sizes, num_groups=w.shape[0], out_dtype=w.dtype,
-                      **local)
-    return dx, dw, None, None
+
+    def grads(x_c, w_c, sizes, start, dh):
+        local = dict(group_offset=None if all_groups else start, interpret=interpret)
+        pre = grouped.gmm(x_c, w_c, sizes, out_dtype=_F32, **local)
+        gate, up = pre[:, :f], pre[:, f:]
+        act, act_vjp = jax.vjp(lambda t: epilogue.activation_fp32(t, activation), gate)
+        (d_gate,) = act_vjp(dh * up)
+        d_pre = jnp.concatenate([d_gate, dh * act], axis=1).astype(compute)
+        return (grouped.gmm(d_pre, w_c, sizes, transpose_rhs=True, out_dtype=_F32, **local),
+                grouped.tgmm(x_c, d_pre, sizes, num_groups=w.shape[0], out_dtype=_F32,
+                             **local))
+
+    dx, dw = sharding.local_call(grads, (x.astype(compute), w.astype(compute), group_sizes, offset,
+                                         dh.astype(_F32)), interpret)
+    # fp32 until summed over the manual axes the primal does not vary over (an expert's
+    # share of dx), then rounded once (sharding.cotangent_like)
+    return (sharding.cotangent_like(dx, x).astype(x.dtype),
+            sharding.cotangent_like(dw, w).astype(w.dtype), None, None)
 
 
 _gate_up.defvjp(_forward, _backward)

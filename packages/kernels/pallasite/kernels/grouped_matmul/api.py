@@ -107,6 +107,14 @@ def _refusal(name: str, compute: Dtype, operands: Sequence[jax.Array], interpret
                                      on_device=check_device and not interpret)
 
 
+def backend_refusal(name: str, compute: Dtype, operands: Sequence[jax.Array],
+                    interpret: bool) -> str | None:
+    """Why backend `name` cannot run grouped products of `compute` over `operands` here
+    (None: it can), as grouped_projection asks before running it by name; for ops built
+    on these backends' kernels (grouped_mlp's fused gate-up)."""
+    return _refusal(name, compute, operands, interpret)
+
+
 def _slower_here(name: str, x, group_sizes, recipe=None) -> str | None:
     """Why the default order passes over backend `name` although it could run (None: it
     does not): a measured preference, not a capability, so a named backend ignores it.
