@@ -162,11 +162,8 @@ def gate_up(
     holds groups [group_offset, group_offset + g) of group_sizes (all when None); rows of
     no local group are zero. block_sizes: block_n is h's columns per consumer (a tile is
     2 * block_n wide); warp_specialized must be True."""
-    epilogue.check_activation(activation)
+    epilogue.check_gate_up(lhs, rhs, activation)
     base._check_gmm(lhs, rhs, group_sizes, False, group_offset)
-    if rhs.shape[2] % 2:
-        raise ValueError(f"rhs must be [g, k, 2f] (gate columns, then up); its last dim is "
-                         f"odd: shape {rhs.shape}")
     bs = block_sizes or GATE_UP_DEFAULT
     if not bs.warp_specialized or bs.pingpong:
         raise ValueError(f"gate_up runs the cooperative warp-specialised kernel only; got "

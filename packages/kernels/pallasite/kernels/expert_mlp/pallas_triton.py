@@ -45,13 +45,7 @@ def gate_up(
     W_up = rhs[..., f:]; fp32 sums, rounded once to out_dtype (lhs's when None). rhs
     holds groups [group_offset, group_offset + g) of group_sizes (all when None); rows of
     no local group are zero. block_sizes: block_n is h's columns per program."""
-    epilogue.check_activation(activation)
-    if lhs.ndim != 2 or rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1] or rhs.shape[2] % 2:
-        raise ValueError(f"lhs must be [m, k] and rhs [g, k, 2f] (gate columns, then up); "
-                         f"got {lhs.shape} and {rhs.shape}")
-    if lhs.dtype != rhs.dtype:
-        raise TypeError(f"lhs and rhs must share the compute dtype, got {lhs.dtype} and "
-                        f"{rhs.dtype}")
+    epilogue.check_gate_up(lhs, rhs, activation)
     f = rhs.shape[2] // 2
     if 0 in lhs.shape or f == 0 or rhs.shape[0] == 0:
         return jnp.zeros((lhs.shape[0], f), jnp.dtype(out_dtype or lhs.dtype))
