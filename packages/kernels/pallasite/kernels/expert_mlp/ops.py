@@ -1,14 +1,16 @@
 """The fused gate-up as a differentiable op over one backend (megablox's ops.py shape):
 
     forward   h = gate_up(x, W)                      the backend's fused kernel
-    backward  pre = gmm(x, W) (fp32)                 recomputed, never stored
-              d_pre = [act'(gate) up dh, act(gate) dh], fp32, rounded once to compute
+    backward  d_pre = [act'(gate) up dh, act(gate) dh], (gate | up) = x W recomputed:
+                in one kernel where the backend has gate_up_grad (Triton), which never
+                writes the pre-activation; else the grouped gmm (fp32 output) and XLA
               dx = gmm(d_pre, W, transpose_rhs=True)
               dW = tgmm(x, d_pre)
 
 Nothing [m, 2f] is kept between the passes; the backward pays one more gate-up product
 (recomputing the pre-activation) for it. The products run on the backend's grouped
-kernels (grouped_matmul.<backend>), the gate-up on expert_mlp.<backend>.
+kernels (grouped_matmul.<backend>), the gate-up on expert_mlp.<backend>. d_pre is
+rounded once to the compute dtype, as the products take it.
 """
 
 from __future__ import annotations
@@ -71,16 +73,19 @@ def _forward(backend, activation, all_groups, interpret, compute, x, w, group_si
 
 def _backward(backend, activation, all_groups, interpret, compute, residuals, dh):
     x, w, group_sizes, offset = residuals
-    _, grouped = _modules(backend)
+    fused, grouped = _modules(backend)
     f = w.shape[2] // 2
 
     def grads(x_c, w_c, sizes, start, dh):
         local = dict(group_offset=None if all_groups else start, interpret=interpret)
-        pre = grouped.gmm(x_c, w_c, sizes, out_dtype=_F32, **local)
-        gate, up = pre[:, :f], pre[:, f:]
-        act, act_vjp = jax.vjp(lambda t: epilogue.activation_fp32(t, activation), gate)
-        (d_gate,) = act_vjp(dh * up)
-        d_pre = jnp.concatenate([d_gate, dh * act], axis=1).astype(compute)
+        if hasattr(fused, "gate_up_grad"):  # d(pre) from the recomputed sums in-kernel
+            d_pre = fused.gate_up_grad(x_c, w_c, sizes, dh, activation=activation, **local)
+        else:
+            pre = grouped.gmm(x_c, w_c, sizes, out_dtype=_F32, **local)
+            gate, up = pre[:, :f], pre[:, f:]
+            act, act_vjp = jax.vjp(lambda t: epilogue.activation_fp32(t, activation), gate)
+            (d_gate,) = act_vjp(dh * up)
+            d_pre = jnp.concatenate([d_gate, dh * act], axis=1).astype(compute)
         return (grouped.gmm(d_pre, w_c, sizes, transpose_rhs=True, out_dtype=_F32, **local),
                 grouped.tgmm(x_c, d_pre, sizes, num_groups=w.shape[0], out_dtype=_F32,
                              **local))

@@ -9,6 +9,10 @@ kernel into two fp32 accumulators, and stores act(gate) * up rounded once. A til
 the tensor work of a block_m x 2 block_n pre-activation tile, so the gmm's 128 x 256
 tile becomes 128 x 128 here.
 
+gate_up_grad is the backward's half of it: the same two accumulators recomputed from
+x, then d(pre) = [act'(gate) up dh, act(gate) dh] stored in the compute dtype, so the
+pre-activation is never written in either pass.
+
 Not yet measured on a GPU (lowered for an H200 and run by the interpreter on the CPU).
 """
 
@@ -17,7 +21,10 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Int, Shaped
 
 from pallasite.kernels import sharding
@@ -53,4 +60,64 @@ def gate_up(
                          group_offset=group_offset, transpose_rhs=False,
                          out_dtype=out_dtype, interpret=interpret,
                          name="grouped_mlp_gate_up_triton",
-                         epilogue=functools.partial(epilogue.gated, activation=activation))
+                         epilogue=functools.partial(_store_h, activation=activation))
+
+
+def _store_h(sums, extra, out_ref, tile, *, activation):
+    """h = act(gate) * up for a tile of a group's rows; zeros for rows of no group."""
+    del extra
+    h = (jnp.zeros((tile.row_ok.shape[0], tile.cols.size), jnp.float32) if sums is None
+         else epilogue.gated(*sums, activation))
+    plgpu.store(out_ref.at[tile.rows, tile.cols], h.astype(out_ref.dtype), mask=tile.store_ok)
+
+
+@sharding.local_operands("grouped_mlp")
+def gate_up_grad(
+    lhs: Shaped[Array, "m k"],
+    rhs: Shaped[Array, "g k two_f"],
+    group_sizes: Int[Array, " G"],
+    dh: Shaped[Array, "m f"],
+    *,
+    activation: str = "swiglu",
+    group_offset=None,
+    out_dtype: Any = None,
+    block_sizes: config.TritonBlockSizes | None = None,
+    interpret: bool = False,
+) -> Shaped[Array, "m two_f"]:
+    """d(pre) [m, 2f] = [act'(gate) up dh, act(gate) dh] for h = act(gate) * up, the
+    pre-activation (gate | up) = lhs_i rhs[i] recomputed in the kernel (fp32 sums, never
+    stored), rounded once to out_dtype (lhs's when None); rows of no local group zero.
+    The gate-up's backward feeds it to the grouped dx and dkernel."""
+    epilogue.check_gate_up(lhs, rhs, activation)
+    f = rhs.shape[2] // 2
+    if dh.shape != (lhs.shape[0], f):
+        raise ValueError(f"dh must be [m, f] = {(lhs.shape[0], f)}, got {dh.shape}")
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    if 0 in lhs.shape or f == 0 or rhs.shape[0] == 0:
+        return jnp.zeros((lhs.shape[0], 2 * f), out_dtype)
+    return base.gmm_call(lhs, rhs, group_sizes, f, block_sizes or GATE_UP_DEFAULT,
+                         group_offset=group_offset, transpose_rhs=False,
+                         out_dtype=out_dtype, interpret=interpret,
+                         name="grouped_mlp_gate_up_grad_triton", extra=(dh,), out_cols=2 * f,
+                         epilogue=functools.partial(_store_d_pre, activation=activation, f=f))
+
+
+def _store_d_pre(sums, extra, out_ref, tile, *, activation, f):
+    """[act'(gate) up dh, act(gate) dh] into the tile's gate and up columns."""
+    (dh_ref,) = extra
+    up_cols = pl.ds(f + tile.cols.start, tile.cols.size)
+    shape = (tile.row_ok.shape[0], tile.cols.size)
+    if sums is None:
+        d_gate = d_up = jnp.zeros(shape, jnp.float32)
+    else:
+        gate, up = sums
+        mask = tile.store_ok
+        dh = (plgpu.load(dh_ref.at[tile.rows, tile.cols]) if mask is None else
+              plgpu.load(dh_ref.at[tile.rows, tile.cols], mask=mask, other=0.0))
+        dh = dh.astype(jnp.float32)
+        act, d_act = jax.jvp(lambda t: epilogue.activation_fp32(t, activation), (gate,),
+                             (jnp.ones_like(gate),))
+        d_gate, d_up = d_act * up * dh, act * dh
+    plgpu.store(out_ref.at[tile.rows, tile.cols], d_gate.astype(out_ref.dtype),
+                mask=tile.store_ok)
+    plgpu.store(out_ref.at[tile.rows, up_cols], d_up.astype(out_ref.dtype), mask=tile.store_ok)

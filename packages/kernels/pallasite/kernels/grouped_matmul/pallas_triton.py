@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -142,11 +143,24 @@ def _swizzle(pid, num_tiles: int, num_col_tiles: int, group_m: int):
     return first + local % size, local // size
 
 
-def _gmm_kernel(group_ref, start_ref, end_ref, lhs_ref, rhs_ref, out_ref, *, bs, m, k, n,
+class Tile(NamedTuple):
+    """One gmm program's output tile: its row and column slices, column tile index, and
+    the masks of its valid rows, columns and both (None where the tiling divides)."""
+    rows: Any
+    cols: Any
+    col: Any
+    row_ok: Any
+    col_ok: Any
+    store_ok: Any
+
+
+def _gmm_kernel(group_ref, start_ref, end_ref, lhs_ref, rhs_ref, *refs, bs, m, k, n,
                 num_groups, num_tiles, transpose_rhs, epilogue=None):
     """One (row tile, column tile) of gmm. With `epilogue` (grouped_mlp's gate-up, not
     transposed): rhs is [g, k, 2n] (gate columns, then up), the tile keeps a gate and an
-    up accumulator for its n-wide output columns, and stores epilogue(gate, up)."""
+    up accumulator for its n columns, and epilogue(sums, extra_refs, out_ref, tile)
+    stores the tile (sums None: rows of no group, whose outputs are zeros)."""
+    *extra_refs, out_ref = refs
     bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
     tile, col = _swizzle(pl.program_id(0), num_tiles, cdiv(n, bn), bs.group_m)
     group, start, end = group_ref[tile], start_ref[tile], end_ref[tile]
@@ -155,6 +169,7 @@ def _gmm_kernel(group_ref, start_ref, end_ref, lhs_ref, rhs_ref, out_ref, *, bs,
     cols = pl.ds(col * bn, bn)
     col_ok = _in_range(col * bn, bn, n)
     store_ok = _and(row_ok, col_ok)
+    out_tile = Tile(rows, cols, col, row_ok, col_ok, store_ok)
 
     @pl.when((group < num_groups) & (end > start))
     def _compute():
@@ -179,12 +194,18 @@ def _gmm_kernel(group_ref, start_ref, end_ref, lhs_ref, rhs_ref, out_ref, *, bs,
         zeros = jnp.zeros((bm, bn), jnp.float32)
         acc = jax.lax.fori_loop(0, cdiv(k, bk), step,
                                 zeros if epilogue is None else (zeros, zeros))
-        out = acc if epilogue is None else epilogue(*acc)
-        plgpu.store(out_ref.at[rows, cols], out.astype(out_ref.dtype), mask=store_ok)
+        if epilogue is None:
+            plgpu.store(out_ref.at[rows, cols], acc.astype(out_ref.dtype), mask=store_ok)
+        else:
+            epilogue(acc, extra_refs, out_ref, out_tile)
 
     @pl.when(group == num_groups)  # rows past the total: zeros, per the contract
     def _zeros():
-        plgpu.store(out_ref.at[rows, cols], jnp.zeros((bm, bn), out_ref.dtype), mask=store_ok)
+        if epilogue is None:
+            plgpu.store(out_ref.at[rows, cols], jnp.zeros((bm, bn), out_ref.dtype),
+                        mask=store_ok)
+        else:
+            epilogue(None, extra_refs, out_ref, out_tile)
 
 
 def _load(ref, mask):
@@ -225,9 +246,11 @@ def gmm(
 
 
 def gmm_call(lhs, rhs, group_sizes, n: int, bs: config.TritonBlockSizes, *, group_offset,
-             transpose_rhs: bool, out_dtype, interpret: bool, name: str, epilogue=None):
-    """The gmm kernel's call for an [m, n] output with blocks `bs` (gmm's, and
-    grouped_mlp's gate-up with an `epilogue` of its two accumulators, rhs [g, k, 2n])."""
+             transpose_rhs: bool, out_dtype, interpret: bool, name: str, epilogue=None,
+             extra=(), out_cols: int | None = None):
+    """The gmm kernel's call with blocks `bs` over n output columns: gmm's [m, n]; with an
+    `epilogue` (grouped_mlp's gate-up and its gradient, _gmm_kernel), rhs [g, k, 2n],
+    `extra` operands the epilogue reads (after rhs) and an [m, out_cols] output."""
     m, k = lhs.shape
     g = rhs.shape[0]
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
@@ -239,10 +262,10 @@ def gmm_call(lhs, rhs, group_sizes, n: int, bs: config.TritonBlockSizes, *, grou
         _gmm_kernel, bs=bs, m=m, k=k, n=n, num_groups=g, num_tiles=num_tiles,
         transpose_rhs=transpose_rhs, epilogue=epilogue,
     )
-    out_shape = sharding.out_struct((m, n), out_dtype, like=lhs)
+    out_shape = sharding.out_struct((m, out_cols or n), out_dtype, like=lhs)
+    operands = (meta.group, meta.start, meta.end, lhs, rhs, *extra)
     cost = costs.gmm(m, k, n if epilogue is None else 2 * n, lhs.dtype,
-                     transpose_rhs=transpose_rhs,
-                     inputs=(meta.group, meta.start, meta.end, lhs, rhs), outputs=(out_shape,))
+                     transpose_rhs=transpose_rhs, inputs=operands, outputs=(out_shape,))
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -251,7 +274,7 @@ def gmm_call(lhs, rhs, group_sizes, n: int, bs: config.TritonBlockSizes, *, grou
         interpret=interpret,
         cost_estimate=cost,
         name=name,
-    )(meta.group, meta.start, meta.end, lhs, rhs)
+    )(*operands)
 
 
 def _tgmm_kernel(offsets_ref, lhs_ref, rhs_ref, out_ref, *, bs, k, n):
