@@ -54,6 +54,22 @@ def _around(w):
     return jnp.concatenate([other, w, other])
 
 
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+def test_written_out_activations_match_the_reference(activation):
+    """The kernels' activation and its derivative (exp, tanh and arithmetic only) against
+    the reference's jax.nn form and its jax.grad, over [-30, 30] in fp32."""
+    from pallasite.kernels.expert_mlp import epilogue
+    from pallasite.reference.grouped_mlp import ACTIVATIONS
+
+    t = jnp.linspace(-30.0, 30.0, 4001, dtype=jnp.float32)
+    act, d_act = epilogue.activation_and_derivative(t, activation)
+    np.testing.assert_allclose(act, ACTIVATIONS[activation](t), rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(d_act, jax.vmap(jax.grad(ACTIVATIONS[activation]))(t),
+                               rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(epilogue.activation_fp32(t, activation), act, rtol=2e-6,
+                               atol=2e-6)
+
+
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("activation", ["swiglu", "geglu"])
 @pytest.mark.parametrize("m,k,f,sizes", [
@@ -73,23 +89,25 @@ def test_interpret_gate_up_matches_the_definition(m, k, f, sizes, activation, ba
     assert (np.asarray(h)[sum(sizes):] == 0).all()
 
 
+@pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("activation", ["swiglu", "geglu"])
 @pytest.mark.parametrize("m,k,f,sizes", [
     (200, 128, 128, [70, 0, 100]), (131, 64, 80, [3, 60, 1, 0, 57]), (96, 64, 64, [0, 0, 0]),
 ])
-def test_interpret_triton_gate_up_grad_matches_the_definition(m, k, f, sizes, activation):
+def test_interpret_gate_up_grad_matches_the_definition(m, k, f, sizes, activation, backend):
     """The backward's fused kernel: d(pre) = [act'(gate) up dh, act(gate) dh] from the
-    sums recomputed in-kernel, fp32 output against the definition's vjp; f = 80 leaves
-    the last 32-column tile part empty; rows past the total are zero."""
+    sums recomputed in-kernel, fp32 output against the definition's vjp (dh in the
+    operand dtype, as the kernels read it); f = 80 leaves the last tile part empty
+    (Triton masks it, Mosaic GPU pads f); rows past the total are zero."""
     gs = jnp.array(sizes, jnp.int32)
     x, w = _operands(m + k, m, k, f, len(sizes))
-    dh = jax.random.normal(jax.random.key(m), (m, f), jnp.float32)
-    got = fused_triton.gate_up_grad(x, w, gs, dh, activation=activation,
-                                    out_dtype=jnp.float32, block_sizes=SMALL["pallas_triton"],
-                                    interpret=True)
+    dh = jax.random.normal(jax.random.key(m), (m, f), jnp.float32).astype(BF16)
+    got = BACKENDS[backend].gate_up_grad(x, w, gs, dh, activation=activation,
+                                         out_dtype=jnp.float32, block_sizes=SMALL[backend],
+                                         interpret=True)
     pre = gmm_reference(x.astype(jnp.float32), w.astype(jnp.float32), gs)
     _, vjp = jax.vjp(lambda p: activate(p, activation), pre)
-    (want,) = vjp(dh)
+    (want,) = vjp(dh.astype(jnp.float32))
     assert got.shape == (m, 2 * f)
     assert_close(got, want, dtype=jnp.float32, tol=EXACT_FP32, what="d(pre)")
     assert (np.asarray(got)[sum(sizes):] == 0).all()

@@ -39,6 +39,26 @@ def activation_fp32(gate: jax.Array, activation: str) -> jax.Array:
     return 0.5 * gate * (1.0 + jnp.tanh(_GELU_C * (gate + 0.044715 * gate * gate * gate)))
 
 
+def activation_and_derivative(gate: jax.Array, activation: str
+                              ) -> tuple[jax.Array, jax.Array]:
+    """(act(gate), act'(gate)) written out: the backward kernels' epilogue (a jvp of
+    activation_fp32 would need a power -2, which Mosaic GPU does not lower)."""
+    check_activation(activation)
+    if activation == "swiglu":
+        s = 1.0 / (1.0 + jnp.exp(-gate))
+        return gate * s, s * (1.0 + gate * (1.0 - s))
+    inner = _GELU_C * (gate + 0.044715 * gate * gate * gate)
+    t = jnp.tanh(inner)
+    d_inner = _GELU_C * (1.0 + 3 * 0.044715 * gate * gate)
+    return 0.5 * gate * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * gate * (1.0 - t * t) * d_inner
+
+
+def d_pre(gate, up, dh, activation: str) -> tuple[jax.Array, jax.Array]:
+    """The gradient of h = act(gate) * up: (act'(gate) up dh, act(gate) dh)."""
+    act, d_act = activation_and_derivative(gate, activation)
+    return d_act * up * dh, act * dh
+
+
 def gated(gate: jax.Array, up: jax.Array, activation: str) -> jax.Array:
     """h = act(gate) * up, the fused kernels' epilogue on their fp32 accumulators."""
     return activation_fp32(gate, activation) * up

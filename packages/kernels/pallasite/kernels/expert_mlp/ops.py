@@ -1,9 +1,9 @@
 """The fused gate-up as a differentiable op over one backend (megablox's ops.py shape):
 
     forward   h = gate_up(x, W)                      the backend's fused kernel
-    backward  d_pre = [act'(gate) up dh, act(gate) dh], (gate | up) = x W recomputed:
-                in one kernel where the backend has gate_up_grad (Triton), which never
-                writes the pre-activation; else the grouped gmm (fp32 output) and XLA
+    backward  d_pre = gate_up_grad(x, W, dh)         [act'(gate) up dh, act(gate) dh],
+                                                     (gate | up) = x W recomputed in the
+                                                     kernel, never written
               dx = gmm(d_pre, W, transpose_rhs=True)
               dW = tgmm(x, d_pre)
 
@@ -74,24 +74,17 @@ def _forward(backend, activation, all_groups, interpret, compute, x, w, group_si
 def _backward(backend, activation, all_groups, interpret, compute, residuals, dh):
     x, w, group_sizes, offset = residuals
     fused, grouped = _modules(backend)
-    f = w.shape[2] // 2
 
     def grads(x_c, w_c, sizes, start, dh):
         local = dict(group_offset=None if all_groups else start, interpret=interpret)
-        if hasattr(fused, "gate_up_grad"):  # d(pre) from the recomputed sums in-kernel
-            d_pre = fused.gate_up_grad(x_c, w_c, sizes, dh, activation=activation, **local)
-        else:
-            pre = grouped.gmm(x_c, w_c, sizes, out_dtype=_F32, **local)
-            gate, up = pre[:, :f], pre[:, f:]
-            act, act_vjp = jax.vjp(lambda t: epilogue.activation_fp32(t, activation), gate)
-            (d_gate,) = act_vjp(dh * up)
-            d_pre = jnp.concatenate([d_gate, dh * act], axis=1).astype(compute)
+        # d(pre) from the gate and up sums recomputed in the kernel, never stored
+        d_pre = fused.gate_up_grad(x_c, w_c, sizes, dh, activation=activation, **local)
         return (grouped.gmm(d_pre, w_c, sizes, transpose_rhs=True, out_dtype=_F32, **local),
                 grouped.tgmm(x_c, d_pre, sizes, num_groups=w.shape[0], out_dtype=_F32,
                              **local))
 
-    dx, dw = sharding.local_call(grads, (x.astype(compute), w.astype(compute), group_sizes, offset,
-                                         dh.astype(_F32)), interpret)
+    operands = (x.astype(compute), w.astype(compute), group_sizes, offset, dh.astype(compute))
+    dx, dw = sharding.local_call(grads, operands, interpret)
     # fp32 until summed over the manual axes the primal does not vary over (an expert's
     # share of dx), then rounded once (sharding.cotangent_like)
     return (sharding.cotangent_like(dx, x).astype(x.dtype),

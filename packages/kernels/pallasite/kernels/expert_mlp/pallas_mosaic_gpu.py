@@ -51,15 +51,21 @@ GATE_UP_DEFAULT = base.MosaicGpuBlockSizes(block_m=128, block_n=64, block_k=64, 
                                            grid_block_n=8, warp_specialized=True)
 
 
-def _stages_that_fit(bs: base.MosaicGpuBlockSizes, in_bytes: int, out_bytes: int) -> int:
+def _stages_that_fit(bs: base.MosaicGpuBlockSizes, in_bytes: int, out_bytes: int,
+                     grad: bool = False) -> int:
     """Stages of (lhs block_m x block_k, gate and up block_k x 2 block_n) beside two
-    block_m x block_n output slots in shared memory."""
+    block_m x block_n output slots in shared memory (and, for the gradient, two dh
+    slots of the operand dtype)."""
     per_stage = (bs.block_m * bs.block_k + 2 * bs.block_k * 2 * bs.block_n) * in_bytes
-    slots = 2 * bs.block_m * bs.block_n * out_bytes
+    slots = 2 * bs.block_m * bs.block_n * (out_bytes + (in_bytes if grad else 0))
     return int(min(bs.stages, (base._SMEM_BYTES - slots) // per_stage))
 
 
-def _gate_up_kernel(k, f, g, bs: base.MosaicGpuBlockSizes, activation: str):
+def _gate_up_kernel(k, f, g, bs: base.MosaicGpuBlockSizes, activation: str,
+                    grad: bool = False):
+    """The gate-up kernel; with `grad` its backward half: each consumer also loads its
+    block_m x block_n tile of dh (TMA, issued before the k loop) and stores d(pre) =
+    [act'(gate) up dh, act(gate) dh] into the gate and up columns of a [m, 2f] output."""
     bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
     cta_n = 2 * bn
     grid_n = pl.cdiv(f, cta_n)
@@ -80,19 +86,25 @@ def _gate_up_kernel(k, f, g, bs: base.MosaicGpuBlockSizes, activation: str):
             compute_context=compute_context,
         )
 
-    def body(table_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem):
+    def body(table_gmem, count_gmem, lhs_gmem, rhs_gmem, *refs):
+        *dh_gmem, out_gmem = refs
         num_tiles = count_gmem[0]
         wg = lax.axis_index("wg")
         ignore = lambda *_, **__: None  # noqa: E731 - allocations do not depend on the body
         block = rhs_gmem.at[0, :, pl.ds(0, cta_n)]
         allocs = pipeline(ignore, ignore).get_allocations(lhs_gmem.at[pl.ds(0, bm)], block,
                                                           block)
-        o_type = plgpu.SMEM((2, bm, bn), out_gmem.dtype,
-                            transforms=base._swizzle_transforms(out_gmem.dtype, rows=1))
+        scratch = dict(o_smem=plgpu.SMEM((2, bm, bn), out_gmem.dtype,
+                                         transforms=base._swizzle_transforms(out_gmem.dtype,
+                                                                             rows=1)))
+        if grad:
+            scratch.update(
+                dh_smem=plgpu.SMEM((2, bm, bn), dh_gmem[0].dtype,
+                                   transforms=base._swizzle_transforms(dh_gmem[0].dtype)),
+                dh_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2))
 
-        @functools.partial(pl.run_scoped, allocations=allocs, o_smem=o_type,
-                           collective_axes="wg")
-        def _(allocations, o_smem):
+        @functools.partial(pl.run_scoped, allocations=allocs, collective_axes="wg", **scratch)
+        def _(allocations, o_smem, dh_smem=None, dh_ready=None):
             @plgpu.nd_loop((num_tiles * grid_n,), collective_axes="sm")
             def _(info):
                 # rows of no group (not live): act(0) * 0 = 0 is stored
@@ -111,19 +123,35 @@ def _gate_up_kernel(k, f, g, bs: base.MosaicGpuBlockSizes, activation: str):
 
                     return accs
 
+                col0 = ni * cta_n + wg * bn
+
                 def compute_context(run_pipeline):
                     @functools.partial(pl.run_scoped,
                                        acc_gate=plgpu.ACC((bm, bn), _F32),
                                        acc_up=plgpu.ACC((bm, bn), _F32))
                     def _(acc_gate, acc_up):
+                        if grad:  # this tile's dh arrives while the k loop runs
+                            plgpu.copy_gmem_to_smem(
+                                dh_gmem[0].at[pl.ds(load0, bm), pl.ds(col0, bn)],
+                                dh_smem.at[wg], dh_ready.at[wg])
                         run_pipeline((acc_gate, acc_up))
-                        h = epilogue.gated(acc_gate[...], acc_up[...], activation)
+                        gate, up = acc_gate[...], acc_up[...]
+                        if grad:
+                            plgpu.barrier_wait(dh_ready.at[wg])
+                            d_gate, d_up = epilogue.d_pre(
+                                gate, up, dh_smem.at[wg][...].astype(_F32), activation)
+                            outs = ((d_gate, col0), (d_up, f + col0))
+                        else:
+                            outs = ((epilogue.gated(gate, up, activation), col0),)
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slot free again
 
                         @pl.when(base._live_half(ni, wg, bs, f))
                         def _():
-                            base._store_rows_from(h, o_smem.at[wg], out_gmem, row0, rows,
-                                                  row0 - load0, ni * cta_n + wg * bn, bm)
+                            for i, (out, at) in enumerate(outs):
+                                if i:
+                                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                                base._store_rows_from(out, o_smem.at[wg], out_gmem, row0,
+                                                      rows, row0 - load0, at, bm)
 
                 weights = rhs_gmem.at[jnp.minimum(seg, g - 1)]
                 pipeline(mma, compute_context, base._k_steps(live, k // bk, 0))(
@@ -164,37 +192,81 @@ def gate_up(
     2 * block_n wide); warp_specialized must be True."""
     epilogue.check_gate_up(lhs, rhs, activation)
     base._check_gmm(lhs, rhs, group_sizes, False, group_offset)
+    bs = _checked_blocks(block_sizes)
+    return _call(lhs, rhs, group_sizes, None, activation=activation,
+                 group_offset=group_offset, out_dtype=out_dtype, bs=bs, interpret=interpret)
+
+
+@sharding.local_operands("grouped_mlp")
+def gate_up_grad(
+    lhs: Shaped[Array, "m k"],
+    rhs: Shaped[Array, "g k two_f"],
+    group_sizes: Int[Array, " G"],
+    dh: Shaped[Array, "m f"],
+    *,
+    activation: str = "swiglu",
+    group_offset=None,
+    out_dtype: Any = None,
+    block_sizes: base.MosaicGpuBlockSizes | None = None,
+    interpret: bool = False,
+) -> Shaped[Array, "m two_f"]:
+    """d(pre) [m, 2f] = [act'(gate) up dh, act(gate) dh] for h = act(gate) * up, the
+    pre-activation (gate | up) = lhs_i rhs[i] recomputed in the kernel (fp32 sums, never
+    stored), rounded once to out_dtype (lhs's when None); rows of no local group zero.
+    dh is read in lhs's dtype. The gate-up's backward feeds it to the grouped dx and
+    dkernel."""
+    epilogue.check_gate_up(lhs, rhs, activation)
+    base._check_gmm(lhs, rhs, group_sizes, False, group_offset)
+    f = rhs.shape[2] // 2
+    if dh.shape != (lhs.shape[0], f):
+        raise ValueError(f"dh must be [m, f] = {(lhs.shape[0], f)}, got {dh.shape}")
+    return _call(lhs, rhs, group_sizes, dh.astype(lhs.dtype), activation=activation,
+                 group_offset=group_offset, out_dtype=out_dtype,
+                 bs=_checked_blocks(block_sizes), interpret=interpret)
+
+
+def _checked_blocks(block_sizes):
     bs = block_sizes or GATE_UP_DEFAULT
     if not bs.warp_specialized or bs.pingpong:
         raise ValueError(f"gate_up runs the cooperative warp-specialised kernel only; got "
                          f"{bs}")
+    return bs
+
+
+def _call(lhs, rhs, group_sizes, dh, *, activation, group_offset, out_dtype, bs, interpret):
+    """The forward (dh None: h [m, f]) or gradient (d(pre) [m, 2f]) kernel's call."""
+    grad = dh is not None
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     m, k = lhs.shape
     g, f = rhs.shape[0], rhs.shape[2] // 2
     if m == 0 or f == 0 or g == 0:
-        return jnp.zeros((m, f), out_dtype)
+        return jnp.zeros((m, 2 * f if grad else f), out_dtype)
     bs = base._fit_block_n(bs, f)
-    stages = _stages_that_fit(bs, jnp.dtype(lhs.dtype).itemsize, out_dtype.itemsize)
+    stages = _stages_that_fit(bs, jnp.dtype(lhs.dtype).itemsize, out_dtype.itemsize, grad)
     if stages < 2:
         raise ValueError(f"gate_up: {bs} does not fit two stages in shared memory")
     bs = dataclasses.replace(bs, stages=stages, epilogue_block_n=None)
     f_p = -(-f // bs.block_n) * bs.block_n
     lhs_p = base._pad_axis(base._pad_axis(lhs, 1, bs.block_k), 0, 8, bs.block_m)
     rhs_p = base._pad_axis(_split_padded(rhs, f, f_p), 1, bs.block_k)
-    k_p = lhs_p.shape[1]
+    extra = () if not grad else (base._pad_axis(base._pad_axis(dh, 1, bs.block_n), 0, 8,
+                                                bs.block_m),)
+    k_p, m_p = lhs_p.shape[1], lhs_p.shape[0]
     sizes, row_start = local_groups(group_sizes, group_offset, g)
-    table, count = base._row_tile_table(sizes, lhs_p.shape[0], bs.block_m, row_start)
-    out_type = sharding.out_struct((lhs_p.shape[0], f_p), out_dtype, like=lhs)
-    cost = costs.gmm(lhs_p.shape[0], k_p, 2 * f_p, lhs.dtype, transpose_rhs=False,
-                     inputs=(table, count, lhs_p, rhs_p), outputs=(out_type,))
+    table, count = base._row_tile_table(sizes, m_p, bs.block_m, row_start)
+    out_type = sharding.out_struct((m_p, 2 * f_p if grad else f_p), out_dtype, like=lhs)
+    cost = costs.gmm(m_p, k_p, 2 * f_p, lhs.dtype, transpose_rhs=False,
+                     inputs=(table, count, lhs_p, rhs_p, *extra), outputs=(out_type,))
     call = pl.kernel(
-        _gate_up_kernel(k_p, f_p, g, bs, activation),
+        _gate_up_kernel(k_p, f_p, g, bs, activation, grad),
         out_type=out_type,
         mesh=base._mesh(bs, interpret),
         compiler_params=base._compiler_params(),
         interpret=base._interpret_params(interpret),
         cost_estimate=cost,
-        name="grouped_mlp_gate_up_mosaic_gpu",
+        name="grouped_mlp_gate_up_grad_mosaic_gpu" if grad else "grouped_mlp_gate_up_mosaic_gpu",
     )
-    return call(table, count, lhs_p, rhs_p)[:m, :f]
-
+    out = call(table, count, lhs_p, rhs_p, *extra)
+    if not grad:
+        return out[:m, :f]
+    return jnp.concatenate([out[:m, :f], out[:m, f_p:f_p + f]], axis=1)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -114,10 +113,7 @@ def _store_d_pre(sums, extra, out_ref, tile, *, activation, f):
         mask = tile.store_ok
         dh = (plgpu.load(dh_ref.at[tile.rows, tile.cols]) if mask is None else
               plgpu.load(dh_ref.at[tile.rows, tile.cols], mask=mask, other=0.0))
-        dh = dh.astype(jnp.float32)
-        act, d_act = jax.jvp(lambda t: epilogue.activation_fp32(t, activation), (gate,),
-                             (jnp.ones_like(gate),))
-        d_gate, d_up = d_act * up * dh, act * dh
+        d_gate, d_up = epilogue.d_pre(gate, up, dh.astype(jnp.float32), activation)
     plgpu.store(out_ref.at[tile.rows, tile.cols], d_gate.astype(out_ref.dtype),
                 mask=tile.store_ok)
     plgpu.store(out_ref.at[tile.rows, up_cols], d_up.astype(out_ref.dtype), mask=tile.store_ok)
