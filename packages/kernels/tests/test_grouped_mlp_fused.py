@@ -172,6 +172,8 @@ def test_gate_up_refuses_bad_arguments(backend):
         gate_up(x, w, gs, activation="relu", interpret=True)
     with pytest.raises(ValueError, match="even last dim"):
         gate_up(x, w[..., :-1], gs, interpret=True)
+    with pytest.raises(ValueError, match=r"dh must be \[m, f\]"):
+        BACKENDS[backend].gate_up_grad(x, w, gs, x[:, :32], interpret=True)
     with pytest.raises(ValueError, match="backend='xla'"):
         ops.gate_up_activation(x, w, gs, BF16, backend="xla")
 

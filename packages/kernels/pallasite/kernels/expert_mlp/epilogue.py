@@ -18,10 +18,10 @@ def check_activation(activation: str) -> None:
         raise ValueError(f"activation={activation!r}: one of {ACTIVATION_NAMES}")
 
 
-def check_gate_up(lhs, rhs, activation: str) -> None:
+def check_gate_up(lhs, rhs, activation: str, dh=None) -> None:
     """The fused gate-up's operands, as every backend takes them: lhs [m, k], rhs [g, k,
-    2f] (gate columns, then up) of lhs's dtype, a known activation (else ValueError or
-    TypeError naming the argument)."""
+    2f] (gate columns, then up) of lhs's dtype, a known activation, and for its gradient
+    dh [m, f] (else ValueError or TypeError naming the argument)."""
     check_activation(activation)
     if lhs.ndim != 2 or rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1] or rhs.shape[2] % 2:
         raise ValueError(f"lhs must be [m, k] and rhs [g, k, 2f] (gate columns, then up, so "
@@ -29,6 +29,9 @@ def check_gate_up(lhs, rhs, activation: str) -> None:
     if lhs.dtype != rhs.dtype:
         raise TypeError(f"lhs and rhs must share the compute dtype, got {lhs.dtype} and "
                         f"{rhs.dtype}")
+    want = (lhs.shape[0], rhs.shape[2] // 2)
+    if dh is not None and tuple(dh.shape) != want:
+        raise ValueError(f"dh must be [m, f] = {want}, got {dh.shape}")
 
 
 def activation_fp32(gate: jax.Array, activation: str) -> jax.Array:

@@ -215,11 +215,8 @@ def gate_up_grad(
     stored), rounded once to out_dtype (lhs's when None); rows of no local group zero.
     dh is read in lhs's dtype. The gate-up's backward feeds it to the grouped dx and
     dkernel."""
-    epilogue.check_gate_up(lhs, rhs, activation)
+    epilogue.check_gate_up(lhs, rhs, activation, dh)
     base._check_gmm(lhs, rhs, group_sizes, False, group_offset)
-    f = rhs.shape[2] // 2
-    if dh.shape != (lhs.shape[0], f):
-        raise ValueError(f"dh must be [m, f] = {(lhs.shape[0], f)}, got {dh.shape}")
     return _call(lhs, rhs, group_sizes, dh.astype(lhs.dtype), activation=activation,
                  group_offset=group_offset, out_dtype=out_dtype,
                  bs=_checked_blocks(block_sizes), interpret=interpret)

@@ -87,10 +87,8 @@ def gate_up_grad(
     pre-activation (gate | up) = lhs_i rhs[i] recomputed in the kernel (fp32 sums, never
     stored), rounded once to out_dtype (lhs's when None); rows of no local group zero.
     The gate-up's backward feeds it to the grouped dx and dkernel."""
-    epilogue.check_gate_up(lhs, rhs, activation)
+    epilogue.check_gate_up(lhs, rhs, activation, dh)
     f = rhs.shape[2] // 2
-    if dh.shape != (lhs.shape[0], f):
-        raise ValueError(f"dh must be [m, f] = {(lhs.shape[0], f)}, got {dh.shape}")
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     if 0 in lhs.shape or f == 0 or rhs.shape[0] == 0:
         return jnp.zeros((lhs.shape[0], 2 * f), out_dtype)
