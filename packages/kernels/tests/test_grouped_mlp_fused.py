@@ -163,6 +163,38 @@ def test_interpret_gate_up_activation_gradients(activation, local, backend):
         assert not np.asarray(dx[90:], np.float32).any()
 
 
+@pytest.mark.parametrize("sizes", [[3, 60, 1, 0, 57], [0, 0, 0, 0, 0]])
+def test_interpret_triton_down_weighted_and_its_gradient(sizes):
+    """The down product with the row weights in its epilogue: y exact in fp32 against
+    (h W) * weights, zero past the total; its backward's dh (bf16) and d row_weights
+    (from the same tiles) against autodiff of the definition; f = 80 and n = 96 leave
+    edge tiles part empty."""
+    m, f, n = 131, 80, 96
+    gs = jnp.array(sizes, jnp.int32)
+    k = jax.random.split(jax.random.key(sum(sizes)), 4)
+    h = jax.random.normal(k[0], (m, f)).astype(BF16)
+    w = (jax.random.normal(k[1], (5, f, n)) / 8).astype(BF16)
+    rw = jax.random.uniform(k[2], (m,), minval=0.1, maxval=1.0)
+    dy = jax.random.normal(k[3], (m, n)).astype(BF16)
+    bs = SMALL["pallas_triton"]
+    y = fused_triton.down_weighted(h, w, gs, rw, out_dtype=jnp.float32, block_sizes=bs,
+                                   interpret=True)
+
+    def definition(h32, weights):
+        return gmm_reference(h32, w.astype(jnp.float32), gs) * weights[:, None]
+
+    assert_close(y, definition(h.astype(jnp.float32), rw), dtype=jnp.float32,
+                 tol=EXACT_FP32, what="y")
+    assert (np.asarray(y)[sum(sizes):] == 0).all()
+    dh, d_rw = fused_triton.down_weighted_grad(dy, w, gs, rw, h, block_sizes=bs,
+                                               interpret=True)
+    _, vjp = jax.vjp(definition, h.astype(jnp.float32), rw)
+    dh_ref, d_rw_ref = vjp(dy.astype(jnp.float32))
+    assert dh.dtype == BF16 and d_rw.dtype == jnp.float32
+    assert_close(dh, dh_ref, dtype=BF16, what="dh")
+    assert_close(d_rw, d_rw_ref, dtype=jnp.float32, tol=EXACT_FP32, what="d row_weights")
+
+
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_gate_up_refuses_bad_arguments(backend):
     x, w = _operands(0, 64, 64, 64, 2)
@@ -204,8 +236,15 @@ def test_gate_up_lowers_for_cuda_from_cpu(backend, activation, monkeypatch):
         h = ops.gate_up_activation(a, b, c, BF16, backend=backend, activation=activation)
         return jnp.sum(h.astype(jnp.float32))
 
-    for fn in (lambda a, b, c: BACKENDS[backend].gate_up(a, b, c, activation=activation),
-               jax.grad(loss, argnums=(0, 1))):
+    fns = [lambda a, b, c: BACKENDS[backend].gate_up(a, b, c, activation=activation),
+           jax.grad(loss, argnums=(0, 1))]
+    if ops.has_down_weighted(backend):  # the down product with the row weights, and its grad
+        def down_loss(a, b, c):  # x as h [m, k], the [g, k, 2f] kernel as a down kernel
+            y = ops.down_weighted(a, b, c, jnp.ones((m,), jnp.float32), BF16,
+                                  backend=backend)
+            return jnp.sum(y.astype(jnp.float32))
+        fns.append(jax.grad(down_loss, argnums=(0, 1)))
+    for fn in fns:
         with jax.sharding.use_abstract_mesh(mesh):
             text = export.export(
                 jax.jit(fn), platforms=["cuda"],
@@ -238,4 +277,29 @@ def test_gpu_gate_up_and_gradients(backend, activation):
     h_ref, vjp_ref = jax.vjp(lambda a, b: _h_reference(a, b, gs, activation), x, w)
     assert_close(h, h_ref, dtype=BF16, what="h")
     for got, want, name in zip(vjp(dh.astype(BF16)), vjp_ref(dh), ("dx", "dkernel")):
+        assert_close(got, want, dtype=BF16, what=name)
+
+
+@pytest.mark.gpu
+def test_gpu_triton_down_weighted_and_gradients():
+    if not platform.triton_runs():
+        pytest.skip("Pallas Triton does not run on this GPU")
+    m, f, n, g = 4096, 768, 512, 8
+    gs = random_group_sizes(jax.random.key(7), m, g, total=3900)
+    k = jax.random.split(jax.random.key(8), 4)
+    h = jax.random.normal(k[0], (m, f)).astype(BF16)
+    w = (jax.random.normal(k[1], (g, f, n)) / np.sqrt(f)).astype(BF16)
+    rw = jax.random.uniform(k[2], (m,), minval=0.1, maxval=1.0)
+    dy = jax.random.normal(k[3], (m, n), jnp.float32)
+
+    def ours(a, b, r):
+        return ops.down_weighted(a, b, gs, r, BF16, backend="pallas_triton")
+
+    def definition(a, b, r):
+        return gmm_reference(a.astype(jnp.float32), b.astype(jnp.float32), gs) * r[:, None]
+
+    y, vjp = jax.vjp(jax.jit(ours), h, w, rw)
+    y_ref, vjp_ref = jax.vjp(definition, h, w, rw)
+    assert_close(y, y_ref, dtype=BF16, what="y")
+    for got, want, name in zip(vjp(dy.astype(BF16)), vjp_ref(dy), ("dh", "dW", "d_rw")):
         assert_close(got, want, dtype=BF16, what=name)

@@ -19,9 +19,11 @@ recipe="fp8" runs both products through grouped_projection's fp8 recipe (h quant
 the down product's own quantizer, not by the gate-up epilogue).
 
 The fused gate-up (expert_mlp.ops: act(gate) * up in the kernel's epilogue, h rounded
-once, the pre-activation recomputed in the backward) runs where a caller names one of
-its backends alone (implementation="pallas_mosaic_gpu" or "pallas_triton") and nothing
-asks for more than it does (_fused_refusal): 16-bit compute, no recipe or block sizes,
+once, the pre-activation recomputed in the backward), and on Triton the down product
+with the row weights in its epilogue (y rounded once; dh and d row_weights from one
+kernel), run where a caller names one of the fused backends alone
+(implementation="pallas_mosaic_gpu" or "pallas_triton") and nothing asks for more than
+it does (_fused_refusal): 16-bit compute, no recipe or block sizes,
 first-order reverse mode at most, operands local (unsharded, or a shard_map's). The
 default (implementation=None) stays the composition until the fused kernels are
 measured on a GPU against it (docs/grouped_mlp.md).
@@ -91,6 +93,10 @@ def grouped_mlp(
         pre = grouped_projection(x, gate_up_kernel, group_sizes, compute, interpret_on_cpu,
                                  **product)
         h = activate(pre.astype(_F32), activation).astype(compute)
+    if why is None and row_weights is not None and ops.has_down_weighted(implementation):
+        return ops.down_weighted(h, down_kernel, group_sizes, row_weights, compute,
+                                 backend=implementation, group_offset=group_offset,
+                                 interpret=interpret)
     y = grouped_projection(h, down_kernel, group_sizes, compute, interpret_on_cpu, **product)
     if row_weights is None:
         return y

@@ -92,3 +92,69 @@ def _backward(backend, activation, all_groups, interpret, compute, residuals, dh
 
 
 _gate_up.defvjp(_forward, _backward)
+
+
+# ------------------------------------------------------------------ the down product
+
+
+def has_down_weighted(backend: str) -> bool:
+    """Whether the backend fuses the row weights into the down product (down_weighted)."""
+    return hasattr(_modules(backend)[0], "down_weighted")
+
+
+def down_weighted(h, down_kernel, group_sizes, row_weights, compute, *, backend: str,
+                  group_offset=None, interpret: bool = False):
+    """y = (h W_down) * row_weights in `compute`, the weights applied to the fp32 sums in
+    the kernel's epilogue; differentiable in h, down_kernel and row_weights. The backward
+    gets dh and d row_weights from one kernel (its epilogue forms both from the same
+    tiles, with no pass over y) and dW_down from the grouped dkernel on dy * weights.
+    backend: one with has_down_weighted (Triton)."""
+    if not has_down_weighted(backend):
+        raise ValueError(f"backend={backend!r} has no fused down product")
+    offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
+    return _down(backend, group_offset is None, bool(interpret), jnp.dtype(compute), h,
+                 down_kernel, group_sizes, row_weights, offset)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _down(backend, all_groups, interpret, compute, h, w, group_sizes, row_weights, offset):
+    return _down_forward(backend, all_groups, interpret, compute, h, w, group_sizes,
+                         row_weights, offset)[0]
+
+
+def _down_forward(backend, all_groups, interpret, compute, h, w, group_sizes, row_weights,
+                  offset):
+    fused, _ = _modules(backend)
+
+    def down(h_c, w_c, sizes, rw, start):
+        return (fused.down_weighted(h_c, w_c, sizes, rw, out_dtype=compute,
+                                    group_offset=None if all_groups else start,
+                                    interpret=interpret),)
+
+    operands = (h.astype(compute), w.astype(compute), group_sizes,
+                row_weights.astype(_F32), offset)
+    (y,) = sharding.local_call(down, operands, interpret)
+    return y, (h, w, group_sizes, row_weights, offset)
+
+
+def _down_backward(backend, all_groups, interpret, compute, residuals, dy):
+    h, w, group_sizes, row_weights, offset = residuals
+    fused, grouped = _modules(backend)
+
+    def grads(h_c, w_c, sizes, rw, start, dy):
+        local = dict(group_offset=None if all_groups else start, interpret=interpret)
+        dh, d_rw = fused.down_weighted_grad(dy, w_c, sizes, rw, h_c, **local)
+        dy_weighted = (dy.astype(_F32) * rw[:, None]).astype(compute)
+        dw = grouped.tgmm(h_c, dy_weighted, sizes, num_groups=w.shape[0], out_dtype=_F32,
+                          **local)
+        return dh.astype(_F32), dw, d_rw
+
+    operands = (h.astype(compute), w.astype(compute), group_sizes,
+                row_weights.astype(_F32), offset, dy.astype(compute))
+    dh, dw, d_rw = sharding.local_call(grads, operands, interpret)
+    return (sharding.cotangent_like(dh, h).astype(h.dtype),
+            sharding.cotangent_like(dw, w).astype(w.dtype), None,
+            sharding.cotangent_like(d_rw, row_weights).astype(row_weights.dtype), None)
+
+
+_down.defvjp(_down_forward, _down_backward)

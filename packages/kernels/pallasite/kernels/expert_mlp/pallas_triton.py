@@ -58,13 +58,14 @@ def gate_up(
     return base.gmm_call(lhs, rhs, group_sizes, f, block_sizes or GATE_UP_DEFAULT,
                          group_offset=group_offset, transpose_rhs=False,
                          out_dtype=out_dtype, interpret=interpret,
-                         name="grouped_mlp_gate_up_triton",
+                         name="grouped_mlp_gate_up_triton", pair=True,
                          epilogue=functools.partial(_store_h, activation=activation))
 
 
-def _store_h(sums, extra, out_ref, tile, *, activation):
+def _store_h(sums, extra, outs, tile, *, activation):
     """h = act(gate) * up for a tile of a group's rows; zeros for rows of no group."""
     del extra
+    (out_ref,) = outs
     h = (jnp.zeros((tile.row_ok.shape[0], tile.cols.size), jnp.float32) if sums is None
          else epilogue.gated(*sums, activation))
     plgpu.store(out_ref.at[tile.rows, tile.cols], h.astype(out_ref.dtype), mask=tile.store_ok)
@@ -95,13 +96,16 @@ def gate_up_grad(
     return base.gmm_call(lhs, rhs, group_sizes, f, block_sizes or GATE_UP_DEFAULT,
                          group_offset=group_offset, transpose_rhs=False,
                          out_dtype=out_dtype, interpret=interpret,
-                         name="grouped_mlp_gate_up_grad_triton", extra=(dh,), out_cols=2 * f,
-                         epilogue=functools.partial(_store_d_pre, activation=activation, f=f))
+                         name="grouped_mlp_gate_up_grad_triton", pair=True, extra=(dh,),
+                         outputs=((2 * f, out_dtype),),
+                         epilogue=functools.partial(_store_d_pre, activation=activation,
+                                                    f=f))[0]
 
 
-def _store_d_pre(sums, extra, out_ref, tile, *, activation, f):
+def _store_d_pre(sums, extra, outs, tile, *, activation, f):
     """[act'(gate) up dh, act(gate) dh] into the tile's gate and up columns."""
     (dh_ref,) = extra
+    (out_ref,) = outs
     up_cols = pl.ds(f + tile.cols.start, tile.cols.size)
     shape = (tile.row_ok.shape[0], tile.cols.size)
     if sums is None:
@@ -115,3 +119,113 @@ def _store_d_pre(sums, extra, out_ref, tile, *, activation, f):
     plgpu.store(out_ref.at[tile.rows, tile.cols], d_gate.astype(out_ref.dtype),
                 mask=tile.store_ok)
     plgpu.store(out_ref.at[tile.rows, up_cols], d_up.astype(out_ref.dtype), mask=tile.store_ok)
+
+
+# ----------------------------------------------------------------- the down product
+
+
+@sharding.local_operands("grouped_mlp")
+def down_weighted(
+    h: Shaped[Array, "m f"],
+    rhs: Shaped[Array, "g f n"],
+    group_sizes: Int[Array, " G"],
+    row_weights: Shaped[Array, " m"],
+    *,
+    group_offset=None,
+    out_dtype: Any = None,
+    block_sizes: config.TritonBlockSizes | None = None,
+    interpret: bool = False,
+) -> Shaped[Array, "m n"]:
+    """y[rows of group i] = (h_i rhs[i]) * row_weights: the fp32 sums scaled by each row's
+    weight in the epilogue, then rounded once to out_dtype (h's when None); rows of no
+    local group are zero. block_sizes: None takes the grouped gmm's (tuned) forward
+    blocks."""
+    _check_down(h, rhs, row_weights)
+    m, f = h.shape
+    n = rhs.shape[2]
+    out_dtype = jnp.dtype(out_dtype or h.dtype)
+    if 0 in (m, f, n) or rhs.shape[0] == 0:
+        return jnp.zeros((m, n), out_dtype)
+    bs = block_sizes or base.resolve_block_sizes(
+        None, product="forward", m=m, k=f, n=n, g=group_sizes.shape[0], dtype=h.dtype,
+        interpret=interpret)
+    return base.gmm_call(h, rhs, group_sizes, n, bs, group_offset=group_offset,
+                         transpose_rhs=False, out_dtype=out_dtype, interpret=interpret,
+                         name="grouped_mlp_down_triton", extra=(row_weights,),
+                         outputs=((n, out_dtype),), epilogue=_store_weighted)[0]
+
+
+def _store_weighted(sums, extra, outs, tile):
+    (rw_ref,) = extra
+    (out_ref,) = outs
+    shape = (tile.row_ok.shape[0], tile.cols.size)
+    y = jnp.zeros(shape, jnp.float32) if sums is None else sums * _row_weights(rw_ref, tile)
+    plgpu.store(out_ref.at[tile.rows, tile.cols], y.astype(out_ref.dtype), mask=tile.store_ok)
+
+
+def _row_weights(rw_ref, tile):
+    """The tile's rows' weights as an fp32 column (0 past the group's rows)."""
+    rw = plgpu.load(rw_ref.at[tile.rows], mask=tile.row_ok, other=0.0)
+    return rw.astype(jnp.float32)[:, None]
+
+
+@sharding.local_operands("grouped_mlp")
+def down_weighted_grad(
+    dy: Shaped[Array, "m n"],
+    rhs: Shaped[Array, "g f n"],
+    group_sizes: Int[Array, " G"],
+    row_weights: Shaped[Array, " m"],
+    h: Shaped[Array, "m f"],
+    *,
+    group_offset=None,
+    block_sizes: config.TritonBlockSizes | None = None,
+    interpret: bool = False,
+):
+    """The down product's backward for h: t = dy_i rhs[i]^T (fp32 sums, the weights read
+    in place, transposed), then in the epilogue dh = row_weights * t (in h's dtype) and
+    each row's share of d row_weights, sum over the tile's columns of h * t. Returns (dh
+    [m, f], d row_weights [m] fp32): the weights' gradient comes from the same tiles as
+    dh, with no pass over y."""
+    _check_down(h, rhs, row_weights)
+    if dy.shape != (h.shape[0], rhs.shape[2]) or dy.dtype != h.dtype:
+        raise ValueError(f"dy must be [m, n] = {(h.shape[0], rhs.shape[2])} of h's dtype "
+                         f"{h.dtype}, got {dy.shape} {dy.dtype}")
+    m, f = h.shape
+    n = rhs.shape[2]
+    if 0 in (m, f, n) or rhs.shape[0] == 0:
+        return jnp.zeros((m, f), h.dtype), jnp.zeros((m,), jnp.float32)
+    bs = block_sizes or base.resolve_block_sizes(
+        None, product="dx", m=m, k=f, n=n, g=group_sizes.shape[0], dtype=h.dtype,
+        interpret=interpret)
+    # rhs [g, f, n] read as [g, n', k'] = [g, f, n] transposed: the output is f wide
+    dh, parts = base.gmm_call(
+        dy, rhs, group_sizes, f, bs, group_offset=group_offset, transpose_rhs=True,
+        out_dtype=h.dtype, interpret=interpret, name="grouped_mlp_down_grad_triton",
+        extra=(row_weights, h), epilogue=_store_dh_and_weight_parts,
+        outputs=((f, h.dtype), (-(-f // bs.block_n), jnp.float32)))
+    return dh, jnp.sum(parts, axis=1)
+
+
+def _store_dh_and_weight_parts(sums, extra, outs, tile):
+    rw_ref, h_ref = extra
+    dh_ref, parts_ref = outs
+    shape = (tile.row_ok.shape[0], tile.cols.size)
+    if sums is None:
+        dh, part = jnp.zeros(shape, jnp.float32), jnp.zeros(shape[:1], jnp.float32)
+    else:
+        mask = tile.store_ok
+        h = (plgpu.load(h_ref.at[tile.rows, tile.cols]) if mask is None else
+             plgpu.load(h_ref.at[tile.rows, tile.cols], mask=mask, other=0.0))
+        dh = sums * _row_weights(rw_ref, tile)
+        part = jnp.sum(h.astype(jnp.float32) * sums, axis=1)
+    plgpu.store(dh_ref.at[tile.rows, tile.cols], dh.astype(dh_ref.dtype), mask=tile.store_ok)
+    plgpu.store(parts_ref.at[tile.rows, pl.ds(tile.col, 1)], part[:, None],
+                mask=tile.row_ok[:, None])
+
+
+def _check_down(h, rhs, row_weights) -> None:
+    if h.ndim != 2 or rhs.ndim != 3 or rhs.shape[1] != h.shape[1] or h.dtype != rhs.dtype:
+        raise ValueError(f"h must be [m, f] and rhs [g, f, n] of one dtype; got {h.shape} "
+                         f"{h.dtype} and {rhs.shape} {rhs.dtype}")
+    if row_weights.shape != (h.shape[0],):
+        raise ValueError(f"row_weights must be [m] = [{h.shape[0]}], got {row_weights.shape}")

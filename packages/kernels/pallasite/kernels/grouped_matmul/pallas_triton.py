@@ -155,12 +155,15 @@ class Tile(NamedTuple):
 
 
 def _gmm_kernel(group_ref, start_ref, end_ref, lhs_ref, rhs_ref, *refs, bs, m, k, n,
-                num_groups, num_tiles, transpose_rhs, epilogue=None):
-    """One (row tile, column tile) of gmm. With `epilogue` (grouped_mlp's gate-up, not
-    transposed): rhs is [g, k, 2n] (gate columns, then up), the tile keeps a gate and an
-    up accumulator for its n columns, and epilogue(sums, extra_refs, out_ref, tile)
-    stores the tile (sums None: rows of no group, whose outputs are zeros)."""
-    *extra_refs, out_ref = refs
+                num_groups, num_tiles, transpose_rhs, epilogue=None, pair=False,
+                num_outputs=1):
+    """One (row tile, column tile) of gmm. With `pair` (grouped_mlp's gate-up, not
+    transposed) rhs is [g, k, 2n] (gate columns, then up) and the tile keeps a gate and an
+    up accumulator for its n columns. With `epilogue` (grouped_mlp's kernels),
+    epilogue(sums, extra_refs, out_refs, tile) stores the tile to the last `num_outputs`
+    refs (sums None: rows of no group, whose outputs are zeros)."""
+    extra_refs, out_refs = refs[:-num_outputs], refs[-num_outputs:]
+    out_ref = out_refs[0]
     bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
     tile, col = _swizzle(pl.program_id(0), num_tiles, cdiv(n, bn), bs.group_m)
     group, start, end = group_ref[tile], start_ref[tile], end_ref[tile]
@@ -185,7 +188,7 @@ def _gmm_kernel(group_ref, start_ref, end_ref, lhs_ref, rhs_ref, *refs, bs, m, k
             else:
                 b = _load(rhs_ref.at[gi, ks, cols], _and(k_ok, col_ok))
                 dims = (((1,), (0,)), ((), ()))
-            if epilogue is None:
+            if not pair:
                 return acc + jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
             up = _load(rhs_ref.at[gi, ks, pl.ds(n + col * bn, bn)], _and(k_ok, col_ok))
             return (acc[0] + jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32),
@@ -193,11 +196,11 @@ def _gmm_kernel(group_ref, start_ref, end_ref, lhs_ref, rhs_ref, *refs, bs, m, k
 
         zeros = jnp.zeros((bm, bn), jnp.float32)
         acc = jax.lax.fori_loop(0, cdiv(k, bk), step,
-                                zeros if epilogue is None else (zeros, zeros))
+                                (zeros, zeros) if pair else zeros)
         if epilogue is None:
             plgpu.store(out_ref.at[rows, cols], acc.astype(out_ref.dtype), mask=store_ok)
         else:
-            epilogue(acc, extra_refs, out_ref, out_tile)
+            epilogue(acc, extra_refs, out_refs, out_tile)
 
     @pl.when(group == num_groups)  # rows past the total: zeros, per the contract
     def _zeros():
@@ -205,7 +208,7 @@ def _gmm_kernel(group_ref, start_ref, end_ref, lhs_ref, rhs_ref, *refs, bs, m, k
             plgpu.store(out_ref.at[rows, cols], jnp.zeros((bm, bn), out_ref.dtype),
                         mask=store_ok)
         else:
-            epilogue(None, extra_refs, out_ref, out_tile)
+            epilogue(None, extra_refs, out_refs, out_tile)
 
 
 def _load(ref, mask):
@@ -247,10 +250,11 @@ def gmm(
 
 def gmm_call(lhs, rhs, group_sizes, n: int, bs: config.TritonBlockSizes, *, group_offset,
              transpose_rhs: bool, out_dtype, interpret: bool, name: str, epilogue=None,
-             extra=(), out_cols: int | None = None):
-    """The gmm kernel's call with blocks `bs` over n output columns: gmm's [m, n]; with an
-    `epilogue` (grouped_mlp's gate-up and its gradient, _gmm_kernel), rhs [g, k, 2n],
-    `extra` operands the epilogue reads (after rhs) and an [m, out_cols] output."""
+             pair: bool = False, extra=(), outputs=None):
+    """The gmm kernel's call with blocks `bs` over n output columns: gmm's [m, n]. For
+    grouped_mlp's kernels (_gmm_kernel): `pair` (rhs [g, k, 2n], gate and up sums), an
+    `epilogue` storing the tiles, `extra` operands it reads (after rhs), and `outputs`,
+    a tuple of (columns, dtype) of its [m, columns] outputs (returned as a tuple)."""
     m, k = lhs.shape
     g = rhs.shape[0]
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
@@ -260,12 +264,15 @@ def gmm_call(lhs, rhs, group_sizes, n: int, bs: config.TritonBlockSizes, *, grou
     num_tiles = num_visits(m, g, bs.block_m)
     kernel = functools.partial(
         _gmm_kernel, bs=bs, m=m, k=k, n=n, num_groups=g, num_tiles=num_tiles,
-        transpose_rhs=transpose_rhs, epilogue=epilogue,
+        transpose_rhs=transpose_rhs, epilogue=epilogue, pair=pair,
+        num_outputs=1 if outputs is None else len(outputs),
     )
-    out_shape = sharding.out_struct((m, out_cols or n), out_dtype, like=lhs)
+    out_shape = (sharding.out_struct((m, n), out_dtype, like=lhs) if outputs is None else
+                 tuple(sharding.out_struct((m, cols), dtype, like=lhs)
+                       for cols, dtype in outputs))
     operands = (meta.group, meta.start, meta.end, lhs, rhs, *extra)
-    cost = costs.gmm(m, k, n if epilogue is None else 2 * n, lhs.dtype,
-                     transpose_rhs=transpose_rhs, inputs=operands, outputs=(out_shape,))
+    cost = costs.gmm(m, k, 2 * n if pair else n, lhs.dtype, transpose_rhs=transpose_rhs,
+                     inputs=operands, outputs=jax.tree.leaves(out_shape))
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
