@@ -16,11 +16,14 @@ block_m x 4*block_n pre-activation tile, so block_n = 64 keeps the cooperative g
 128 x 256 per program. Each step's two wgmmas retire before its stage is released
 (no delayed release: two commit groups per step).
 
-expert_mlp.ops.gate_up_activation is the differentiable form over this kernel and
-pallas_triton.py's.
+gate_up_grad is its backward half: the same sums recomputed, each consumer's dh tile
+brought in by TMA while its k loop runs, and d(pre) = [act'(gate) up dh, act(gate) dh]
+stored into the gate and up columns of an [m, 2f] output, so neither pass writes the
+pre-activation. expert_mlp.ops.gate_up_activation is the differentiable form over these
+kernels and pallas_triton.py's; grouped_mlp takes it where pallas_mosaic_gpu is named.
 
-Not yet measured on a GPU (lowered for an H200 and run by the interpreter on the CPU):
-grouped_mlp does not select it yet; docs/grouped_mlp.md says what is left.
+Not yet measured on a GPU (lowered for an H200 and run by the interpreter on the CPU);
+docs/grouped_mlp.md says what is left.
 """
 
 from __future__ import annotations
