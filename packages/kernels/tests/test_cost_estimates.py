@@ -1,8 +1,9 @@
-"""Every pallas_call's cost estimate (30 calls: the grouped gmm and tgmm of three backends,
-the fp8 gmm and tgmm of two, the three fp8 quantizers, five SSD Triton kernels, the SSD
-Mosaic TPU forward and backward, the two decode steps, the chunked gated delta rule's
-three forward and three backward Triton kernels and its Mosaic TPU forward and backward)
-against a hand count.
+"""Every pallas_call's cost estimate (31 call sites: the grouped gmm and tgmm of three
+backends, the fp8 gmm and tgmm of two, the three fp8 quantizers, five SSD Triton kernels,
+the SSD Mosaic TPU forward and backward, the two decode steps, the chunked gated delta
+rule's three forward and three backward Triton kernels and its Mosaic TPU forward and
+backward, grouped_mlp's Mosaic GPU gate-up; its Triton gate-up and down kernels share the
+Triton gmm's call site and are checked too) against a hand count.
 
 The estimates come from pl.estimate_cost on each call's body-equivalent function and the
 bytes of the call's operands and results (pallasite.kernels.cost). The hand counts below
@@ -124,6 +125,75 @@ def test_grouped_mosaic_gpu():
     mr = 128  # rows padded to a 64-multiple
     _check(tgmm, 2 * mr * kp * np_, 0, 2 * G * 4 + _bytes(
         ((mr, kp), BF16), ((mr, np_), BF16), ((G, kp, np_), BF16)))
+
+
+# ------------------------------------------------------------ grouped_mlp's fused kernels
+
+# Per element of the epilogue's [m, f] (gate-up) result: swiglu's act(gate) * up is a
+# negation, an exp, an add, a divide and a product (4 flops, 1 exp); geglu's is 8 flops
+# and a tanh before the product (9, 1). The gradient's (act'(gate) up dh, act(gate) dh):
+# swiglu 3 for the sigmoid, 1 for act, 4 for act', 3 for the products (11, 1); geglu 5
+# for the tanh's argument, 4 for its derivative, 3 for act, 8 for act', 3 (23, 1).
+_EPILOGUE = {("swiglu", False): 4, ("swiglu", True): 11, ("geglu", False): 9,
+             ("geglu", True): 23}
+F_MLP = 40
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+def test_grouped_mlp_gate_up_mosaic_gpu(activation):
+    """The padded problem: m 100 -> 104, k 48 -> 64, f 40 -> 64 (gate and up each)."""
+    from pallasite.kernels.expert_mlp import pallas_mosaic_gpu as fused
+
+    bs = pallas_mosaic_gpu.MosaicGpuBlockSizes(64, 64, 64, stages=2, grid_block_n=2,
+                                               warp_specialized=True)
+    lhs, rhs, dh = S((M, K), BF16), S((G, K, 2 * F_MLP), BF16), S((M, F_MLP), BF16)
+    mp, kp, fp = 104, 64, 64
+    table, count = jax.eval_shape(lambda s: pallas_mosaic_gpu._row_tile_table(s, mp, 64),
+                                  SIZES)
+    meta = _bytes((table.shape, I32), (count.shape, I32))
+    operands = _bytes(((mp, kp), BF16), ((G, kp, 2 * fp), BF16))
+    (fwd,), = _calls(lambda a, w: fused.gate_up(a, w, SIZES, activation=activation,
+                                                block_sizes=bs), lhs, rhs).values()
+    _check(fwd, 2 * mp * kp * 2 * fp + _EPILOGUE[activation, False] * mp * fp, mp * fp,
+           meta + operands + _bytes(((mp, fp), BF16)))
+    (grad,), = _calls(lambda a, w, d: fused.gate_up_grad(a, w, SIZES, d, activation=activation,
+                                                         block_sizes=bs),
+                      lhs, rhs, dh).values()
+    _check(grad, 2 * mp * kp * 2 * fp + _EPILOGUE[activation, True] * mp * fp, mp * fp,
+           meta + operands + _bytes(((mp, fp), BF16), ((mp, 2 * fp), BF16)))
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+def test_grouped_mlp_triton(activation):
+    """Unpadded (masked) problems: the gate-up and its gradient; the down product with
+    the row weights (one product per output) and its gradient (dh and the row sums of
+    h * t: two per [m, f] element, one partial per 16-column tile)."""
+    from pallasite.kernels.expert_mlp import pallas_triton as fused
+
+    lhs, rhs, dh = S((M, K), BF16), S((G, K, 2 * F_MLP), BF16), S((M, F_MLP), BF16)
+    meta = 3 * group_metadata.num_visits(M, G, SMALL.block_m) * 4
+    operands = _bytes(((M, K), BF16), ((G, K, 2 * F_MLP), BF16))
+    (fwd,), = _calls(lambda a, w: fused.gate_up(a, w, SIZES, activation=activation,
+                                                block_sizes=SMALL), lhs, rhs).values()
+    _check(fwd, 2 * M * K * 2 * F_MLP + _EPILOGUE[activation, False] * M * F_MLP,
+           M * F_MLP, meta + operands + _bytes(((M, F_MLP), BF16)))
+    (grad,), = _calls(lambda a, w, d: fused.gate_up_grad(a, w, SIZES, d, activation=activation,
+                                                         block_sizes=SMALL),
+                      lhs, rhs, dh).values()
+    _check(grad, 2 * M * K * 2 * F_MLP + _EPILOGUE[activation, True] * M * F_MLP,
+           M * F_MLP, meta + operands + _bytes(((M, F_MLP), BF16), ((M, 2 * F_MLP), BF16)))
+    h, down, rw, dy = S((M, F_MLP), BF16), S((G, F_MLP, N), BF16), S((M,), F32), S((M, N), BF16)
+    (y,), = _calls(lambda a, w, r: fused.down_weighted(a, w, SIZES, r, block_sizes=SMALL),
+                   h, down, rw).values()
+    _check(y, 2 * M * F_MLP * N + M * N, 0, meta + _bytes(
+        ((M, F_MLP), BF16), ((G, F_MLP, N), BF16), ((M,), F32), ((M, N), BF16)))
+    (back,), = _calls(lambda d, w, r, a: fused.down_weighted_grad(d, w, SIZES, r, a,
+                                                                  block_sizes=SMALL),
+                      dy, down, rw, h).values()
+    tiles = -(-F_MLP // SMALL.block_n)
+    _check(back, 2 * M * N * F_MLP + 2 * M * F_MLP, 0, meta + _bytes(
+        ((M, N), BF16), ((G, F_MLP, N), BF16), ((M,), F32), ((M, F_MLP), BF16),
+        ((M, F_MLP), BF16), ((M, tiles), F32)))
 
 
 # ------------------------------------------------------------------- fp8 products

@@ -40,9 +40,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Int, Shaped
 
 from pallasite.kernels import sharding
-from pallasite.kernels.grouped_matmul import costs
 from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu as base
-from pallasite.kernels.expert_mlp import epilogue
+from pallasite.kernels.expert_mlp import costs, epilogue
 from pallasite.kernels.grouped_matmul.group_metadata import local_groups
 
 _F32 = jnp.float32
@@ -255,8 +254,8 @@ def _call(lhs, rhs, group_sizes, dh, *, activation, group_offset, out_dtype, bs,
     sizes, row_start = local_groups(group_sizes, group_offset, g)
     table, count = base._row_tile_table(sizes, m_p, bs.block_m, row_start)
     out_type = sharding.out_struct((m_p, 2 * f_p if grad else f_p), out_dtype, like=lhs)
-    cost = costs.gmm(m_p, k_p, 2 * f_p, lhs.dtype, transpose_rhs=False,
-                     inputs=(table, count, lhs_p, rhs_p, *extra), outputs=(out_type,))
+    cost = costs.gate_up(m_p, k_p, f_p, lhs.dtype, activation, grad=grad,
+                         inputs=(table, count, lhs_p, rhs_p, *extra), outputs=(out_type,))
     call = pl.kernel(
         _gate_up_kernel(k_p, f_p, g, bs, activation, grad),
         out_type=out_type,

@@ -27,7 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Int, Shaped
 
 from pallasite.kernels import sharding
-from pallasite.kernels.expert_mlp import epilogue
+from pallasite.kernels.expert_mlp import costs, epilogue
 from pallasite.kernels.grouped_matmul import config
 from pallasite.kernels.grouped_matmul import pallas_triton as base
 
@@ -59,7 +59,10 @@ def gate_up(
                          group_offset=group_offset, transpose_rhs=False,
                          out_dtype=out_dtype, interpret=interpret,
                          name="grouped_mlp_gate_up_triton", pair=True,
-                         epilogue=functools.partial(_store_h, activation=activation))
+                         epilogue=functools.partial(_store_h, activation=activation),
+                         cost_of=functools.partial(costs.gate_up, lhs.shape[0],
+                                                   lhs.shape[1], f, lhs.dtype, activation,
+                                                   grad=False))
 
 
 def _store_h(sums, extra, outs, tile, *, activation):
@@ -99,7 +102,10 @@ def gate_up_grad(
                          name="grouped_mlp_gate_up_grad_triton", pair=True, extra=(dh,),
                          outputs=((2 * f, out_dtype),),
                          epilogue=functools.partial(_store_d_pre, activation=activation,
-                                                    f=f))[0]
+                                                    f=f),
+                         cost_of=functools.partial(costs.gate_up, lhs.shape[0],
+                                                   lhs.shape[1], f, lhs.dtype, activation,
+                                                   grad=True))[0]
 
 
 def _store_d_pre(sums, extra, outs, tile, *, activation, f):
@@ -152,7 +158,9 @@ def down_weighted(
     return base.gmm_call(h, rhs, group_sizes, n, bs, group_offset=group_offset,
                          transpose_rhs=False, out_dtype=out_dtype, interpret=interpret,
                          name="grouped_mlp_down_triton", extra=(row_weights,),
-                         outputs=((n, out_dtype),), epilogue=_store_weighted)[0]
+                         outputs=((n, out_dtype),), epilogue=_store_weighted,
+                         cost_of=functools.partial(costs.down_weighted, m, f, n, h.dtype,
+                                                   grad=False))[0]
 
 
 def _store_weighted(sums, extra, outs, tile):
@@ -202,7 +210,8 @@ def down_weighted_grad(
         dy, rhs, group_sizes, f, bs, group_offset=group_offset, transpose_rhs=True,
         out_dtype=h.dtype, interpret=interpret, name="grouped_mlp_down_grad_triton",
         extra=(row_weights, h), epilogue=_store_dh_and_weight_parts,
-        outputs=((f, h.dtype), (-(-f // bs.block_n), jnp.float32)))
+        outputs=((f, h.dtype), (-(-f // bs.block_n), jnp.float32)),
+        cost_of=functools.partial(costs.down_weighted, m, f, n, h.dtype, grad=True))
     return dh, jnp.sum(parts, axis=1)
 
 

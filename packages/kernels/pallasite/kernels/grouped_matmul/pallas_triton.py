@@ -250,11 +250,12 @@ def gmm(
 
 def gmm_call(lhs, rhs, group_sizes, n: int, bs: config.TritonBlockSizes, *, group_offset,
              transpose_rhs: bool, out_dtype, interpret: bool, name: str, epilogue=None,
-             pair: bool = False, extra=(), outputs=None):
+             pair: bool = False, extra=(), outputs=None, cost_of=None):
     """The gmm kernel's call with blocks `bs` over n output columns: gmm's [m, n]. For
     grouped_mlp's kernels (_gmm_kernel): `pair` (rhs [g, k, 2n], gate and up sums), an
     `epilogue` storing the tiles, `extra` operands it reads (after rhs), and `outputs`,
-    a tuple of (columns, dtype) of its [m, columns] outputs (returned as a tuple)."""
+    a tuple of (columns, dtype) of its [m, columns] outputs (returned as a tuple), and
+    `cost_of(inputs=..., outputs=...)`, their cost estimate (else the product's)."""
     m, k = lhs.shape
     g = rhs.shape[0]
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
@@ -271,8 +272,11 @@ def gmm_call(lhs, rhs, group_sizes, n: int, bs: config.TritonBlockSizes, *, grou
                  tuple(sharding.out_struct((m, cols), dtype, like=lhs)
                        for cols, dtype in outputs))
     operands = (meta.group, meta.start, meta.end, lhs, rhs, *extra)
-    cost = costs.gmm(m, k, 2 * n if pair else n, lhs.dtype, transpose_rhs=transpose_rhs,
-                     inputs=operands, outputs=jax.tree.leaves(out_shape))
+    if cost_of is not None:
+        cost = cost_of(inputs=operands, outputs=jax.tree.leaves(out_shape))
+    else:
+        cost = costs.gmm(m, k, n, lhs.dtype, transpose_rhs=transpose_rhs, inputs=operands,
+                         outputs=(out_shape,))
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
