@@ -134,6 +134,14 @@ def _wrapper_calls():
             "gm", lambda x, mod=mod: mod.gmm(x, w, sizes, interpret=True))
         calls[f"grouped.{short}.tgmm"] = (
             "gm", lambda x, mod=mod: mod.tgmm(x, dy, sizes, interpret=True))
+    from pallasite.kernels.expert_mlp import pallas_mosaic_gpu as mlp_mosaic_gpu
+    from pallasite.kernels.expert_mlp import pallas_triton as mlp_triton
+
+    gate_up = jnp.ones((_GG, _GK, 2 * _GN), jnp.float32)
+    for mod in (mlp_triton, mlp_mosaic_gpu):
+        short = mod.__name__.rpartition(".")[2]
+        calls[f"mlp.{short}.gate_up"] = (
+            "gm", lambda x, mod=mod: mod.gate_up(x, gate_up, sizes, interpret=True))
     for mod in (ssd_triton, ssd_tpu):
         short = mod.__name__.rpartition(".")[2]
         calls[f"ssd.{short}.forward"] = ("x", lambda x, mod=mod: mod.forward(
@@ -153,13 +161,14 @@ def _first_operand(kind):
 
 @pytest.mark.parametrize("wrapper", _WRAPPERS)
 def test_kernel_wrappers_refuse_operands_sharded_over_explicit_axes(wrapper):
-    """A backend's gmm, tgmm, forward or backward called on an array laid out over an
+    """A backend's gmm, tgmm, gate_up, forward or backward called on an array laid out over an
     explicit mesh axis: a ValueError that names the argument, its layout, and the op to
     call instead, before any kernel is built."""
     kind, call = _wrapper_calls()[wrapper]
     mesh = st.mesh((8,), ("d",), st.EXPLICIT)
     x = st.put(_first_operand(kind), mesh, "d")
-    public = "grouped_projection" if wrapper.startswith("grouped") else "chunk_ssd"
+    public = {"grouped": "grouped_projection", "mlp": "grouped_mlp", "ssd": "chunk_ssd"}[
+        wrapper.partition(".")[0]]
     with pytest.raises(ValueError, match=rf"(lhs|x) .* laid out over mesh axes P\('d'.*"
                                          rf"runs on local arrays.*{public}"):
         jax.jit(call)(x)
