@@ -69,8 +69,7 @@ def _store_h(sums, extra, outs, tile, *, activation):
     """h = act(gate) * up for a tile of a group's rows; zeros for rows of no group."""
     del extra
     (out_ref,) = outs
-    h = (jnp.zeros((tile.row_ok.shape[0], tile.cols.size), jnp.float32) if sums is None
-         else epilogue.gated(*sums, activation))
+    h = jnp.zeros(tile.shape, jnp.float32) if sums is None else epilogue.gated(*sums, activation)
     plgpu.store(out_ref.at[tile.rows, tile.cols], h.astype(out_ref.dtype), mask=tile.store_ok)
 
 
@@ -113,15 +112,12 @@ def _store_d_pre(sums, extra, outs, tile, *, activation, f):
     (dh_ref,) = extra
     (out_ref,) = outs
     up_cols = pl.ds(f + tile.cols.start, tile.cols.size)
-    shape = (tile.row_ok.shape[0], tile.cols.size)
     if sums is None:
-        d_gate = d_up = jnp.zeros(shape, jnp.float32)
+        d_gate = d_up = jnp.zeros(tile.shape, jnp.float32)
     else:
         gate, up = sums
-        mask = tile.store_ok
-        dh = (plgpu.load(dh_ref.at[tile.rows, tile.cols]) if mask is None else
-              plgpu.load(dh_ref.at[tile.rows, tile.cols], mask=mask, other=0.0))
-        d_gate, d_up = epilogue.d_pre(gate, up, dh.astype(jnp.float32), activation)
+        d_gate, d_up = epilogue.d_pre(gate, up, tile.load(dh_ref).astype(jnp.float32),
+                                      activation)
     plgpu.store(out_ref.at[tile.rows, tile.cols], d_gate.astype(out_ref.dtype),
                 mask=tile.store_ok)
     plgpu.store(out_ref.at[tile.rows, up_cols], d_up.astype(out_ref.dtype), mask=tile.store_ok)
@@ -166,8 +162,7 @@ def down_weighted(
 def _store_weighted(sums, extra, outs, tile):
     (rw_ref,) = extra
     (out_ref,) = outs
-    shape = (tile.row_ok.shape[0], tile.cols.size)
-    y = jnp.zeros(shape, jnp.float32) if sums is None else sums * _row_weights(rw_ref, tile)
+    y = jnp.zeros(tile.shape, jnp.float32) if sums is None else sums * _row_weights(rw_ref, tile)
     plgpu.store(out_ref.at[tile.rows, tile.cols], y.astype(out_ref.dtype), mask=tile.store_ok)
 
 
@@ -218,15 +213,11 @@ def down_weighted_grad(
 def _store_dh_and_weight_parts(sums, extra, outs, tile):
     rw_ref, h_ref = extra
     dh_ref, parts_ref = outs
-    shape = (tile.row_ok.shape[0], tile.cols.size)
     if sums is None:
-        dh, part = jnp.zeros(shape, jnp.float32), jnp.zeros(shape[:1], jnp.float32)
+        dh, part = jnp.zeros(tile.shape, jnp.float32), jnp.zeros(tile.shape[:1], jnp.float32)
     else:
-        mask = tile.store_ok
-        h = (plgpu.load(h_ref.at[tile.rows, tile.cols]) if mask is None else
-             plgpu.load(h_ref.at[tile.rows, tile.cols], mask=mask, other=0.0))
         dh = sums * _row_weights(rw_ref, tile)
-        part = jnp.sum(h.astype(jnp.float32) * sums, axis=1)
+        part = jnp.sum(tile.load(h_ref).astype(jnp.float32) * sums, axis=1)
     plgpu.store(dh_ref.at[tile.rows, tile.cols], dh.astype(dh_ref.dtype), mask=tile.store_ok)
     plgpu.store(parts_ref.at[tile.rows, pl.ds(tile.col, 1)], part[:, None],
                 mask=tile.row_ok[:, None])

@@ -153,6 +153,15 @@ class Tile(NamedTuple):
     col_ok: Any
     store_ok: Any
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(block_m, block_n): the tile's values' shape."""
+        return (self.row_ok.shape[0], self.cols.size)
+
+    def load(self, ref):
+        """ref's [rows, cols] block, 0 outside the valid rows and columns."""
+        return _load(ref.at[self.rows, self.cols], self.store_ok)
+
 
 def _gmm_kernel(group_ref, start_ref, end_ref, lhs_ref, rhs_ref, *refs, bs, m, k, n,
                 num_groups, num_tiles, transpose_rhs, epilogue=None, pair=False,
