@@ -122,7 +122,7 @@ def test_local_experts_with_group_offset():
 def test_expert_parallel_over_eight_devices(dtype, implementation, monkeypatch):
     """Each device holds one of 8 experts (group_offset = its index) and the tokens whole;
     the sum over devices is the whole layer, values and gradients. In bf16 with Triton
-    named, the gate-up takes the fused route inside the shard_map."""
+    named and fuse_activation, the gate-up runs fused inside the shard_map."""
     seen = _record_fused(monkeypatch)
     g = 8
     a = _inputs(6, m=160, g=g, dtype=dtype)
@@ -133,7 +133,8 @@ def test_expert_parallel_over_eight_devices(dtype, implementation, monkeypatch):
     def local(x, wgu, wd, rw):
         me = jax.lax.axis_index("expert")
         y = grouped_mlp(x, wgu, wd, gs, dtype, True, row_weights=rw, group_offset=me,
-                        implementation=implementation)
+                        implementation=implementation,
+                        fuse_activation=implementation is not None)
         return jax.lax.psum(y.astype(jnp.float32), "expert")
 
     sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("expert"), P("expert"), P()),
@@ -196,11 +197,12 @@ def _record_fused(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("backend", ["pallas_mosaic_gpu", "pallas_triton"])
-def test_naming_a_fused_backend_takes_the_fused_gate_up(backend, monkeypatch):
-    """bf16 with one fused backend named: the gate-up runs fused (h rounded once, as the
-    definition), values and the four gradients within the bf16 tolerance of the
-    definition's; fp32 compute keeps the composition."""
+@pytest.mark.parametrize("backend", ["pallas_mosaic_gpu", "pallas_triton", None])
+def test_fuse_activation_takes_the_fused_gate_up(backend, monkeypatch):
+    """bf16 with fuse_activation: the gate-up runs fused on the named backend (or, with
+    none named, the first fused backend that runs here: Mosaic GPU, interpreted), h
+    rounded once as the definition, values and the four gradients within the bf16
+    tolerance of the definition's. Without it a named backend runs the composition."""
     seen = _record_fused(monkeypatch)
     a = _inputs(10, dtype=jnp.bfloat16)
     gs = jnp.asarray(SIZES, jnp.int32)
@@ -215,31 +217,54 @@ def test_naming_a_fused_backend_takes_the_fused_gate_up(backend, monkeypatch):
             *(a[k] for k in names))
 
     (_, y), grads = run(functools.partial(grouped_mlp, interpret_on_cpu=True,
-                                          implementation=backend))
-    assert seen == [backend]
+                                          implementation=backend, fuse_activation=True))
+    assert seen == [backend or "pallas_mosaic_gpu"]
     (_, y_ref), grads_ref = run(grouped_mlp_reference)
     parity.assert_close(y, y_ref, dtype=jnp.bfloat16, what="y")
     for name, g, w in zip(names, grads, grads_ref):
         parity.assert_close(g, w, dtype=jnp.bfloat16, what="d" + name)
-    if backend == "pallas_triton":  # Mosaic GPU takes 16-bit compute only
-        grouped_mlp(**_inputs(10), group_sizes=gs, compute=jnp.float32,
-                    interpret_on_cpu=True, implementation=backend)
-        assert seen == [backend]  # fp32 compute: the composition
+    grouped_mlp(**a, group_sizes=gs, compute=jnp.bfloat16, interpret_on_cpu=True,
+                implementation=backend)
+    assert seen == [backend or "pallas_mosaic_gpu"]  # not asked: the composition
 
 
-def test_the_default_and_sharded_operands_keep_the_composition(monkeypatch):
-    """implementation=None (until the fused kernels are measured) and operands over an
-    Explicit mesh axis (the fused kernels run on local operands) take the composition."""
+@pytest.mark.parametrize("change, message", [
+    (dict(compute=jnp.float32), "pallas_triton: compute=float32 .*16-bit"),
+    (dict(implementation="xla"), "implementation=None or one of"),
+    (dict(implementation="pallas_triton", recipe="fp8"), "cannot run on pallas_triton: a recipe"),
+    (dict(implementation="pallas_triton", fuse_activation=1), "fuse_activation must be a bool"),
+])
+def test_fuse_activation_says_why_it_cannot_run(change, message):
+    """fuse_activation=True where no fused kernel can run raises, naming the reason,
+    rather than quietly keeping the [m, 2f] pre-activation it was asked to drop."""
+    a = _inputs(13, dtype=jnp.bfloat16)
+    args = dict(**a, group_sizes=jnp.asarray(SIZES, jnp.int32), compute=jnp.bfloat16,
+                interpret_on_cpu=True, fuse_activation=True)
+    error = TypeError if "bool" in message else ValueError
+    with pytest.raises(error, match=message):
+        grouped_mlp(**{**args, **change})
+
+
+def test_fuse_activation_refuses_operands_over_mesh_axes(monkeypatch):
+    """The default keeps the composition; fuse_activation with operands over an Explicit
+    mesh axis (the fused kernels run on local operands) raises, naming it, and the
+    composition runs them over the 8 devices."""
     seen = _record_fused(monkeypatch)
     a = _inputs(12, dtype=jnp.bfloat16)
     gs = jnp.asarray(SIZES, jnp.int32)
     grouped_mlp(**a, group_sizes=gs, compute=jnp.bfloat16, interpret_on_cpu=True)
     mesh = st.mesh((8,), ("data",), st.EXPLICIT)
     x = jax.device_put(a["x"], jax.NamedSharding(mesh, P("data", None)))
+
+    def call(t, fuse):
+        return grouped_mlp(t, a["gate_up_kernel"], a["down_kernel"], gs, jnp.bfloat16,
+                           interpret_on_cpu=True, implementation="pallas_triton",
+                           fuse_activation=fuse)
+
     with jax.set_mesh(mesh):
-        y = jax.jit(lambda t: grouped_mlp(t, a["gate_up_kernel"], a["down_kernel"], gs,
-                                          jnp.bfloat16, interpret_on_cpu=True,
-                                          implementation="pallas_triton"))(x)
+        with pytest.raises(ValueError, match="laid out over mesh axes"):
+            jax.jit(lambda t: call(t, True))(x)
+        y = jax.jit(lambda t: call(t, False))(x)
     assert seen == []
     want = grouped_mlp_reference(**{**a, "row_weights": None}, group_sizes=gs,
                                  compute=jnp.bfloat16)

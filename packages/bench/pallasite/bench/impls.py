@@ -45,9 +45,9 @@ class Impl:
 # "<backend>.quantized": the fp8 forward of operands quantized beforehand (BlockScaled,
 # made outside the timed call), the product alone, as the fp8 peers are timed.
 QUANTIZED = ".quantized"
-# "<backend>.fused": grouped_mlp with the gate-up through the backend's fused kernel
-# (expert_mlp.ops.gate_up_activation: act(gate) * up in its epilogue, the pre-activation
-# recomputed in the backward), then the down product on the same backend.
+# "<backend>.fused": grouped_mlp(fuse_activation=True) on the backend: the gate-up through
+# its fused kernel (act(gate) * up in the epilogue, the pre-activation recomputed in the
+# backward), then the down product on the same backend.
 FUSED = ".fused"
 
 IMPLS: tuple[Impl, ...] = (
@@ -366,16 +366,9 @@ def _mlp_forward(impl, plat, dtype, block_sizes) -> Callable:
             return kernels.grouped_projection(h, down, gs, dtype, plat.interpret)
         return unfused
     if impl.name.endswith(FUSED):
-        from pallasite.kernels.expert_mlp import ops as mlp_ops
-
-        backend = impl.name.removesuffix(FUSED)
-
-        def fused(x, gate_up, down, gs):
-            h = mlp_ops.gate_up_activation(x, gate_up, gs, dtype, backend=backend,
-                                           interpret=plat.interpret)
-            return kernels.grouped_projection(h, down, gs, dtype, plat.interpret,
-                                              implementation=backend)
-        return fused
+        return lambda x, gate_up, down, gs: kernels.grouped_mlp(
+            x, gate_up, down, gs, dtype, plat.interpret,
+            implementation=impl.name.removesuffix(FUSED), fuse_activation=True)
     return lambda x, gate_up, down, gs: kernels.grouped_mlp(
         x, gate_up, down, gs, dtype, plat.interpret, implementation=impl.name,
         block_sizes=block_sizes)

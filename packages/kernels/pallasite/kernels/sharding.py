@@ -166,6 +166,13 @@ def needs_sum(sources, primal) -> bool:
     return bool(varying_union(sources) - varying_axes(primal))
 
 
+def cotangent_dtype(sources, primal, dtype):
+    """The dtype to compute a cotangent in: fp32 where `cotangent_like` will still sum it
+    over manual axes (so it rounds once), else `dtype` (a kernel writes it rounded, with
+    no fp32 copy of a weight-sized gradient in memory)."""
+    return jnp.float32 if needs_sum(sources, primal) else jnp.dtype(dtype)
+
+
 def vary_together(args: Sequence):
     """`args` cast to vary over the union of their varying axes (a no-op without
     check_vma): kernels, scans and their outputs then carry one varying type."""

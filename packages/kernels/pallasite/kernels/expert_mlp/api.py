@@ -11,22 +11,24 @@ by grouped_projection's backward, the activation and the row weights by autodiff
 The composition rounds twice more than the definition: the `[m, 2f]` pre-activation to
 compute before the activation, and y before the row weights. With fp32 compute that is
 no rounding at all; with bf16 it is within the bf16 parity tolerance
-(docs/grouped_mlp.md). The fused kernels, which are not built yet, keep the sums in fp32
-through both epilogues. This path also writes and reads back the pre-activation, and
+(docs/grouped_mlp.md). The fused kernels (fuse_activation, below) keep the gate-up's
+sums in fp32 through the activation. This path also writes and reads back the pre-activation, and
 the backward keeps it.
 
 recipe="fp8" runs both products through grouped_projection's fp8 recipe (h quantized by
 the down product's own quantizer, not by the gate-up epilogue).
 
-The fused gate-up (expert_mlp.ops: act(gate) * up in the kernel's epilogue, h rounded
-once, the pre-activation recomputed in the backward), and on Triton the down product
-with the row weights in its epilogue (y rounded once; dh and d row_weights from one
-kernel), run where a caller names one of the fused backends alone
-(implementation="pallas_mosaic_gpu" or "pallas_triton") and nothing asks for more than
-it does (_fused_refusal): 16-bit compute, no recipe or block sizes,
-first-order reverse mode at most, operands local (unsharded, or a shard_map's). The
-default (implementation=None) stays the composition until the fused kernels are
-measured on a GPU against it (docs/grouped_mlp.md).
+With `fuse_activation=True` the gate-up runs fused (expert_mlp.ops: act(gate) * up in
+the kernel's epilogue, h rounded once, the pre-activation recomputed in the backward),
+and on Triton the down product takes the row weights in its epilogue (y rounded once;
+dh and d row_weights from one kernel). It is a memory trade, not a speed-up: measured on
+an H200 (docs/grouped_mlp.md) the fused forward is level with the composition, and the
+backward pays one more gate-up product (about a fifth more time fwd+bwd) for keeping
+no [m, 2f] pre-activation. It runs on a fused backend (the one named, or with
+implementation=None the first of ops.FUSED_BACKENDS that can run here) when nothing
+asks for more than it does (_fused_refusal): 16-bit compute, no recipe or block sizes,
+first-order reverse mode at most, operands local (unsharded, or a shard_map's); else it
+raises, naming why.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ def grouped_mlp(
     implementation: str | Sequence[str] | None = None,
     block_sizes=None,
     recipe: str | None = None,
+    fuse_activation: bool = False,
 ) -> Float[Array, "m n"]:
     """`[m, n]` in compute: `h = act(x W_gate) * (x W_up)` per group, then
     `y = (h W_down) * row_weights`, each rounded to compute (this composition also
@@ -72,48 +75,71 @@ def grouped_mlp(
     row) or None. activation: "swiglu" (silu) or "geglu" (tanh-approximate GELU). Rows
     past sum(group_sizes), and of other experts with a group_offset, are zero.
     interpret_on_cpu, implementation, block_sizes, recipe: grouped_projection's, for both
-    products; "pallas_mosaic_gpu" or "pallas_triton" named alone runs the gate-up fused
-    where it can (the module docstring).
+    products. fuse_activation: the activation in the gate-up kernel's epilogue and the
+    pre-activation recomputed in the backward (less memory, more time: the module
+    docstring); raises where it cannot run.
     Differentiable in x, both kernels and row_weights.
     """
     validate_grouped_mlp(x, gate_up_kernel, down_kernel, group_sizes, compute,
                          row_weights=row_weights, activation=activation,
                          group_offset=group_offset)
+    if not isinstance(fuse_activation, bool):
+        raise TypeError(f"fuse_activation must be a bool, got {fuse_activation!r}")
     compute = np.dtype(compute)
     product = dict(group_offset=group_offset, implementation=implementation,
                    block_sizes=block_sizes, recipe=recipe)
     interpret = bool(interpret_on_cpu) and jax.default_backend() == "cpu"
-    why = _fused_refusal(implementation, compute, (x, gate_up_kernel, down_kernel),
-                         block_sizes, recipe, interpret)
-    if why is None:
+    backend = None
+    if fuse_activation and 0 not in x.shape and 0 not in gate_up_kernel.shape:
+        backend = _fused_backend(implementation, compute, (x, gate_up_kernel, down_kernel),
+                                 block_sizes, recipe, interpret)
         h = ops.gate_up_activation(x, gate_up_kernel, group_sizes, compute,
-                                   backend=implementation, activation=activation,
+                                   backend=backend, activation=activation,
                                    group_offset=group_offset, interpret=interpret)
     else:
         pre = grouped_projection(x, gate_up_kernel, group_sizes, compute, interpret_on_cpu,
                                  **product)
         h = activate(pre.astype(_F32), activation).astype(compute)
-    if why is None and row_weights is not None and ops.has_down_weighted(implementation):
+    if backend is not None and row_weights is not None and ops.has_down_weighted(backend):
         return ops.down_weighted(h, down_kernel, group_sizes, row_weights, compute,
-                                 backend=implementation, group_offset=group_offset,
+                                 backend=backend, group_offset=group_offset,
                                  interpret=interpret)
+    if backend is not None:
+        product["implementation"] = backend
     y = grouped_projection(h, down_kernel, group_sizes, compute, interpret_on_cpu, **product)
     if row_weights is None:
         return y
     return (y.astype(_F32) * row_weights.astype(_F32)[:, None]).astype(compute)
 
 
+def _fused_backend(implementation, compute, operands, block_sizes, recipe, interpret) -> str:
+    """The fused backend fuse_activation=True runs on: the one named, or with
+    implementation=None the first of ops.FUSED_BACKENDS that can run here."""
+    if implementation is None:
+        why = {name: _fused_refusal(name, compute, operands, block_sizes, recipe, interpret)
+               for name in ops.FUSED_BACKENDS}
+        for name, reason in why.items():
+            if reason is None:
+                return name
+        raise ValueError("grouped_mlp: fuse_activation=True, but no fused backend can run "
+                         "here: " + "; ".join(f"{k}: {v}" for k, v in why.items()))
+    if not isinstance(implementation, str) or implementation not in ops.FUSED_BACKENDS:
+        raise ValueError(f"grouped_mlp: fuse_activation=True takes implementation=None or "
+                         f"one of {ops.FUSED_BACKENDS}, got {implementation!r}")
+    why = _fused_refusal(implementation, compute, operands, block_sizes, recipe, interpret)
+    if why is not None:
+        raise ValueError(f"grouped_mlp: fuse_activation=True cannot run on {implementation}: "
+                         f"{why}")
+    return implementation
+
+
 def _fused_refusal(implementation, compute, operands, block_sizes, recipe, interpret
                    ) -> str | None:
-    """Why the gate-up takes the composition rather than the fused kernel (None: fused)."""
-    if not isinstance(implementation, str) or implementation not in ops.FUSED_BACKENDS:
-        return f"implementation={implementation!r} names no fused backend alone"
+    """Why fused backend `implementation` cannot run this call's gate-up (None: it can)."""
     if recipe is not None or block_sizes is not None:
         return "a recipe or block sizes (the composition's products take them)"
     if np.dtype(compute).itemsize != 2:
         return f"compute={np.dtype(compute).name} (the fused kernels take 16-bit compute)"
-    if 0 in operands[0].shape or 0 in operands[1].shape:
-        return "a zero-size operand"
     if (why := autodiff.beyond_first_order(*operands)) is not None:
         return why
     mesh = sharding.context_mesh(operands)

@@ -75,18 +75,24 @@ def _backward(backend, activation, all_groups, interpret, compute, residuals, dh
     x, w, group_sizes, offset = residuals
     fused, grouped = _modules(backend)
 
+    operands = (x.astype(compute), w.astype(compute), group_sizes, offset, dh.astype(compute))
+    # Each gradient leaves its kernel in its primal's dtype, or in fp32 where it is still
+    # to be summed over manual axes the primal does not vary over (an expert's share of
+    # dx), then rounded once (sharding.cotangent_like). An fp32 dW would be a second,
+    # twice-as-large copy of the weights in memory (28 GiB at DeepSeek-V3's gate-up).
+    dx_dtype = sharding.cotangent_dtype(operands, x, x.dtype)
+    dw_dtype = sharding.cotangent_dtype(operands, w, w.dtype)
+
     def grads(x_c, w_c, sizes, start, dh):
         local = dict(group_offset=None if all_groups else start, interpret=interpret)
         # d(pre) from the gate and up sums recomputed in the kernel, never stored
         d_pre = fused.gate_up_grad(x_c, w_c, sizes, dh, activation=activation, **local)
-        return (grouped.gmm(d_pre, w_c, sizes, transpose_rhs=True, out_dtype=_F32, **local),
-                grouped.tgmm(x_c, d_pre, sizes, num_groups=w.shape[0], out_dtype=_F32,
+        return (grouped.gmm(d_pre, w_c, sizes, transpose_rhs=True, out_dtype=dx_dtype,
+                            **local),
+                grouped.tgmm(x_c, d_pre, sizes, num_groups=w.shape[0], out_dtype=dw_dtype,
                              **local))
 
-    operands = (x.astype(compute), w.astype(compute), group_sizes, offset, dh.astype(compute))
     dx, dw = sharding.local_call(grads, operands, interpret)
-    # fp32 until summed over the manual axes the primal does not vary over (an expert's
-    # share of dx), then rounded once (sharding.cotangent_like)
     return (sharding.cotangent_like(dx, x).astype(x.dtype),
             sharding.cotangent_like(dw, w).astype(w.dtype), None, None)
 
@@ -141,16 +147,19 @@ def _down_backward(backend, all_groups, interpret, compute, residuals, dy):
     h, w, group_sizes, row_weights, offset = residuals
     fused, grouped = _modules(backend)
 
+    operands = (h.astype(compute), w.astype(compute), group_sizes,
+                row_weights.astype(_F32), offset, dy.astype(compute))
+    dh_dtype = sharding.cotangent_dtype(operands, h, h.dtype)  # as in _backward
+    dw_dtype = sharding.cotangent_dtype(operands, w, w.dtype)
+
     def grads(h_c, w_c, sizes, rw, start, dy):
         local = dict(group_offset=None if all_groups else start, interpret=interpret)
         dh, d_rw = fused.down_weighted_grad(dy, w_c, sizes, rw, h_c, **local)
         dy_weighted = (dy.astype(_F32) * rw[:, None]).astype(compute)
-        dw = grouped.tgmm(h_c, dy_weighted, sizes, num_groups=w.shape[0], out_dtype=_F32,
+        dw = grouped.tgmm(h_c, dy_weighted, sizes, num_groups=w.shape[0], out_dtype=dw_dtype,
                           **local)
-        return dh.astype(_F32), dw, d_rw
+        return dh.astype(dh_dtype), dw, d_rw
 
-    operands = (h.astype(compute), w.astype(compute), group_sizes,
-                row_weights.astype(_F32), offset, dy.astype(compute))
     dh, dw, d_rw = sharding.local_call(grads, operands, interpret)
     return (sharding.cotangent_like(dh, h).astype(h.dtype),
             sharding.cotangent_like(dw, w).astype(w.dtype), None,
