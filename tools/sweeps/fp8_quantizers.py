@@ -13,6 +13,9 @@ back to back, one sync per sample, inputs rotated past the L2).
 Kernels (`--stages`): the Mosaic GPU fp8 forward, dx and dkernel of mixtral and dsv3 at
 3, 4 and 5 stages and snake widths 4 and 8, from pre-quantized operands (values are
 checked by tests/test_grouped_projection_fp8.py, not here).
+Token-block variants (`--token-variants`): the Pallas Triton token-block quantizer with
+COLUMNS (columns per program) and TOKEN_NUM_WARPS set to each pair of a small grid, on
+the same operands, with values compared to the default's.
 --smoke: tiny shapes through the interpreters (a CPU check of the script).
 """
 
@@ -122,6 +125,51 @@ def kernels(out, smoke: bool):
                              "tflops": flops / t / 1e12})
 
 
+def _same_used_blocks(got, want, rows) -> bool:
+    """Values and scales equal in the blocks that hold rows (an unused block's values
+    are never written, so they are not compared)."""
+    used = rows > 0
+    (gv, gs), (wv, ws) = got, want
+    c = gv.shape[0]
+    block = lambda v: v.astype(jnp.float32).reshape(c, -1, 128)[:, used]  # noqa: E731
+    return bool(jnp.array_equal(block(gv), block(wv))
+                and jnp.array_equal(gs[used], ws[used]))
+
+
+def token_variants(out, smoke: bool):
+    """The token-block quantizer's columns per program and warps, each timed and checked
+    against the module's default on the same input."""
+    interpret = smoke
+    shapes = ([("tiny", 256, 256, 4)] if smoke else
+              [("mixtral_x", 32768, 4096, 8), ("dsv3_x", 65536, 7168, 256)])
+    grid = [(64, 4)] if smoke else [(c, w) for c in (32, 64, 128) for w in (2, 4, 8)]
+    default = (pallas_triton.COLUMNS, pallas_triton.TOKEN_NUM_WARPS)
+    for name, m, c, g in shapes:
+        xs = _sets(lambda s: jax.random.normal(jax.random.key(s), (m, c), jnp.bfloat16),
+                   2 if smoke else 3)
+        table = token_blocks(ref_inputs.random_group_sizes(jax.random.key(1234), m, g), m)
+
+        def run(x):
+            return pallas_triton.token_blocks(x, table.start, table.rows, F8,
+                                              interpret=interpret)
+        want = jax.jit(run)(xs[0])
+        for columns, warps in grid:
+            pallas_triton.COLUMNS, pallas_triton.TOKEN_NUM_WARPS = columns, warps
+            try:
+                fn = lambda x: run(x)  # noqa: E731  (a new function: traced again)
+                got = jax.jit(fn)(xs[0])
+                same = _same_used_blocks(got, want, table.rows)
+                t = _time(fn, xs)
+                moved = _nbytes(xs[0]) + _nbytes(got)
+                rec = {"ms": t * 1e3, "tbps": moved / t / 1e12, "same_as_default": same}
+            except Exception as e:  # noqa: BLE001 - a variant that fails is a result
+                rec = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            finally:
+                pallas_triton.COLUMNS, pallas_triton.TOKEN_NUM_WARPS = default
+            _write(out, {"what": "token_variant", "shape": name, "columns": columns,
+                         "warps": warps, **rec})
+
+
 def _write(out, rec):
     print(json.dumps(rec), flush=True)
     with open(os.path.join(out, "fp8_quantizers.jsonl"), "a") as f:
@@ -132,9 +180,14 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--stages", action="store_true", help="also time the kernel variants")
+    p.add_argument("--token-variants", action="store_true",
+                   help="only the token-block quantizer's columns and warps")
     args = p.parse_args(argv)
     out = os.environ.get("OUT", ".")
     os.makedirs(out, exist_ok=True)
+    if args.token_variants:
+        token_variants(out, args.smoke)
+        return
     quantizers(out, args.smoke)
     if args.stages:
         kernels(out, args.smoke)

@@ -47,6 +47,7 @@ BLOCK = ref.TOKEN_BLOCK
 ROWS = 64
 COLUMNS = 128
 NUM_WARPS = 4
+TOKEN_NUM_WARPS = 4
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -65,8 +66,8 @@ def _ok(offset, size: int, limit: int):
     return offset + jnp.arange(size, dtype=jnp.int32) < limit
 
 
-def _params():
-    return plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
+def _params(num_warps=None):
+    return plgpu.CompilerParams(num_warps=num_warps or NUM_WARPS, num_stages=1)
 
 
 def _cost(x, outputs, fp8):
@@ -154,7 +155,7 @@ def token_blocks(x: jax.Array, start: jax.Array, rows: jax.Array, dtype, *, tran
         functools.partial(_token_kernel, c=c, fp8=dtype, transpose=transpose),
         out_shape=out,
         grid=(start.shape[0], _cdiv(c, COLUMNS)),
-        compiler_params=_params(),
+        compiler_params=_params(TOKEN_NUM_WARPS),
         interpret=interpret,
         cost_estimate=_cost(x, (start, rows) + out, dtype),
         name="quantize_token_blocks",
