@@ -45,7 +45,7 @@ from pallasite.reference import quantization as ref
 BLOCK = ref.TOKEN_BLOCK
 # Rows per program of `rows`, columns per program of `token_blocks`, and their warps.
 ROWS = 64
-COLUMNS = 128
+COLUMNS = 64
 NUM_WARPS = 4
 TOKEN_NUM_WARPS = 4
 
