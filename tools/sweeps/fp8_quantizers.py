@@ -13,6 +13,10 @@ back to back, one sync per sample, inputs rotated past the L2).
 Kernels (`--stages`): the Mosaic GPU fp8 forward, dx and dkernel of mixtral and dsv3 at
 3, 4 and 5 stages and snake widths 4 and 8, from pre-quantized operands (values are
 checked by tests/test_grouped_projection_fp8.py, not here).
+Forward variants (`--forward-variants`): the Mosaic GPU fp8 forward and dx with one and
+two 128-deep steps per stage (steps_per_stage) and their stage counts, on mixtral (its 8
+experts, and one group of the same dims: the grouped loop against a dense one) and dsv3;
+each variant's output is compared with the default's.
 Token-block variants (`--token-variants`): the Pallas Triton token-block quantizer with
 COLUMNS (columns per program) and TOKEN_NUM_WARPS set to each pair of a small grid, on
 the same operands, with values compared to the default's.
@@ -125,6 +129,41 @@ def kernels(out, smoke: bool):
                              "tflops": flops / t / 1e12})
 
 
+def forward_variants(out, smoke: bool):
+    interpret = smoke
+    shapes = ([("tiny", 512, 512, 256, 4)] if smoke else
+              [("mixtral", 32768, 4096, 14336, 8), ("mixtral_one_group", 32768, 4096, 14336, 1),
+               ("dsv3", 65536, 7168, 2048, 256)])
+    variants = ([(2, 2, 1), (2, 2, 2)] if smoke else
+                [(4, 8, 1), (4, 8, 2), (2, 8, 2), (4, 4, 2)])
+    q = xla if smoke else pallas_triton
+    for name, m, k, n, g in shapes:
+        x, w, _ = ref_inputs.grouped_projection_inputs(jax.random.key(0), m, k, n, g, jnp.bfloat16)
+        sizes = ref_inputs.aligned_group_sizes(jax.random.key(1234), m, g)
+        dy = jax.random.normal(jax.random.key(1), (m, n), jnp.bfloat16)
+        operands = {"forward": (*q.rows(x, F8), *q.weight_blocks(w, F8, transpose=True)),
+                    "dx": (*q.rows(dy, F8), *q.weight_blocks(w, F8, transpose=False))}
+        for product, args in operands.items():
+            want = None
+            for stages, width, depth in variants:
+                bs = mgpu_fp8.MosaicGpuFp8BlockSizes(stages=stages, grid_block_n=width,
+                                                     steps_per_stage=depth)
+                fn = (lambda a, bs=bs, product=product: mgpu_fp8.gmm_quantized(
+                    *a, sizes, out_dtype=jnp.bfloat16, block_sizes=bs, interpret=interpret,
+                    product=product))
+                got = jax.jit(fn)(args).astype(jnp.float32)
+                want = got if want is None else want
+                diff = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+                t = _time(fn, [args])
+                _write(out, {"what": "forward_variant", "shape": name, "g": g,
+                             "product": product, "stages": stages, "grid_block_n": width,
+                             "steps_per_stage": depth, "ms": t * 1e3,
+                             "tflops": 2 * m * k * n / t / 1e12,
+                             "max_diff_vs_first_rel": diff})
+                del got
+            del want
+
+
 def _same_used_blocks(got, want, rows) -> bool:
     """Values and scales equal in the blocks that hold rows (an unused block's values
     are never written, so they are not compared)."""
@@ -180,11 +219,16 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--stages", action="store_true", help="also time the kernel variants")
+    p.add_argument("--forward-variants", action="store_true",
+                   help="only the fp8 forward's and dx's steps per stage")
     p.add_argument("--token-variants", action="store_true",
                    help="only the token-block quantizer's columns and warps")
     args = p.parse_args(argv)
     out = os.environ.get("OUT", ".")
     os.makedirs(out, exist_ok=True)
+    if args.forward_variants:
+        forward_variants(out, args.smoke)
+        return
     if args.token_variants:
         token_variants(out, args.smoke)
         return

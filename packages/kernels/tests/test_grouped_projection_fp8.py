@@ -312,10 +312,11 @@ def _h200():
         (1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda")))
 
 
-@pytest.mark.parametrize("product", ["forward", "dx", "dkernel"])
-def test_mosaic_gpu_fp8_kernels_lower_for_cuda_from_cpu(product, monkeypatch):
+@pytest.mark.parametrize("product,steps_per_stage",
+                         [("forward", 1), ("forward", 2), ("dx", 1), ("dx", 2), ("dkernel", 1)])
+def test_mosaic_gpu_fp8_kernels_lower_for_cuda_from_cpu(product, steps_per_stage, monkeypatch):
     """Layout inference, the fp8 wgmma (both operands K-major) and the TMA loads of the
-    scales lower for every product."""
+    scales lower for every product, gmm's with one and two steps per stage."""
     monkeypatch.setattr(mgpu, "_num_programs", lambda interpret: 132)
     s = jax.ShapeDtypeStruct
     m, k, n, g = 4096, 512, 1024, 8
@@ -326,7 +327,8 @@ def test_mosaic_gpu_fp8_kernels_lower_for_cuda_from_cpu(product, monkeypatch):
                 s((g,), jnp.int32), s((g,), jnp.int32))
     else:
         out, contraction = (n, k) if product == "forward" else (k, n)
-        f = lambda *a: mgpu_fp8.gmm_quantized(*a, product=product)  # noqa: E731
+        bs = mgpu_fp8.MosaicGpuFp8BlockSizes(steps_per_stage=steps_per_stage)
+        f = lambda *a: mgpu_fp8.gmm_quantized(*a, product=product, block_sizes=bs)  # noqa: E731
         args = (s((m, contraction), F8), s((contraction // 128, m), f32),
                 s((g, out, contraction), F8), s((g, out // 128, contraction // 128), f32),
                 s((g,), jnp.int32))
@@ -358,6 +360,34 @@ def test_mosaic_gpu_fp8_block_sizes_are_checked():
         mgpu_fp8.MosaicGpuFp8BlockSizes(stages=1)
     with pytest.raises(ValueError, match="grid_block_n"):
         mgpu_fp8.MosaicGpuFp8BlockSizes(grid_block_n=0)
+    with pytest.raises(ValueError, match="steps_per_stage"):
+        mgpu_fp8.MosaicGpuFp8BlockSizes(steps_per_stage=3)
+
+
+def _quantized_forward_operands(k, seed=0):
+    x, w, sizes, _ = _inputs(seed=seed, m=600, k=k, n=384)
+    xq, wq = quantize(x, (1, 128)), quantize(w, (1, 128, 128))
+    want = q.grouped_projection_quantized(xq.values, xq.scales, wq.values, wq.scales, sizes,
+                                          jnp.float32)
+    # The kernel layouts: x's scales transposed, the weights K-major (module docstring).
+    args = (xq.values, xq.scales.T, jnp.swapaxes(wq.values, 1, 2), jnp.swapaxes(wq.scales, 1, 2),
+            sizes)
+    return args, want
+
+
+@pytest.mark.parametrize("k", [512, 384], ids=["even_steps", "odd_steps"])
+def test_mosaic_gpu_fp8_two_steps_per_stage_match_the_oracle(k):
+    """steps_per_stage=2 (the second step's wgmmas in flight while the first is promoted)
+    against the exact products, on the interpreter; an odd number of 128-deep steps
+    runs one per stage. Rows past the group total must come back zero (the output is
+    poisoned nowhere else: the kernel writes every row of its padded output)."""
+    args, want = _quantized_forward_operands(k)
+    for depth in (1, 2):
+        bs = mgpu_fp8.MosaicGpuFp8BlockSizes(stages=2, grid_block_n=2, steps_per_stage=depth)
+        got = mgpu_fp8.gmm_quantized(*args, out_dtype=jnp.float32, block_sizes=bs,
+                                     interpret=True)
+        assert _rel(got, want) <= 2e-3, depth
+        assert float(jnp.max(jnp.abs(got[480:]))) == 0, depth
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -409,6 +439,21 @@ def test_pre_quantized_operands_on_the_gpu():
     for name in ("pallas_mosaic_gpu", "pallas_triton", None):
         got = grouped_projection(xq, wq, sizes, jnp.float32, implementation=name)
         assert _rel(got, want) <= 2e-3, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("steps_per_stage", [1, 2])
+def test_mosaic_gpu_fp8_steps_per_stage_on_the_gpu(steps_per_stage):
+    """The forward from pre-quantized operands with each steps_per_stage, compiled: the
+    two-step promotion's wait (one wgmma group left in flight) must not read a product
+    before it is done, and the 64-column epilogue strips must cover the tile."""
+    args, want = _quantized_forward_operands(k=1024, seed=14)
+    bs = mgpu_fp8.MosaicGpuFp8BlockSizes(steps_per_stage=steps_per_stage)
+    for out_dtype in (jnp.float32, jnp.bfloat16):
+        got = mgpu_fp8.gmm_quantized(*args, out_dtype=out_dtype, block_sizes=bs)
+        assert got.dtype == out_dtype
+        assert _rel(got, want) <= (2e-3 if out_dtype == jnp.float32 else 4e-3), out_dtype
+        assert float(jnp.max(jnp.abs(got[480:].astype(jnp.float32)))) == 0
 
 
 @pytest.mark.gpu

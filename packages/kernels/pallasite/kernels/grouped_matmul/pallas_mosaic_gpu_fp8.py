@@ -71,19 +71,26 @@ class MosaicGpuFp8BlockSizes:
     scale step, 128 columns one weight scale block, and two consumers of 64 rows is what
     the promotion's second accumulator leaves registers for (module docstring).
     stages: TMA buffers in flight (cut to what shared memory holds); grid_block_n: the
-    planar snake's width in column tiles."""
+    planar snake's width in column tiles; steps_per_stage: 128-deep scale steps per
+    buffer in gmm (1 or 2). With 2, a consumer issues the second step's wgmmas before it
+    promotes the first, so that promotion runs while the tensor cores work; a k of an odd
+    number of steps runs with 1. tgmm's steps are token blocks, one per buffer."""
 
     stages: int = 4
     grid_block_n: int = 8
+    steps_per_stage: int = 1
 
     def __post_init__(self):
-        for name in ("stages", "grid_block_n"):
+        for name in ("stages", "grid_block_n", "steps_per_stage"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"MosaicGpuFp8BlockSizes.{name} must be a positive int, "
                                  f"got {value!r}")
         if self.stages < 2:
             raise ValueError(f"MosaicGpuFp8BlockSizes.stages must be at least 2, got {self.stages}")
+        if self.steps_per_stage > 2:
+            raise ValueError(f"MosaicGpuFp8BlockSizes.steps_per_stage must be 1 or 2, got "
+                             f"{self.steps_per_stage}")
 
 
 # Defaults from the dense probe above (H200, 2026-12-02): 4 stages, snake width 8.
@@ -120,21 +127,31 @@ def refusal(compute, operands, *, on_device: bool) -> str | None:
     return None
 
 
-def _stages(bs: MosaicGpuFp8BlockSizes, out_bytes: int) -> int:
-    """bs.stages cut to what shared memory holds: per stage A and B (fp8, 128 x 128 each)
-    and two [128] fp32 scale vectors; one 64 x 128 output slot per consumer."""
-    per_stage = 2 * BLOCK * BLOCK + 2 * BLOCK * 4
-    slots = 2 * _CONSUMER_ROWS * BLOCK * out_bytes
-    return int(min(bs.stages, (bf16._SMEM_BYTES - slots) // per_stage))
+def _stages(bs: MosaicGpuFp8BlockSizes, out_bytes: int, depth: int = 1, strips: bool = True
+            ) -> tuple[int, int]:
+    """(stages, epilogue strip): bs.stages cut to what shared memory holds. A stage holds
+    `depth` steps of A and B (fp8, 128 x 128 each) and two [128] fp32 scale vectors; each
+    consumer has one 64 x strip output slot. The strip is 128 columns, or 64 (the tile
+    stored in two strips, gmm's ragged stores only: `strips`) where that lets one more
+    stage fit."""
+    per_stage = depth * (2 * BLOCK * BLOCK + 2 * BLOCK * 4)
+
+    def fit(strip):
+        return int(min(bs.stages, (bf16._SMEM_BYTES - 2 * _CONSUMER_ROWS * strip * out_bytes)
+                       // per_stage))
+
+    narrow = strips and fit(BLOCK // 2) > fit(BLOCK)
+    return (fit(BLOCK // 2), BLOCK // 2) if narrow else (fit(BLOCK), BLOCK)
 
 
 def _transforms(dtype):
     return bf16._swizzle_transforms(dtype)
 
 
-def _row_scales(scales_smem, wg):
-    """This consumer's 64 rows of a [1, 128] scale block, one per accumulator row."""
-    return plgpu.load(scales_smem.at[0, pl.ds(wg * _CONSUMER_ROWS, _CONSUMER_ROWS)],
+def _row_scales(scales_smem, wg, step: int = 0):
+    """This consumer's 64 rows of row `step` of a [steps, 128] scale block, one per
+    accumulator row."""
+    return plgpu.load(scales_smem.at[step, pl.ds(wg * _CONSUMER_ROWS, _CONSUMER_ROWS)],
                       layout=plgpu.Layout.WGMMA.reduce(1))
 
 
@@ -151,6 +168,29 @@ def _promote(total, a, b_t, scale, live):
 
     fresh = pl.run_scoped(product, plgpu.ACC((_CONSUMER_ROWS, BLOCK), jnp.float32))
     return total + fresh * scale
+
+
+def _promote_two(total, a, b_t, scales, live):
+    """_promote of two steps: the second step's wgmmas are issued before the first one's
+    product is promoted (waited for with one group still in flight), so that promotion
+    runs under the second step's tensor-core work. a, b_t, scales: a pair each."""
+    def first(acc0):
+        @pl.when(live)
+        def _():
+            plgpu.wgmma(acc0, a[0], b_t[0].transpose((1, 0)))
+
+        def second(acc1):
+            @pl.when(live)
+            def _():
+                plgpu.wgmma(acc1, a[1], b_t[1].transpose((1, 0)))
+
+            partial = total + plgpu.wgmma_accumulator_load(acc0, wait_n=1) * scales[0]
+            return partial, acc1[...]
+
+        return pl.run_scoped(second, plgpu.ACC((_CONSUMER_ROWS, BLOCK), jnp.float32))
+
+    partial, fresh = pl.run_scoped(first, plgpu.ACC((_CONSUMER_ROWS, BLOCK), jnp.float32))
+    return partial + fresh * scales[1]
 
 
 def _mesh(interpret: bool):
@@ -177,13 +217,14 @@ def _pipeline(mma, compute_context, in_specs, stages, steps):
         num_compute_wgs=2, max_concurrent_steps=stages, compute_context=compute_context)
 
 
-def _specs(index_a, index_b, b_scales_block):
-    """In specs: A [128, 128], A's scales [1, 128], B [128, 128], and B's scales."""
+def _specs(index_a, index_b, b_scales_block, depth: int = 1):
+    """In specs: A [128, 128 depth], A's scales [depth, 128], B [128, 128 depth], and B's
+    scales."""
     fp8 = jnp.float8_e4m3fn
     spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
-    specs = [spec((BLOCK, BLOCK), index_a, transforms=_transforms(fp8)),
-             spec((1, BLOCK), lambda kk: (index_a(kk)[1], 0)),
-             spec((BLOCK, BLOCK), index_b, transforms=_transforms(fp8))]
+    specs = [spec((BLOCK, depth * BLOCK), index_a, transforms=_transforms(fp8)),
+             spec((depth, BLOCK), lambda kk: (index_a(kk)[1], 0)),
+             spec((BLOCK, depth * BLOCK), index_b, transforms=_transforms(fp8))]
     if b_scales_block is not None:
         specs.append(spec(b_scales_block, lambda kk: (index_b(kk)[1], 0)))
     return specs
@@ -192,21 +233,23 @@ def _specs(index_a, index_b, b_scales_block):
 # --------------------------------------------------------------------------- gmm
 
 
-def _gmm_kernel(m, k, n, g, bs: MosaicGpuFp8BlockSizes, stages: int):
+def _gmm_kernel(m, k, n, g, bs: MosaicGpuFp8BlockSizes, stages: int, strip: int, depth: int):
+    """depth: 128-deep steps per pipeline step (steps_per_stage); strip: the epilogue's
+    slot width (_stages)."""
     grid_n = n // BLOCK
-    k_steps = k // BLOCK
-    index = lambda kk: (0, kk)  # noqa: E731 - A and B blocks of step kk
+    k_steps = k // (depth * BLOCK)
+    index = lambda kk: (0, kk)  # noqa: E731 - A and B blocks of pipeline step kk
 
     def body(table_gmem, count_gmem, lhs_gmem, lhs_scales_gmem, rhs_gmem, rhs_scales_gmem,
              out_gmem):
         num_tiles = count_gmem[0]
         wg = lax.axis_index("wg")
-        specs = _specs(index, index, None)
+        specs = _specs(index, index, None, depth)
         ignore = lambda *_, **__: None  # noqa: E731 - allocations do not depend on the body
         allocs = _pipeline(ignore, ignore, specs, stages, stages).get_allocations(
             lhs_gmem.at[pl.ds(0, BLOCK)], lhs_scales_gmem.at[:, pl.ds(0, BLOCK)],
             rhs_gmem.at[0, pl.ds(0, BLOCK)])
-        o_type = plgpu.SMEM((2, _CONSUMER_ROWS, BLOCK), out_gmem.dtype,
+        o_type = plgpu.SMEM((2, _CONSUMER_ROWS, strip), out_gmem.dtype,
                             transforms=bf16._swizzle_transforms(out_gmem.dtype, rows=1))
 
         @functools.partial(pl.run_scoped, allocations=allocs, o_smem=o_type,
@@ -219,12 +262,17 @@ def _gmm_kernel(m, k, n, g, bs: MosaicGpuFp8BlockSizes, stages: int):
                 gi = jnp.minimum(seg, g - 1)
 
                 def mma(idx, a_smem, a_scales_smem, b_smem, total):
-                    weight_scale = rhs_scales_gmem[gi, ni, idx[0]]
-                    scale = _where(live, _row_scales(a_scales_smem, wg) * weight_scale)
-                    a = a_smem.at[pl.ds(wg * _CONSUMER_ROWS, _CONSUMER_ROWS)]
-                    shape = (_CONSUMER_ROWS, BLOCK)
-                    return _promote(total, a, b_smem, lax.broadcast_in_dim(scale, shape, [0]),
-                                    live)
+                    rows = pl.ds(wg * _CONSUMER_ROWS, _CONSUMER_ROWS)
+                    a, b, scales = [], [], []
+                    for j in range(depth):
+                        weight_scale = rhs_scales_gmem[gi, ni, idx[0] * depth + j]
+                        scale = _where(live, _row_scales(a_scales_smem, wg, j) * weight_scale)
+                        scales.append(lax.broadcast_in_dim(scale, (_CONSUMER_ROWS, BLOCK), [0]))
+                        a.append(a_smem.at[rows, pl.ds(j * BLOCK, BLOCK)])
+                        b.append(b_smem.at[:, pl.ds(j * BLOCK, BLOCK)])
+                    if depth == 1:
+                        return _promote(total, a[0], b[0], scales[0], live)
+                    return _promote_two(total, a, b, scales, live)
 
                 def compute_context(run_pipeline):
                     total = run_pipeline(_zeros())
@@ -287,8 +335,11 @@ def gmm_quantized(
     inputs = (table, count, lhs_p, scales_p, rhs_p, rhs_scales)
     cost = costs.gmm(mp, kp, np_, lhs.dtype, transpose_rhs=True, inputs=inputs,
                      outputs=(out_type,))
+    # Two steps per stage where k has an even number of them (steps_per_stage).
+    depth = bs.steps_per_stage if (kp // BLOCK) % bs.steps_per_stage == 0 else 1
+    stages, strip = _stages(bs, out_dtype.itemsize, depth)
     call = pl.kernel(
-        _gmm_kernel(mp, kp, np_, g, bs, min(_stages(bs, out_dtype.itemsize), kp // BLOCK)),
+        _gmm_kernel(mp, kp, np_, g, bs, min(stages, kp // (depth * BLOCK)), strip, depth),
         out_type=out_type,
         mesh=_mesh(interpret),
         compiler_params=bf16._compiler_params(),
@@ -393,7 +444,7 @@ def tgmm_quantized(
     cost = costs.gmm(kp, p, np_, lhs_t.dtype, transpose_rhs=True, inputs=inputs,
                      outputs=(out_type,))
     call = pl.kernel(
-        _tgmm_kernel(kp, np_, g, num_blocks, bs, _stages(bs, out_dtype.itemsize)),
+        _tgmm_kernel(kp, np_, g, num_blocks, bs, _stages(bs, out_dtype.itemsize, strips=False)[0]),
         out_type=out_type,
         mesh=_mesh(interpret),
         compiler_params=bf16._compiler_params(),
