@@ -14,7 +14,8 @@ Kernels (`--stages`): the Mosaic GPU fp8 forward, dx and dkernel of mixtral and 
 3, 4 and 5 stages and snake widths 4 and 8, from pre-quantized operands (values are
 checked by tests/test_grouped_projection_fp8.py, not here).
 Forward variants (`--forward-variants`): the Mosaic GPU fp8 forward and dx with one and
-two 128-deep steps per stage (steps_per_stage) and their stage counts, on mixtral (its 8
+two 128-deep steps per stage (steps_per_stage), A multicast to clusters of two
+(cluster), stage counts and snake widths, on mixtral (its 8
 experts, and one group of the same dims: the grouped loop against a dense one) and dsv3;
 each variant's output is compared with the default's.
 Token-block variants (`--token-variants`): the Pallas Triton token-block quantizer with
@@ -26,6 +27,7 @@ the same operands, with values compared to the default's.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -134,8 +136,8 @@ def forward_variants(out, smoke: bool):
     shapes = ([("tiny", 512, 512, 256, 4)] if smoke else
               [("mixtral", 32768, 4096, 14336, 8), ("mixtral_one_group", 32768, 4096, 14336, 1),
                ("dsv3", 65536, 7168, 2048, 256)])
-    variants = ([(2, 2, 1), (2, 2, 2)] if smoke else
-                [(4, 8, 1), (4, 8, 2), (2, 8, 2), (4, 4, 2)])
+    variants = ([(2, 2, 1, 1), (2, 2, 2, 1)] if smoke else
+                [(4, 8, 1, 1), (4, 8, 1, 2), (4, 16, 1, 2), (5, 8, 1, 2), (2, 8, 2, 2)])
     q = xla if smoke else pallas_triton
     for name, m, k, n, g in shapes:
         x, w, _ = ref_inputs.grouped_projection_inputs(jax.random.key(0), m, k, n, g, jnp.bfloat16)
@@ -145,9 +147,9 @@ def forward_variants(out, smoke: bool):
                     "dx": (*q.rows(dy, F8), *q.weight_blocks(w, F8, transpose=False))}
         for product, args in operands.items():
             want = None
-            for stages, width, depth in variants:
+            for stages, width, depth, cluster in variants:
                 bs = mgpu_fp8.MosaicGpuFp8BlockSizes(stages=stages, grid_block_n=width,
-                                                     steps_per_stage=depth)
+                                                     steps_per_stage=depth, cluster=cluster)
                 fn = (lambda a, bs=bs, product=product: mgpu_fp8.gmm_quantized(
                     *a, sizes, out_dtype=jnp.bfloat16, block_sizes=bs, interpret=interpret,
                     product=product))
@@ -157,11 +159,13 @@ def forward_variants(out, smoke: bool):
                 t = _time(fn, [args])
                 _write(out, {"what": "forward_variant", "shape": name, "g": g,
                              "product": product, "stages": stages, "grid_block_n": width,
-                             "steps_per_stage": depth, "ms": t * 1e3,
+                             "steps_per_stage": depth, "cluster": cluster, "ms": t * 1e3,
                              "tflops": 2 * m * k * n / t / 1e12,
                              "max_diff_vs_first_rel": diff})
                 del got
             del want
+        del x, w, dy, operands, args
+        gc.collect()
 
 
 def _same_used_blocks(got, want, rows) -> bool:

@@ -312,11 +312,15 @@ def _h200():
         (1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda")))
 
 
-@pytest.mark.parametrize("product,steps_per_stage",
-                         [("forward", 1), ("forward", 2), ("dx", 1), ("dx", 2), ("dkernel", 1)])
-def test_mosaic_gpu_fp8_kernels_lower_for_cuda_from_cpu(product, steps_per_stage, monkeypatch):
+@pytest.mark.parametrize("product,steps_per_stage,cluster",
+                         [("forward", 1, 1), ("forward", 2, 1), ("forward", 1, 2),
+                          ("dx", 1, 1), ("dx", 2, 1), ("dx", 1, 2), ("dkernel", 1, 1)])
+def test_mosaic_gpu_fp8_kernels_lower_for_cuda_from_cpu(product, steps_per_stage, cluster,
+                                                        monkeypatch):
     """Layout inference, the fp8 wgmma (both operands K-major) and the TMA loads of the
-    scales lower for every product, gmm's with one and two steps per stage."""
+    scales lower for every product, gmm's with one and two steps per stage and with
+    A multicast to clusters of two (the interpreter runs no clusters: their values are
+    checked on the GPU)."""
     monkeypatch.setattr(mgpu, "_num_programs", lambda interpret: 132)
     s = jax.ShapeDtypeStruct
     m, k, n, g = 4096, 512, 1024, 8
@@ -327,7 +331,7 @@ def test_mosaic_gpu_fp8_kernels_lower_for_cuda_from_cpu(product, steps_per_stage
                 s((g,), jnp.int32), s((g,), jnp.int32))
     else:
         out, contraction = (n, k) if product == "forward" else (k, n)
-        bs = mgpu_fp8.MosaicGpuFp8BlockSizes(steps_per_stage=steps_per_stage)
+        bs = mgpu_fp8.MosaicGpuFp8BlockSizes(steps_per_stage=steps_per_stage, cluster=cluster)
         f = lambda *a: mgpu_fp8.gmm_quantized(*a, product=product, block_sizes=bs)  # noqa: E731
         args = (s((m, contraction), F8), s((contraction // 128, m), f32),
                 s((g, out, contraction), F8), s((g, out // 128, contraction // 128), f32),
@@ -362,10 +366,12 @@ def test_mosaic_gpu_fp8_block_sizes_are_checked():
         mgpu_fp8.MosaicGpuFp8BlockSizes(grid_block_n=0)
     with pytest.raises(ValueError, match="steps_per_stage"):
         mgpu_fp8.MosaicGpuFp8BlockSizes(steps_per_stage=3)
+    with pytest.raises(ValueError, match="cluster"):
+        mgpu_fp8.MosaicGpuFp8BlockSizes(cluster=4)
 
 
-def _quantized_forward_operands(k, seed=0):
-    x, w, sizes, _ = _inputs(seed=seed, m=600, k=k, n=384)
+def _quantized_forward_operands(k, seed=0, n=384):
+    x, w, sizes, _ = _inputs(seed=seed, m=600, k=k, n=n)
     xq, wq = quantize(x, (1, 128)), quantize(w, (1, 128, 128))
     want = q.grouped_projection_quantized(xq.values, xq.scales, wq.values, wq.scales, sizes,
                                           jnp.float32)
@@ -442,13 +448,19 @@ def test_pre_quantized_operands_on_the_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("steps_per_stage", [1, 2])
-def test_mosaic_gpu_fp8_steps_per_stage_on_the_gpu(steps_per_stage):
-    """The forward from pre-quantized operands with each steps_per_stage, compiled: the
-    two-step promotion's wait (one wgmma group left in flight) must not read a product
-    before it is done, and the 64-column epilogue strips must cover the tile."""
+@pytest.mark.parametrize("steps_per_stage,cluster", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_mosaic_gpu_fp8_block_variants_on_the_gpu(steps_per_stage, cluster):
+    """The forward from pre-quantized operands with each steps_per_stage and cluster,
+    compiled: the two-step promotion's wait (one wgmma group left in flight) must not
+    read a product before it is done, the 64-column epilogue strips must cover the tile,
+    and a cluster's multicast A must reach both programs (384 columns: three tiles, an
+    odd count that runs unclustered, beside 512)."""
     args, want = _quantized_forward_operands(k=1024, seed=14)
-    bs = mgpu_fp8.MosaicGpuFp8BlockSizes(steps_per_stage=steps_per_stage)
+    bs = mgpu_fp8.MosaicGpuFp8BlockSizes(steps_per_stage=steps_per_stage, cluster=cluster)
+    wide_args, wide_want = _quantized_forward_operands(k=1024, seed=15, n=512)
+    got = mgpu_fp8.gmm_quantized(*wide_args, out_dtype=jnp.float32, block_sizes=bs)
+    assert _rel(got, wide_want) <= 2e-3
+    assert float(jnp.max(jnp.abs(got[480:]))) == 0
     for out_dtype in (jnp.float32, jnp.bfloat16):
         got = mgpu_fp8.gmm_quantized(*args, out_dtype=out_dtype, block_sizes=bs)
         assert got.dtype == out_dtype

@@ -74,20 +74,27 @@ class MosaicGpuFp8BlockSizes:
     planar snake's width in column tiles; steps_per_stage: 128-deep scale steps per
     buffer in gmm (1 or 2). With 2, a consumer issues the second step's wgmmas before it
     promotes the first, so that promotion runs while the tensor cores work; a k of an odd
-    number of steps runs with 1. tgmm's steps are token blocks, one per buffer."""
+    number of steps runs with 1. tgmm's steps are token blocks, one per buffer.
+    cluster: gmm's CTAs per cluster (1 or 2). With 2, the two CTAs of a cluster take
+    adjacent column tiles of one row tile and receive each A block (and its scales) from
+    one TMA multicast: a third less L2-to-SM traffic per flop. An odd count of column
+    tiles runs with 1."""
 
     stages: int = 4
     grid_block_n: int = 8
     steps_per_stage: int = 1
+    cluster: int = 1
 
     def __post_init__(self):
-        for name in ("stages", "grid_block_n", "steps_per_stage"):
+        for name in ("stages", "grid_block_n", "steps_per_stage", "cluster"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"MosaicGpuFp8BlockSizes.{name} must be a positive int, "
                                  f"got {value!r}")
         if self.stages < 2:
             raise ValueError(f"MosaicGpuFp8BlockSizes.stages must be at least 2, got {self.stages}")
+        if self.cluster > 2:
+            raise ValueError(f"MosaicGpuFp8BlockSizes.cluster must be 1 or 2, got {self.cluster}")
         if self.steps_per_stage > 2:
             raise ValueError(f"MosaicGpuFp8BlockSizes.steps_per_stage must be 1 or 2, got "
                              f"{self.steps_per_stage}")
@@ -193,9 +200,14 @@ def _promote_two(total, a, b_t, scales, live):
     return partial + fresh * scales[1]
 
 
-def _mesh(interpret: bool):
-    """One program per SM, of two consumer warpgroups and a producer ("wg")."""
-    return plgpu.Mesh(grid=(bf16._num_programs(interpret),), grid_names=("sm",),
+def _mesh(interpret: bool, cluster: int = 1):
+    """One program per SM, of two consumer warpgroups and a producer ("wg"); with
+    cluster 2, programs in pairs ("cluster") and the grid ("sm") counts the pairs."""
+    if cluster == 1:
+        return plgpu.Mesh(grid=(bf16._num_programs(interpret),), grid_names=("sm",),
+                          num_threads=3, thread_name="wg")
+    return plgpu.Mesh(grid=(max(bf16._num_programs(interpret) // cluster, 1),),
+                      grid_names=("sm",), cluster=(cluster,), cluster_names=("cluster",),
                       num_threads=3, thread_name="wg")
 
 
@@ -217,13 +229,14 @@ def _pipeline(mma, compute_context, in_specs, stages, steps):
         num_compute_wgs=2, max_concurrent_steps=stages, compute_context=compute_context)
 
 
-def _specs(index_a, index_b, b_scales_block, depth: int = 1):
+def _specs(index_a, index_b, b_scales_block, depth: int = 1, cluster: int = 1):
     """In specs: A [128, 128 depth], A's scales [depth, 128], B [128, 128 depth], and B's
-    scales."""
+    scales. cluster 2: A and its scales multicast to the cluster's two programs."""
     fp8 = jnp.float8_e4m3fn
     spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
-    specs = [spec((BLOCK, depth * BLOCK), index_a, transforms=_transforms(fp8)),
-             spec((depth, BLOCK), lambda kk: (index_a(kk)[1], 0)),
+    shared = functools.partial(spec, collective_axes=("cluster",) if cluster > 1 else None)
+    specs = [shared((BLOCK, depth * BLOCK), index_a, transforms=_transforms(fp8)),
+             shared((depth, BLOCK), lambda kk: (index_a(kk)[1], 0)),
              spec((BLOCK, depth * BLOCK), index_b, transforms=_transforms(fp8))]
     if b_scales_block is not None:
         specs.append(spec(b_scales_block, lambda kk: (index_b(kk)[1], 0)))
@@ -233,10 +246,13 @@ def _specs(index_a, index_b, b_scales_block, depth: int = 1):
 # --------------------------------------------------------------------------- gmm
 
 
-def _gmm_kernel(m, k, n, g, bs: MosaicGpuFp8BlockSizes, stages: int, strip: int, depth: int):
+def _gmm_kernel(m, k, n, g, bs: MosaicGpuFp8BlockSizes, stages: int, strip: int, depth: int,
+                cluster: int):
     """depth: 128-deep steps per pipeline step (steps_per_stage); strip: the epilogue's
-    slot width (_stages)."""
+    slot width (_stages); cluster: programs per cluster, on adjacent column tiles."""
     grid_n = n // BLOCK
+    # The snake walks (row tile, column tiles of a cluster); its width in those units.
+    snake = dataclasses.replace(bs, grid_block_n=max(bs.grid_block_n // cluster, 1))
     k_steps = k // (depth * BLOCK)
     index = lambda kk: (0, kk)  # noqa: E731 - A and B blocks of pipeline step kk
 
@@ -244,7 +260,7 @@ def _gmm_kernel(m, k, n, g, bs: MosaicGpuFp8BlockSizes, stages: int, strip: int,
              out_gmem):
         num_tiles = count_gmem[0]
         wg = lax.axis_index("wg")
-        specs = _specs(index, index, None, depth)
+        specs = _specs(index, index, None, depth, cluster)
         ignore = lambda *_, **__: None  # noqa: E731 - allocations do not depend on the body
         allocs = _pipeline(ignore, ignore, specs, stages, stages).get_allocations(
             lhs_gmem.at[pl.ds(0, BLOCK)], lhs_scales_gmem.at[:, pl.ds(0, BLOCK)],
@@ -255,10 +271,11 @@ def _gmm_kernel(m, k, n, g, bs: MosaicGpuFp8BlockSizes, stages: int, strip: int,
         @functools.partial(pl.run_scoped, allocations=allocs, o_smem=o_type,
                            collective_axes="wg")
         def _(allocations, o_smem):
-            @plgpu.nd_loop((num_tiles * grid_n,), collective_axes="sm")
+            @plgpu.nd_loop((num_tiles * (grid_n // cluster),), collective_axes="sm")
             def _(info):
-                mi, ni, seg, load0, row0, rows, live = bf16._row_tile(
-                    table_gmem, info.index[0], num_tiles, grid_n, bs, g)
+                mi, nc, seg, load0, row0, rows, live = bf16._row_tile(
+                    table_gmem, info.index[0], num_tiles, grid_n // cluster, snake, g)
+                ni = nc * cluster + (lax.axis_index("cluster") if cluster > 1 else 0)
                 gi = jnp.minimum(seg, g - 1)
 
                 def mma(idx, a_smem, a_scales_smem, b_smem, total):
@@ -338,10 +355,14 @@ def gmm_quantized(
     # Two steps per stage where k has an even number of them (steps_per_stage).
     depth = bs.steps_per_stage if (kp // BLOCK) % bs.steps_per_stage == 0 else 1
     stages, strip = _stages(bs, out_dtype.itemsize, depth)
+    # Clusters of two where the column tiles pair up (cluster); the interpreter runs
+    # without (its multicast copies hang on jax 0.11.2).
+    cluster = bs.cluster if (np_ // BLOCK) % bs.cluster == 0 and not interpret else 1
     call = pl.kernel(
-        _gmm_kernel(mp, kp, np_, g, bs, min(stages, kp // (depth * BLOCK)), strip, depth),
+        _gmm_kernel(mp, kp, np_, g, bs, min(stages, kp // (depth * BLOCK)), strip, depth,
+                    cluster),
         out_type=out_type,
-        mesh=_mesh(interpret),
+        mesh=_mesh(interpret, cluster),
         compiler_params=bf16._compiler_params(),
         interpret=bf16._interpret_params(interpret),
         cost_estimate=cost,
