@@ -137,14 +137,21 @@ def forward_variants(out, smoke: bool):
               [("mixtral", 32768, 4096, 14336, 8), ("mixtral_one_group", 32768, 4096, 14336, 1),
                ("dsv3", 65536, 7168, 2048, 256)])
     variants = ([(2, 2, 1, 1), (2, 2, 2, 1)] if smoke else
-                [(4, 8, 1, 1), (4, 8, 1, 2), (4, 16, 1, 2), (5, 8, 1, 2), (2, 8, 2, 2)])
+                [(4, 8, 1, 1), (4, 8, 2, 1), (4, 16, 1, 2), (3, 8, 1, 1)])
     q = xla if smoke else pallas_triton
     for name, m, k, n, g in shapes:
         x, w, _ = ref_inputs.grouped_projection_inputs(jax.random.key(0), m, k, n, g, jnp.bfloat16)
         sizes = ref_inputs.aligned_group_sizes(jax.random.key(1234), m, g)
         dy = jax.random.normal(jax.random.key(1), (m, n), jnp.bfloat16)
-        operands = {"forward": (*q.rows(x, F8), *q.weight_blocks(w, F8, transpose=True)),
-                    "dx": (*q.rows(dy, F8), *q.weight_blocks(w, F8, transpose=False))}
+        def weights(transpose, chunk=64):
+            # By 64 experts: dsv3's whole kernel is past the Pallas quantizer's 32-bit
+            # offsets, and its XLA form needs a 14 GiB fp32 temporary.
+            parts = [q.weight_blocks(w[i:i + chunk], F8, transpose=transpose)
+                     for i in range(0, g, chunk)]
+            return tuple(jnp.concatenate(a) for a in zip(*parts))
+
+        operands = {"forward": (*q.rows(x, F8), *weights(True)),
+                    "dx": (*q.rows(dy, F8), *weights(False))}
         for product, args in operands.items():
             want = None
             for stages, width, depth, cluster in variants:

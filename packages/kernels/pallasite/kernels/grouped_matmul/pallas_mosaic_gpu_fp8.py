@@ -163,18 +163,20 @@ def _row_scales(scales_smem, wg, step: int = 0):
 
 
 def _promote(total, a, b_t, scale, live):
-    """total + (a @ b_t^T) * scale, the product summed by the tensor cores in one fresh
-    accumulator (waited for) and promoted at once. scale: a [64, 128] broadcast, zero
-    where not `live` (no wgmma runs then, and the fresh accumulator stays zero)."""
+    """total + (a @ b_t^T) * scale(), the product summed by the tensor cores in one fresh
+    accumulator (waited for) and promoted at once. scale: a function giving a [64, 128]
+    broadcast, zero where not `live` (no wgmma runs then, and the fresh accumulator stays
+    zero). It is called after the wgmmas are issued, so that its loads (a scale from
+    global memory, a vector from shared memory) wait under the tensor cores' work."""
     def product(acc_ref):
         @pl.when(live)
         def _():
             plgpu.wgmma(acc_ref, a, b_t.transpose((1, 0)))
 
-        return acc_ref[...]
+        factor = scale()
+        return acc_ref[...] * factor
 
-    fresh = pl.run_scoped(product, plgpu.ACC((_CONSUMER_ROWS, BLOCK), jnp.float32))
-    return total + fresh * scale
+    return total + pl.run_scoped(product, plgpu.ACC((_CONSUMER_ROWS, BLOCK), jnp.float32))
 
 
 def _promote_two(total, a, b_t, scales, live):
@@ -191,13 +193,13 @@ def _promote_two(total, a, b_t, scales, live):
             def _():
                 plgpu.wgmma(acc1, a[1], b_t[1].transpose((1, 0)))
 
-            partial = total + plgpu.wgmma_accumulator_load(acc0, wait_n=1) * scales[0]
-            return partial, acc1[...]
+            factors = scales[0](), scales[1]()
+            partial = total + plgpu.wgmma_accumulator_load(acc0, wait_n=1) * factors[0]
+            return partial + acc1[...] * factors[1]
 
         return pl.run_scoped(second, plgpu.ACC((_CONSUMER_ROWS, BLOCK), jnp.float32))
 
-    partial, fresh = pl.run_scoped(first, plgpu.ACC((_CONSUMER_ROWS, BLOCK), jnp.float32))
-    return partial + fresh * scales[1]
+    return pl.run_scoped(first, plgpu.ACC((_CONSUMER_ROWS, BLOCK), jnp.float32))
 
 
 def _mesh(interpret: bool, cluster: int = 1):
@@ -282,9 +284,13 @@ def _gmm_kernel(m, k, n, g, bs: MosaicGpuFp8BlockSizes, stages: int, strip: int,
                     rows = pl.ds(wg * _CONSUMER_ROWS, _CONSUMER_ROWS)
                     a, b, scales = [], [], []
                     for j in range(depth):
-                        weight_scale = rhs_scales_gmem[gi, ni, idx[0] * depth + j]
-                        scale = _where(live, _row_scales(a_scales_smem, wg, j) * weight_scale)
-                        scales.append(lax.broadcast_in_dim(scale, (_CONSUMER_ROWS, BLOCK), [0]))
+                        def scale(j=j):
+                            weight_scale = rhs_scales_gmem[gi, ni, idx[0] * depth + j]
+                            rows = _row_scales(a_scales_smem, wg, j) * weight_scale
+                            return lax.broadcast_in_dim(_where(live, rows),
+                                                        (_CONSUMER_ROWS, BLOCK), [0])
+
+                        scales.append(scale)
                         a.append(a_smem.at[rows, pl.ds(j * BLOCK, BLOCK)])
                         b.append(b_smem.at[:, pl.ds(j * BLOCK, BLOCK)])
                     if depth == 1:
@@ -404,12 +410,15 @@ def _tgmm_kernel(k, n, g, num_blocks, bs: MosaicGpuFp8BlockSizes, stages: int):
                 index = lambda kk: (0, first + kk)  # noqa: E731
 
                 def mma(idx, a_smem, a_scales_smem, b_smem, b_scales_smem, total):
-                    rows = _row_scales(a_scales_smem, wg)
-                    cols = plgpu.load(b_scales_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
-                    shape = (_CONSUMER_ROWS, BLOCK)
-                    # A select, not a product: an unused block's scales may be anything.
-                    scale = _where(live, lax.broadcast_in_dim(rows, shape, [0])
-                                   * lax.broadcast_in_dim(cols, shape, [1]))
+                    def scale():
+                        rows = _row_scales(a_scales_smem, wg)
+                        cols = plgpu.load(b_scales_smem.at[0],
+                                          layout=plgpu.Layout.WGMMA.reduce(0))
+                        shape = (_CONSUMER_ROWS, BLOCK)
+                        # A select, not a product: an unused block's scales may be anything.
+                        return _where(live, lax.broadcast_in_dim(rows, shape, [0])
+                                      * lax.broadcast_in_dim(cols, shape, [1]))
+
                     a = a_smem.at[pl.ds(wg * _CONSUMER_ROWS, _CONSUMER_ROWS)]
                     return _promote(total, a, b_smem, scale, live)
 
