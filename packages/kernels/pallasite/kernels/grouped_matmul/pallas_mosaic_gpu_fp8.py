@@ -36,6 +36,9 @@ n tile), each over its group's token blocks.
 Measured on one H200 (2026-12-02, a dense probe of this kernel form, queued timing):
 8192^3 with 128 x 128 tiles and 4 stages 1170 TFLOP/s, 128 x 256 tiles (two promotion
 chunks) 1000-1020; at mixtral's dims (32768 x 14336 x 4096) 1101 against 929-957.
+On 2026-12-04 this kernel at mixtral's dims as one group ran 880-909 against 863-894 with
+mixtral's 8 experts; two steps per stage lost 7-11% and clusters of two were level
+(docs/performance.md, "fp8 forward: two steps per stage..."), so both are off by default.
 docs/fp8.md has the grouped figures.
 """
 
@@ -100,8 +103,9 @@ class MosaicGpuFp8BlockSizes:
                              f"{self.steps_per_stage}")
 
 
-# Defaults from the dense probe above (H200, 2026-12-02): 4 stages, snake width 8.
-DEFAULT = MosaicGpuFp8BlockSizes(stages=4, grid_block_n=8)
+# Defaults from the dense probe above (H200, 2026-12-02): 4 stages, snake width 8; one
+# step per stage and no clusters (measured against both on 2026-12-04, module docstring).
+DEFAULT = MosaicGpuFp8BlockSizes(stages=4, grid_block_n=8, steps_per_stage=1, cluster=1)
 
 
 def default_block_sizes(*, product: str, m: int, k: int, n: int, g: int) -> MosaicGpuFp8BlockSizes:
