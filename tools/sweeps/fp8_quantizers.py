@@ -94,6 +94,15 @@ def quantizers(out, smoke: bool):
                          "impl": impl, "ms": t * 1e3, "tbps": moved / t / 1e12})
 
 
+def _weight_blocks(q, w, *, transpose: bool, experts: int = 64):
+    """q.weight_blocks of w, 64 experts at a time (the blocks never span experts, so the
+    values are the whole array's): dsv3's kernel is past the Pallas quantizer's 32-bit
+    offsets, and its XLA form needs a 14 GiB fp32 temporary."""
+    parts = [q.weight_blocks(w[i:i + experts], F8, transpose=transpose)
+             for i in range(0, w.shape[0], experts)]
+    return tuple(jnp.concatenate(a) for a in zip(*parts))
+
+
 def kernels(out, smoke: bool):
     interpret = smoke
     shapes = ([("tiny", 512, 256, 256, 4)] if smoke else
@@ -105,9 +114,9 @@ def kernels(out, smoke: bool):
         dy = jax.random.normal(jax.random.key(1), (m, n), jnp.bfloat16)
         q = xla if smoke else pallas_triton
         xq, xs = q.rows(x, F8)
-        wq, wsc = q.weight_blocks(w, F8, transpose=True)
+        wq, wsc = _weight_blocks(q, w, transpose=True)
         dyq, dys = q.rows(dy, F8)
-        wq2, wsc2 = q.weight_blocks(w, F8, transpose=False)
+        wq2, wsc2 = _weight_blocks(q, w, transpose=False)
         table = token_blocks(sizes, m)
         xt, xts = q.token_blocks(x, table.start, table.rows, F8)
         dyt, dyts = q.token_blocks(dy, table.start, table.rows, F8)
@@ -143,15 +152,8 @@ def forward_variants(out, smoke: bool):
         x, w, _ = ref_inputs.grouped_projection_inputs(jax.random.key(0), m, k, n, g, jnp.bfloat16)
         sizes = ref_inputs.aligned_group_sizes(jax.random.key(1234), m, g)
         dy = jax.random.normal(jax.random.key(1), (m, n), jnp.bfloat16)
-        def weights(transpose, chunk=64):
-            # By 64 experts: dsv3's whole kernel is past the Pallas quantizer's 32-bit
-            # offsets, and its XLA form needs a 14 GiB fp32 temporary.
-            parts = [q.weight_blocks(w[i:i + chunk], F8, transpose=transpose)
-                     for i in range(0, g, chunk)]
-            return tuple(jnp.concatenate(a) for a in zip(*parts))
-
-        operands = {"forward": (*q.rows(x, F8), *weights(True)),
-                    "dx": (*q.rows(dy, F8), *weights(False))}
+        operands = {"forward": (*q.rows(x, F8), *_weight_blocks(q, w, transpose=True)),
+                    "dx": (*q.rows(dy, F8), *_weight_blocks(q, w, transpose=False))}
         for product, args in operands.items():
             want = None
             for stages, width, depth, cluster in variants:
@@ -231,7 +233,7 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--stages", action="store_true", help="also time the kernel variants")
     p.add_argument("--forward-variants", action="store_true",
-                   help="only the fp8 forward's and dx's steps per stage")
+                   help="only the fp8 forward's and dx's steps per stage and clusters")
     p.add_argument("--token-variants", action="store_true",
                    help="only the token-block quantizer's columns and warps")
     args = p.parse_args(argv)

@@ -209,11 +209,10 @@ def _promote_two(total, a, b_t, scales, live):
 def _mesh(interpret: bool, cluster: int = 1):
     """One program per SM, of two consumer warpgroups and a producer ("wg"); with
     cluster 2, programs in pairs ("cluster") and the grid ("sm") counts the pairs."""
-    if cluster == 1:
-        return plgpu.Mesh(grid=(bf16._num_programs(interpret),), grid_names=("sm",),
-                          num_threads=3, thread_name="wg")
+    clustered = cluster > 1
     return plgpu.Mesh(grid=(max(bf16._num_programs(interpret) // cluster, 1),),
-                      grid_names=("sm",), cluster=(cluster,), cluster_names=("cluster",),
+                      grid_names=("sm",), cluster=(cluster,) if clustered else (),
+                      cluster_names=("cluster",) if clustered else (),
                       num_threads=3, thread_name="wg")
 
 
@@ -290,8 +289,8 @@ def _gmm_kernel(m, k, n, g, bs: MosaicGpuFp8BlockSizes, stages: int, strip: int,
                     for j in range(depth):
                         def scale(j=j):
                             weight_scale = rhs_scales_gmem[gi, ni, idx[0] * depth + j]
-                            rows = _row_scales(a_scales_smem, wg, j) * weight_scale
-                            return lax.broadcast_in_dim(_where(live, rows),
+                            row_scales = _row_scales(a_scales_smem, wg, j) * weight_scale
+                            return lax.broadcast_in_dim(_where(live, row_scales),
                                                         (_CONSUMER_ROWS, BLOCK), [0])
 
                         scales.append(scale)
