@@ -8,7 +8,8 @@ from pallasite.bench import autotune
 
 
 @pytest.mark.parametrize("op, impls", [
-    ("grouped_projection", ("pallas_triton:forward", "pallas_mosaic_gpu:dkernel")),
+    ("grouped_projection", ("pallas_triton:forward", "pallas_mosaic_gpu:dkernel",
+                            "pallas_mosaic_gpu_fp8:forward", "pallas_triton_fp8:dkernel")),
     ("ssd", ("pallas_triton:forward", "pallas_triton:backward")),
     ("gated_delta_rule", ("pallas_triton",)),
 ])

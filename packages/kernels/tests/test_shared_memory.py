@@ -68,6 +68,28 @@ def test_the_h200_tile_needs_144_kib():
     assert triton_fit.shared_memory_bytes(pallas_triton.GMM_16BIT, 2, "forward") == 144 * 1024
 
 
+def test_fp8_candidates_parse_and_fit():
+    """The fp8 keys' search spaces: every Triton candidate passes the fp8 tile rules and
+    fits sm90's shared memory, some fit sm89's too (the fit rule passes over the others
+    there), and every Mosaic GPU one is a valid MosaicGpuFp8BlockSizes; each list is
+    non-empty, for each product."""
+    from pallasite.kernels.grouped_matmul import fit, pallas_mosaic_gpu_fp8
+
+    table = load_table("grouped_projection")
+    for product in GP_PRODUCTS:
+        triton = table.candidates_for(f"pallas_triton_fp8:{product}")
+        mosaic = table.candidates_for(f"pallas_mosaic_gpu_fp8:{product}")
+        assert triton and mosaic, product
+        cands = [config_from_dict(config.TritonBlockSizes, raw) for raw in triton]
+        for bs in cands:  # the tile rules (block_k one scale step, ...) and sm90's memory
+            assert triton_fit.fits(bs, 1, product, _budget("sm90")), (product, bs)
+            why = fit.triton_fp8_reason(bs, product, GP_SHAPES[1], jnp.bfloat16)
+            assert why is None or "shared memory" in why, (product, bs, why)
+        assert any(triton_fit.fits(bs, 1, product, _budget("sm89")) for bs in cands)
+        for raw in mosaic:
+            config_from_dict(pallas_mosaic_gpu_fp8.MosaicGpuFp8BlockSizes, raw)
+
+
 @pytest.mark.parametrize("generation", sorted(GPUS))
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_grouped_triton_defaults_fit(generation, dtype):

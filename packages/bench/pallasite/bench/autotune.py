@@ -113,13 +113,27 @@ def _gp_impls(interpret: bool = False, everything: bool = False) -> list[Impl]:
                                 lambda d, p=product, m=mod: _shape_default(m, p, d),
                                 lambda d, t=BF16, p=product, m=mod: gp_benchmarks.benchmark(m, p, d, t, interpret)))
     if (platform.mosaic_gpu_runs() and not interpret) or everything:
-        mod = _try_import("pallasite.kernels.grouped_matmul.pallas_mosaic_gpu")
-        if mod is not None:
-            for product in ("forward", "dx", "dkernel"):
-                out.append(Impl(f"pallas_mosaic_gpu:{product}", mod.MosaicGpuBlockSizes,
-                                lambda d, p=product, m=mod: _shape_default(m, p, d),
-                                lambda d, t=BF16, p=product, m=mod: gp_benchmarks.benchmark(m, p, d, t)))
+        for name, config_type in (("pallas_mosaic_gpu", "MosaicGpuBlockSizes"),
+                                  ("pallas_mosaic_gpu_fp8", "MosaicGpuFp8BlockSizes")):
+            mod = _try_import(f"pallasite.kernels.grouped_matmul.{name}")
+            if mod is not None:
+                out.extend(_products(name, getattr(mod, config_type), mod))
+    # Triton's fp8 products serve fp8 GPUs without Mosaic GPU (sm89); on Hopper the
+    # Mosaic GPU module takes fp8, so its Triton keys are tuned only where asked for.
+    if (platform.fp8_runs() and not platform.mosaic_gpu_runs()) or everything:
+        mod = _try_import("pallasite.kernels.grouped_matmul.pallas_triton_fp8")
+        cfg = _try_import("pallasite.kernels.grouped_matmul.config")
+        if mod is not None and cfg is not None:
+            out.extend(_products("pallas_triton_fp8", cfg.TritonBlockSizes, mod))
     return out
+
+
+def _products(name: str, config_type: type, mod) -> list[Impl]:
+    """One Impl per product of a compiled GPU backend (forward, dx, dkernel)."""
+    return [Impl(f"{name}:{product}", config_type,
+                 lambda d, p=product, m=mod: _shape_default(m, p, d),
+                 lambda d, t=BF16, p=product, m=mod: gp_benchmarks.benchmark(m, p, d, t))
+            for product in ("forward", "dx", "dkernel")]
 
 
 # ------------------------------------------------------------------------------- ssd
