@@ -19,9 +19,8 @@ two 128-deep steps per stage (steps_per_stage), A multicast to clusters of two
 experts, and one group of the same dims: the grouped loop against a dense one) and dsv3;
 each variant's output is compared with the default's.
 Token-block variants (`--token-variants`): the Pallas Triton token-block quantizer with
-COLUMNS (columns per program), TOKEN_NUM_WARPS, TOKEN_BLOCKS_PER_PROGRAM and
-TOKEN_TRANSPOSE_FIRST set to each point of a small grid, on the same operands, with
-values compared to the default's.
+COLUMNS (columns per program) and TOKEN_NUM_WARPS set to each pair of a small grid, on
+the same operands, with values compared to the default's.
 --smoke: tiny shapes through the interpreters (a CPU check of the script).
 """
 
@@ -189,20 +188,14 @@ def _same_used_blocks(got, want, rows) -> bool:
                 and jnp.array_equal(gs[used], ws[used]))
 
 
-_TOKEN_KNOBS = ("COLUMNS", "TOKEN_NUM_WARPS", "TOKEN_BLOCKS_PER_PROGRAM", "TOKEN_TRANSPOSE_FIRST")
-
-
 def token_variants(out, smoke: bool):
-    """The token-block quantizer's knobs (columns per program, warps, token blocks per
-    program, the tile turned before its amax), each variant timed and checked against
-    the module's default on the same input."""
+    """The token-block quantizer's columns per program and warps, each timed and checked
+    against the module's default on the same input."""
     interpret = smoke
     shapes = ([("tiny", 256, 256, 4)] if smoke else
               [("mixtral_x", 32768, 4096, 8), ("dsv3_x", 65536, 7168, 256)])
-    grid = ([(64, 4, 2, True)] if smoke else
-            [(c, w, b, f) for c, w in ((64, 4), (128, 8)) for b in (1, 2, 4)
-             for f in (False, True)])
-    default = tuple(getattr(pallas_triton, k) for k in _TOKEN_KNOBS)
+    grid = [(64, 4)] if smoke else [(c, w) for c in (32, 64, 128) for w in (2, 4, 8)]
+    default = (pallas_triton.COLUMNS, pallas_triton.TOKEN_NUM_WARPS)
     for name, m, c, g in shapes:
         xs = _sets(lambda s: jax.random.normal(jax.random.key(s), (m, c), jnp.bfloat16),
                    2 if smoke else 3)
@@ -212,9 +205,8 @@ def token_variants(out, smoke: bool):
             return pallas_triton.token_blocks(x, table.start, table.rows, F8,
                                               interpret=interpret)
         want = jax.jit(run)(xs[0])
-        for variant in grid:
-            for knob, value in zip(_TOKEN_KNOBS, variant):
-                setattr(pallas_triton, knob, value)
+        for columns, warps in grid:
+            pallas_triton.COLUMNS, pallas_triton.TOKEN_NUM_WARPS = columns, warps
             try:
                 fn = lambda x: run(x)  # noqa: E731  (a new function: traced again)
                 got = jax.jit(fn)(xs[0])
@@ -226,11 +218,9 @@ def token_variants(out, smoke: bool):
             except Exception as e:  # noqa: BLE001 - a variant that fails is a result
                 rec = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
             finally:
-                for knob, value in zip(_TOKEN_KNOBS, default):
-                    setattr(pallas_triton, knob, value)
-            _write(out, {"what": "token_variant", "shape": name,
-                         **dict(zip(("columns", "warps", "blocks_per_program",
-                                     "transpose_first"), variant)), **rec})
+                pallas_triton.COLUMNS, pallas_triton.TOKEN_NUM_WARPS = default
+            _write(out, {"what": "token_variant", "shape": name, "columns": columns,
+                         "warps": warps, **rec})
 
 
 def _write(out, rec):

@@ -122,6 +122,24 @@ def test_gp_benchmark_passes_a_good_config_and_fails_a_wrong_one(product):
     assert autotune.autotune([SMALL], wrong).trials[0].status == autotune.WRONG_RESULT
 
 
+@pytest.mark.parametrize("product", ["forward", "dx", "dkernel"])
+def test_fp8_benchmark_checks_against_the_quantized_operands(product):
+    """An fp8 backend's benchmark compares with the product of its quantized operands
+    (the kernel quantized a group at a time): the default passes, an output off by one
+    does not."""
+    from pallasite.kernels.grouped_matmul import pallas_triton_fp8
+
+    dims = dict(m=320, k=256, n=256, g=3)
+    bench = gp_benchmarks.benchmark(pallas_triton_fp8, product, dims, "bfloat16",
+                                    interpret=True)
+    default = pallas_triton_fp8.default_block_sizes(product=product, **dims)
+    r = autotune.autotune([default], bench, confirm_rounds=0)
+    assert [t.status for t in r.trials] == [autotune.OK], r.trials
+    wrong = autotune.Benchmark(build=lambda cfg: (lambda: bench.build(cfg)() + 1),
+                               reference=bench.reference, atol=bench.atol, rtol=bench.rtol)
+    assert autotune.autotune([default], wrong).trials[0].status == autotune.WRONG_RESULT
+
+
 @pytest.mark.parametrize("make", [ssd_benchmarks.forward_benchmark, ssd_benchmarks.backward_benchmark])
 def test_ssd_benchmarks_pass_the_default(make):
     bench = make(ssd_triton, SSD_DIMS, "float32", interpret=True)

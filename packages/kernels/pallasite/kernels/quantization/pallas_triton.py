@@ -48,10 +48,6 @@ ROWS = 64
 COLUMNS = 64
 NUM_WARPS = 4
 TOKEN_NUM_WARPS = 4
-# Token blocks per program of `token_blocks` (unrolled), and whether the tile is turned
-# to [columns, 128] before its amax rather than after quantizing.
-TOKEN_BLOCKS_PER_PROGRAM = 1
-TOKEN_TRANSPOSE_FIRST = False
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -117,43 +113,31 @@ def rows(x: jax.Array, dtype, *, interpret: bool = False) -> tuple[jax.Array, ja
 # --------------------------------------------------------------------------- token blocks
 
 
-def _token_block(t, start_ref, rows_ref, x_ref, v_ref, s_ref, *, c, fp8, transpose):
-    """Token block t's `COLUMNS` columns of this program. Branch-free: a block past the
-    table or with no rows loads nothing (all lanes masked), so its amax is 0 and its
-    scale 1 (the oracle's for an unused block), and stores no values."""
-    j, bound = pl.program_id(1), start_ref.shape[0]
+def _token_kernel(start_ref, rows_ref, x_ref, v_ref, s_ref, *, c, fp8, transpose):
+    t, j = pl.program_id(0), pl.program_id(1)
+    start, count = start_ref[t], rows_ref[t]
     cols = pl.ds(j * COLUMNS, COLUMNS)
     col_ok = _ok(j * COLUMNS, COLUMNS, c)
-    inside = t < bound
-    at = jnp.minimum(t, bound - 1)
-    start, count = start_ref[at], jnp.where(inside, rows_ref[at], 0)
-    row_ok = jnp.arange(BLOCK, dtype=jnp.int32) < count
-    x = plgpu.load(x_ref.at[pl.ds(start, BLOCK), cols],
-                   mask=row_ok[:, None] & col_ok[None, :], other=0.0).astype(jnp.float32)
-    used = col_ok & (count > 0)
-    if transpose and TOKEN_TRANSPOSE_FIRST:  # the bf16 tile turned before the reduction
-        xt = x.T
-        scale, inverse = ref.scale_and_inverse(ref.amax(xt, axis=1), fp8)
-        values = ref.to_fp8(xt, inverse[:, None], fp8)
-        values = jnp.where(row_ok[None, :], values, jnp.zeros_like(values))
-        plgpu.store(v_ref.at[cols, pl.ds(t * BLOCK, BLOCK)], values, mask=used[:, None])
-    else:
+
+    @pl.when(count > 0)
+    def _():
+        row_ok = jnp.arange(BLOCK, dtype=jnp.int32) < count
+        x = plgpu.load(x_ref.at[pl.ds(start, BLOCK), cols],
+                       mask=row_ok[:, None] & col_ok[None, :], other=0.0).astype(jnp.float32)
         scale, inverse = ref.scale_and_inverse(ref.amax(x, axis=0), fp8)
         values = ref.to_fp8(x, inverse[None, :], fp8)
         if transpose:  # the whole block, zeros past `count` (a select: NaN-safe)
             values = jnp.where(row_ok[:, None], values, jnp.zeros_like(values))
             plgpu.store(v_ref.at[cols, pl.ds(t * BLOCK, BLOCK)], values.T,
-                        mask=used[:, None])
+                        mask=col_ok[:, None])
         else:
             plgpu.store(v_ref.at[pl.ds(start, BLOCK), cols], values,
-                        mask=row_ok[:, None] & used[None, :])
-    plgpu.store(s_ref.at[at, cols], scale, mask=col_ok & inside)
+                        mask=row_ok[:, None] & col_ok[None, :])
+        plgpu.store(s_ref.at[t, cols], scale, mask=col_ok)
 
-
-def _token_kernel(start_ref, rows_ref, x_ref, v_ref, s_ref, **kw):
-    for i in range(TOKEN_BLOCKS_PER_PROGRAM):  # unrolled: the blocks' loads overlap
-        _token_block(pl.program_id(0) * TOKEN_BLOCKS_PER_PROGRAM + i,
-                     start_ref, rows_ref, x_ref, v_ref, s_ref, **kw)
+    @pl.when(count == 0)  # an unused block: scale 1 (its values are never read)
+    def _():
+        plgpu.store(s_ref.at[t, cols], jnp.ones((COLUMNS,), jnp.float32), mask=col_ok)
 
 
 def token_blocks(x: jax.Array, start: jax.Array, rows: jax.Array, dtype, *, transpose: bool = True,
@@ -170,7 +154,7 @@ def token_blocks(x: jax.Array, start: jax.Array, rows: jax.Array, dtype, *, tran
     return pl.pallas_call(
         functools.partial(_token_kernel, c=c, fp8=dtype, transpose=transpose),
         out_shape=out,
-        grid=(_cdiv(start.shape[0], TOKEN_BLOCKS_PER_PROGRAM), _cdiv(c, COLUMNS)),
+        grid=(start.shape[0], _cdiv(c, COLUMNS)),
         compiler_params=_params(TOKEN_NUM_WARPS),
         interpret=interpret,
         cost_estimate=_cost(x, (start, rows) + out, dtype),
