@@ -417,3 +417,38 @@ def test_h200_mosaic_gpu_entries_reach_default_calls(product, dims, expected, mo
     assert sel.source == "table", sel
     for field, value in expected.items():
         assert getattr(sel.config, field) == value, (field, sel.config)
+
+
+@pytest.mark.parametrize("product, expected", [
+    ("forward", {"stages": 3, "grid_block_n": 16}),
+    ("dx", {"stages": 3, "grid_block_n": 8}),
+    ("dkernel", {"stages": 4, "grid_block_n": 16}),
+])
+def test_h200_fp8_entries_reach_default_calls(product, expected, monkeypatch, tmp_path):
+    """The fp8 Mosaic GPU entries the H200 autotune run earned at qwen3's dims
+    (2026-12-04) are what a default call of each fp8 product picks on an (abstract) H200;
+    the key's dtype is the operands' before quantization."""
+    from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu_fp8
+
+    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(tmp_path / "cache"))
+    monkeypatch.setattr(select_module, "_memo", {})
+    monkeypatch.setattr(tuning, "device_kind", lambda: "NVIDIA H200")
+    m, k, n, g = 65536, 2048, 768, 128
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    dy = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+    kernel = jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
+    calls = {
+        "forward": (lambda a, w, s: pallas_mosaic_gpu_fp8.gmm(a, w, s), (x, kernel, sizes)),
+        "dx": (lambda a, w, s: pallas_mosaic_gpu_fp8.gmm(a, w, s, transpose_rhs=True),
+               (dy, kernel, sizes)),
+        "dkernel": (lambda a, b, s: pallas_mosaic_gpu_fp8.tgmm(a, b, s), (x, dy, sizes)),
+    }
+    fn, args = calls[product]
+    with tuning.recording() as seen:
+        jax.eval_shape(fn, *args)
+    ((_, implementation, sel),) = seen
+    assert implementation == f"pallas_mosaic_gpu_fp8:{product}"
+    assert sel.source == "table", sel
+    for field, value in expected.items():
+        assert getattr(sel.config, field) == value, (field, sel.config)
