@@ -22,9 +22,9 @@ With `fuse_activation=True` the gate-up runs fused (expert_mlp.ops: act(gate) * 
 the kernel's epilogue, h rounded once, the pre-activation recomputed in the backward),
 and on Triton the down product takes the row weights in its epilogue (y rounded once;
 dh and d row_weights from one kernel). It is a memory trade, not a speed-up: measured on
-an H200 (docs/grouped_mlp.md) the fused forward is level with the composition, and the
-backward pays one more gate-up product (about a fifth more time fwd+bwd) for keeping
-no [m, 2f] pre-activation. It runs on a fused backend (the one named, or with
+an H200 (docs/grouped_mlp.md) the fused forward runs from 2% faster to 8% slower than
+the composition, and the backward pays one more gate-up product (9-19% more time
+fwd+bwd) for keeping no [m, 2f] pre-activation. It runs on a fused backend (the one named, or with
 implementation=None the first of ops.FUSED_BACKENDS that can run here) when nothing
 asks for more than it does (_fused_refusal): 16-bit compute, no recipe or block sizes,
 first-order reverse mode at most, operands local (unsharded, or a shard_map's); else it

@@ -96,12 +96,6 @@ def _tgmm(lhs, rhs, group_sizes, group_offset, kernel, *, out_dtype, name, block
     return out
 
 
-def _summed(ct_sources, primal, dtype):
-    """The dtype to compute a cotangent in: fp32 where it will still be summed over manual
-    axes (see sharding.cotangent_like), so it rounds once."""
-    return jnp.float32 if sharding.needs_sum(ct_sources, primal) else dtype
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
 def project(x, kernel, group_sizes, group_offset, name, compute, block_sizes, interpret,
             recipe=None):
@@ -129,10 +123,11 @@ def _project_bwd(name, compute, block_sizes, interpret, recipe, residuals, dy):
     xc, kc, group_sizes, group_offset, (x_proto, k_proto) = residuals
     dy = dy.astype(compute)
     common = dict(name=name, block_sizes=block_sizes, interpret=interpret, recipe=recipe)
-    dx = _gmm(dy, kc, group_sizes, group_offset, transpose_rhs=True,
-              out_dtype=_summed((dy, kc, group_sizes), xc, x_proto.dtype), **common)
-    dk = _tgmm(xc, dy, group_sizes, group_offset, kc,
-               out_dtype=_summed((xc, dy, group_sizes), kc, k_proto.dtype), **common)
+    dx_dtype = sharding.cotangent_dtype((dy, kc, group_sizes), xc, x_proto.dtype)
+    dk_dtype = sharding.cotangent_dtype((xc, dy, group_sizes), kc, k_proto.dtype)
+    dx = _gmm(dy, kc, group_sizes, group_offset, transpose_rhs=True, out_dtype=dx_dtype,
+              **common)
+    dk = _tgmm(xc, dy, group_sizes, group_offset, kc, out_dtype=dk_dtype, **common)
     dx = sharding.cotangent_like(dx, xc).astype(x_proto.dtype)
     dk = sharding.cotangent_like(dk, kc).astype(k_proto.dtype)
     return dx, dk, None, None

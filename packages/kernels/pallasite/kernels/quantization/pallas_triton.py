@@ -66,8 +66,8 @@ def _ok(offset, size: int, limit: int):
     return offset + jnp.arange(size, dtype=jnp.int32) < limit
 
 
-def _params(num_warps=None):
-    return plgpu.CompilerParams(num_warps=num_warps or NUM_WARPS, num_stages=1)
+def _params(num_warps: int = NUM_WARPS):
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
 
 
 def _cost(x, outputs, fp8):
