@@ -245,27 +245,64 @@ def test_fuse_activation_says_why_it_cannot_run(change, message):
         grouped_mlp(**{**args, **change})
 
 
-def test_fuse_activation_refuses_operands_over_mesh_axes(monkeypatch):
-    """The default keeps the composition; fuse_activation with operands over an Explicit
-    mesh axis (the fused kernels run on local operands) raises, naming it, and the
-    composition runs them over the 8 devices."""
+@pytest.mark.parametrize("layout", [
+    "rows_explicit", "rows_auto", "experts_explicit", "rows_and_experts_explicit",
+    "rows_over_experts_explicit", "columns_explicit"])
+def test_fuse_activation_over_a_jits_mesh(layout, monkeypatch):
+    """fuse_activation under jit over 8 devices: the fused gate-up keeps the rows and the
+    experts split (its planner) and takes the contraction and the 2f columns whole; the
+    values and the four gradients are the definition's within bf16 tolerance, for rows
+    split over Explicit and Auto axes, experts split, both, rows split over the expert
+    axis too, and a kernel split along its columns (gathered)."""
     seen = _record_fused(monkeypatch)
-    a = _inputs(12, dtype=jnp.bfloat16)
-    gs = jnp.asarray(SIZES, jnp.int32)
-    grouped_mlp(**a, group_sizes=gs, compute=jnp.bfloat16, interpret_on_cpu=True)
-    mesh = st.mesh((8,), ("data",), st.EXPLICIT)
-    x = jax.device_put(a["x"], jax.NamedSharding(mesh, P("data", None)))
+    g = 8
+    a = _inputs(12, m=160, g=g, dtype=jnp.bfloat16)
+    gs = jnp.asarray([20, 0, 31, 9, 40, 10, 25, 15], jnp.int32)
+    names = ("x", "gate_up_kernel", "down_kernel", "row_weights")
+    kind = st.AUTO if layout.endswith("auto") else st.EXPLICIT
+    if layout in ("rows_and_experts_explicit",):
+        mesh = st.mesh((2, 4), ("data", "expert"), kind)
+        specs = (P("data", None), P("expert"), P("expert"), P("data"))
+    elif layout == "rows_over_experts_explicit":
+        mesh = st.mesh((2, 4), ("data", "expert"), kind)
+        specs = (P(("data", "expert"), None), P("expert"), P("expert"), P(("data", "expert")))
+    elif layout == "experts_explicit":
+        mesh = st.mesh((8,), ("expert",), kind)
+        specs = (P(), P("expert"), P("expert"), P())
+    elif layout == "columns_explicit":
+        mesh = st.mesh((8,), ("model",), kind)
+        specs = (P(), P(None, None, "model"), P(None, "model"), P())
+    else:
+        mesh = st.mesh((8,), ("data",), kind)
+        specs = (P("data", None), P(), P(), P("data"))
+    cot = jax.random.normal(jax.random.key(13), (160, 128))
 
-    def call(t, fuse):
-        return grouped_mlp(t, a["gate_up_kernel"], a["down_kernel"], gs, jnp.bfloat16,
-                           interpret_on_cpu=True, implementation="pallas_triton",
-                           fuse_activation=fuse)
+    def run(fn, args):
+        def loss(*t):
+            y = fn(*t)
+            return jnp.sum(y.astype(jnp.float32) * cot), y
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(*args)
+
+    def fused(x, wgu, wd, rw):
+        return grouped_mlp(x, wgu, wd, gs, jnp.bfloat16, interpret_on_cpu=True,
+                           row_weights=rw, implementation="pallas_triton",
+                           fuse_activation=True)
 
     with jax.set_mesh(mesh):
-        with pytest.raises(ValueError, match="laid out over mesh axes"):
-            jax.jit(lambda t: call(t, True))(x)
-        y = jax.jit(lambda t: call(t, False))(x)
-    assert seen == []
-    want = grouped_mlp_reference(**{**a, "row_weights": None}, group_sizes=gs,
-                                 compute=jnp.bfloat16)
-    parity.assert_close(y, want, dtype=jnp.bfloat16, what="y, rows over 8 devices")
+        args = [jax.device_put(a[k], jax.NamedSharding(mesh, spec))
+                for k, spec in zip(names, specs)]
+        (_, y), grads = run(fused, args)
+        if layout.startswith("rows_"):  # no collective moves an array of all 160 rows
+            found = st.compiled_collectives(
+                jax.grad(lambda *t: jnp.sum(fused(*t).astype(jnp.float32) * cot),
+                         argnums=(0, 1, 2, 3)), *args)
+            moved = [s for shapes in found.values() for s in shapes]
+            assert not [s for s in moved if s and s[0] == 160], found
+    assert set(seen) == {"pallas_triton"}
+    (_, y_ref), grads_ref = run(lambda x, wgu, wd, rw: grouped_mlp_reference(
+        x, wgu, wd, gs, jnp.bfloat16, row_weights=rw), [a[k] for k in names])
+    parity.assert_close(np.asarray(y, np.float32), np.asarray(y_ref, np.float32),
+                        dtype=jnp.bfloat16, what=f"y, {layout}")
+    for name, g_, w in zip(names, grads, grads_ref):
+        parity.assert_close(np.asarray(g_, np.float32), np.asarray(w, np.float32),
+                            dtype=jnp.bfloat16, what=f"d{name}, {layout}")

@@ -27,8 +27,10 @@ the composition, and the backward pays one more gate-up product (9-19% more time
 fwd+bwd) for keeping no [m, 2f] pre-activation. It runs on a fused backend (the one named, or with
 implementation=None the first of ops.FUSED_BACKENDS that can run here) when nothing
 asks for more than it does (_fused_refusal): 16-bit compute, no recipe or block sizes,
-first-order reverse mode at most, operands local (unsharded, or a shard_map's); else it
-raises, naming why.
+first-order reverse mode at most; else it raises, naming why. Over a jit's mesh
+(Explicit or Auto axes) the fused gate-up keeps the rows and the experts split and takes
+the contraction and the 2f columns whole (expert_mlp.layouts); inside a shard_map it
+runs on the local arrays.
 """
 
 from __future__ import annotations
@@ -100,7 +102,10 @@ def grouped_mlp(
         pre = grouped_projection(x, gate_up_kernel, group_sizes, compute, interpret_on_cpu,
                                  **product)
         h = activate(pre.astype(_F32), activation).astype(compute)
-    if backend is not None and row_weights is not None and ops.has_down_weighted(backend):
+    # The fused down product has no planner: over a jit's mesh the down product is
+    # grouped_projection's (which keeps every sharding route) and the weights an XLA op.
+    if (backend is not None and row_weights is not None and ops.has_down_weighted(backend)
+            and not _laid_out((h, down_kernel, row_weights))):
         return ops.down_weighted(h, down_kernel, group_sizes, row_weights, compute,
                                  backend=backend, group_offset=group_offset,
                                  interpret=interpret)
@@ -142,7 +147,11 @@ def _fused_refusal(implementation, compute, operands, block_sizes, recipe, inter
         return f"compute={np.dtype(compute).name} (the fused kernels take 16-bit compute)"
     if (why := autodiff.beyond_first_order(*operands)) is not None:
         return why
-    mesh = sharding.context_mesh(operands)
-    if not mesh.empty and set(mesh.axis_names) - set(mesh.manual_axes):
-        return "operands laid out over mesh axes (the fused kernels run on local operands)"
     return backend_refusal(implementation, compute, operands[:2], interpret)
+
+
+def _laid_out(operands) -> bool:
+    """Whether the operands are laid out over mesh axes this call partitions (a jit's
+    Explicit or Auto axes, not a caller's shard_map's manual ones)."""
+    mesh = sharding.context_mesh(operands)
+    return not mesh.empty and bool(set(mesh.axis_names) - set(mesh.manual_axes))

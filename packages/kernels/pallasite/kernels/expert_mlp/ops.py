@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from pallasite.kernels import sharding
-from pallasite.kernels.expert_mlp import epilogue
+from pallasite.kernels.expert_mlp import epilogue, layouts
 
 FUSED_BACKENDS = ("pallas_mosaic_gpu", "pallas_triton")
 _F32 = jnp.float32
@@ -55,19 +55,24 @@ def _gate_up(backend, activation, all_groups, interpret, compute, x, w, group_si
                     offset)[0]
 
 
-# Each pass runs through sharding.local_call: inside a shard_map its operands take one
-# varying type, as grouped_projection's kernels do (the interpreters compute from
-# invariant copies there).
+# Each pass runs through sharding.run with its planner (expert_mlp.layouts): under jit
+# over sharded operands the rows and experts stay split; inside a shard_map its operands
+# take one varying type, as grouped_projection's kernels do (the interpreters compute
+# from invariant copies there).
 def _forward(backend, activation, all_groups, interpret, compute, x, w, group_sizes, offset):
     fused, _ = _modules(backend)
 
-    def gate_up(x_c, w_c, sizes, start):
-        return (fused.gate_up(x_c, w_c, sizes, activation=activation,
-                              group_offset=None if all_groups else start,
-                              interpret=interpret),)
+    def gate_up(x_c, w_c, sizes, group_offset, out_dtype):
+        del out_dtype  # compute: the plan never splits the sums
+        return fused.gate_up(x_c, w_c, sizes, activation=activation,
+                             group_offset=group_offset, interpret=interpret)
 
-    (h,) = sharding.local_call(gate_up, (x.astype(compute), w.astype(compute), group_sizes, offset),
-                                 interpret)
+    operands = (x.astype(compute), w.astype(compute), group_sizes, offset)
+    planner = layouts.forward_planner(gate_up, out_dtype=compute, shapes=(x.shape, w.shape),
+                                      offset_given=not all_groups)
+    (h,) = sharding.run(planner, operands, rule=layouts.FORWARD_RULE,
+                        reduction_factors=layouts.FORWARD_REDUCTION,
+                        **sharding.backend_options(backend, interpret))
     return h, (x, w, group_sizes, offset)
 
 
@@ -83,16 +88,20 @@ def _backward(backend, activation, all_groups, interpret, compute, residuals, dh
     dx_dtype = sharding.cotangent_dtype(operands, x, x.dtype)
     dw_dtype = sharding.cotangent_dtype(operands, w, w.dtype)
 
-    def grads(x_c, w_c, sizes, start, dh):
-        local = dict(group_offset=None if all_groups else start, interpret=interpret)
+    def grads(x_c, w_c, sizes, dh, *, group_offset, dtypes):
+        local = dict(group_offset=group_offset, interpret=interpret)
         # d(pre) from the gate and up sums recomputed in the kernel, never stored
         d_pre = fused.gate_up_grad(x_c, w_c, sizes, dh, activation=activation, **local)
-        return (grouped.gmm(d_pre, w_c, sizes, transpose_rhs=True, out_dtype=dx_dtype,
+        return (grouped.gmm(d_pre, w_c, sizes, transpose_rhs=True, out_dtype=dtypes[0],
                             **local),
-                grouped.tgmm(x_c, d_pre, sizes, num_groups=w.shape[0], out_dtype=dw_dtype,
+                grouped.tgmm(x_c, d_pre, sizes, num_groups=w_c.shape[0], out_dtype=dtypes[1],
                              **local))
 
-    dx, dw = sharding.local_call(grads, operands, interpret)
+    planner = layouts.backward_planner(grads, dtypes=(dx_dtype, dw_dtype),
+                                       shapes=(x.shape, w.shape), offset_given=not all_groups)
+    dx, dw = sharding.run(planner, operands, rule=layouts.BACKWARD_RULE,
+                          reduction_factors=layouts.BACKWARD_REDUCTION,
+                          **sharding.backend_options(backend, interpret))
     return (sharding.cotangent_like(dx, x).astype(x.dtype),
             sharding.cotangent_like(dw, w).astype(w.dtype), None, None)
 

@@ -93,13 +93,16 @@ def _offset(group_offset, given: bool, e_axes: Axes, local_groups: int):
 
 
 def gmm_planner(gmm: Callable, *, transpose_rhs: bool, out_dtype, shapes,
-                offset_given: bool = False) -> sharding.Planner:
+                offset_given: bool = False, whole: bool = False) -> sharding.Planner:
     """Planner for gmm(lhs [m, c], rhs [g, c, o] or [g, o, c], group_sizes [G],
     group_offset) -> [m, o].
 
     gmm(lhs, rhs, group_sizes, group_offset=..., out_dtype=...) is the backend product on
     local arrays; shapes are the global (lhs, rhs) shapes; offset_given: whether the
-    group_offset operand is the caller's (else a placeholder: all groups)."""
+    group_offset operand is the caller's (else a placeholder: all groups). whole: the
+    contraction and the columns are taken whole, only rows and experts stay split, for
+    a product whose epilogue is not linear in its sums or pairs its columns (the fused
+    gate-up's activation of gate and up halves); its result may then be narrower than o."""
     (m, c), rhs_shape = shapes
     ci, oi = (2, 1) if transpose_rhs else (1, 2)
     g, o = rhs_shape[0], rhs_shape[oi]
@@ -109,9 +112,10 @@ def gmm_planner(gmm: Callable, *, transpose_rhs: bool, out_dtype, shapes,
         e_axes, m_axes, scatter = _experts(rhs_dims[0], g, sharding.fits(lhs_m, m, axis_sizes),
                                            axis_sizes)
         c_axes = sharding.fits(lhs_c, c, axis_sizes) if lhs_c == rhs_dims[ci] else ()
-        c_axes = _apart(c_axes, e_axes)
+        c_axes = () if whole else _apart(c_axes, e_axes)
         out_m = m_axes + e_axes if scatter else m_axes
-        o_axes = _apart(sharding.fits(rhs_dims[oi], o, axis_sizes), out_m, c_axes, e_axes)
+        o_axes = () if whole else _apart(sharding.fits(rhs_dims[oi], o, axis_sizes), out_m,
+                                         c_axes, e_axes)
         rhs = [e_axes, (), ()]
         rhs[ci], rhs[oi] = c_axes, o_axes
 
