@@ -77,6 +77,16 @@ def pallasite_experts(compute) -> Callable:
     return lambda rows, sizes, gate_up, down: grouped_mlp(rows, gate_up, down, sizes, compute)
 
 
+def pallasite_fused_experts(compute, implementation=None) -> Callable:
+    """grouped_mlp with fuse_activation=True (16-bit compute): the activation in the
+    gate-up kernel's epilogue and no [rows, 2 d_ff] pre-activation kept for the backward
+    (docs/grouped_mlp.md); on a CPU the kernels run interpreted. implementation: the
+    fused backend (None: the first that runs here)."""
+    return lambda rows, sizes, gate_up, down: grouped_mlp(
+        rows, gate_up, down, sizes, compute, interpret_on_cpu=True,
+        implementation=implementation, fuse_activation=True)
+
+
 def pallasite_fp8_experts(compute) -> Callable:
     """grouped_mlp's fp8 training recipe: both products in e4m3 (1 x 128 activation
     blocks, 128 x 128 weight blocks, the weight gradients' operands in 128-token
