@@ -386,15 +386,9 @@ def test_dx_is_keyed_by_the_projections_dims(module, monkeypatch, tmp_path):
                                                                    n=n, g=g)
 
 
-@pytest.mark.parametrize("product, dims, expected", [
-    ("forward", (32768, 2048, 1024, 64), {"grid_block_n": 16}),          # olmoe
-    ("dx", (65536, 2880, 5760, 128), {"block_n": 192, "stages": 4}),     # k = 45 x 64
-    ("dkernel", (65536, 2880, 5760, 128), {"block_m": 192, "stages": 4}),
-])
-def test_h200_mosaic_gpu_entries_reach_default_calls(product, dims, expected, monkeypatch,
-                                                      tmp_path):
-    """The Mosaic GPU entries the H200 autotune run earned (2026-12-03) are what a default
-    call of each product picks on an (abstract) H200, keyed by the projection's dims."""
+def _assert_h200_table_picks(module, name, product, dims, expected, monkeypatch, tmp_path):
+    """A default call of `product` on module (gmm / tgmm) at dims, traced for an
+    (abstract) H200, selects `name:product` from the table with the `expected` fields."""
     monkeypatch.setenv(cache.ENV_CACHE_DIR, str(tmp_path / "cache"))
     monkeypatch.setattr(select_module, "_memo", {})
     monkeypatch.setattr(tuning, "device_kind", lambda: "NVIDIA H200")
@@ -404,19 +398,31 @@ def test_h200_mosaic_gpu_entries_reach_default_calls(product, dims, expected, mo
     kernel = jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16)
     sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
     calls = {
-        "forward": (lambda a, w, s: pallas_mosaic_gpu.gmm(a, w, s), (x, kernel, sizes)),
-        "dx": (lambda a, w, s: pallas_mosaic_gpu.gmm(a, w, s, transpose_rhs=True),
-               (dy, kernel, sizes)),
-        "dkernel": (lambda a, b, s: pallas_mosaic_gpu.tgmm(a, b, s), (x, dy, sizes)),
+        "forward": (lambda a, w, s: module.gmm(a, w, s), (x, kernel, sizes)),
+        "dx": (lambda a, w, s: module.gmm(a, w, s, transpose_rhs=True), (dy, kernel, sizes)),
+        "dkernel": (lambda a, b, s: module.tgmm(a, b, s), (x, dy, sizes)),
     }
     fn, args = calls[product]
     with tuning.recording() as seen:
         jax.eval_shape(fn, *args)
     ((_, implementation, sel),) = seen
-    assert implementation == f"pallas_mosaic_gpu:{product}"
+    assert implementation == f"{name}:{product}"
     assert sel.source == "table", sel
     for field, value in expected.items():
         assert getattr(sel.config, field) == value, (field, sel.config)
+
+
+@pytest.mark.parametrize("product, dims, expected", [
+    ("forward", (32768, 2048, 1024, 64), {"grid_block_n": 16}),          # olmoe
+    ("dx", (65536, 2880, 5760, 128), {"block_n": 192, "stages": 4}),     # k = 45 x 64
+    ("dkernel", (65536, 2880, 5760, 128), {"block_m": 192, "stages": 4}),
+])
+def test_h200_mosaic_gpu_entries_reach_default_calls(product, dims, expected, monkeypatch,
+                                                      tmp_path):
+    """The Mosaic GPU entries the H200 autotune run earned (2026-12-03) are what a default
+    call of each product picks on an (abstract) H200, keyed by the projection's dims."""
+    _assert_h200_table_picks(pallas_mosaic_gpu, "pallas_mosaic_gpu", product, dims, expected,
+                             monkeypatch, tmp_path)
 
 
 @pytest.mark.parametrize("product, expected", [
@@ -430,25 +436,5 @@ def test_h200_fp8_entries_reach_default_calls(product, expected, monkeypatch, tm
     the key's dtype is the operands' before quantization."""
     from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu_fp8
 
-    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(tmp_path / "cache"))
-    monkeypatch.setattr(select_module, "_memo", {})
-    monkeypatch.setattr(tuning, "device_kind", lambda: "NVIDIA H200")
-    m, k, n, g = 65536, 2048, 768, 128
-    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
-    dy = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
-    kernel = jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16)
-    sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
-    calls = {
-        "forward": (lambda a, w, s: pallas_mosaic_gpu_fp8.gmm(a, w, s), (x, kernel, sizes)),
-        "dx": (lambda a, w, s: pallas_mosaic_gpu_fp8.gmm(a, w, s, transpose_rhs=True),
-               (dy, kernel, sizes)),
-        "dkernel": (lambda a, b, s: pallas_mosaic_gpu_fp8.tgmm(a, b, s), (x, dy, sizes)),
-    }
-    fn, args = calls[product]
-    with tuning.recording() as seen:
-        jax.eval_shape(fn, *args)
-    ((_, implementation, sel),) = seen
-    assert implementation == f"pallas_mosaic_gpu_fp8:{product}"
-    assert sel.source == "table", sel
-    for field, value in expected.items():
-        assert getattr(sel.config, field) == value, (field, sel.config)
+    _assert_h200_table_picks(pallas_mosaic_gpu_fp8, "pallas_mosaic_gpu_fp8", product,
+                             (65536, 2048, 768, 128), expected, monkeypatch, tmp_path)
