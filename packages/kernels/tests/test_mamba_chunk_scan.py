@@ -239,9 +239,15 @@ def test_varlen_states_with_sequence_axes_is_refused_by_name():
 
 
 def test_lowers_for_cuda_with_the_triton_kernels(monkeypatch):
-    """The whole call, dt processing, resets, D/z epilogue and both Triton passes, lowers
-    for an H200 from the CPU (told it is on a GPU, so the kernels compile, not interpret)."""
+    """The whole call, dt processing, resets, the fused forward (dt, D and z in the
+    kernels) and the backward, lowers for an H200 from the CPU (told it is on a GPU, so
+    the kernels compile, not interpret)."""
+    from pallasite.kernels.mamba_scan import fused
+
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    routes = []
+    real = fused.scan
+    monkeypatch.setattr(fused, "scan", lambda *a, **k: routes.append("fused") or real(*a, **k))
     a = _inputs(13, l=256, h=2, p=64, n=64, g=1, dtype=jnp.bfloat16)
 
     def loss(x, dt, B, C, z):
@@ -260,7 +266,39 @@ def test_lowers_for_cuda_with_the_triton_kernels(monkeypatch):
             disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
         )(*args)
     text = exported.mlir_module()
-    assert text.count("__gpu$xla.gpu.triton") >= 2
+    # The fused forward (state scan, output with dt, D and z), the three backward kernels
+    assert text.count("__gpu$xla.gpu.triton") == 5
+    assert routes == ["fused"]
+
+
+def test_triton_takes_dt_d_and_z_into_its_kernels(monkeypatch):
+    """With Triton first on local operands, x dt is never formed in the forward and the
+    output kernel takes dt, D and z (fused.py); on a mesh of 8 devices the call takes
+    chunk_ssd with the elementwise work around it, and both equal the oracle."""
+    from pallasite.kernels.mamba_scan import fused
+
+    routes = []
+    real = fused.scan
+    monkeypatch.setattr(fused, "scan", lambda *a, **k: routes.append("fused") or real(*a, **k))
+    a = _inputs(16, dtype=jnp.bfloat16)
+    kw = dict(D=a["D"], z=a["z"], dt_bias=a["dt_bias"], dt_softplus=True)
+
+    def call(x):
+        return mamba_chunk_scan(x, a["dt"], a["A"], a["B"], a["C"], CHUNK,
+                                implementation="pallas_triton", **kw)
+
+    jaxpr = str(jax.make_jaxpr(call)(a["x"]))
+    assert routes == ["fused"]
+    assert jaxpr.count("pallas_call[") == 2  # the state scan and the output, nothing else
+    assert jaxpr.count("name=ssd_chunk_output") == 1
+    want = mamba_chunk_scan_reference(*(a[k].astype(jnp.float32)
+                                        for k in ("x", "dt", "A", "B", "C")), CHUNK, **kw)
+    _check(call(a["x"]), want, jnp.bfloat16, "y, fused")
+    mesh = st.mesh((8,), ("data",), st.EXPLICIT)
+    with jax.set_mesh(mesh):
+        y = jax.jit(call)(a["x"])
+    assert routes == ["fused", "fused"]  # the jaxpr's trace, then the eager call
+    _check(y, want, jnp.bfloat16, "y, the composition on a mesh")
 
 
 @pytest.mark.gpu

@@ -13,8 +13,14 @@ sizes and sequence sharding it inherits) and elementwise work around it:
 - varlen_states: each packed sequence's final state (varlen.py).
 
 JAX differentiates the whole: the scan by its backend's hand-written backward, the rest
-by autodiff. The elementwise work is XLA ops beside the kernels (fused by XLA into one
-pass each side), not yet in the kernels' prologue and epilogue.
+by autodiff.
+
+Where the Pallas Triton backend runs first on local operands (fused.eligible), x dt, D
+and z go into its kernels instead (fused.py): the output kernel scales its tile's
+columns by dt and applies D x and the gate in its epilogue, y rounded once; the backward
+forms z's, D's and dt's gradients in XLA around the scan's backward kernels. Elsewhere
+(other backends, a sequence split over devices, a jit's sharded axes, a shard_map) the
+elementwise work is XLA ops beside the kernels.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Integer
 
 from pallasite.kernels import sharding
-from pallasite.kernels.mamba_scan import varlen
+from pallasite.kernels.mamba_scan import fused, varlen
 from pallasite.kernels.ssd import api as ssd_api
 from pallasite.kernels.ssd import context_parallel
 from pallasite.reference import mamba_chunk_scan as ref
@@ -116,17 +122,28 @@ def mamba_chunk_scan(
     a = A.astype(dtp.dtype)[None, None] * dtp
     if seq_idx is not None:
         a = jnp.where(_sequence_starts(seq_idx, sequence_axes)[..., None], -jnp.inf, a)
-    xdt = (x.astype(dtp.dtype) * dtp[..., None]).astype(x.dtype)
-    y, final = ssd_api.chunk_ssd(xdt, a, B, C, chunk_size=chunk_size,
-                                 initial_state=initial_states, implementation=implementation,
-                                 block_sizes=block_sizes,
-                                 sequence_axes=sequence_axes or None)
-    out = [_epilogue(y, x, D, z)]
+    xdt = lambda: (x.astype(dtp.dtype) * dtp[..., None]).astype(x.dtype)  # noqa: E731
+    if fused.eligible(implementation, chunk_size, (x, dtp, a, B, C, D, z, initial_states),
+                      block_sizes, sequence_axes):
+        h, p = x.shape[2:]
+        s0 = (jnp.zeros((x.shape[0], h, p, B.shape[3]), _F32) if initial_states is None
+              else initial_states.astype(_F32))
+        skip = None if D is None else jnp.broadcast_to(
+            (D[:, None] if D.ndim == 1 else D).astype(_F32), (h, p))
+        y, final = fused.scan(x, dtp.astype(_F32), a.astype(_F32), B, C, s0, skip, z,
+                              chunk_size=chunk_size, block_sizes=block_sizes)
+        out = [y]
+    else:
+        y, final = ssd_api.chunk_ssd(xdt(), a, B, C, chunk_size=chunk_size,
+                                     initial_state=initial_states,
+                                     implementation=implementation, block_sizes=block_sizes,
+                                     sequence_axes=sequence_axes or None)
+        out = [_epilogue(y, x, D, z)]
     if return_final_states:
         out.append(final)
     if return_varlen_states:
         bsz, _, h, p = x.shape
         s0 = (jnp.zeros((bsz, h, p, B.shape[3]), _F32) if initial_states is None
               else initial_states)
-        out.append(varlen.varlen_states(xdt, a, B, s0, cu_seqlens, chunk_size))
+        out.append(varlen.varlen_states(xdt(), a, B, s0, cu_seqlens, chunk_size))
     return out[0] if len(out) == 1 else tuple(out)

@@ -387,9 +387,21 @@ def _causal_decay(acs_rows, acs_cols, row0, col0, bm, bk, *, rows_later: bool,
     return out if scale is None else jnp.where(keep, scale * out, 0.0)
 
 
-def _chunk_output_kernel(x_ref, b_ref, c_ref, hi_ref, lo_ref, s_ref, y_ref, *, bm):
+def _chunk_output_kernel(x_ref, b_ref, c_ref, hi_ref, lo_ref, s_ref, *refs, bm, scaled,
+                         skip, gated):
     """y rows [r*bm, (r+1)*bm) of one (batch, chunk) for the block's heads, which share one
-    group: each C_i B_j^T block is formed once for them all."""
+    group: each C_i B_j^T block is formed once for them all.
+
+    Mamba-2's options, fused (mamba_scan.fused): `scaled` reads dt [C, heads] and scales
+    the tile's columns by dt_j, so x is the raw x and x dt is never written; `skip` reads
+    D [heads, p] and adds D x_i to the fp32 sums; `gated` reads z rows, writes those sums
+    (y_pre, for z's gradient) and y = y_pre silu(z), each rounded once."""
+    refs = list(refs)
+    dt_ref = refs.pop(0) if scaled else None
+    d_ref = refs.pop(0) if skip else None
+    z_ref = refs.pop(0) if gated else None
+    y_ref = refs.pop(0)
+    pre_ref = refs.pop(0) if gated else None
     r = pl.program_id(0)
     heads = x_ref.shape[1]
     i0 = pl.multiple_of(r * bm, bm)
@@ -410,8 +422,9 @@ def _chunk_output_kernel(x_ref, b_ref, c_ref, hi_ref, lo_ref, s_ref, y_ref, *, b
         cb = _dot(c_i, b_ref[cols, :], trans_b=True)
         out = []
         for hh in range(heads):
+            scale = cb * dt_ref[cols, hh][None, :] if scaled else cb
             m = _causal_decay(acs_i[hh], (hi_ref[cols, hh], lo_ref[cols, hh]), i0, j0, bm,
-                              bm, rows_later=True, diagonal=diagonal, scale=cb)
+                              bm, rows_later=True, diagonal=diagonal, scale=scale)
             x_j = x_ref[cols, hh, :]
             if not diagonal:  # every x_j is at or before every row's step
                 out.append(accs[hh] + _dot(m.astype(cd), x_j))
@@ -425,7 +438,14 @@ def _chunk_output_kernel(x_ref, b_ref, c_ref, hi_ref, lo_ref, s_ref, y_ref, *, b
 
     accs = step(r, jax.lax.fori_loop(0, r, step, accs), diagonal=True)
     for hh in range(heads):
-        y_ref[:, hh, :] = accs[hh].astype(y_ref.dtype)
+        acc = accs[hh]
+        if skip:
+            acc = acc + d_ref[hh, :][None, :] * x_ref[rows, hh, :].astype(F32)
+        if gated:
+            pre_ref[:, hh, :] = acc.astype(pre_ref.dtype)
+            z = z_ref[:, hh, :].astype(F32)
+            acc = acc * (z * jax.nn.sigmoid(z))
+        y_ref[:, hh, :] = acc.astype(y_ref.dtype)
 
 
 def output_heads(bs: BlockSizes, heads: int, groups: int) -> int:
@@ -437,8 +457,11 @@ def output_heads(bs: BlockSizes, heads: int, groups: int) -> int:
     return hb
 
 
-def _chunk_output(x, b, c, acs, states, bs: BlockSizes, interpret: bool):
-    """y [b, nc, C, h, p]; acs is the (hi, lo) pair of in-chunk cumulative sums."""
+def _chunk_output(x, b, c, acs, states, bs: BlockSizes, interpret: bool, *, dt=None, D=None,
+                  z=None):
+    """y [b, nc, C, h, p]; acs is the (hi, lo) pair of in-chunk cumulative sums. With the
+    fused options (the kernel's docstring): dt [b, nc, C, h] fp32, D [h, p] fp32, z like
+    x; with z, (y, y_pre)."""
     bsz, nc, chunk, h, p = x.shape
     g, n = b.shape[3], b.shape[4]
     hb, bm = output_heads(bs, h, g), bs.block_m
@@ -447,9 +470,16 @@ def _chunk_output(x, b, c, acs, states, bs: BlockSizes, interpret: bool):
     grp = pl.BlockSpec((None, None, chunk, None, n),
                        lambda r, k, i, j: (i, j, 0, k // blocks_per_group, 0))
     acs_spec = pl.BlockSpec((None, None, chunk, hb), lambda r, k, i, j: (i, j, 0, k))
-    return pl.pallas_call(
-        functools.partial(_chunk_output_kernel, bm=bm),
-        out_shape=out_shape,
+    rows_spec = pl.BlockSpec((None, None, bm, hb, p), lambda r, k, i, j: (i, j, r, k, 0))
+    options = [(dt, acs_spec), (D, pl.BlockSpec((hb, p), lambda r, k, i, j: (k, 0))),
+               (z, rows_spec)]
+    extra = [(t, spec) for t, spec in options if t is not None]
+    out_shapes = [out_shape] * (2 if z is not None else 1)
+    inputs = (x, b, c, *acs, states, *(t for t, _ in extra))
+    outs = pl.pallas_call(
+        functools.partial(_chunk_output_kernel, bm=bm, scaled=dt is not None,
+                          skip=D is not None, gated=z is not None),
+        out_shape=out_shapes,
         grid=(chunk // bm, h // hb, bsz, nc),
         in_specs=[
             pl.BlockSpec((None, None, chunk, hb, p), lambda r, k, i, j: (i, j, 0, k, 0)),
@@ -458,15 +488,16 @@ def _chunk_output(x, b, c, acs, states, bs: BlockSizes, interpret: bool):
             acs_spec,
             acs_spec,
             pl.BlockSpec((None, None, hb, p, n), lambda r, k, i, j: (i, j, k, 0, 0)),
+            *(spec for _, spec in extra),
         ],
-        out_specs=pl.BlockSpec((None, None, bm, hb, p), lambda r, k, i, j: (i, j, r, k, 0)),
+        out_specs=[rows_spec] * len(out_shapes),
         compiler_params=_params(bs),
         interpret=interpret,
         cost_estimate=costs.chunk_output(bsz * nc * h, chunk, bm, p, n, x.dtype,
-                                         heads=hb, inputs=(x, b, c, *acs, states),
-                                         outputs=(out_shape,)),
+                                         heads=hb, inputs=inputs, outputs=tuple(out_shapes)),
         name="ssd_chunk_output",
-    )(x, b, c, *acs, states)
+    )(*inputs)
+    return tuple(outs) if z is not None else outs[0]
 
 
 def _bwd_rows_j_kernel(
@@ -666,6 +697,19 @@ def _forward_local(x, a, b, c, initial_state, *, bs, interpret):
     return y, final, states
 
 
+def _forward_fused_local(x, dt, a, b, c, initial_state, D, z, *, bs, interpret):
+    """The forward with Mamba-2's dt, D and z in the kernels: dt joins the state scan's
+    per-step weight w (a [b, nc, C, h] array) and scales the output tile's columns, D and
+    z are the output's epilogue."""
+    acs, last = _cumsums(a)
+    to_last = _segment(tuple(t[:, :, None, :] for t in last), acs)
+    states, final = _state_scan(x, b, jnp.exp(to_last) * dt, jnp.exp(last[0] + last[1]),
+                                initial_state, bs, interpret)
+    out = _chunk_output(x, b, c, acs, states, bs, interpret, dt=dt, D=D, z=z)
+    y, y_pre = out if z is not None else (out, None)
+    return y, y_pre, final, states
+
+
 def _backward_local(x, a, b, c, states, dy, dfinal, *, bs, interpret, grad_dtypes=(None, None)):
     acs, last = _cumsums(a)
     exp_last = jnp.exp(last[0] + last[1])
@@ -702,6 +746,38 @@ def forward(
     fn = functools.partial(_forward_local, bs=bs, interpret=interpret)
     args = (x, a, b.astype(x.dtype), c.astype(x.dtype), initial_state.astype(F32))
     return fn(*args)
+
+
+@sharding.local_operands("mamba_chunk_scan")
+def forward_fused(
+    x: Float[Array, "b nc C h p"],
+    dt: Float[Array, "b nc C h"],
+    a: Float[Array, "b nc C h"],
+    b: Float[Array, "b nc C g n"],
+    c: Float[Array, "b nc C g n"],
+    initial_state: Float[Array, "b h p n"],
+    D: Float[Array, "h p"] | None = None,
+    z: Float[Array, "b nc C h p"] | None = None,
+    *,
+    interpret: bool = False,
+    block_sizes: BlockSizes | None = None,
+):
+    """The scan of (x dt, a, b, c) plus D x, gated by silu(z): (y in x.dtype, y_pre (the
+    sums before the gate, in x.dtype; None without z), final_state fp32, chunk_states in
+    x.dtype). dt [b, nc, C, h] is the processed step (fp32); a = A dt with any resets; D
+    [h, p] fp32. The backward is `backward` on x dt (mamba_scan.fused)."""
+    _check_inputs(x, a, b, c, initial_state, "initial_state")
+    if dt.shape != a.shape:
+        raise ValueError(f"dt must have a's shape {a.shape}, got shape {dt.shape}")
+    if D is not None and D.shape != (x.shape[3], x.shape[4]):
+        raise ValueError(f"D must be {(x.shape[3], x.shape[4])}, got shape {D.shape}")
+    if z is not None and z.shape != x.shape:
+        raise ValueError(f"z must have x's shape {x.shape}, got shape {z.shape}")
+    bs = resolve_block_sizes(block_sizes, x.shape[2], x=x, b=b, pass_name="forward",
+                             interpret=interpret)
+    return _forward_fused_local(
+        x, dt.astype(F32), a, b.astype(x.dtype), c.astype(x.dtype), initial_state.astype(F32),
+        None if D is None else D.astype(F32), z, bs=bs, interpret=interpret)
 
 
 @sharding.local_operands("chunk_ssd")

@@ -1,0 +1,112 @@
+"""mamba_chunk_scan's fused route: dt, D and z inside the Pallas Triton SSD kernels.
+
+    forward   y = (scan(x dt, a, B, C) + D x) silu(z)     ssd.pallas_triton.forward_fused:
+              dt scales the output tile's columns and joins the state scan's per-step
+              weight, D and z are the output kernel's epilogue, so neither x dt nor the
+              scan's own y is written; with z the sums before the gate (y_pre) are kept
+              for z's gradient, as mamba_ssm keeps them.
+    backward  dy_pre = dy silu(z), dz = dy y_pre silu'(z), dD = sum dy_pre x   (XLA)
+              the scan's backward kernels on x dt and dy_pre (ssd.pallas_triton.backward)
+              dx = d(x dt) dt + dy_pre D, d(dt) = sum_p d(x dt) x               (XLA)
+
+dt reaches the custom_vjp processed (bias, softplus, clamp) and a = A dt with the
+sequence resets already in it: JAX differentiates that elementwise work on [b, l, h]
+arrays, the kernels the rest. The route serves local operands only (no mesh of more
+than one device in context: not under a jit's sharded axes or inside a shard_map) and
+the Triton backend, chosen first; anything else takes chunk_ssd with the elementwise
+work around it (api.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallasite.kernels import autodiff, sharding
+from pallasite.kernels.ssd import api as ssd_api
+
+NAME = "pallas_triton"
+_F32 = jnp.float32
+
+
+def eligible(implementation, chunk_size, operands, block_sizes, sequence_axes) -> bool:
+    """Whether the fused route runs this call: Triton first among the implementations and
+    able to run this geometry here, operands local, first-order differentiation at most,
+    no sequence split, block sizes (if any) Triton's."""
+    operands = tuple(t for t in operands if t is not None)
+    x, b = operands[0], operands[3]
+    names = ssd_api._candidates(implementation, chunk_size, x.shape[3], b.shape[3])
+    if names[0] != NAME or sequence_axes or x.size == 0 or b.size == 0:
+        return False
+    if block_sizes is not None and ssd_api._blocks_owner(block_sizes) != NAME:
+        return False
+    mesh = sharding.context_mesh(operands)
+    if not mesh.empty and any(size > 1 for size in mesh.axis_sizes):
+        return False  # a mesh of one device shards nothing
+    if autodiff.beyond_first_order(*operands) is not None:
+        return False
+    return ssd_api._refusal(NAME, chunk_size, x.shape[3], b.shape[3]) is None
+
+
+def scan(x, dt, a, b, c, initial_state, D, z, *, chunk_size, block_sizes=None):
+    """(y [b, l, h, p] in x.dtype, final_state fp32). x, z [b, l, h, p]; dt (processed,
+    fp32) and a = A dt (with resets) [b, l, h]; b, c [b, l, g, n]; D [h, p] fp32 or None;
+    initial_state [b, h, p, n] fp32."""
+    bsz, length, h, p = x.shape
+    nc = -(-length // chunk_size)
+    padded = nc * chunk_size
+
+    def chunked(t):
+        return None if t is None else ssd_api._pad(t, length, padded).reshape(
+            bsz, nc, chunk_size, *t.shape[2:])
+
+    interpret = ssd_api._platform(NAME)[1]
+    y, final = _scan(chunked(x), chunked(dt), chunked(a), chunked(b), chunked(c),
+                     initial_state, D, chunked(z), interpret, block_sizes)
+    return y.reshape(bsz, padded, h, p)[:, :length], final
+
+
+def _triton():
+    return ssd_api._backend(NAME)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+def _scan(x, dt, a, b, c, init, D, z, interpret, block_sizes):
+    return _forward(x, dt, a, b, c, init, D, z, interpret, block_sizes)[0]
+
+
+def _forward(x, dt, a, b, c, init, D, z, interpret, block_sizes):
+    y, y_pre, final, states = _triton().forward_fused(
+        x, dt, a, b, c, init, D, z, interpret=interpret, block_sizes=block_sizes)
+    return (y, final), (x, dt, a, b, c, init, D, z, y_pre, states)
+
+
+def _backward(interpret, block_sizes, residuals, cotangents):
+    x, dt, a, b, c, init, D, z, y_pre, states = residuals
+    dy, dfinal = cotangents
+    dy = dy.astype(_F32)
+    dz = None
+    if z is not None:
+        zf = z.astype(_F32)
+        gate = jax.nn.sigmoid(zf)
+        dz = (dy * y_pre.astype(_F32) * gate * (1 + zf * (1 - gate))).astype(z.dtype)
+        dy = dy * zf * gate
+    xf = x.astype(_F32)
+    dtf = dt.astype(_F32)[..., None]
+    dxdt, da, db, dc, dinit = _triton().backward(
+        (xf * dtf).astype(x.dtype), a, b, c, states, dy.astype(x.dtype),
+        dfinal.astype(_F32), interpret=interpret, block_sizes=block_sizes)
+    dxdt = dxdt.astype(_F32)
+    dx = dxdt * dtf
+    dD = None
+    if D is not None:
+        dx = dx + dy * D
+        dD = jnp.sum(dy * xf, axis=(0, 1, 2)).astype(D.dtype)
+    ddt = jnp.sum(dxdt * xf, axis=-1).astype(dt.dtype)
+    return (dx.astype(x.dtype), ddt, da.astype(a.dtype), db, dc, dinit.astype(init.dtype),
+            dD, dz)
+
+
+_scan.defvjp(_forward, _backward)
