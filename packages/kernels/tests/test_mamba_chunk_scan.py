@@ -273,8 +273,7 @@ def test_lowers_for_cuda_with_the_triton_kernels(monkeypatch):
 
 def test_triton_takes_dt_d_and_z_into_its_kernels(monkeypatch):
     """With Triton first on local operands, x dt is never formed in the forward and the
-    output kernel takes dt, D and z (fused.py); on a mesh of 8 devices the call takes
-    chunk_ssd with the elementwise work around it, and both equal the oracle."""
+    output kernel takes dt, D and z (fused.py): the forward is the two kernels."""
     from pallasite.kernels.mamba_scan import fused
 
     routes = []
@@ -294,11 +293,58 @@ def test_triton_takes_dt_d_and_z_into_its_kernels(monkeypatch):
     want = mamba_chunk_scan_reference(*(a[k].astype(jnp.float32)
                                         for k in ("x", "dt", "A", "B", "C")), CHUNK, **kw)
     _check(call(a["x"]), want, jnp.bfloat16, "y, fused")
-    mesh = st.mesh((8,), ("data",), st.EXPLICIT)
+
+
+@pytest.mark.parametrize("layout", ["batch_and_heads_explicit", "batch_auto",
+                                    "sequence_explicit"])
+def test_fused_route_over_a_jits_mesh(layout, monkeypatch):
+    """Under jit over 8 devices the fused route keeps batch and heads split (its planner;
+    the backward is chunk_ssd's) with values and all nine gradients the oracle's, and no
+    collective moves an array half x's size; a sequence split over devices takes
+    chunk_ssd's route (its exchange), as does nothing else here."""
+    from pallasite.kernels.mamba_scan import fused
+
+    routes = []
+    real = fused.scan
+    monkeypatch.setattr(fused, "scan", lambda *a, **k: routes.append("fused") or real(*a, **k))
+    if layout == "sequence_explicit":
+        a = _inputs(17, b=1, l=256, h=4, g=2)
+        mesh = st.mesh((4,), ("seq",), st.EXPLICIT)
+        seq = {"x": P(None, "seq"), "dt": P(None, "seq"), "B": P(None, "seq"),
+               "C": P(None, "seq"), "z": P(None, "seq")}
+    else:
+        a = _inputs(17, b=2, l=200, h=8, g=4)
+        kind = st.AUTO if layout == "batch_auto" else st.EXPLICIT
+        mesh = st.mesh((2, 4), ("data", "model"), kind)
+        heads = "model" if kind == st.EXPLICIT else None
+        seq = {"x": P("data", None, heads), "dt": P("data", None, heads),
+               "B": P("data", None, heads), "C": P("data", None, heads),
+               "z": P("data", None, heads), "D": P(heads), "initial_states": P("data", heads)}
+    kw = dict(OPTIONS, chunk_size=CHUNK)
+    weights = _weights(18, [a["x"].shape, a["initial_states"].shape])
     with jax.set_mesh(mesh):
-        y = jax.jit(call)(a["x"])
-    assert routes == ["fused", "fused"]  # the jaxpr's trace, then the eager call
-    _check(y, want, jnp.bfloat16, "y, the composition on a mesh")
+        placed = {k: jax.device_put(v, jax.NamedSharding(mesh, seq.get(k, P())))
+                  for k, v in a.items()}
+        got, got_grads = _loss_and_grads(
+            functools.partial(mamba_chunk_scan, implementation="pallas_triton"), placed,
+            weights, **kw)
+        if layout == "batch_and_heads_explicit":
+            def loss(*t):
+                out = mamba_chunk_scan(**dict(zip(DIFFERENTIABLE, t)),
+                                       implementation="pallas_triton", **kw)
+                return sum(jnp.sum(o.astype(jnp.float32) * w) for o, w in zip(out, weights))
+            found = st.compiled_collectives(
+                jax.grad(loss, argnums=tuple(range(len(DIFFERENTIABLE)))),
+                *(placed[k] for k in DIFFERENTIABLE))
+            moved = [s for shapes in found.values() for s in shapes]
+            assert all(math.prod(s) < a["x"].size // 2 for s in moved), found
+    assert routes == ([] if layout == "sequence_explicit" else ["fused"] * len(routes))
+    assert routes or layout == "sequence_explicit"
+    want, want_grads = _loss_and_grads(mamba_chunk_scan_reference, a, weights, **kw)
+    for name, g, w in zip(("y", "final_states"), got, want):
+        _check(g, w, jnp.float32, f"{name}, {layout}")
+    for name, g, w in zip(DIFFERENTIABLE, got_grads, want_grads):
+        _check(g, w, jnp.float32, f"d{name}, {layout}")
 
 
 @pytest.mark.gpu

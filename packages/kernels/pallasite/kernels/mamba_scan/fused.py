@@ -11,21 +11,25 @@
 
 dt reaches the custom_vjp processed (bias, softplus, clamp) and a = A dt with the
 sequence resets already in it: JAX differentiates that elementwise work on [b, l, h]
-arrays, the kernels the rest. The route serves local operands only (no mesh of more
-than one device in context: not under a jit's sharded axes or inside a shard_map) and
-the Triton backend, chosen first; anything else takes chunk_ssd with the elementwise
-work around it (api.py).
+arrays, the kernels the rest. Under a jit's mesh the forward runs through its planner
+(ssd.layouts.fused_forward_planner: batch and heads split as the scan's) and the
+backward through chunk_ssd's. The route serves the Triton backend, chosen first, on
+local operands or a jit's axes that do not split the sequence (_unsplit_sequence);
+anything else (a sequence over devices, a shard_map) takes chunk_ssd with the
+elementwise work around it (api.py).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
 from pallasite.kernels import autodiff, sharding
 from pallasite.kernels.ssd import api as ssd_api
+from pallasite.kernels.ssd import layouts
 
 NAME = "pallas_triton"
 _F32 = jnp.float32
@@ -42,12 +46,26 @@ def eligible(implementation, chunk_size, operands, block_sizes, sequence_axes) -
         return False
     if block_sizes is not None and ssd_api._blocks_owner(block_sizes) != NAME:
         return False
-    mesh = sharding.context_mesh(operands)
-    if not mesh.empty and any(size > 1 for size in mesh.axis_sizes):
-        return False  # a mesh of one device shards nothing
+    if not _unsplit_sequence(x, chunk_size, sharding.context_mesh(operands)):
+        return False
     if autodiff.beyond_first_order(*operands) is not None:
         return False
     return ssd_api._refusal(NAME, chunk_size, x.shape[3], b.shape[3]) is None
+
+
+def _unsplit_sequence(x, chunk_size, mesh) -> bool:
+    """Whether the route's layouts serve this mesh: none, or a jit's axes (not a
+    shard_map's) that do not split the sequence. Explicit axes: x's own. Auto axes:
+    where chunk_ssd would keep a split sequence split (whole chunks dividing over the
+    mesh, ssd.api), its route runs instead, since the partitioner may split it."""
+    if mesh.empty or all(size == 1 for size in mesh.axis_sizes):
+        return True
+    if mesh.manual_axes:
+        return False
+    if mesh.explicit_axes:
+        return not sharding.explicit_dims(x)[1]
+    length = x.shape[1]
+    return length % chunk_size != 0 or (length // chunk_size) % math.prod(mesh.axis_sizes) != 0
 
 
 def scan(x, dt, a, b, c, initial_state, D, z, *, chunk_size, block_sizes=None):
@@ -77,9 +95,29 @@ def _scan(x, dt, a, b, c, init, D, z, interpret, block_sizes):
     return _forward(x, dt, a, b, c, init, D, z, interpret, block_sizes)[0]
 
 
+def _platform(interpret, block_sizes):
+    return (NAME, interpret) if block_sizes is None else (NAME, interpret, block_sizes)
+
+
 def _forward(x, dt, a, b, c, init, D, z, interpret, block_sizes):
-    y, y_pre, final, states = _triton().forward_fused(
-        x, dt, a, b, c, init, D, z, interpret=interpret, block_sizes=block_sizes)
+    skip, gated = D is not None, z is not None
+    fused = functools.partial(_triton().forward_fused, interpret=interpret,
+                              block_sizes=block_sizes)
+
+    def local(x, dt, a, b, c, init, *options):
+        options = list(options)
+        d_local = options.pop(0) if skip else None
+        z_local = options.pop(0) if gated else None
+        y, y_pre, final, states = fused(x, dt, a, b, c, init, d_local, z_local)
+        return (y,) + ((y_pre,) if gated else ()) + (final, states)
+
+    operands = (x, dt, a, b, c, init) + ((D,) if skip else ()) + ((z,) if gated else ())
+    planner = layouts.fused_forward_planner(local, x.shape, b.shape[3], skip=skip,
+                                            gated=gated)
+    outs = sharding.run(planner, operands, rule=layouts.fused_forward_rule(skip, gated),
+                        **sharding.backend_options(NAME, interpret))
+    y, y_pre = outs[0], (outs[1] if gated else None)
+    final, states = outs[-2:]
     return (y, final), (x, dt, a, b, c, init, D, z, y_pre, states)
 
 
@@ -95,9 +133,9 @@ def _backward(interpret, block_sizes, residuals, cotangents):
         dy = dy * zf * gate
     xf = x.astype(_F32)
     dtf = dt.astype(_F32)[..., None]
-    dxdt, da, db, dc, dinit = _triton().backward(
-        (xf * dtf).astype(x.dtype), a, b, c, states, dy.astype(x.dtype),
-        dfinal.astype(_F32), interpret=interpret, block_sizes=block_sizes)
+    dxdt, da, db, dc, dinit = ssd_api._backward(
+        _platform(interpret, block_sizes), (xf * dtf).astype(x.dtype), a, b, c, states,
+        dy.astype(x.dtype), dfinal.astype(_F32))
     dxdt = dxdt.astype(_F32)
     dx = dxdt * dtf
     dD = None
@@ -105,8 +143,8 @@ def _backward(interpret, block_sizes, residuals, cotangents):
         dx = dx + dy * D
         dD = jnp.sum(dy * xf, axis=(0, 1, 2)).astype(D.dtype)
     ddt = jnp.sum(dxdt * xf, axis=-1).astype(dt.dtype)
-    return (dx.astype(x.dtype), ddt, da.astype(a.dtype), db, dc, dinit.astype(init.dtype),
-            dD, dz)
+    return (dx.astype(x.dtype), ddt, da.astype(a.dtype), db.astype(b.dtype),
+            dc.astype(c.dtype), dinit.astype(init.dtype), dD, dz)
 
 
 _scan.defvjp(_forward, _backward)
