@@ -208,6 +208,41 @@ def test_sequence_axes_inside_a_callers_shard_map_with_seq_idx():
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
 
 
+def test_fused_route_inside_a_shard_map_over_the_batch(monkeypatch):
+    """Inside a shard_map over 4 devices, each holding one row of the batch, the fused
+    Triton route runs on the local arrays; the gradients of A, D and dt_bias (the same
+    on every device) are summed over the devices, and every value and gradient is the
+    oracle's on the whole batch."""
+    from pallasite.kernels.mamba_scan import fused
+
+    routes = []
+    real = fused.scan
+    monkeypatch.setattr(fused, "scan", lambda *a, **k: routes.append("fused") or real(*a, **k))
+    a = _inputs(19, b=4, l=128, h=4, g=2)
+    mesh = st.mesh((4,), ("data",), st.AUTO)
+    batch = P("data")
+    specs = dict(x=batch, dt=batch, A=P(), B=batch, C=batch, D=P(), z=batch, dt_bias=P(),
+                 initial_states=batch)
+    kw = dict(OPTIONS, chunk_size=CHUNK)
+    weights = _weights(20, [a["x"].shape, a["initial_states"].shape])
+
+    def local(*t):
+        return mamba_chunk_scan(**dict(zip(DIFFERENTIABLE, t)), implementation="pallas_triton",
+                                **kw)
+
+    sharded = jax.shard_map(local, mesh=mesh,
+                            in_specs=tuple(specs[k] for k in DIFFERENTIABLE),
+                            out_specs=(batch, batch))
+    got, got_grads = _loss_and_grads(lambda **t: sharded(*(t[k] for k in DIFFERENTIABLE)),
+                                     a, weights)
+    assert routes and set(routes) == {"fused"}
+    want, want_grads = _loss_and_grads(mamba_chunk_scan_reference, a, weights, **kw)
+    for name, g, w in zip(("y", "final_states"), got, want):
+        _check(g, w, jnp.float32, name)
+    for name, g, w in zip(DIFFERENTIABLE, got_grads, want_grads):
+        _check(g, w, jnp.float32, "d" + name)
+
+
 @pytest.mark.parametrize("change, error, message", [
     (dict(dt=jnp.zeros((1, 200, 3))), ValueError, "dt must be"),
     (dict(D=jnp.zeros((5,))), ValueError, "D must be"),

@@ -14,9 +14,9 @@ sequence resets already in it: JAX differentiates that elementwise work on [b, l
 arrays, the kernels the rest. Under a jit's mesh the forward runs through its planner
 (ssd.layouts.fused_forward_planner: batch and heads split as the scan's) and the
 backward through chunk_ssd's. The route serves the Triton backend, chosen first, on
-local operands or a jit's axes that do not split the sequence (_unsplit_sequence);
-anything else (a sequence over devices, a shard_map) takes chunk_ssd with the
-elementwise work around it (api.py).
+local operands (a shard_map's included) or a jit's axes that do not split the sequence
+(_unsplit_sequence); a sequence over devices takes chunk_ssd with the elementwise work
+around it (api.py).
 """
 
 from __future__ import annotations
@@ -54,14 +54,13 @@ def eligible(implementation, chunk_size, operands, block_sizes, sequence_axes) -
 
 
 def _unsplit_sequence(x, chunk_size, mesh) -> bool:
-    """Whether the route's layouts serve this mesh: none, or a jit's axes (not a
-    shard_map's) that do not split the sequence. Explicit axes: x's own. Auto axes:
+    """Whether the route's layouts serve this mesh: none, a shard_map's (sequence_axes
+    were refused before), or a jit's axes that do not split the sequence. Explicit axes:
+    x's own. Auto axes:
     where chunk_ssd would keep a split sequence split (whole chunks dividing over the
     mesh, ssd.api), its route runs instead, since the partitioner may split it."""
-    if mesh.empty or all(size == 1 for size in mesh.axis_sizes):
-        return True
-    if mesh.manual_axes:
-        return False
+    if mesh.empty or all(size == 1 for size in mesh.axis_sizes) or mesh.manual_axes:
+        return True  # inside a shard_map each device holds whole sequences
     if mesh.explicit_axes:
         return not sharding.explicit_dims(x)[1]
     length = x.shape[1]
@@ -133,8 +132,12 @@ def _backward(interpret, block_sizes, residuals, cotangents):
         dy = dy * zf * gate
     xf = x.astype(_F32)
     dtf = dt.astype(_F32)[..., None]
+    b_, c_ = b, c
+    if sharding.needs_sum((x,), b) or sharding.needs_sum((x,), c):
+        # B and C replicated where x varies (a shard_map): dB and dC summed in fp32
+        b_, c_ = b.astype(_F32), c.astype(_F32)
     dxdt, da, db, dc, dinit = ssd_api._backward(
-        _platform(interpret, block_sizes), (xf * dtf).astype(x.dtype), a, b, c, states,
+        _platform(interpret, block_sizes), (xf * dtf).astype(x.dtype), a, b_, c_, states,
         dy.astype(x.dtype), dfinal.astype(_F32))
     dxdt = dxdt.astype(_F32)
     dx = dxdt * dtf
@@ -142,9 +145,14 @@ def _backward(interpret, block_sizes, residuals, cotangents):
     if D is not None:
         dx = dx + dy * D
         dD = jnp.sum(dy * xf, axis=(0, 1, 2)).astype(D.dtype)
-    ddt = jnp.sum(dxdt * xf, axis=-1).astype(dt.dtype)
-    return (dx.astype(x.dtype), ddt, da.astype(a.dtype), db.astype(b.dtype),
-            dc.astype(c.dtype), dinit.astype(init.dtype), dD, dz)
+    ddt = jnp.sum(dxdt * xf, axis=-1)
+    grads = (dx, ddt, da, db, dc, dinit, dD, dz)
+    primals = (x, dt, a, b, c, init, D, z)
+    # Inside a shard_map, a gradient of an operand that does not vary where its sources
+    # do is summed over those axes (fp32, rounded once), as chunk_ssd's are.
+    return tuple(None if g is None else sharding.cotangent_like(
+        g.astype(_F32) if sharding.needs_sum((g,), p) else g, p).astype(p.dtype)
+        for g, p in zip(grads, primals))
 
 
 _scan.defvjp(_forward, _backward)
