@@ -37,8 +37,8 @@ _F32 = jnp.float32
 
 def eligible(implementation, chunk_size, operands, block_sizes, sequence_axes) -> bool:
     """Whether the fused route runs this call: Triton first among the implementations and
-    able to run this geometry here, operands local, first-order differentiation at most,
-    no sequence split, block sizes (if any) Triton's."""
+    able to run this geometry here, a layout it serves (_unsplit_sequence), first-order
+    differentiation at most, no sequence_axes, block sizes (if any) Triton's."""
     operands = tuple(t for t in operands if t is not None)
     x, b = operands[0], operands[3]
     names = ssd_api._candidates(implementation, chunk_size, x.shape[3], b.shape[3])
@@ -56,9 +56,9 @@ def eligible(implementation, chunk_size, operands, block_sizes, sequence_axes) -
 def _unsplit_sequence(x, chunk_size, mesh) -> bool:
     """Whether the route's layouts serve this mesh: none, a shard_map's (sequence_axes
     were refused before), or a jit's axes that do not split the sequence. Explicit axes:
-    x's own. Auto axes:
-    where chunk_ssd would keep a split sequence split (whole chunks dividing over the
-    mesh, ssd.api), its route runs instead, since the partitioner may split it."""
+    x's own. Auto axes: where chunk_ssd would keep a split sequence split (whole chunks
+    dividing over the mesh, ssd.api), its route runs instead, since the partitioner may
+    split it."""
     if mesh.empty or all(size == 1 for size in mesh.axis_sizes) or mesh.manual_axes:
         return True  # inside a shard_map each device holds whole sequences
     if mesh.explicit_axes:
