@@ -108,10 +108,7 @@ def _gp_impls(interpret: bool = False, everything: bool = False) -> list[Impl]:
         mod = _try_import("pallasite.kernels.grouped_matmul.pallas_triton")
         cfg = _try_import("pallasite.kernels.grouped_matmul.config")
         if mod is not None and cfg is not None:
-            for product in ("forward", "dx", "dkernel"):
-                out.append(Impl(f"pallas_triton:{product}", cfg.TritonBlockSizes,
-                                lambda d, p=product, m=mod: _shape_default(m, p, d),
-                                lambda d, t=BF16, p=product, m=mod: gp_benchmarks.benchmark(m, p, d, t, interpret)))
+            out.extend(_products("pallas_triton", cfg.TritonBlockSizes, mod, interpret))
     if (platform.mosaic_gpu_runs() and not interpret) or everything:
         for name, config_type in (("pallas_mosaic_gpu", "MosaicGpuBlockSizes"),
                                   ("pallas_mosaic_gpu_fp8", "MosaicGpuFp8BlockSizes")):
@@ -128,11 +125,13 @@ def _gp_impls(interpret: bool = False, everything: bool = False) -> list[Impl]:
     return out
 
 
-def _products(name: str, config_type: type, mod) -> list[Impl]:
-    """One Impl per product of a compiled GPU backend (forward, dx, dkernel)."""
+def _products(name: str, config_type: type, mod, interpret: bool = False) -> list[Impl]:
+    """One Impl per product of a GPU backend (forward, dx, dkernel); interpret: its
+    benchmarks run the interpreter (Triton's, on a CPU)."""
     return [Impl(f"{name}:{product}", config_type,
                  lambda d, p=product, m=mod: _shape_default(m, p, d),
-                 lambda d, t=BF16, p=product, m=mod: gp_benchmarks.benchmark(m, p, d, t))
+                 lambda d, t=BF16, p=product, m=mod: gp_benchmarks.benchmark(m, p, d, t,
+                                                                             interpret))
             for product in ("forward", "dx", "dkernel")]
 
 

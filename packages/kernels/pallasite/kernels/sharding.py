@@ -194,6 +194,14 @@ def cotangent_like(ct, primal):
     return layout_like(ct, jax.typeof(primal).sharding)
 
 
+def cotangents_like(grads, primals) -> tuple:
+    """Each gradient as `cotangent_like` makes it, summed in fp32 where it is summed
+    (rounded once), in its primal's dtype; None stays None (an absent operand)."""
+    return tuple(None if g is None else cotangent_like(
+        g.astype(jnp.float32) if needs_sum((g,), p) else g, p).astype(p.dtype)
+        for g, p in zip(grads, primals))
+
+
 def layout_like(t, want):
     """t resharded to `want` (a sharding from a type), where that has explicit axes and
     lays t out otherwise; t as it is under Auto axes (the compiler chooses)."""

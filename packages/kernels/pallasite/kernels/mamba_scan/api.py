@@ -15,12 +15,13 @@ sizes and sequence sharding it inherits) and elementwise work around it:
 JAX differentiates the whole: the scan by its backend's hand-written backward, the rest
 by autodiff.
 
-Where the Pallas Triton backend runs first on local operands (fused.eligible), x dt, D
-and z go into its kernels instead (fused.py): the output kernel scales its tile's
-columns by dt and applies D x and the gate in its epilogue, y rounded once; the backward
-forms z's, D's and dt's gradients in XLA around the scan's backward kernels. Elsewhere
-(other backends, a sequence split over devices, a jit's sharded axes, a shard_map) the
-elementwise work is XLA ops beside the kernels.
+Where the Pallas Triton backend runs first (fused.eligible: local operands, a
+shard_map's, or a jit's axes that leave the sequence whole), x dt, D and z go into its
+kernels instead (fused.py): the output kernel scales its tile's columns by dt and
+applies D x and the gate in its epilogue, y rounded once; the backward forms z's, D's
+and dt's gradients in XLA around the scan's backward kernels. Elsewhere (other
+backends, a sequence split over devices) the elementwise work is XLA ops beside the
+kernels.
 """
 
 from __future__ import annotations
@@ -123,15 +124,15 @@ def mamba_chunk_scan(
     if seq_idx is not None:
         a = jnp.where(_sequence_starts(seq_idx, sequence_axes)[..., None], -jnp.inf, a)
     xdt = lambda: (x.astype(dtp.dtype) * dtp[..., None]).astype(x.dtype)  # noqa: E731
+    bsz, _, h, p = x.shape
+    s0 = (jnp.zeros((bsz, h, p, B.shape[3]), _F32) if initial_states is None
+          else initial_states)
     if fused.eligible(implementation, chunk_size, (x, dtp, a, B, C, D, z, initial_states),
                       block_sizes, sequence_axes):
-        h, p = x.shape[2:]
-        s0 = (jnp.zeros((x.shape[0], h, p, B.shape[3]), _F32) if initial_states is None
-              else initial_states.astype(_F32))
         skip = None if D is None else jnp.broadcast_to(
             (D[:, None] if D.ndim == 1 else D).astype(_F32), (h, p))
-        y, final = fused.scan(x, dtp.astype(_F32), a.astype(_F32), B, C, s0, skip, z,
-                              chunk_size=chunk_size, block_sizes=block_sizes)
+        y, final = fused.scan(x, dtp.astype(_F32), a.astype(_F32), B, C, s0.astype(_F32),
+                              skip, z, chunk_size=chunk_size, block_sizes=block_sizes)
         out = [y]
     else:
         y, final = ssd_api.chunk_ssd(xdt(), a, B, C, chunk_size=chunk_size,
@@ -142,8 +143,5 @@ def mamba_chunk_scan(
     if return_final_states:
         out.append(final)
     if return_varlen_states:
-        bsz, _, h, p = x.shape
-        s0 = (jnp.zeros((bsz, h, p, B.shape[3]), _F32) if initial_states is None
-              else initial_states)
         out.append(varlen.varlen_states(xdt(), a, B, s0, cu_seqlens, chunk_size))
     return out[0] if len(out) == 1 else tuple(out)

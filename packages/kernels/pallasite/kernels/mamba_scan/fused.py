@@ -94,10 +94,6 @@ def _scan(x, dt, a, b, c, init, D, z, interpret, block_sizes):
     return _forward(x, dt, a, b, c, init, D, z, interpret, block_sizes)[0]
 
 
-def _platform(interpret, block_sizes):
-    return (NAME, interpret) if block_sizes is None else (NAME, interpret, block_sizes)
-
-
 def _forward(x, dt, a, b, c, init, D, z, interpret, block_sizes):
     skip, gated = D is not None, z is not None
     fused = functools.partial(_triton().forward_fused, interpret=interpret,
@@ -132,13 +128,9 @@ def _backward(interpret, block_sizes, residuals, cotangents):
         dy = dy * zf * gate
     xf = x.astype(_F32)
     dtf = dt.astype(_F32)[..., None]
-    b_, c_ = b, c
-    if sharding.needs_sum((x,), b) or sharding.needs_sum((x,), c):
-        # B and C replicated where x varies (a shard_map): dB and dC summed in fp32
-        b_, c_ = b.astype(_F32), c.astype(_F32)
     dxdt, da, db, dc, dinit = ssd_api._backward(
-        _platform(interpret, block_sizes), (xf * dtf).astype(x.dtype), a, b_, c_, states,
-        dy.astype(x.dtype), dfinal.astype(_F32))
+        ssd_api._with_blocks(NAME, block_sizes), (xf * dtf).astype(x.dtype), a,
+        *ssd_api.summed_in_fp32(x, b, c), states, dy.astype(x.dtype), dfinal.astype(_F32))
     dxdt = dxdt.astype(_F32)
     dx = dxdt * dtf
     dD = None
@@ -146,13 +138,10 @@ def _backward(interpret, block_sizes, residuals, cotangents):
         dx = dx + dy * D
         dD = jnp.sum(dy * xf, axis=(0, 1, 2)).astype(D.dtype)
     ddt = jnp.sum(dxdt * xf, axis=-1)
-    grads = (dx, ddt, da, db, dc, dinit, dD, dz)
-    primals = (x, dt, a, b, c, init, D, z)
     # Inside a shard_map, a gradient of an operand that does not vary where its sources
     # do is summed over those axes (fp32, rounded once), as chunk_ssd's are.
-    return tuple(None if g is None else sharding.cotangent_like(
-        g.astype(_F32) if sharding.needs_sum((g,), p) else g, p).astype(p.dtype)
-        for g, p in zip(grads, primals))
+    return sharding.cotangents_like((dx, ddt, da, db, dc, dinit, dD, dz),
+                                    (x, dt, a, b, c, init, D, z))
 
 
 _scan.defvjp(_forward, _backward)

@@ -176,19 +176,21 @@ def _scan_fwd(x, a, b, c, initial_state, platform, sequence_axes=()):
     return (y, final), (x, a, b, c, chunk_states, initial_state)
 
 
+def summed_in_fp32(x, b, c):
+    """(b, c), in fp32 where they are replicated where x varies (a shard_map): dB and dC
+    are then summed over those axes in fp32 (the backends compute from the matmul dtype
+    either way, so only the sum changes)."""
+    if sharding.needs_sum((x,), b) or sharding.needs_sum((x,), c):
+        return b.astype(jnp.float32), c.astype(jnp.float32)
+    return b, c
+
+
 def _scan_bwd(platform, sequence_axes, residuals, cotangents):
     x, a, b, c, chunk_states, initial_state = residuals
     dy, dfinal = cotangents
-    if sharding.needs_sum((x,), b) or sharding.needs_sum((x,), c):
-        # B and C replicated where x varies: dB and dC are summed in fp32 below (the
-        # backends compute from the matmul dtype either way, so only the sum changes).
-        b, c = b.astype(jnp.float32), c.astype(jnp.float32)
-    grads = _backward(platform, x, a, b, c, chunk_states, dy.astype(x.dtype),
-                      dfinal.astype(jnp.float32), sequence_axes)
-    primals = residuals[:4] + (initial_state,)
-    return tuple(sharding.cotangent_like(
-        g.astype(jnp.float32) if sharding.needs_sum((g,), p) else g, p).astype(p.dtype)
-        for g, p in zip(grads, primals))
+    grads = _backward(platform, x, a, *summed_in_fp32(x, b, c), chunk_states,
+                      dy.astype(x.dtype), dfinal.astype(jnp.float32), sequence_axes)
+    return sharding.cotangents_like(grads, residuals[:4] + (initial_state,))
 
 
 ssd_chunk_scan = jax.custom_vjp(_scan, nondiff_argnums=(5, 6))

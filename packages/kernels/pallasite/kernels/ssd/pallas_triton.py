@@ -689,22 +689,19 @@ def _cumsums(a):
 
 
 def _forward_local(x, a, b, c, initial_state, *, bs, interpret):
-    acs, last = _cumsums(a)
-    to_last = _segment(tuple(t[:, :, None, :] for t in last), acs)
-    states, final = _state_scan(x, b, jnp.exp(to_last), jnp.exp(last[0] + last[1]),
-                                initial_state, bs, interpret)
-    y = _chunk_output(x, b, c, acs, states, bs, interpret)
+    y, _, final, states = _forward_fused_local(x, None, a, b, c, initial_state, None, None,
+                                               bs=bs, interpret=interpret)
     return y, final, states
 
 
 def _forward_fused_local(x, dt, a, b, c, initial_state, D, z, *, bs, interpret):
-    """The forward with Mamba-2's dt, D and z in the kernels: dt joins the state scan's
-    per-step weight w (a [b, nc, C, h] array) and scales the output tile's columns, D and
-    z are the output's epilogue."""
+    """The forward, with Mamba-2's dt, D and z in the kernels where given: dt joins the
+    state scan's per-step weight w (a [b, nc, C, h] array) and scales the output tile's
+    columns, D and z are the output's epilogue. (y, y_pre or None, final, states)."""
     acs, last = _cumsums(a)
-    to_last = _segment(tuple(t[:, :, None, :] for t in last), acs)
-    states, final = _state_scan(x, b, jnp.exp(to_last) * dt, jnp.exp(last[0] + last[1]),
-                                initial_state, bs, interpret)
+    to_last = jnp.exp(_segment(tuple(t[:, :, None, :] for t in last), acs))
+    states, final = _state_scan(x, b, to_last if dt is None else to_last * dt,
+                                jnp.exp(last[0] + last[1]), initial_state, bs, interpret)
     out = _chunk_output(x, b, c, acs, states, bs, interpret, dt=dt, D=D, z=z)
     y, y_pre = out if z is not None else (out, None)
     return y, y_pre, final, states
