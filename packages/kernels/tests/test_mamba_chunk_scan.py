@@ -330,6 +330,36 @@ def test_triton_takes_dt_d_and_z_into_its_kernels(monkeypatch):
     _check(call(a["x"]), want, jnp.bfloat16, "y, fused")
 
 
+@pytest.mark.parametrize("dt_limit, nonnegative", [((0.0, math.inf), False),
+                                                    ((0.0, 1.0), True)],
+                         ids=["signed_dt", "dt_clamped_at_zero"])
+def test_fused_route_takes_dt_of_either_sign(dt_limit, nonnegative, monkeypatch):
+    """Without softplus dt may be negative: the output kernel then scales its tile by dt
+    rather than adding log dt to the decay's exponent. A clamp at 0 makes exact zeros
+    (log 0 = -inf in the exponent): both match the oracle, values and gradients."""
+    from pallasite.kernels.mamba_scan import fused
+
+    seen = []
+    real = fused.scan
+    monkeypatch.setattr(fused, "scan", lambda *a, **k: seen.append(k["dt_nonnegative"])
+                        or real(*a, **k))
+    a = _inputs(19)
+    # Steps of either sign, small enough that A dt > 0 does not overflow the decay.
+    a["dt"] = 0.1 * (a["dt"] + 2.0)
+    a["dt_bias"] = jnp.zeros_like(a["dt_bias"])
+    assert float(jnp.min(a["dt"])) < 0 < float(jnp.max(a["dt"]))
+    kw = dict(chunk_size=CHUNK, dt_limit=dt_limit, return_final_states=True)
+    weights = _weights(20, [a["x"].shape, a["initial_states"].shape])
+    got, got_grads = _loss_and_grads(
+        functools.partial(mamba_chunk_scan, implementation="pallas_triton"), a, weights, **kw)
+    want, want_grads = _loss_and_grads(mamba_chunk_scan_reference, a, weights, **kw)
+    assert seen and set(seen) == {nonnegative}
+    for name, g, w in zip(("y", "final_states"), got, want):
+        _check(g, w, jnp.float32, name)
+    for name, g, w in zip(DIFFERENTIABLE, got_grads, want_grads):
+        _check(g, w, jnp.float32, "d" + name)
+
+
 @pytest.mark.parametrize("layout", ["batch_and_heads_explicit", "batch_auto",
                                     "sequence_explicit"])
 def test_fused_route_over_a_jits_mesh(layout, monkeypatch):

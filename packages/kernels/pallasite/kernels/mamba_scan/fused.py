@@ -67,10 +67,12 @@ def _unsplit_sequence(x, chunk_size, mesh) -> bool:
     return length % chunk_size != 0 or (length // chunk_size) % math.prod(mesh.axis_sizes) != 0
 
 
-def scan(x, dt, a, b, c, initial_state, D, z, *, chunk_size, block_sizes=None):
+def scan(x, dt, a, b, c, initial_state, D, z, *, chunk_size, dt_nonnegative=False,
+         block_sizes=None):
     """(y [b, l, h, p] in x.dtype, final_state fp32). x, z [b, l, h, p]; dt (processed,
     fp32) and a = A dt (with resets) [b, l, h]; b, c [b, l, g, n]; D [h, p] fp32 or None;
-    initial_state [b, h, p, n] fp32."""
+    initial_state [b, h, p, n] fp32. dt_nonnegative: dt >= 0 is known (softplus, or a
+    clamp at 0 or above), so the output kernel takes it in the decay's exponent."""
     bsz, length, h, p = x.shape
     nc = -(-length // chunk_size)
     padded = nc * chunk_size
@@ -81,7 +83,7 @@ def scan(x, dt, a, b, c, initial_state, D, z, *, chunk_size, block_sizes=None):
 
     interpret = ssd_api._platform(NAME)[1]
     y, final = _scan(chunked(x), chunked(dt), chunked(a), chunked(b), chunked(c),
-                     initial_state, D, chunked(z), interpret, block_sizes)
+                     initial_state, D, chunked(z), interpret, block_sizes, dt_nonnegative)
     return y.reshape(bsz, padded, h, p)[:, :length], final
 
 
@@ -89,34 +91,45 @@ def _triton():
     return ssd_api._backend(NAME)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
-def _scan(x, dt, a, b, c, init, D, z, interpret, block_sizes):
-    return _forward(x, dt, a, b, c, init, D, z, interpret, block_sizes)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _scan(x, dt, a, b, c, init, D, z, interpret, block_sizes, dt_nonnegative):
+    # Not differentiated: the sums before the gate (y_pre) are not written.
+    return _run(x, dt, a, b, c, init, D, z, interpret, block_sizes, dt_nonnegative,
+                keep_pre=False)[:2]
 
 
-def _forward(x, dt, a, b, c, init, D, z, interpret, block_sizes):
+def _run(x, dt, a, b, c, init, D, z, interpret, block_sizes, dt_nonnegative, *, keep_pre):
+    """(y, final, y_pre or None, chunk states) through the fused forward's planner."""
     skip, gated = D is not None, z is not None
+    pre = gated and keep_pre
     fused = functools.partial(_triton().forward_fused, interpret=interpret,
-                              block_sizes=block_sizes)
+                              block_sizes=block_sizes, dt_nonnegative=dt_nonnegative,
+                              keep_pre=pre)
 
     def local(x, dt, a, b, c, init, *options):
         options = list(options)
         d_local = options.pop(0) if skip else None
         z_local = options.pop(0) if gated else None
         y, y_pre, final, states = fused(x, dt, a, b, c, init, d_local, z_local)
-        return (y,) + ((y_pre,) if gated else ()) + (final, states)
+        return (y,) + ((y_pre,) if pre else ()) + (final, states)
 
     operands = (x, dt, a, b, c, init) + ((D,) if skip else ()) + ((z,) if gated else ())
     planner = layouts.fused_forward_planner(local, x.shape, b.shape[3], skip=skip,
-                                            gated=gated)
-    outs = sharding.run(planner, operands, rule=layouts.fused_forward_rule(skip, gated),
+                                            gated=gated, pre=pre)
+    outs = sharding.run(planner, operands,
+                        rule=layouts.fused_forward_rule(skip, gated, pre),
                         **sharding.backend_options(NAME, interpret))
-    y, y_pre = outs[0], (outs[1] if gated else None)
     final, states = outs[-2:]
+    return outs[0], final, (outs[1] if pre else None), states
+
+
+def _forward(x, dt, a, b, c, init, D, z, interpret, block_sizes, dt_nonnegative):
+    y, final, y_pre, states = _run(x, dt, a, b, c, init, D, z, interpret, block_sizes,
+                                   dt_nonnegative, keep_pre=True)
     return (y, final), (x, dt, a, b, c, init, D, z, y_pre, states)
 
 
-def _backward(interpret, block_sizes, residuals, cotangents):
+def _backward(interpret, block_sizes, dt_nonnegative, residuals, cotangents):
     x, dt, a, b, c, init, D, z, y_pre, states = residuals
     dy, dfinal = cotangents
     dy = dy.astype(_F32)

@@ -120,11 +120,11 @@ def backward_planner(backward: Callable, x_shape, groups: int) -> sharding.Plann
 
 
 def fused_forward_planner(forward_fused: Callable, x_shape, groups: int, *, skip: bool,
-                          gated: bool) -> sharding.Planner:
+                          gated: bool, pre: bool) -> sharding.Planner:
     """forward_fused(x, dt, a, b, c, initial_state[, D][, z]) -> (y[, y_pre], final_state,
     chunk_states) on local arrays (mamba_scan.fused: D and z present where `skip`,
-    `gated`). Batch and heads split as the scan's (D [h, p] with the heads, dt and z as
-    a and x); the chunks stay whole: a sequence split over devices takes chunk_ssd's
+    `gated`, y_pre where `pre`). Batch and heads split as the scan's (D [h, p] with the
+    heads, dt and z as a and x); the chunks stay whole: a sequence split over devices takes chunk_ssd's
     route, whose exchange this one does not run."""
 
     def plan(given, axis_sizes) -> Plan:
@@ -133,17 +133,17 @@ def fused_forward_planner(forward_fused: Callable, x_shape, groups: int, *, skip
         x_like, _, _, state_like, _ = _dims(*_given(given, axis_sizes, x_shape), ())
         ins = (x, a, a, bc, bc, state) + (((head, ()),) if skip else ()) + \
             ((x,) if gated else ())
-        outs = (x,) + ((x,) if gated else ()) + (state, chunk_states)
-        likes = (x_like,) + ((x_like,) if gated else ()) + (state_like, chunk_states)
+        outs = (x,) + ((x,) if pre else ()) + (state, chunk_states)
+        likes = (x_like,) + ((x_like,) if pre else ()) + (state_like, chunk_states)
         return Plan(in_dims=ins, out_dims=outs, local=forward_fused, out_like=likes)
 
     return plan
 
 
-def fused_forward_rule(skip: bool, gated: bool) -> str:
+def fused_forward_rule(skip: bool, gated: bool, pre: bool) -> str:
     """The fused forward's Shardy rule (FORWARD_RULE's factors; D is h p)."""
     ins = "z c t h p, z c t h, z c t h, z c t g n, z c t g n, z h p n"
     ins += ", h p" if skip else ""
     ins += ", z c t h p" if gated else ""
-    outs = "z c t h p" + (", z c t h p" if gated else "") + ", z h p n, z c h p n"
+    outs = "z c t h p" + (", z c t h p" if pre else "") + ", z h p n, z c h p n"
     return f"{ins} -> {outs}"

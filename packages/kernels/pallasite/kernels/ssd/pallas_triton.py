@@ -388,20 +388,26 @@ def _causal_decay(acs_rows, acs_cols, row0, col0, bm, bk, *, rows_later: bool,
 
 
 def _chunk_output_kernel(x_ref, b_ref, c_ref, hi_ref, lo_ref, s_ref, *refs, bm, scaled,
-                         skip, gated):
+                         dt_exponent, skip, gated, pre):
     """y rows [r*bm, (r+1)*bm) of one (batch, chunk) for the block's heads, which share one
     group: each C_i B_j^T block is formed once for them all.
 
-    Mamba-2's options, fused (mamba_scan.fused): `scaled` reads dt [C, heads] and scales
-    the tile's columns by dt_j, so x is the raw x and x dt is never written; `skip` reads
-    D [heads, p] and adds D x_i to the fp32 sums; `gated` reads z rows, writes those sums
-    (y_pre, for z's gradient) and y = y_pre silu(z), each rounded once."""
+    Mamba-2's options, fused (mamba_scan.fused): x is the raw x and x dt is never
+    written; dt_j scales the tile's column j. With `dt_exponent` (dt known >= 0) the
+    columns' low cumulative sums arrive as lo - log dt [C, heads], so dt joins the decay's
+    exponent at no cost in the loop; with `scaled` (dt of either sign) the kernel reads dt
+    [C, heads] and multiplies each head's [bm, bm] tile by it, which with two heads per
+    program ran the output kernel at half speed on the H200 (2026-12-04,
+    docs/performance.md). `skip` reads D [heads, p] and adds D x_i to the fp32 sums;
+    `gated` reads z rows and writes y = sums silu(z), rounded once, and with `pre` the
+    sums too (y_pre, for z's gradient; only the differentiated forward asks for them)."""
     refs = list(refs)
+    lo_cols_ref = refs.pop(0) if dt_exponent else lo_ref
     dt_ref = refs.pop(0) if scaled else None
     d_ref = refs.pop(0) if skip else None
     z_ref = refs.pop(0) if gated else None
     y_ref = refs.pop(0)
-    pre_ref = refs.pop(0) if gated else None
+    pre_ref = refs.pop(0) if pre else None
     r = pl.program_id(0)
     heads = x_ref.shape[1]
     i0 = pl.multiple_of(r * bm, bm)
@@ -423,8 +429,8 @@ def _chunk_output_kernel(x_ref, b_ref, c_ref, hi_ref, lo_ref, s_ref, *refs, bm, 
         out = []
         for hh in range(heads):
             scale = cb * dt_ref[cols, hh][None, :] if scaled else cb
-            m = _causal_decay(acs_i[hh], (hi_ref[cols, hh], lo_ref[cols, hh]), i0, j0, bm,
-                              bm, rows_later=True, diagonal=diagonal, scale=scale)
+            m = _causal_decay(acs_i[hh], (hi_ref[cols, hh], lo_cols_ref[cols, hh]), i0, j0,
+                              bm, bm, rows_later=True, diagonal=diagonal, scale=scale)
             x_j = x_ref[cols, hh, :]
             if not diagonal:  # every x_j is at or before every row's step
                 out.append(accs[hh] + _dot(m.astype(cd), x_j))
@@ -441,8 +447,9 @@ def _chunk_output_kernel(x_ref, b_ref, c_ref, hi_ref, lo_ref, s_ref, *refs, bm, 
         acc = accs[hh]
         if skip:
             acc = acc + d_ref[hh, :][None, :] * x_ref[rows, hh, :].astype(F32)
-        if gated:
+        if pre:
             pre_ref[:, hh, :] = acc.astype(pre_ref.dtype)
+        if gated:
             z = z_ref[:, hh, :].astype(F32)
             acc = acc * (z * jax.nn.sigmoid(z))
         y_ref[:, hh, :] = acc.astype(y_ref.dtype)
@@ -457,11 +464,12 @@ def output_heads(bs: BlockSizes, heads: int, groups: int) -> int:
     return hb
 
 
-def _chunk_output(x, b, c, acs, states, bs: BlockSizes, interpret: bool, *, dt=None, D=None,
-                  z=None):
+def _chunk_output(x, b, c, acs, states, bs: BlockSizes, interpret: bool, *, dt=None,
+                  dt_nonnegative=False, D=None, z=None, keep_pre=False):
     """y [b, nc, C, h, p]; acs is the (hi, lo) pair of in-chunk cumulative sums. With the
     fused options (the kernel's docstring): dt [b, nc, C, h] fp32, D [h, p] fp32, z like
-    x; with z, (y, y_pre)."""
+    x; with z and keep_pre, (y, y_pre)."""
+    pre = z is not None and keep_pre
     bsz, nc, chunk, h, p = x.shape
     g, n = b.shape[3], b.shape[4]
     hb, bm = output_heads(bs, h, g), bs.block_m
@@ -471,14 +479,18 @@ def _chunk_output(x, b, c, acs, states, bs: BlockSizes, interpret: bool, *, dt=N
                        lambda r, k, i, j: (i, j, 0, k // blocks_per_group, 0))
     acs_spec = pl.BlockSpec((None, None, chunk, hb), lambda r, k, i, j: (i, j, 0, k))
     rows_spec = pl.BlockSpec((None, None, bm, hb, p), lambda r, k, i, j: (i, j, r, k, 0))
-    options = [(dt, acs_spec), (D, pl.BlockSpec((hb, p), lambda r, k, i, j: (k, 0))),
-               (z, rows_spec)]
+    # exp(acs_i - (acs_j - log dt_j)) = exp(acs_i - acs_j) dt_j (log 0 = -inf gives 0)
+    lo_cols = None if dt is None or not dt_nonnegative else acs[1] - jnp.log(dt)
+    scaled = None if dt is None or dt_nonnegative else dt
+    options = [(lo_cols, acs_spec), (scaled, acs_spec),
+               (D, pl.BlockSpec((hb, p), lambda r, k, i, j: (k, 0))), (z, rows_spec)]
     extra = [(t, spec) for t, spec in options if t is not None]
-    out_shapes = [out_shape] * (2 if z is not None else 1)
+    out_shapes = [out_shape] * (2 if pre else 1)
     inputs = (x, b, c, *acs, states, *(t for t, _ in extra))
     outs = pl.pallas_call(
-        functools.partial(_chunk_output_kernel, bm=bm, scaled=dt is not None,
-                          skip=D is not None, gated=z is not None),
+        functools.partial(_chunk_output_kernel, bm=bm, scaled=scaled is not None,
+                          dt_exponent=lo_cols is not None, skip=D is not None,
+                          gated=z is not None, pre=pre),
         out_shape=out_shapes,
         grid=(chunk // bm, h // hb, bsz, nc),
         in_specs=[
@@ -497,7 +509,7 @@ def _chunk_output(x, b, c, acs, states, bs: BlockSizes, interpret: bool, *, dt=N
                                          heads=hb, inputs=inputs, outputs=tuple(out_shapes)),
         name="ssd_chunk_output",
     )(*inputs)
-    return tuple(outs) if z is not None else outs[0]
+    return tuple(outs) if pre else outs[0]
 
 
 def _bwd_rows_j_kernel(
@@ -694,7 +706,8 @@ def _forward_local(x, a, b, c, initial_state, *, bs, interpret):
     return y, final, states
 
 
-def _forward_fused_local(x, dt, a, b, c, initial_state, D, z, *, bs, interpret):
+def _forward_fused_local(x, dt, a, b, c, initial_state, D, z, *, bs, interpret,
+                         dt_nonnegative=False, keep_pre=False):
     """The forward, with Mamba-2's dt, D and z in the kernels where given: dt joins the
     state scan's per-step weight w (a [b, nc, C, h] array) and scales the output tile's
     columns, D and z are the output's epilogue. (y, y_pre or None, final, states)."""
@@ -702,8 +715,9 @@ def _forward_fused_local(x, dt, a, b, c, initial_state, D, z, *, bs, interpret):
     to_last = jnp.exp(_segment(tuple(t[:, :, None, :] for t in last), acs))
     states, final = _state_scan(x, b, to_last if dt is None else to_last * dt,
                                 jnp.exp(last[0] + last[1]), initial_state, bs, interpret)
-    out = _chunk_output(x, b, c, acs, states, bs, interpret, dt=dt, D=D, z=z)
-    y, y_pre = out if z is not None else (out, None)
+    out = _chunk_output(x, b, c, acs, states, bs, interpret, dt=dt,
+                        dt_nonnegative=dt_nonnegative, D=D, z=z, keep_pre=keep_pre)
+    y, y_pre = out if z is not None and keep_pre else (out, None)
     return y, y_pre, final, states
 
 
@@ -758,11 +772,15 @@ def forward_fused(
     *,
     interpret: bool = False,
     block_sizes: BlockSizes | None = None,
+    dt_nonnegative: bool = False,
+    keep_pre: bool = False,
 ):
     """The scan of (x dt, a, b, c) plus D x, gated by silu(z): (y in x.dtype, y_pre (the
-    sums before the gate, in x.dtype; None without z), final_state fp32, chunk_states in
-    x.dtype). dt [b, nc, C, h] is the processed step (fp32); a = A dt with any resets; D
-    [h, p] fp32. The backward is `backward` on x dt (mamba_scan.fused)."""
+    sums before the gate, in x.dtype, where z is given and keep_pre asks; else None),
+    final_state fp32, chunk_states in x.dtype). dt [b, nc, C, h] is the processed step
+    (fp32); dt_nonnegative promises dt >= 0 everywhere (softplus, or a clamp at 0 or
+    above), which lets the output kernel take dt in the decay's exponent; a = A dt with
+    any resets; D [h, p] fp32. The backward is `backward` on x dt (mamba_scan.fused)."""
     _check_inputs(x, a, b, c, initial_state, "initial_state")
     if dt.shape != a.shape:
         raise ValueError(f"dt must have a's shape {a.shape}, got shape {dt.shape}")
@@ -774,7 +792,8 @@ def forward_fused(
                              interpret=interpret)
     return _forward_fused_local(
         x, dt.astype(F32), a, b.astype(x.dtype), c.astype(x.dtype), initial_state.astype(F32),
-        None if D is None else D.astype(F32), z, bs=bs, interpret=interpret)
+        None if D is None else D.astype(F32), z, bs=bs, interpret=interpret,
+        dt_nonnegative=dt_nonnegative, keep_pre=keep_pre)
 
 
 @sharding.local_operands("chunk_ssd")
