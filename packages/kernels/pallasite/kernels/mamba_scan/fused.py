@@ -132,24 +132,25 @@ def _forward(x, dt, a, b, c, init, D, z, interpret, block_sizes, dt_nonnegative)
 def _backward(interpret, block_sizes, dt_nonnegative, residuals, cotangents):
     x, dt, a, b, c, init, D, z, y_pre, states = residuals
     dy, dfinal = cotangents
-    dy = dy.astype(_F32)
-    dz = None
+    dz, dy_pre = None, dy.astype(_F32)
     if z is not None:
         zf = z.astype(_F32)
         gate = jax.nn.sigmoid(zf)
-        dz = (dy * y_pre.astype(_F32) * gate * (1 + zf * (1 - gate))).astype(z.dtype)
-        dy = dy * zf * gate
-    xf = x.astype(_F32)
+        dz = (dy_pre * y_pre.astype(_F32) * gate * (1 + zf * (1 - gate))).astype(z.dtype)
+        dy_pre = dy_pre * zf * gate
+    # The gated cotangent leaves this pass once, in the kernels' operand dtype, and D's
+    # terms take that same array, so dy, z and y_pre are read once (XLA fuses dz beside it).
+    dy_pre = dy_pre.astype(x.dtype)
     dtf = dt.astype(_F32)[..., None]
     dxdt, da, db, dc, dinit = ssd_api._backward(
-        ssd_api._with_blocks(NAME, block_sizes), (xf * dtf).astype(x.dtype), a,
-        *ssd_api.summed_in_fp32(x, b, c), states, dy.astype(x.dtype), dfinal.astype(_F32))
-    dxdt = dxdt.astype(_F32)
+        ssd_api._with_blocks(NAME, block_sizes), (x.astype(_F32) * dtf).astype(x.dtype), a,
+        *ssd_api.summed_in_fp32(x, b, c), states, dy_pre, dfinal.astype(_F32))
+    dxdt, xf = dxdt.astype(_F32), x.astype(_F32)
     dx = dxdt * dtf
     dD = None
     if D is not None:
-        dx = dx + dy * D
-        dD = jnp.sum(dy * xf, axis=(0, 1, 2)).astype(D.dtype)
+        dx = dx + dy_pre.astype(_F32) * D
+        dD = jnp.sum(dy_pre.astype(_F32) * xf, axis=(0, 1, 2)).astype(D.dtype)
     ddt = jnp.sum(dxdt * xf, axis=-1)
     # Inside a shard_map, a gradient of an operand that does not vary where its sources
     # do is summed over those axes (fp32, rounded once), as chunk_ssd's are.
