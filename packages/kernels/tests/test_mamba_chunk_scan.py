@@ -161,15 +161,29 @@ def test_prefill_then_decode_steps_equal_one_scan():
                                atol=2e-5)
 
 
+def _count_fused(monkeypatch):
+    """A list that gets "fused" for each call of the fused Triton route."""
+    from pallasite.kernels.mamba_scan import fused
+
+    routes = []
+    real = fused.scan
+    monkeypatch.setattr(fused, "scan", lambda *a, **k: routes.append("fused") or real(*a, **k))
+    return routes
+
+
+@pytest.mark.parametrize("implementation", [None, "pallas_triton"], ids=["default", "fused"])
 @pytest.mark.parametrize("axis_type", [st.EXPLICIT, st.AUTO], ids=["explicit", "auto"])
-def test_sequence_split_over_devices_with_packing(axis_type):
+def test_sequence_split_over_devices_with_packing(axis_type, implementation, monkeypatch):
     """Length 1024 over 8 devices (2 chunks each) with seq_idx packing sequences whose
     boundaries fall inside and between devices' parts: values and gradients equal the
-    unsharded call's."""
+    unsharded call's, on the default backend (the composition around chunk_ssd) and on
+    the fused Triton route (each part's fused forward from the state the exchange gives
+    it); there the compiled program moves no array larger than a state."""
+    routes = _count_fused(monkeypatch)
     a = _inputs(8, l=1024, h=2, g=1)
     cu = np.array([0, 100, 128, 129, 600, 1024], np.int32)
     seq_idx = _seq_idx(cu, 1024)
-    kw = dict(OPTIONS, chunk_size=CHUNK, seq_idx=seq_idx)
+    kw = dict(OPTIONS, chunk_size=CHUNK, seq_idx=seq_idx, implementation=implementation)
     weights = _weights(9, [a["x"].shape, a["initial_states"].shape])
     mesh = st.mesh((8,), ("seq",), axis_type)
     placed = {k: (st.put(v, mesh, None, "seq") if v.ndim > 2 and v.shape[1] == 1024
@@ -177,6 +191,16 @@ def test_sequence_split_over_devices_with_packing(axis_type):
     kw_placed = dict(kw, seq_idx=st.put(seq_idx, mesh, None, "seq"))
     with jax.set_mesh(mesh):
         got, got_grads = _loss_and_grads(mamba_chunk_scan, placed, weights, **kw_placed)
+        if implementation and axis_type == st.EXPLICIT:
+            def loss(*t):
+                out = mamba_chunk_scan(**dict(zip(DIFFERENTIABLE, t)), **kw_placed)
+                return sum(jnp.sum(o.astype(jnp.float32) * w) for o, w in zip(out, weights))
+            found = st.compiled_collectives(
+                jax.grad(loss, argnums=tuple(range(len(DIFFERENTIABLE)))),
+                *(placed[k] for k in DIFFERENTIABLE))
+            state = math.prod(a["initial_states"].shape)
+            assert all(math.prod(s) <= 8 * state for v in found.values() for s in v), found
+    assert bool(routes) == bool(implementation)
     want, want_grads = _loss_and_grads(mamba_chunk_scan, a, weights, **kw)
     for name, g, w in zip(("y", "final_states") + tuple("d" + k for k in DIFFERENTIABLE),
                           list(got) + list(got_grads), list(want) + list(want_grads)):
@@ -184,9 +208,13 @@ def test_sequence_split_over_devices_with_packing(axis_type):
                                    err_msg=name)
 
 
-def test_sequence_axes_inside_a_callers_shard_map_with_seq_idx():
+@pytest.mark.parametrize("implementation", [None, "pallas_triton"], ids=["default", "fused"])
+def test_sequence_axes_inside_a_callers_shard_map_with_seq_idx(implementation, monkeypatch):
     """Each of 8 devices holds 100 steps; a sequence starts exactly at a part's first step
-    (step 300), which only the previous part's last seq_idx shows."""
+    (step 300), which only the previous part's last seq_idx shows. Values and the
+    gradients of x, dt, B, C and z equal the unsharded call's, on the default backend and
+    on the fused Triton route."""
+    routes = _count_fused(monkeypatch)
     a = _inputs(10, l=800, h=2, g=1)
     cu = np.array([0, 250, 300, 777, 800], np.int32)
     seq_idx = _seq_idx(cu, 800)
@@ -197,14 +225,25 @@ def test_sequence_axes_inside_a_callers_shard_map_with_seq_idx():
         return mamba_chunk_scan(x, dt, a["A"], B, C, CHUNK, D=a["D"], z=z,
                                 dt_bias=a["dt_bias"], dt_softplus=True,
                                 initial_states=a["initial_states"], seq_idx=seq_idx,
-                                return_final_states=True, **kw)
+                                return_final_states=True, implementation=implementation,
+                                **kw)
 
     seq = P(None, "seq")
-    got = jax.jit(jax.shard_map(
-        functools.partial(run, sequence_axes="seq"), mesh=mesh,
-        in_specs=(seq,) * 6, out_specs=(seq, P())))(*(a[k] for k in names), seq_idx)
-    want = jax.jit(run)(*(a[k] for k in names), seq_idx)
-    for g, w in zip(got, want):
+    sharded = jax.shard_map(functools.partial(run, sequence_axes="seq"), mesh=mesh,
+                            in_specs=(seq,) * 6, out_specs=(seq, P()))
+    weights = _weights(11, [a["x"].shape, a["initial_states"].shape])
+
+    def values_and_grads(fn):
+        def loss(*t):
+            out = fn(*t, seq_idx)
+            return sum(jnp.sum(o * w) for o, w in zip(out, weights)), out
+        return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(5)), has_aux=True))(
+            *(a[k] for k in names))
+
+    (_, got), got_grads = values_and_grads(sharded)
+    (_, want), want_grads = values_and_grads(run)
+    assert bool(routes) == bool(implementation)
+    for g, w in zip(list(got) + list(got_grads), list(want) + list(want_grads)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
 
 
@@ -213,11 +252,7 @@ def test_fused_route_inside_a_shard_map_over_the_batch(monkeypatch):
     Triton route runs on the local arrays; the gradients of A, D and dt_bias (the same
     on every device) are summed over the devices, and every value and gradient is the
     oracle's on the whole batch."""
-    from pallasite.kernels.mamba_scan import fused
-
-    routes = []
-    real = fused.scan
-    monkeypatch.setattr(fused, "scan", lambda *a, **k: routes.append("fused") or real(*a, **k))
+    routes = _count_fused(monkeypatch)
     a = _inputs(19, b=4, l=128, h=4, g=2)
     mesh = st.mesh((4,), ("data",), st.AUTO)
     batch = P("data")
@@ -277,12 +312,8 @@ def test_lowers_for_cuda_with_the_triton_kernels(monkeypatch):
     """The whole call, dt processing, resets, the fused forward (dt, D and z in the
     kernels) and the backward, lowers for an H200 from the CPU (told it is on a GPU, so
     the kernels compile, not interpret)."""
-    from pallasite.kernels.mamba_scan import fused
-
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    routes = []
-    real = fused.scan
-    monkeypatch.setattr(fused, "scan", lambda *a, **k: routes.append("fused") or real(*a, **k))
+    routes = _count_fused(monkeypatch)
     a = _inputs(13, l=256, h=2, p=64, n=64, g=1, dtype=jnp.bfloat16)
 
     def loss(x, dt, B, C, z):
@@ -309,11 +340,7 @@ def test_lowers_for_cuda_with_the_triton_kernels(monkeypatch):
 def test_triton_takes_dt_d_and_z_into_its_kernels(monkeypatch):
     """With Triton first on local operands, x dt is never formed in the forward and the
     output kernel takes dt, D and z (fused.py): the forward is the two kernels."""
-    from pallasite.kernels.mamba_scan import fused
-
-    routes = []
-    real = fused.scan
-    monkeypatch.setattr(fused, "scan", lambda *a, **k: routes.append("fused") or real(*a, **k))
+    routes = _count_fused(monkeypatch)
     a = _inputs(16, dtype=jnp.bfloat16)
     kw = dict(D=a["D"], z=a["z"], dt_bias=a["dt_bias"], dt_softplus=True)
 
@@ -363,15 +390,11 @@ def test_fused_route_takes_dt_of_either_sign(dt_limit, nonnegative, monkeypatch)
 @pytest.mark.parametrize("layout", ["batch_and_heads_explicit", "batch_auto",
                                     "sequence_explicit"])
 def test_fused_route_over_a_jits_mesh(layout, monkeypatch):
-    """Under jit over 8 devices the fused route keeps batch and heads split (its planner;
-    the backward is chunk_ssd's) with values and all nine gradients the oracle's, and no
-    collective moves an array half x's size; a sequence split over devices takes
-    chunk_ssd's route (its exchange), as does nothing else here."""
-    from pallasite.kernels.mamba_scan import fused
-
-    routes = []
-    real = fused.scan
-    monkeypatch.setattr(fused, "scan", lambda *a, **k: routes.append("fused") or real(*a, **k))
+    """Under jit over 8 devices the fused route keeps batch and heads split, or the
+    sequence in runs of whole chunks (its planner; the backward is chunk_ssd's), with
+    values and all nine gradients the oracle's, and no collective moves an array half
+    x's size."""
+    routes = _count_fused(monkeypatch)
     if layout == "sequence_explicit":
         a = _inputs(17, b=1, l=256, h=4, g=2)
         mesh = st.mesh((4,), ("seq",), st.EXPLICIT)
@@ -403,8 +426,7 @@ def test_fused_route_over_a_jits_mesh(layout, monkeypatch):
                 *(placed[k] for k in DIFFERENTIABLE))
             moved = [s for shapes in found.values() for s in shapes]
             assert all(math.prod(s) < a["x"].size // 2 for s in moved), found
-    assert routes == ([] if layout == "sequence_explicit" else ["fused"] * len(routes))
-    assert routes or layout == "sequence_explicit"
+    assert routes and set(routes) == {"fused"}
     want, want_grads = _loss_and_grads(mamba_chunk_scan_reference, a, weights, **kw)
     for name, g, w in zip(("y", "final_states"), got, want):
         _check(g, w, jnp.float32, f"{name}, {layout}")

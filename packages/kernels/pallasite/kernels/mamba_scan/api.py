@@ -15,13 +15,12 @@ sizes and sequence sharding it inherits) and elementwise work around it:
 JAX differentiates the whole: the scan by its backend's hand-written backward, the rest
 by autodiff.
 
-Where the Pallas Triton backend runs first (fused.eligible: local operands, a
-shard_map's, or a jit's axes that leave the sequence whole), x dt, D and z go into its
-kernels instead (fused.py): the output kernel scales its tile's columns by dt and
-applies D x and the gate in its epilogue, y rounded once; the backward forms z's, D's
-and dt's gradients in XLA around the scan's backward kernels. Elsewhere (other
-backends, a sequence split over devices) the elementwise work is XLA ops beside the
-kernels.
+Where the Pallas Triton backend runs first (fused.eligible), on any layout chunk_ssd
+serves (a sequence split over devices included), x dt, D and z go into its kernels
+instead (fused.py): the output kernel scales its tile's columns by dt and applies D x
+and the gate in its epilogue, y rounded once; the backward forms z's, D's and dt's
+gradients in XLA around the scan's backward kernels. On the other backends the
+elementwise work is XLA ops beside the kernels.
 """
 
 from __future__ import annotations
@@ -128,7 +127,7 @@ def mamba_chunk_scan(
     s0 = (jnp.zeros((bsz, h, p, B.shape[3]), _F32) if initial_states is None
           else initial_states)
     if fused.eligible(implementation, chunk_size, (x, dtp, a, B, C, D, z, initial_states),
-                      block_sizes, sequence_axes):
+                      block_sizes):
         skip = None if D is None else jnp.broadcast_to(
             (D[:, None] if D.ndim == 1 else D).astype(_F32), (h, p))
         # softplus, or a clamp from 0 or above, leaves no dt < 0 (NaN stays NaN either way)
@@ -136,7 +135,7 @@ def mamba_chunk_scan(
         nonnegative = dt_softplus or (clamped and float(dt_limit[0]) >= 0)
         y, final = fused.scan(x, dtp.astype(_F32), a.astype(_F32), B, C, s0.astype(_F32),
                               skip, z, chunk_size=chunk_size, dt_nonnegative=nonnegative,
-                              block_sizes=block_sizes)
+                              block_sizes=block_sizes, sequence_axes=sequence_axes)
         out = [y]
     else:
         y, final = ssd_api.chunk_ssd(xdt(), a, B, C, chunk_size=chunk_size,

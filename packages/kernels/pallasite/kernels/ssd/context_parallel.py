@@ -56,10 +56,12 @@ def _log_decays(a):
     return prefix, after, jnp.sum(a, axis=1)
 
 
-def zero_state_final(x, a, b):
-    """(F [b, h, p, n]: the part's final state from a zero state, T [b, h]) in fp32."""
+def zero_state_final(x, a, b, dt=None):
+    """(F [b, h, p, n]: the part's final state from a zero state, T [b, h]) in fp32; the
+    scan's input is x dt where dt [b, nc, C, h] is given (mamba_scan.fused)."""
     _, after, total = _log_decays(a)
-    xs = _flat(x).astype(jnp.float32) * jnp.exp(after)[..., None]
+    weight = jnp.exp(after) if dt is None else jnp.exp(after) * _flat(dt).astype(jnp.float32)
+    xs = _flat(x).astype(jnp.float32) * weight[..., None]
     bh = _heads(_flat(b).astype(jnp.float32), x.shape[3])
     return jnp.einsum("blhp,blhn->bhpn", xs, bh, precision=_HIGHEST), total
 
@@ -119,15 +121,19 @@ def exiting_cotangent(cotangent_from_outputs, total, dfinal, axes):
     return jnp.stack(exiting)[me], dstate
 
 
-def split_forward(forward, axes):
+def split_forward(forward, axes, *, weighted=False):
     """forward(x, a, b, c, initial) -> (y, final, chunk_states) on one part of a sequence
-    split over `axes`: steps 1-3 of the module docstring."""
+    split over `axes`: steps 1-3 of the module docstring. weighted: forward(x, dt, a, b,
+    c, initial, *options) -> (*outputs, final, chunk_states), the scan of x dt
+    (mamba_scan.fused, whose options are D and z)."""
 
-    def run(x, a, b, c, initial):
-        final_from_zero, total = zero_state_final(x, a, b)
+    def run(x, *rest):
+        dt, (a, b, c, initial, *options) = (rest[0], rest[1:]) if weighted else (None, rest)
+        final_from_zero, total = zero_state_final(x, a, b, dt)
         entering, final = entering_state(final_from_zero, total, initial, axes)
-        y, _, chunk_states = forward(x, a, b, c, entering)
-        return y, final, chunk_states
+        lead = (x, dt, a, b, c) if weighted else (x, a, b, c)
+        *outputs, _, chunk_states = forward(*lead, entering, *options)
+        return (*outputs, final, chunk_states)
 
     return run
 

@@ -123,19 +123,21 @@ def fused_forward_planner(forward_fused: Callable, x_shape, groups: int, *, skip
                           gated: bool, pre: bool) -> sharding.Planner:
     """forward_fused(x, dt, a, b, c, initial_state[, D][, z]) -> (y[, y_pre], final_state,
     chunk_states) on local arrays (mamba_scan.fused: D and z present where `skip`,
-    `gated`, y_pre where `pre`). Batch and heads split as the scan's (D [h, p] with the
-    heads, dt and z as a and x); the chunks stay whole: a sequence split over devices takes chunk_ssd's
-    route, whose exchange this one does not run."""
+    `gated`, y_pre where `pre`). Batch, heads and chunks split as the scan's (D [h, p]
+    with the heads, dt and z as a and x); with the chunks split, each part runs from its
+    entering state (context_parallel, the scan of x dt)."""
 
     def plan(given, axis_sizes) -> Plan:
-        batch, head, group, _ = _layout(given, axis_sizes, x_shape, groups)
-        x, a, bc, state, chunk_states = _dims(batch, head, group)
-        x_like, _, _, state_like, _ = _dims(*_given(given, axis_sizes, x_shape), ())
+        batch, head, group, seq = _layout(given, axis_sizes, x_shape, groups)
+        x, a, bc, state, chunk_states = _dims(batch, head, group, seq)
+        x_like, _, _, state_like, _ = _dims(*_given(given, axis_sizes, x_shape), (), seq)
         ins = (x, a, a, bc, bc, state) + (((head, ()),) if skip else ()) + \
             ((x,) if gated else ())
         outs = (x,) + ((x,) if pre else ()) + (state, chunk_states)
         likes = (x_like,) + ((x_like,) if pre else ()) + (state_like, chunk_states)
-        return Plan(in_dims=ins, out_dims=outs, local=forward_fused, out_like=likes)
+        local = (context_parallel.split_forward(forward_fused, seq, weighted=True) if seq
+                 else forward_fused)
+        return Plan(in_dims=ins, out_dims=outs, local=local, out_like=likes)
 
     return plan
 
