@@ -357,6 +357,28 @@ def test_triton_takes_dt_d_and_z_into_its_kernels(monkeypatch):
     _check(call(a["x"]), want, jnp.bfloat16, "y, fused")
 
 
+def test_a_failing_fused_route_falls_back_to_the_composition(monkeypatch, caplog):
+    """With a sequence of implementations, a fused route that fails while tracing is
+    logged and the call takes chunk_ssd's selection (values the oracle's); with one name
+    its error reaches the caller."""
+    from pallasite.kernels.mamba_scan import fused
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel today")
+
+    monkeypatch.setattr(fused, "scan", broken)
+    a = _inputs(21)
+    kw = dict(D=a["D"], z=a["z"], dt_bias=a["dt_bias"], dt_softplus=True)
+    args = [a[k] for k in ("x", "dt", "A", "B", "C")]
+    with caplog.at_level("WARNING", logger="pallasite.ssd"):
+        got = mamba_chunk_scan(*args, CHUNK, implementation=("pallas_triton", "xla"), **kw)
+    assert "fused pallas_triton route failed while tracing (RuntimeError: no kernel today)" \
+        in caplog.text
+    _check(got, mamba_chunk_scan_reference(*args, CHUNK, **kw), jnp.float32, "y, fallback")
+    with pytest.raises(RuntimeError, match="no kernel today"):
+        mamba_chunk_scan(*args, CHUNK, implementation="pallas_triton", **kw)
+
+
 @pytest.mark.parametrize("dt_limit, nonnegative", [((0.0, math.inf), False),
                                                     ((0.0, 1.0), True)],
                          ids=["signed_dt", "dt_clamped_at_zero"])

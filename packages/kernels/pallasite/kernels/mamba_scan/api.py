@@ -25,6 +25,7 @@ elementwise work is XLA ops beside the kernels.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 
@@ -39,6 +40,7 @@ from pallasite.reference import mamba_chunk_scan as ref
 from pallasite.reference import ssd_decode
 
 _F32 = jnp.float32
+_LOG = logging.getLogger("pallasite.ssd")
 
 
 def _sequence_starts(seq_idx, sequence_axes):
@@ -98,7 +100,11 @@ def mamba_chunk_scan(
     varlen_states and, where seq_idx is not given, the sequences themselves (mamba_ssm
     uses it for varlen_states only and resets on seq_idx alone).
     implementation, block_sizes, sequence_axes: as chunk_ssd's (the scan's backend,
-    block sizes, and inside a shard_map the manual axes splitting the sequence).
+    block sizes, and inside a shard_map the manual axes splitting the sequence). Where
+    the fused Triton route fails while tracing and more than one implementation may run
+    (a sequence, or None), the failure is logged and chunk_ssd's selection takes the
+    call with the elementwise work around it; one name raises the route's own error.
+    (A failure in the compiler, after tracing, reaches the caller, as chunk_ssd's do.)
     Differentiable in x, dt, A, B, C, D, z, dt_bias and initial_states (varlen_states
     included, which mamba_ssm's backward refuses).
     """
@@ -126,6 +132,7 @@ def mamba_chunk_scan(
     bsz, _, h, p = x.shape
     s0 = (jnp.zeros((bsz, h, p, B.shape[3]), _F32) if initial_states is None
           else initial_states)
+    out = None
     if fused.eligible(implementation, chunk_size, (x, dtp, a, B, C, D, z, initial_states),
                       block_sizes):
         skip = None if D is None else jnp.broadcast_to(
@@ -133,11 +140,19 @@ def mamba_chunk_scan(
         # softplus, or a clamp from 0 or above, leaves no dt < 0 (NaN stays NaN either way)
         clamped = tuple(float(v) for v in dt_limit) != (0.0, math.inf)
         nonnegative = dt_softplus or (clamped and float(dt_limit[0]) >= 0)
-        y, final = fused.scan(x, dtp.astype(_F32), a.astype(_F32), B, C, s0.astype(_F32),
-                              skip, z, chunk_size=chunk_size, dt_nonnegative=nonnegative,
-                              block_sizes=block_sizes, sequence_axes=sequence_axes)
-        out = [y]
-    else:
+        try:
+            y, final = fused.scan(x, dtp.astype(_F32), a.astype(_F32), B, C,
+                                  s0.astype(_F32), skip, z, chunk_size=chunk_size,
+                                  dt_nonnegative=nonnegative, block_sizes=block_sizes,
+                                  sequence_axes=sequence_axes)
+            out = [y]
+        except Exception as error:  # noqa: BLE001 - the composition is the fallback
+            if isinstance(implementation, str):
+                raise  # one backend named: its own error
+            _LOG.warning("mamba_chunk_scan: the fused pallas_triton route failed while "
+                         "tracing (%s: %s); taking chunk_ssd with the elementwise work "
+                         "around it", type(error).__name__, error)
+    if out is None:
         y, final = ssd_api.chunk_ssd(xdt(), a, B, C, chunk_size=chunk_size,
                                      initial_state=initial_states,
                                      implementation=implementation, block_sizes=block_sizes,
