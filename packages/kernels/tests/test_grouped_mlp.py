@@ -186,14 +186,19 @@ def test_bad_arguments_are_named(change, error, message):
 # ------------------------------------------------------------------ the fused gate-up route
 
 
-def _record_fused(monkeypatch):
-    """The gate-up calls that take the fused route."""
+def _record_fused(monkeypatch, downs=None):
+    """The gate-up calls that take the fused route (and, into `downs` where given, the
+    down products that take the weighted epilogue)."""
     from pallasite.kernels.expert_mlp import api, ops
 
     seen = []
     real = ops.gate_up_activation
     monkeypatch.setattr(api.ops, "gate_up_activation",
                         lambda *a, **k: seen.append(k["backend"]) or real(*a, **k))
+    if downs is not None:
+        real_down = ops.down_weighted
+        monkeypatch.setattr(api.ops, "down_weighted",
+                            lambda *a, **k: downs.append(k["backend"]) or real_down(*a, **k))
     return seen
 
 
@@ -250,11 +255,14 @@ def test_fuse_activation_says_why_it_cannot_run(change, message):
     "rows_over_experts_explicit", "columns_explicit"])
 def test_fuse_activation_over_a_jits_mesh(layout, monkeypatch):
     """fuse_activation under jit over 8 devices: the fused gate-up keeps the rows and the
-    experts split (its planner) and takes the contraction and the 2f columns whole; the
-    values and the four gradients are the definition's within bf16 tolerance, for rows
-    split over Explicit and Auto axes, experts split, both, rows split over the expert
-    axis too, and a kernel split along its columns (gathered)."""
-    seen = _record_fused(monkeypatch)
+    experts split (its planner) and takes the contraction and the 2f columns whole, and
+    the Triton down product with the row weights in its epilogue runs through its own
+    planners (the down kernel's f split in "columns_explicit" is a split contraction
+    there); the values and the four gradients are the definition's within bf16
+    tolerance, for rows split over Explicit and Auto axes, experts split, both, rows
+    split over the expert axis too, and kernels split along their columns."""
+    downs = []
+    seen = _record_fused(monkeypatch, downs)
     g = 8
     a = _inputs(12, m=160, g=g, dtype=jnp.bfloat16)
     gs = jnp.asarray([20, 0, 31, 9, 40, 10, 25, 15], jnp.int32)
@@ -298,7 +306,7 @@ def test_fuse_activation_over_a_jits_mesh(layout, monkeypatch):
                          argnums=(0, 1, 2, 3)), *args)
             moved = [s for shapes in found.values() for s in shapes]
             assert not [s for s in moved if s and s[0] == 160], found
-    assert set(seen) == {"pallas_triton"}
+    assert set(seen) == {"pallas_triton"} and set(downs) == {"pallas_triton"}
     (_, y_ref), grads_ref = run(lambda x, wgu, wd, rw: grouped_mlp_reference(
         x, wgu, wd, gs, jnp.bfloat16, row_weights=rw), [a[k] for k in names])
     parity.assert_close(np.asarray(y, np.float32), np.asarray(y_ref, np.float32),

@@ -102,10 +102,7 @@ def grouped_mlp(
         pre = grouped_projection(x, gate_up_kernel, group_sizes, compute, interpret_on_cpu,
                                  **product)
         h = activate(pre.astype(_F32), activation).astype(compute)
-    # The fused down product has no planner: over a jit's mesh the down product is
-    # grouped_projection's (which keeps every sharding route) and the weights an XLA op.
-    if (backend is not None and row_weights is not None and ops.has_down_weighted(backend)
-            and not _laid_out((h, down_kernel, row_weights))):
+    if backend is not None and row_weights is not None and ops.has_down_weighted(backend):
         return ops.down_weighted(h, down_kernel, group_sizes, row_weights, compute,
                                  backend=backend, group_offset=group_offset,
                                  interpret=interpret)
@@ -148,10 +145,3 @@ def _fused_refusal(implementation, compute, operands, block_sizes, recipe, inter
     if (why := autodiff.beyond_first_order(*operands)) is not None:
         return why
     return backend_refusal(implementation, compute, operands[:2], interpret)
-
-
-def _laid_out(operands) -> bool:
-    """Whether the operands are laid out over mesh axes this call partitions (a jit's
-    Explicit or Auto axes, not a caller's shard_map's manual ones)."""
-    mesh = sharding.context_mesh(operands)
-    return not mesh.empty and bool(set(mesh.axis_names) - set(mesh.manual_axes))

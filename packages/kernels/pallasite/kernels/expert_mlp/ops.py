@@ -141,14 +141,17 @@ def _down_forward(backend, all_groups, interpret, compute, h, w, group_sizes, ro
                   offset):
     fused, _ = _modules(backend)
 
-    def down(h_c, w_c, sizes, rw, start):
-        return (fused.down_weighted(h_c, w_c, sizes, rw, out_dtype=compute,
-                                    group_offset=None if all_groups else start,
-                                    interpret=interpret),)
+    def down(h_c, w_c, sizes, rw, *, group_offset, out_dtype):
+        return fused.down_weighted(h_c, w_c, sizes, rw, out_dtype=out_dtype,
+                                   group_offset=group_offset, interpret=interpret)
 
-    operands = (h.astype(compute), w.astype(compute), group_sizes,
-                row_weights.astype(_F32), offset)
-    (y,) = sharding.local_call(down, operands, interpret)
+    operands = (h.astype(compute), w.astype(compute), group_sizes, offset,
+                row_weights.astype(_F32))
+    planner = layouts.down_forward_planner(down, out_dtype=compute, shapes=(h.shape, w.shape),
+                                           offset_given=not all_groups)
+    (y,) = sharding.run(planner, operands, rule=layouts.DOWN_FORWARD_RULE,
+                        reduction_factors=layouts.DOWN_FORWARD_REDUCTION,
+                        **sharding.backend_options(backend, interpret))
     return y, (h, w, group_sizes, row_weights, offset)
 
 
@@ -156,20 +159,25 @@ def _down_backward(backend, all_groups, interpret, compute, residuals, dy):
     h, w, group_sizes, row_weights, offset = residuals
     fused, grouped = _modules(backend)
 
-    operands = (h.astype(compute), w.astype(compute), group_sizes,
-                row_weights.astype(_F32), offset, dy.astype(compute))
+    operands = (h.astype(compute), w.astype(compute), group_sizes, offset,
+                row_weights.astype(_F32), dy.astype(compute))
     dh_dtype = sharding.cotangent_dtype(operands, h, h.dtype)  # as in _backward
     dw_dtype = sharding.cotangent_dtype(operands, w, w.dtype)
 
-    def grads(h_c, w_c, sizes, rw, start, dy):
-        local = dict(group_offset=None if all_groups else start, interpret=interpret)
+    def grads(h_c, w_c, sizes, rw, dy, *, group_offset, dtypes):
+        local = dict(group_offset=group_offset, interpret=interpret)
         dh, d_rw = fused.down_weighted_grad(dy, w_c, sizes, rw, h_c, **local)
         dy_weighted = (dy.astype(_F32) * rw[:, None]).astype(compute)
-        dw = grouped.tgmm(h_c, dy_weighted, sizes, num_groups=w.shape[0], out_dtype=dw_dtype,
-                          **local)
-        return dh.astype(dh_dtype), dw, d_rw
+        dw = grouped.tgmm(h_c, dy_weighted, sizes, num_groups=w_c.shape[0],
+                          out_dtype=dtypes[1], **local)
+        return dh.astype(dtypes[0]), dw, d_rw
 
-    dh, dw, d_rw = sharding.local_call(grads, operands, interpret)
+    planner = layouts.down_backward_planner(grads, dtypes=(dh_dtype, dw_dtype),
+                                            shapes=(h.shape, w.shape),
+                                            offset_given=not all_groups)
+    dh, dw, d_rw = sharding.run(planner, operands, rule=layouts.DOWN_BACKWARD_RULE,
+                                reduction_factors=layouts.DOWN_BACKWARD_REDUCTION,
+                                **sharding.backend_options(backend, interpret))
     return (sharding.cotangent_like(dh, h).astype(h.dtype),
             sharding.cotangent_like(dw, w).astype(w.dtype), None,
             sharding.cotangent_like(d_rw, row_weights).astype(row_weights.dtype), None)

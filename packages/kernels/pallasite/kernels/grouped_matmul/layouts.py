@@ -93,22 +93,27 @@ def _offset(group_offset, given: bool, e_axes: Axes, local_groups: int):
 
 
 def gmm_planner(gmm: Callable, *, transpose_rhs: bool, out_dtype, shapes,
-                offset_given: bool = False, whole: bool = False) -> sharding.Planner:
+                offset_given: bool = False, whole: bool = False,
+                row_operands: int = 0) -> sharding.Planner:
     """Planner for gmm(lhs [m, c], rhs [g, c, o] or [g, o, c], group_sizes [G],
-    group_offset) -> [m, o].
+    group_offset[, *rows]) -> [m, o].
 
     gmm(lhs, rhs, group_sizes, group_offset=..., out_dtype=...) is the backend product on
     local arrays; shapes are the global (lhs, rhs) shapes; offset_given: whether the
     group_offset operand is the caller's (else a placeholder: all groups). whole: the
     contraction and the columns are taken whole, only rows and experts stay split, for
     a product whose epilogue is not linear in its sums or pairs its columns (the fused
-    gate-up's activation of gate and up halves); its result may then be narrower than o."""
+    gate-up's activation of gate and up halves); its result may then be narrower than o.
+    row_operands: how many [m] operands follow group_offset, laid out with lhs's rows and
+    passed to gmm after group_sizes: the fused down product's row weights, which scale
+    each row's sums in its epilogue (linear, so partial sums may be scaled before they
+    are added)."""
     (m, c), rhs_shape = shapes
     ci, oi = (2, 1) if transpose_rhs else (1, 2)
     g, o = rhs_shape[0], rhs_shape[oi]
 
     def plan(given, axis_sizes) -> Plan:
-        (lhs_m, lhs_c), rhs_dims, _, _ = given
+        (lhs_m, lhs_c), rhs_dims, *_ = given
         e_axes, m_axes, scatter = _experts(rhs_dims[0], g, sharding.fits(lhs_m, m, axis_sizes),
                                            axis_sizes)
         c_axes = sharding.fits(lhs_c, c, axis_sizes) if lhs_c == rhs_dims[ci] else ()
@@ -119,10 +124,10 @@ def gmm_planner(gmm: Callable, *, transpose_rhs: bool, out_dtype, shapes,
         rhs = [e_axes, (), ()]
         rhs[ci], rhs[oi] = c_axes, o_axes
 
-        def local(lhs, rhs, group_sizes, group_offset):
+        def local(lhs, rhs, group_sizes, group_offset, *rows):
             sizes = _rows(group_sizes, lhs.shape[0], m_axes)
             offset = _offset(group_offset, offset_given, e_axes, rhs.shape[0])
-            out = gmm(lhs, rhs, sizes, group_offset=offset,
+            out = gmm(lhs, rhs, sizes, *rows, group_offset=offset,
                       out_dtype=jnp.float32 if c_axes else out_dtype)
             # Over the expert axes every row has one non-zero term: exact in out's dtype,
             # so they join the contraction's fp32 sum or, alone, sum in out_dtype.
@@ -133,7 +138,8 @@ def gmm_planner(gmm: Callable, *, transpose_rhs: bool, out_dtype, shapes,
                 out = jax.lax.psum_scatter(out, e_axes, scatter_dimension=0, tiled=True)
             return (out.astype(out_dtype),)
 
-        return Plan(in_dims=((m_axes, c_axes), tuple(rhs), ((),), ()),
+        rows = ((m_axes,),) * row_operands
+        return Plan(in_dims=((m_axes, c_axes), tuple(rhs), ((),), ()) + rows,
                     out_dims=((out_m, o_axes),), local=local)
 
     return plan
