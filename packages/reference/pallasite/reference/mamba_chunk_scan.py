@@ -94,13 +94,18 @@ def validate_mamba_chunk_scan(x, dt, A, B, C, chunk_size, *, D=None, z=None, dt_
     check_cu_seqlens(cu_seqlens, b, length, f"x of shape {_shape(x)}")
 
 
+def clamps(dt_limit) -> bool:
+    """Whether process_dt clamps dt to dt_limit: only when it is not (0, inf), as
+    mamba_ssm."""
+    return tuple(float(v) for v in dt_limit) != (0.0, math.inf)
+
+
 def process_dt(dt, dt_bias, dt_softplus: bool, dt_limit):
     """dt in fp32 (or wider) with its bias, softplus (the identity above 20, as mamba_ssm)
     and clamp to dt_limit (only when it is not (0, inf), as mamba_ssm)."""
     dt = ssd_decode.process_dt(dt, dt_bias, dt_softplus)
-    lo, hi = (float(v) for v in dt_limit)
-    if (lo, hi) != (0.0, math.inf):
-        dt = jnp.clip(dt, lo, hi)
+    if clamps(dt_limit):
+        dt = jnp.clip(dt, *(float(v) for v in dt_limit))
     return dt
 
 

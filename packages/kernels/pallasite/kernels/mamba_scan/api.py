@@ -138,8 +138,7 @@ def mamba_chunk_scan(
         skip = None if D is None else jnp.broadcast_to(
             (D[:, None] if D.ndim == 1 else D).astype(_F32), (h, p))
         # softplus, or a clamp from 0 or above, leaves no dt < 0 (NaN stays NaN either way)
-        clamped = tuple(float(v) for v in dt_limit) != (0.0, math.inf)
-        nonnegative = dt_softplus or (clamped and float(dt_limit[0]) >= 0)
+        nonnegative = dt_softplus or (ref.clamps(dt_limit) and float(dt_limit[0]) >= 0)
         try:
             y, final = fused.scan(x, dtp.astype(_F32), a.astype(_F32), B, C,
                                   s0.astype(_F32), skip, z, chunk_size=chunk_size,

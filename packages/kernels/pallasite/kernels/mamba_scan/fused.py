@@ -62,16 +62,13 @@ def scan(x, dt, a, b, c, initial_state, D, z, *, chunk_size, dt_nonnegative=Fals
     sequence_axes: inside a shard_map, the manual axes the local sequence is split over.
     Under jit a sequence split in runs of whole chunks stays split, any other split is
     gathered (ssd.api._sequence_stays_split, logged)."""
-    bsz, length, h, p = x.shape
+    length = x.shape[1]
     nc = -(-length // chunk_size)
-    padded = nc * chunk_size
-    split = bool(sequence_axes) or ssd_api._sequence_stays_split(x, nc, padded == length)
+    split = bool(sequence_axes) or ssd_api._sequence_stays_split(
+        x, nc, nc * chunk_size == length)
 
     def chunked(t):
-        if t is None:
-            return None
-        t = t if split else sharding.whole_along(t, (1,))
-        return ssd_api._pad(t, length, padded).reshape(bsz, nc, chunk_size, *t.shape[2:])
+        return None if t is None else ssd_api.chunked_sequence(t, chunk_size, split)
 
     interpret = ssd_api._platform(NAME)[1]
     y, final = _scan(chunked(x), chunked(dt), chunked(a), chunked(b), chunked(c),

@@ -244,6 +244,15 @@ def _pad(t, length, padded):
     return jnp.pad(t, widths)
 
 
+def chunked_sequence(t, chunk_size: int, split: bool):
+    """t [b, l, ...] as [b, nc, chunk_size, ...], the last chunk zero-padded: taken whole
+    along the sequence first unless it stays `split` (_sequence_stays_split)."""
+    length = t.shape[1]
+    nc = -(-length // chunk_size)
+    t = t if split else sharding.whole_along(t, (1,))
+    return _pad(t, length, nc * chunk_size).reshape(t.shape[0], nc, chunk_size, *t.shape[2:])
+
+
 def _unchunked(y, x, split: bool = False):
     """y [b, nc, C, h, p] as x's [b, length, h, p], in x's layout where its axes are
     explicit: the chunk axes whole first, so the merge and the cut of the padding never
@@ -339,8 +348,7 @@ def chunk_ssd(
     why = autodiff.beyond_first_order(x, a, b, c, initial_state)
     split = why is None and (bool(sequence_axes)
                              or _sequence_stays_split(x, nc, padded == length))
-    chunked = [_pad(t if split else sharding.whole_along(t, (1,)), length, padded)
-               .reshape(bsz, nc, chunk_size, *t.shape[2:]) for t in (x, a, b, c)]
+    chunked = [chunked_sequence(t, chunk_size, split) for t in (x, a, b, c)]
     if why is not None:  # the custom_vjp is first-order reverse mode only
         if "xla" not in names:
             raise autodiff.first_order_error("chunk_ssd", ", ".join(names), why, "xla")

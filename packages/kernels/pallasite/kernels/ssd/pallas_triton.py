@@ -468,7 +468,7 @@ def _chunk_output(x, b, c, acs, states, bs: BlockSizes, interpret: bool, *, dt=N
                   dt_nonnegative=False, D=None, z=None, keep_pre=False):
     """y [b, nc, C, h, p]; acs is the (hi, lo) pair of in-chunk cumulative sums. With the
     fused options (the kernel's docstring): dt [b, nc, C, h] fp32, D [h, p] fp32, z like
-    x; with z and keep_pre, (y, y_pre)."""
+    x. Returns (y, y_pre where z is given and keep_pre asks, else None)."""
     pre = z is not None and keep_pre
     bsz, nc, chunk, h, p = x.shape
     g, n = b.shape[3], b.shape[4]
@@ -509,7 +509,7 @@ def _chunk_output(x, b, c, acs, states, bs: BlockSizes, interpret: bool, *, dt=N
                                          heads=hb, inputs=inputs, outputs=tuple(out_shapes)),
         name="ssd_chunk_output",
     )(*inputs)
-    return tuple(outs) if pre else outs[0]
+    return outs[0], (outs[1] if pre else None)
 
 
 def _bwd_rows_j_kernel(
@@ -715,9 +715,8 @@ def _forward_fused_local(x, dt, a, b, c, initial_state, D, z, *, bs, interpret,
     to_last = jnp.exp(_segment(tuple(t[:, :, None, :] for t in last), acs))
     states, final = _state_scan(x, b, to_last if dt is None else to_last * dt,
                                 jnp.exp(last[0] + last[1]), initial_state, bs, interpret)
-    out = _chunk_output(x, b, c, acs, states, bs, interpret, dt=dt,
-                        dt_nonnegative=dt_nonnegative, D=D, z=z, keep_pre=keep_pre)
-    y, y_pre = out if z is not None and keep_pre else (out, None)
+    y, y_pre = _chunk_output(x, b, c, acs, states, bs, interpret, dt=dt,
+                             dt_nonnegative=dt_nonnegative, D=D, z=z, keep_pre=keep_pre)
     return y, y_pre, final, states
 
 
