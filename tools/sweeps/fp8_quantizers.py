@@ -13,11 +13,11 @@ back to back, one sync per sample, inputs rotated past the L2).
 Kernels (`--stages`): the Mosaic GPU fp8 forward, dx and dkernel of mixtral and dsv3 at
 3, 4 and 5 stages and snake widths 4 and 8, from pre-quantized operands (values are
 checked by tests/test_grouped_projection_fp8.py, not here).
-Forward variants (`--forward-variants`): the Mosaic GPU fp8 forward, dx and dkernel with
-the consumers taking turns at the tensor cores or not (take_turns), A multicast to
-clusters of two (cluster), stage counts and snake widths, on mixtral, dsv3 and qwen3;
-each variant's output is compared with the default's. (Two steps per stage, timed with
-this option before, measured slower and are left out.)
+Forward variants (`--forward-variants`): the Mosaic GPU fp8 forward and dx with one and
+two 128-deep steps per stage (steps_per_stage), A multicast to clusters of two
+(cluster), stage counts and snake widths, on mixtral (its 8
+experts, and one group of the same dims: the grouped loop against a dense one) and dsv3;
+each variant's output is compared with the default's.
 Token-block variants (`--token-variants`): the Pallas Triton token-block quantizer with
 COLUMNS (columns per program) and TOKEN_NUM_WARPS set to each pair of a small grid, on
 the same operands, with values compared to the default's.
@@ -143,47 +143,32 @@ def kernels(out, smoke: bool):
 def forward_variants(out, smoke: bool):
     interpret = smoke
     shapes = ([("tiny", 512, 512, 256, 4)] if smoke else
-              [("mixtral", 32768, 4096, 14336, 8), ("dsv3", 65536, 7168, 2048, 256),
-               ("qwen3", 65536, 2048, 768, 128)])
-    # (stages, snake width, steps_per_stage, cluster, take_turns); the weight gradient
-    # (tgmm) takes the variants of one step per stage and no clusters.
-    variants = ([(2, 2, 1, 1, False), (2, 2, 2, 1, False), (2, 2, 1, 1, True)] if smoke else
-                [(4, 8, 1, 1, False), (4, 8, 1, 1, True), (3, 8, 1, 1, True),
-                 (4, 16, 1, 2, True), (4, 4, 1, 1, True)])
+              [("mixtral", 32768, 4096, 14336, 8), ("mixtral_one_group", 32768, 4096, 14336, 1),
+               ("dsv3", 65536, 7168, 2048, 256)])
+    variants = ([(2, 2, 1, 1), (2, 2, 2, 1)] if smoke else
+                [(4, 8, 1, 1), (4, 8, 2, 1), (4, 16, 1, 2), (3, 8, 1, 1)])
     q = xla if smoke else pallas_triton
     for name, m, k, n, g in shapes:
         x, w, _ = ref_inputs.grouped_projection_inputs(jax.random.key(0), m, k, n, g, jnp.bfloat16)
         sizes = ref_inputs.aligned_group_sizes(jax.random.key(1234), m, g)
         dy = jax.random.normal(jax.random.key(1), (m, n), jnp.bfloat16)
-        table = token_blocks(sizes, m)
         operands = {"forward": (*q.rows(x, F8), *_weight_blocks(q, w, transpose=True)),
-                    "dx": (*q.rows(dy, F8), *_weight_blocks(q, w, transpose=False)),
-                    "dkernel": (*q.token_blocks(x, table.start, table.rows, F8),
-                                *q.token_blocks(dy, table.start, table.rows, F8))}
+                    "dx": (*q.rows(dy, F8), *_weight_blocks(q, w, transpose=False))}
         for product, args in operands.items():
             want = None
-            for stages, width, depth, cluster, turns in variants:
-                if product == "dkernel" and (depth, cluster) != (1, 1):
-                    continue
+            for stages, width, depth, cluster in variants:
                 bs = mgpu_fp8.MosaicGpuFp8BlockSizes(stages=stages, grid_block_n=width,
-                                                     steps_per_stage=depth, cluster=cluster,
-                                                     take_turns=turns)
-                if product == "dkernel":
-                    fn = (lambda a, bs=bs: mgpu_fp8.tgmm_quantized(
-                        *a, table.first, table.count, out_dtype=jnp.bfloat16, block_sizes=bs,
-                        interpret=interpret, m=m))
-                else:
-                    fn = (lambda a, bs=bs, product=product: mgpu_fp8.gmm_quantized(
-                        *a, sizes, out_dtype=jnp.bfloat16, block_sizes=bs,
-                        interpret=interpret, product=product))
+                                                     steps_per_stage=depth, cluster=cluster)
+                fn = (lambda a, bs=bs, product=product: mgpu_fp8.gmm_quantized(
+                    *a, sizes, out_dtype=jnp.bfloat16, block_sizes=bs, interpret=interpret,
+                    product=product))
                 got = jax.jit(fn)(args).astype(jnp.float32)
                 want = got if want is None else want
                 diff = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
                 t = _time(fn, [args])
                 _write(out, {"what": "forward_variant", "shape": name, "g": g,
                              "product": product, "stages": stages, "grid_block_n": width,
-                             "steps_per_stage": depth, "cluster": cluster,
-                             "take_turns": turns, "ms": t * 1e3,
+                             "steps_per_stage": depth, "cluster": cluster, "ms": t * 1e3,
                              "tflops": 2 * m * k * n / t / 1e12,
                              "max_diff_vs_first_rel": diff})
                 del got
@@ -249,7 +234,7 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--stages", action="store_true", help="also time the kernel variants")
     p.add_argument("--forward-variants", action="store_true",
-                   help="only the fp8 products' turns, clusters, stages and widths")
+                   help="only the fp8 forward's and dx's steps per stage and clusters")
     p.add_argument("--token-variants", action="store_true",
                    help="only the token-block quantizer's columns and warps")
     args = p.parse_args(argv)

@@ -10,7 +10,6 @@ errors, the sharding routes on 8 CPU devices, and lowering for CUDA from the CPU
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -313,30 +312,26 @@ def _h200():
         (1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda")))
 
 
-@pytest.mark.parametrize("product,steps_per_stage,cluster,take_turns",
-                         [("forward", 1, 1, False), ("forward", 2, 1, False),
-                          ("forward", 1, 2, False), ("forward", 1, 1, True),
-                          ("dx", 1, 1, False), ("dx", 2, 1, False), ("dx", 1, 2, False),
-                          ("dkernel", 1, 1, False), ("dkernel", 1, 1, True)])
+@pytest.mark.parametrize("product,steps_per_stage,cluster",
+                         [("forward", 1, 1), ("forward", 2, 1), ("forward", 1, 2),
+                          ("dx", 1, 1), ("dx", 2, 1), ("dx", 1, 2), ("dkernel", 1, 1)])
 def test_mosaic_gpu_fp8_kernels_lower_for_cuda_from_cpu(product, steps_per_stage, cluster,
-                                                        take_turns, monkeypatch):
+                                                        monkeypatch):
     """Layout inference, the fp8 wgmma (both operands K-major) and the TMA loads of the
     scales lower for every product, gmm's with one and two steps per stage and with
     A multicast to clusters of two (the interpreter runs no clusters: their values are
-    checked on the GPU), and with the consumers taking turns (their schedule barrier)."""
+    checked on the GPU)."""
     monkeypatch.setattr(mgpu, "_num_programs", lambda interpret: 132)
     s = jax.ShapeDtypeStruct
     m, k, n, g = 4096, 512, 1024, 8
     f32 = jnp.float32
     if product == "dkernel":
-        bs = mgpu_fp8.MosaicGpuFp8BlockSizes(take_turns=take_turns)
-        f = lambda *a: mgpu_fp8.tgmm_quantized(*a, block_sizes=bs)  # noqa: E731
+        f = lambda *a: mgpu_fp8.tgmm_quantized(*a)  # noqa: E731
         args = (s((k, 128 * 44), F8), s((44, k), f32), s((n, 128 * 44), F8), s((44, n), f32),
                 s((g,), jnp.int32), s((g,), jnp.int32))
     else:
         out, contraction = (n, k) if product == "forward" else (k, n)
-        bs = mgpu_fp8.MosaicGpuFp8BlockSizes(steps_per_stage=steps_per_stage, cluster=cluster,
-                                             take_turns=take_turns)
+        bs = mgpu_fp8.MosaicGpuFp8BlockSizes(steps_per_stage=steps_per_stage, cluster=cluster)
         f = lambda *a: mgpu_fp8.gmm_quantized(*a, product=product, block_sizes=bs)  # noqa: E731
         args = (s((m, contraction), F8), s((contraction // 128, m), f32),
                 s((g, out, contraction), F8), s((g, out // 128, contraction // 128), f32),
@@ -373,10 +368,6 @@ def test_mosaic_gpu_fp8_block_sizes_are_checked():
         mgpu_fp8.MosaicGpuFp8BlockSizes(steps_per_stage=3)
     with pytest.raises(ValueError, match="cluster"):
         mgpu_fp8.MosaicGpuFp8BlockSizes(cluster=4)
-    with pytest.raises(ValueError, match="take_turns"):
-        mgpu_fp8.MosaicGpuFp8BlockSizes(take_turns=1)
-    with pytest.raises(ValueError, match="take_turns runs one step per stage"):
-        mgpu_fp8.MosaicGpuFp8BlockSizes(take_turns=True, steps_per_stage=2)
 
 
 def _quantized_forward_operands(k, seed=0, n=384):
@@ -403,25 +394,6 @@ def test_mosaic_gpu_fp8_two_steps_per_stage_match_the_oracle(k):
                                      interpret=True)
         assert _rel(got, want) <= 2e-3, depth
         assert float(jnp.max(jnp.abs(got[480:]))) == 0, depth
-
-
-def test_mosaic_gpu_fp8_consumers_taking_turns_match_the_oracle():
-    """take_turns (the consumers' schedule barrier, the second half a step behind) on the
-    interpreter: gmm against the exact products, rows past the group total zero, and
-    tgmm equal to its run without turns; a zero-row group and a tile of no group keep
-    both consumers meeting the same number of times (a miscount would hang)."""
-    args, want = _quantized_forward_operands(k=384)
-    bs = mgpu_fp8.MosaicGpuFp8BlockSizes(stages=2, grid_block_n=2, take_turns=True)
-    got = mgpu_fp8.gmm_quantized(*args, out_dtype=jnp.float32, block_sizes=bs, interpret=True)
-    assert _rel(got, want) <= 2e-3
-    assert float(jnp.max(jnp.abs(got[480:]))) == 0
-    x, _, sizes, dy = _inputs(seed=3, m=600, k=256, n=256, sizes=(200, 0, 280))
-    plain = mgpu_fp8.MosaicGpuFp8BlockSizes(stages=2, grid_block_n=2)
-    dw = {turns: mgpu_fp8.tgmm(x, dy, sizes, out_dtype=jnp.float32, interpret=True,
-                               block_sizes=dataclasses.replace(plain, take_turns=turns))
-          for turns in (False, True)}
-    np.testing.assert_array_equal(np.asarray(dw[True]), np.asarray(dw[False]))
-    assert float(jnp.max(jnp.abs(dw[True]))) > 0
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -476,19 +448,15 @@ def test_pre_quantized_operands_on_the_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("steps_per_stage,cluster,take_turns",
-                         [(1, 1, False), (2, 1, False), (1, 2, False), (2, 2, False),
-                          (1, 1, True), (1, 2, True)])
-def test_mosaic_gpu_fp8_block_variants_on_the_gpu(steps_per_stage, cluster, take_turns):
-    """The forward from pre-quantized operands with each steps_per_stage, cluster and
-    take_turns, compiled: the two-step promotion's wait (one wgmma group left in flight)
-    must not read a product before it is done, the 64-column epilogue strips must cover
-    the tile, a cluster's multicast A must reach both programs (384 columns: three tiles,
-    an odd count that runs unclustered, beside 512), and consumers taking turns must
-    meet as often as each other."""
+@pytest.mark.parametrize("steps_per_stage,cluster", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_mosaic_gpu_fp8_block_variants_on_the_gpu(steps_per_stage, cluster):
+    """The forward from pre-quantized operands with each steps_per_stage and cluster,
+    compiled: the two-step promotion's wait (one wgmma group left in flight) must not
+    read a product before it is done, the 64-column epilogue strips must cover the tile,
+    and a cluster's multicast A must reach both programs (384 columns: three tiles, an
+    odd count that runs unclustered, beside 512)."""
     args, want = _quantized_forward_operands(k=1024, seed=14)
-    bs = mgpu_fp8.MosaicGpuFp8BlockSizes(steps_per_stage=steps_per_stage, cluster=cluster,
-                                         take_turns=take_turns)
+    bs = mgpu_fp8.MosaicGpuFp8BlockSizes(steps_per_stage=steps_per_stage, cluster=cluster)
     wide_args, wide_want = _quantized_forward_operands(k=1024, seed=15, n=512)
     got = mgpu_fp8.gmm_quantized(*wide_args, out_dtype=jnp.float32, block_sizes=bs)
     assert _rel(got, wide_want) <= 2e-3

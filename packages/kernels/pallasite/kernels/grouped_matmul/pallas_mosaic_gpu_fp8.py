@@ -81,18 +81,12 @@ class MosaicGpuFp8BlockSizes:
     cluster: gmm's CTAs per cluster (1 or 2). With 2, the two CTAs of a cluster take
     adjacent column tiles of one row tile and receive each A block (and its scales) from
     one TMA multicast: a third less L2-to-SM traffic per flop. An odd count of column
-    tiles runs with 1.
-    take_turns: the two consumers take turns at the tensor cores (the schedule barrier of
-    FlashAttention-3): the second starts half a step behind, and each issues a step's
-    wgmmas only after the other has issued its own, so one promotes while the other's
-    wgmmas run. Without it both promote at once and the tensor cores wait. One step per
-    stage only."""
+    tiles runs with 1."""
 
     stages: int = 4
     grid_block_n: int = 8
     steps_per_stage: int = 1
     cluster: int = 1
-    take_turns: bool = False
 
     def __post_init__(self):
         for name in ("stages", "grid_block_n", "steps_per_stage", "cluster"):
@@ -107,12 +101,6 @@ class MosaicGpuFp8BlockSizes:
         if self.steps_per_stage > 2:
             raise ValueError(f"MosaicGpuFp8BlockSizes.steps_per_stage must be 1 or 2, got "
                              f"{self.steps_per_stage}")
-        if not isinstance(self.take_turns, (bool, np.bool_)):
-            raise ValueError(f"MosaicGpuFp8BlockSizes.take_turns must be a bool, got "
-                             f"{self.take_turns!r}")
-        if self.take_turns and self.steps_per_stage != 1:
-            raise ValueError("MosaicGpuFp8BlockSizes.take_turns runs one step per stage; "
-                             f"got steps_per_stage={self.steps_per_stage}")
 
 
 # Defaults from the dense probe above (H200, 2026-12-02): 4 stages, snake width 8; one
@@ -178,21 +166,18 @@ def _row_scales(scales_smem, wg, step: int = 0):
                       layout=plgpu.Layout.WGMMA.reduce(1))
 
 
-def _promote(total, a, b_t, scale, live, turn=None):
+def _promote(total, a, b_t, scale, live):
     """total + (a @ b_t^T) * scale(), the product summed by the tensor cores in one fresh
     accumulator (waited for) and promoted at once. scale: a function giving a [64, 128]
     broadcast, zero where not `live` (no wgmma runs then, and the fresh accumulator stays
     zero). It is called after the wgmmas are issued, so that its loads (a scale from
-    global memory, a vector from shared memory) wait under the tensor cores' work.
-    turn: the consumers' schedule barrier (take_turns), met once the wgmmas are issued."""
+    global memory, a vector from shared memory) wait under the tensor cores' work."""
     def product(acc_ref):
         @pl.when(live)
         def _():
             plgpu.wgmma(acc_ref, a, b_t.transpose((1, 0)))
 
         factor = scale()
-        if turn is not None:
-            turn()
         return acc_ref[...] * factor
 
     return total + pl.run_scoped(product, plgpu.ACC((_CONSUMER_ROWS, BLOCK), jnp.float32))
@@ -219,29 +204,6 @@ def _promote_two(total, a, b_t, scales, live):
         return pl.run_scoped(second, plgpu.ACC((_CONSUMER_ROWS, BLOCK), jnp.float32))
 
     return pl.run_scoped(first, plgpu.ACC((_CONSUMER_ROWS, BLOCK), jnp.float32))
-
-
-def _schedule(take_turns: bool):
-    """The scratch of take_turns: one barrier both consumers meet at (none without)."""
-    return {"schedule": plgpu.Barrier(num_arrivals=2)} if take_turns else {}
-
-
-def _turns(schedule, wg):
-    """(meet, lead, close) of take_turns. meet: both consumers arrive at `schedule` and
-    wait for each other, once a step after issuing its wgmmas. lead: the second consumer
-    meets once before its first step, so it runs half a step behind the first: the first
-    issues step s + 1 only after the second has issued step s, and promotes step s while
-    the second's wgmmas of step s run. close: the first meets once more after its last
-    step, so both meet the same number of times. All three do nothing without a barrier."""
-    if schedule is None:
-        nothing = lambda: None  # noqa: E731
-        return None, nothing, nothing
-
-    def meet():
-        plgpu.barrier_arrive(schedule)
-        plgpu.barrier_wait(schedule)
-
-    return meet, lambda: pl.when(wg == 1)(meet), lambda: pl.when(wg == 0)(meet)
 
 
 def _mesh(interpret: bool, cluster: int = 1):
@@ -312,10 +274,8 @@ def _gmm_kernel(m, k, n, g, bs: MosaicGpuFp8BlockSizes, stages: int, strip: int,
                             transforms=bf16._swizzle_transforms(out_gmem.dtype, rows=1))
 
         @functools.partial(pl.run_scoped, allocations=allocs, o_smem=o_type,
-                           **_schedule(bs.take_turns), collective_axes="wg")
-        def _(allocations, o_smem, schedule=None):
-            meet, lead, close = _turns(schedule, wg)
-
+                           collective_axes="wg")
+        def _(allocations, o_smem):
             @plgpu.nd_loop((num_tiles * (grid_n // cluster),), collective_axes="sm")
             def _(info):
                 mi, nc, seg, load0, row0, rows, live = bf16._row_tile(
@@ -337,13 +297,11 @@ def _gmm_kernel(m, k, n, g, bs: MosaicGpuFp8BlockSizes, stages: int, strip: int,
                         a.append(a_smem.at[rows, pl.ds(j * BLOCK, BLOCK)])
                         b.append(b_smem.at[:, pl.ds(j * BLOCK, BLOCK)])
                     if depth == 1:
-                        return _promote(total, a[0], b[0], scales[0], live, meet)
+                        return _promote(total, a[0], b[0], scales[0], live)
                     return _promote_two(total, a, b, scales, live)
 
                 def compute_context(run_pipeline):
-                    lead()
                     total = run_pipeline(_zeros())
-                    close()
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slot free again
                     # This consumer's rows of the tile that are the group's.
                     mine = wg * _CONSUMER_ROWS
@@ -442,10 +400,8 @@ def _tgmm_kernel(k, n, g, num_blocks, bs: MosaicGpuFp8BlockSizes, stages: int):
                             transforms=bf16._swizzle_transforms(out_gmem.dtype))
 
         @functools.partial(pl.run_scoped, allocations=allocs, o_smem=o_type,
-                           **_schedule(bs.take_turns), collective_axes="wg")
-        def _(allocations, o_smem, schedule=None):
-            meet, lead, close = _turns(schedule, wg)
-
+                           collective_axes="wg")
+        def _(allocations, o_smem):
             @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
             def _(info):
                 gi = info.index[0]
@@ -467,12 +423,10 @@ def _tgmm_kernel(k, n, g, num_blocks, bs: MosaicGpuFp8BlockSizes, stages: int):
                                       * lax.broadcast_in_dim(cols, shape, [1]))
 
                     a = a_smem.at[pl.ds(wg * _CONSUMER_ROWS, _CONSUMER_ROWS)]
-                    return _promote(total, a, b_smem, scale, live, meet)
+                    return _promote(total, a, b_smem, scale, live)
 
                 def compute_context(run_pipeline):
-                    lead()
                     total = run_pipeline(_zeros())
-                    close()
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slot free again
                     o_smem[wg] = total.astype(o_smem.dtype)
                     plgpu.commit_smem()
