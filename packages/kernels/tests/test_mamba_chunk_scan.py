@@ -19,7 +19,7 @@ from jax.sharding import AbstractDevice, AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 import sharding_testlib as st
-from pallasite.kernels import mamba_chunk_scan, selective_state_update
+from pallasite.kernels import autodiff, mamba_chunk_scan, selective_state_update
 from pallasite.reference import parity
 from pallasite.reference.mamba_chunk_scan import mamba_chunk_scan_reference
 
@@ -48,17 +48,20 @@ def _seq_idx(cu, length):
 
 
 def _loss_and_grads(fn, arrays, weights, **kw):
-    """Every output, and the gradient of every array argument of a random projection of
-    the outputs (one jitted program)."""
+    """Every output of the call not differentiated, and the gradient of every array
+    argument of a random projection of the outputs. The two are separate programs: on
+    the fused Triton route only the first runs the fused forward (a differentiated call
+    takes the composition's forward and backward, mamba_scan.api)."""
+
+    def call(*args):
+        return fn(**dict(zip(DIFFERENTIABLE, args)), **kw)
 
     def loss(*args):
-        out = fn(**dict(zip(DIFFERENTIABLE, args)), **kw)
-        return sum(jnp.sum(o.astype(jnp.float32) * w) for o, w in zip(out, weights)), out
+        return sum(jnp.sum(o.astype(jnp.float32) * w) for o, w in zip(call(*args), weights))
 
-    run = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(DIFFERENTIABLE))),
-                                     has_aux=True))
-    (_, out), grads = run(*(arrays[k] for k in DIFFERENTIABLE))
-    return out, grads
+    args = [arrays[k] for k in DIFFERENTIABLE]
+    grads = jax.jit(jax.grad(loss, argnums=tuple(range(len(DIFFERENTIABLE)))))(*args)
+    return jax.jit(call)(*args), grads
 
 
 def _weights(seed, shapes):
@@ -178,7 +181,8 @@ def test_sequence_split_over_devices_with_packing(axis_type, implementation, mon
     boundaries fall inside and between devices' parts: values and gradients equal the
     unsharded call's, on the default backend (the composition around chunk_ssd) and on
     the fused Triton route (each part's fused forward from the state the exchange gives
-    it); there the compiled program moves no array larger than a state."""
+    it; the gradients the composition's); there neither the forward's nor the
+    gradients' compiled program moves an array larger than a state."""
     routes = _count_fused(monkeypatch)
     a = _inputs(8, l=1024, h=2, g=1)
     cu = np.array([0, 100, 128, 129, 600, 1024], np.int32)
@@ -192,14 +196,17 @@ def test_sequence_split_over_devices_with_packing(axis_type, implementation, mon
     with jax.set_mesh(mesh):
         got, got_grads = _loss_and_grads(mamba_chunk_scan, placed, weights, **kw_placed)
         if implementation and axis_type == st.EXPLICIT:
+            def call(*t):
+                return mamba_chunk_scan(**dict(zip(DIFFERENTIABLE, t)), **kw_placed)
+
             def loss(*t):
-                out = mamba_chunk_scan(**dict(zip(DIFFERENTIABLE, t)), **kw_placed)
-                return sum(jnp.sum(o.astype(jnp.float32) * w) for o, w in zip(out, weights))
-            found = st.compiled_collectives(
-                jax.grad(loss, argnums=tuple(range(len(DIFFERENTIABLE)))),
-                *(placed[k] for k in DIFFERENTIABLE))
+                return sum(jnp.sum(o.astype(jnp.float32) * w) for o, w in zip(call(*t), weights))
+
             state = math.prod(a["initial_states"].shape)
-            assert all(math.prod(s) <= 8 * state for v in found.values() for s in v), found
+            # The fused forward's exchange, and the composition's forward and backward.
+            for program in (call, jax.grad(loss, argnums=tuple(range(len(DIFFERENTIABLE))))):
+                found = st.compiled_collectives(program, *(placed[k] for k in DIFFERENTIABLE))
+                assert all(math.prod(s) <= 8 * state for v in found.values() for s in v), found
     assert bool(routes) == bool(implementation)
     want, want_grads = _loss_and_grads(mamba_chunk_scan, a, weights, **kw)
     for name, g, w in zip(("y", "final_states") + tuple("d" + k for k in DIFFERENTIABLE),
@@ -235,13 +242,13 @@ def test_sequence_axes_inside_a_callers_shard_map_with_seq_idx(implementation, m
 
     def values_and_grads(fn):
         def loss(*t):
-            out = fn(*t, seq_idx)
-            return sum(jnp.sum(o * w) for o, w in zip(out, weights)), out
-        return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(5)), has_aux=True))(
-            *(a[k] for k in names))
+            return sum(jnp.sum(o * w) for o, w in zip(fn(*t, seq_idx), weights))
+        args = [a[k] for k in names]
+        grads = jax.jit(jax.grad(loss, argnums=tuple(range(5))))(*args)
+        return jax.jit(lambda *t: fn(*t, seq_idx))(*args), grads
 
-    (_, got), got_grads = values_and_grads(sharded)
-    (_, want), want_grads = values_and_grads(run)
+    got, got_grads = values_and_grads(sharded)
+    want, want_grads = values_and_grads(run)
     assert bool(routes) == bool(implementation)
     for g, w in zip(list(got) + list(got_grads), list(want) + list(want_grads)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
@@ -309,9 +316,10 @@ def test_varlen_states_with_sequence_axes_is_refused_by_name():
 
 
 def test_lowers_for_cuda_with_the_triton_kernels(monkeypatch):
-    """The whole call, dt processing, resets, the fused forward (dt, D and z in the
-    kernels) and the backward, lowers for an H200 from the CPU (told it is on a GPU, so
-    the kernels compile, not interpret)."""
+    """The whole call lowers for an H200 from the CPU (told it is on a GPU, so the
+    kernels compile, not interpret): not differentiated, dt processing, resets and the
+    fused forward (dt, D and z in its two kernels); differentiated, the composition's
+    forward and chunk_ssd's backward kernels."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     routes = _count_fused(monkeypatch)
     a = _inputs(13, l=256, h=2, p=64, n=64, g=1, dtype=jnp.bfloat16)
@@ -326,15 +334,45 @@ def test_lowers_for_cuda_with_the_triton_kernels(monkeypatch):
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None,
                                                                       "cuda"))
     args = [a[k] for k in ("x", "dt", "B", "C", "z")]
+    texts, fused_calls = {}, {}
     with jax.sharding.use_abstract_mesh(mesh):
-        exported = export.export(
-            jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))), platforms=["cuda"],
-            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-        )(*args)
-    text = exported.mlir_module()
-    # The fused forward (state scan, output with dt, D and z), the three backward kernels
-    assert text.count("__gpu$xla.gpu.triton") == 5
-    assert routes == ["fused"]
+        for name, fn in (("forward", loss), ("grad", jax.grad(loss, argnums=(0, 1, 2, 3, 4)))):
+            routes.clear()
+            texts[name] = export.export(
+                jax.jit(fn), platforms=["cuda"],
+                disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+            )(*args).mlir_module()
+            fused_calls[name] = list(routes)
+    # The fused forward: the state scan and the output with dt, D and z.
+    assert texts["forward"].count("__gpu$xla.gpu.triton") == 2
+    assert fused_calls["forward"] == ["fused"]
+    # Differentiated: chunk_ssd's two forward kernels and its three backward kernels; the
+    # fused forward is not traced.
+    assert texts["grad"].count("__gpu$xla.gpu.triton") == 5
+    assert fused_calls["grad"] == []
+
+
+def test_values_from_gives_one_functions_values_and_the_others_gradients():
+    """autodiff.values_from, which the fused route stands on: the primal's values when
+    not differentiated; differentiated, the other function's forward and gradients, the
+    primal never traced; None operands pass through."""
+    calls = []
+
+    def primal(x, y, d):
+        calls.append("primal")
+        return x * y + 1.0
+
+    def differentiated(x, y, d):
+        calls.append("differentiated")
+        return x * y if d is None else x * y + d
+
+    f = autodiff.values_from(primal, differentiated)
+    x, y = jnp.float32(2.0), jnp.float32(3.0)
+    assert float(f(x, y, None)) == 7.0 and calls == ["primal"]
+    calls.clear()
+    value, grads = jax.value_and_grad(f, argnums=(0, 1))(x, y, None)
+    assert float(value) == 6.0 and [float(g) for g in grads] == [3.0, 2.0]
+    assert calls == ["differentiated"]
 
 
 def test_triton_takes_dt_d_and_z_into_its_kernels(monkeypatch):
@@ -413,9 +451,9 @@ def test_fused_route_takes_dt_of_either_sign(dt_limit, nonnegative, monkeypatch)
                                     "sequence_explicit"])
 def test_fused_route_over_a_jits_mesh(layout, monkeypatch):
     """Under jit over 8 devices the fused route keeps batch and heads split, or the
-    sequence in runs of whole chunks (its planner; the backward is chunk_ssd's), with
-    values and all nine gradients the oracle's, and no collective moves an array half
-    x's size."""
+    sequence in runs of whole chunks (its planner; the gradients are the composition's),
+    with values and all nine gradients the oracle's, and no collective of the gradients'
+    program moves an array half x's size."""
     routes = _count_fused(monkeypatch)
     if layout == "sequence_explicit":
         a = _inputs(17, b=1, l=256, h=4, g=2)

@@ -10,6 +10,9 @@ vmap). Anything but plain first-order reverse mode then takes the op's plain-JAX
 which JAX differentiates to any order, or, where the caller named a Pallas backend, stops
 with an error that says so.
 
+`values_from` gives one function's values with another's derivative (a fused forward
+whose gradients come from a composition JAX differentiates).
+
 `differentiated_checkpoint` sees, from the trace stack, a jax.checkpoint that reverse
 mode will differentiate: the ops' interpreted Mosaic backends refuse to run there.
 
@@ -19,6 +22,7 @@ each transformation, so a JAX that renames them fails there first.
 
 from __future__ import annotations
 
+import jax
 from jax._src import core
 from jax._src.interpreters import ad, batching
 
@@ -78,3 +82,24 @@ def checkpoint_refusal(op: str, backend: str) -> str:
             "whose host callbacks (IOEffect) JAX cannot differentiate inside "
             "jax.checkpoint (jax.remat); on CPU use implementation='xla' or "
             "'pallas_triton' there (the compiled kernels have no such callbacks)")
+
+
+def values_from(primal, differentiated):
+    """A function with primal's values whose derivative is differentiated's: reverse mode
+    runs differentiated's forward (its residuals saved) and its backward, and never
+    primal. For a forward that has a faster form of its own (a fused kernel) where the
+    gradients are better taken from another (a composition JAX differentiates). Both take
+    the same arguments and give the same values up to rounding."""
+
+    @jax.custom_vjp
+    def function(*args):
+        return primal(*args)
+
+    def forward(*args):
+        return jax.vjp(differentiated, *args)
+
+    def backward(vjp, cotangents):
+        return vjp(cotangents)
+
+    function.defvjp(forward, backward)
+    return function

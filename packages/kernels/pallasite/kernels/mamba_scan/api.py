@@ -16,15 +16,17 @@ JAX differentiates the whole: the scan by its backend's hand-written backward, t
 by autodiff.
 
 Where the Pallas Triton backend runs first (fused.eligible), on any layout chunk_ssd
-serves (a sequence split over devices included), x dt, D and z go into its kernels
-instead (fused.py): the output kernel scales its tile's columns by dt and applies D x
-and the gate in its epilogue, y rounded once; the backward forms z's, D's and dt's
-gradients in XLA around the scan's backward kernels. On the other backends the
-elementwise work is XLA ops beside the kernels.
+serves (a sequence split over devices included), the forward puts x dt, D and z into its
+kernels instead (fused.py): the output kernel scales its tile's columns by dt and
+applies D x and the gate in its epilogue, y rounded once. A differentiated call takes
+the composition's forward and backward there too (autodiff.values_from), which measured
+faster (fused.py). On the other backends the elementwise work is XLA ops beside the
+kernels.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Sequence
@@ -32,7 +34,7 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Integer
 
-from pallasite.kernels import sharding
+from pallasite.kernels import autodiff, sharding
 from pallasite.kernels.mamba_scan import fused, varlen
 from pallasite.kernels.ssd import api as ssd_api
 from pallasite.kernels.ssd import context_parallel
@@ -62,6 +64,16 @@ def _epilogue(y, x, D, z):
     """y + D x, then y silu(z), in fp32; y rounded once, to x's dtype."""
     f32 = lambda t: None if t is None else t.astype(_F32)  # noqa: E731
     return ssd_decode.skip_and_gate(f32(y), f32(x), f32(D), f32(z)).astype(x.dtype)
+
+
+def _composition(x, dt, a, B, C, initial_state, D, z, *, chunk_size, implementation,
+                 block_sizes, sequence_axes):
+    """(y, final): chunk_ssd on x dt (in dt's dtype, rounded to x's), then the epilogue."""
+    xdt = (x.astype(dt.dtype) * dt[..., None]).astype(x.dtype)
+    y, final = ssd_api.chunk_ssd(xdt, a, B, C, chunk_size=chunk_size,
+                                 initial_state=initial_state, implementation=implementation,
+                                 block_sizes=block_sizes, sequence_axes=sequence_axes or None)
+    return _epilogue(y, x, D, z), final
 
 
 def mamba_chunk_scan(
@@ -132,6 +144,9 @@ def mamba_chunk_scan(
     bsz, _, h, p = x.shape
     s0 = (jnp.zeros((bsz, h, p, B.shape[3]), _F32) if initial_states is None
           else initial_states)
+    composition = functools.partial(_composition, chunk_size=chunk_size,
+                                    implementation=implementation, block_sizes=block_sizes,
+                                    sequence_axes=sequence_axes)
     out = None
     if fused.eligible(implementation, chunk_size, (x, dtp, a, B, C, D, z, initial_states),
                       block_sizes):
@@ -139,11 +154,14 @@ def mamba_chunk_scan(
             (D[:, None] if D.ndim == 1 else D).astype(_F32), (h, p))
         # softplus, or a clamp from 0 or above, leaves no dt < 0 (NaN stays NaN either way)
         nonnegative = dt_softplus or (ref.clamps(dt_limit) and float(dt_limit[0]) >= 0)
+        fused_forward = functools.partial(
+            fused.scan, chunk_size=chunk_size, dt_nonnegative=nonnegative,
+            block_sizes=block_sizes, sequence_axes=sequence_axes)
         try:
-            y, final = fused.scan(x, dtp.astype(_F32), a.astype(_F32), B, C,
-                                  s0.astype(_F32), skip, z, chunk_size=chunk_size,
-                                  dt_nonnegative=nonnegative, block_sizes=block_sizes,
-                                  sequence_axes=sequence_axes)
+            # The fused kernels' values; differentiated, the composition's forward and
+            # backward (fused.py says why).
+            y, final = autodiff.values_from(fused_forward, composition)(
+                x, dtp.astype(_F32), a.astype(_F32), B, C, s0.astype(_F32), skip, z)
             out = [y]
         except Exception as error:  # noqa: BLE001 - the composition is the fallback
             if isinstance(implementation, str):
@@ -152,11 +170,8 @@ def mamba_chunk_scan(
                          "tracing (%s: %s); taking chunk_ssd with the elementwise work "
                          "around it", type(error).__name__, error)
     if out is None:
-        y, final = ssd_api.chunk_ssd(xdt(), a, B, C, chunk_size=chunk_size,
-                                     initial_state=initial_states,
-                                     implementation=implementation, block_sizes=block_sizes,
-                                     sequence_axes=sequence_axes or None)
-        out = [_epilogue(y, x, D, z)]
+        y, final = composition(x, dtp, a, B, C, initial_states, D, z)
+        out = [y]
     if return_final_states:
         out.append(final)
     if return_varlen_states:

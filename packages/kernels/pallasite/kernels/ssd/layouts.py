@@ -120,10 +120,10 @@ def backward_planner(backward: Callable, x_shape, groups: int) -> sharding.Plann
 
 
 def fused_forward_planner(forward_fused: Callable, x_shape, groups: int, *, skip: bool,
-                          gated: bool, pre: bool) -> sharding.Planner:
-    """forward_fused(x, dt, a, b, c, initial_state[, D][, z]) -> (y[, y_pre], final_state,
+                          gated: bool) -> sharding.Planner:
+    """forward_fused(x, dt, a, b, c, initial_state[, D][, z]) -> (y, final_state,
     chunk_states) on local arrays (mamba_scan.fused: D and z present where `skip`,
-    `gated`, y_pre where `pre`). Batch, heads and chunks split as the scan's (D [h, p]
+    `gated`). Batch, heads and chunks split as the scan's (D [h, p]
     with the heads, dt and z as a and x); with the chunks split, each part runs from its
     entering state (context_parallel, the scan of x dt)."""
 
@@ -133,8 +133,8 @@ def fused_forward_planner(forward_fused: Callable, x_shape, groups: int, *, skip
         x_like, _, _, state_like, _ = _dims(*_given(given, axis_sizes, x_shape), (), seq)
         ins = (x, a, a, bc, bc, state) + (((head, ()),) if skip else ()) + \
             ((x,) if gated else ())
-        outs = (x,) + ((x,) if pre else ()) + (state, chunk_states)
-        likes = (x_like,) + ((x_like,) if pre else ()) + (state_like, chunk_states)
+        outs = (x, state, chunk_states)
+        likes = (x_like, state_like, chunk_states)
         local = (context_parallel.split_forward(forward_fused, seq, weighted=True) if seq
                  else forward_fused)
         return Plan(in_dims=ins, out_dims=outs, local=local, out_like=likes)
@@ -142,10 +142,9 @@ def fused_forward_planner(forward_fused: Callable, x_shape, groups: int, *, skip
     return plan
 
 
-def fused_forward_rule(skip: bool, gated: bool, pre: bool) -> str:
+def fused_forward_rule(skip: bool, gated: bool) -> str:
     """The fused forward's Shardy rule (FORWARD_RULE's factors; D is h p)."""
     ins = "z c t h p, z c t h, z c t h, z c t g n, z c t g n, z h p n"
     ins += ", h p" if skip else ""
     ins += ", z c t h p" if gated else ""
-    outs = "z c t h p" + (", z c t h p" if pre else "") + ", z h p n, z c h p n"
-    return f"{ins} -> {outs}"
+    return f"{ins} -> z c t h p, z h p n, z c h p n"

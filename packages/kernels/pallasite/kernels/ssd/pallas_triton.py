@@ -388,7 +388,7 @@ def _causal_decay(acs_rows, acs_cols, row0, col0, bm, bk, *, rows_later: bool,
 
 
 def _chunk_output_kernel(x_ref, b_ref, c_ref, hi_ref, lo_ref, s_ref, *refs, bm, scaled,
-                         dt_exponent, skip, gated, pre):
+                         dt_exponent, skip, gated):
     """y rows [r*bm, (r+1)*bm) of one (batch, chunk) for the block's heads, which share one
     group: each C_i B_j^T block is formed once for them all.
 
@@ -399,15 +399,13 @@ def _chunk_output_kernel(x_ref, b_ref, c_ref, hi_ref, lo_ref, s_ref, *refs, bm, 
     [C, heads] and multiplies each head's [bm, bm] tile by it, which with two heads per
     program ran the output kernel at half speed on the H200 (2026-12-04,
     docs/performance.md). `skip` reads D [heads, p] and adds D x_i to the fp32 sums;
-    `gated` reads z rows and writes y = sums silu(z), rounded once, and with `pre` the
-    sums too (y_pre, for z's gradient; only the differentiated forward asks for them)."""
+    `gated` reads z rows and writes y = sums silu(z), rounded once."""
     refs = list(refs)
     lo_cols_ref = refs.pop(0) if dt_exponent else lo_ref
     dt_ref = refs.pop(0) if scaled else None
     d_ref = refs.pop(0) if skip else None
     z_ref = refs.pop(0) if gated else None
     y_ref = refs.pop(0)
-    pre_ref = refs.pop(0) if pre else None
     r = pl.program_id(0)
     heads = x_ref.shape[1]
     i0 = pl.multiple_of(r * bm, bm)
@@ -447,8 +445,6 @@ def _chunk_output_kernel(x_ref, b_ref, c_ref, hi_ref, lo_ref, s_ref, *refs, bm, 
         acc = accs[hh]
         if skip:
             acc = acc + d_ref[hh, :][None, :] * x_ref[rows, hh, :].astype(F32)
-        if pre:
-            pre_ref[:, hh, :] = acc.astype(pre_ref.dtype)
         if gated:
             z = z_ref[:, hh, :].astype(F32)
             acc = acc * (z * jax.nn.sigmoid(z))
@@ -465,11 +461,10 @@ def output_heads(bs: BlockSizes, heads: int, groups: int) -> int:
 
 
 def _chunk_output(x, b, c, acs, states, bs: BlockSizes, interpret: bool, *, dt=None,
-                  dt_nonnegative=False, D=None, z=None, keep_pre=False):
+                  dt_nonnegative=False, D=None, z=None):
     """y [b, nc, C, h, p]; acs is the (hi, lo) pair of in-chunk cumulative sums. With the
     fused options (the kernel's docstring): dt [b, nc, C, h] fp32, D [h, p] fp32, z like
-    x. Returns (y, y_pre where z is given and keep_pre asks, else None)."""
-    pre = z is not None and keep_pre
+    x."""
     bsz, nc, chunk, h, p = x.shape
     g, n = b.shape[3], b.shape[4]
     hb, bm = output_heads(bs, h, g), bs.block_m
@@ -485,13 +480,12 @@ def _chunk_output(x, b, c, acs, states, bs: BlockSizes, interpret: bool, *, dt=N
     options = [(lo_cols, acs_spec), (scaled, acs_spec),
                (D, pl.BlockSpec((hb, p), lambda r, k, i, j: (k, 0))), (z, rows_spec)]
     extra = [(t, spec) for t, spec in options if t is not None]
-    out_shapes = [out_shape] * (2 if pre else 1)
     inputs = (x, b, c, *acs, states, *(t for t, _ in extra))
-    outs = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_chunk_output_kernel, bm=bm, scaled=scaled is not None,
                           dt_exponent=lo_cols is not None, skip=D is not None,
-                          gated=z is not None, pre=pre),
-        out_shape=out_shapes,
+                          gated=z is not None),
+        out_shape=out_shape,
         grid=(chunk // bm, h // hb, bsz, nc),
         in_specs=[
             pl.BlockSpec((None, None, chunk, hb, p), lambda r, k, i, j: (i, j, 0, k, 0)),
@@ -502,14 +496,13 @@ def _chunk_output(x, b, c, acs, states, bs: BlockSizes, interpret: bool, *, dt=N
             pl.BlockSpec((None, None, hb, p, n), lambda r, k, i, j: (i, j, k, 0, 0)),
             *(spec for _, spec in extra),
         ],
-        out_specs=[rows_spec] * len(out_shapes),
+        out_specs=rows_spec,
         compiler_params=_params(bs),
         interpret=interpret,
         cost_estimate=costs.chunk_output(bsz * nc * h, chunk, bm, p, n, x.dtype,
-                                         heads=hb, inputs=inputs, outputs=tuple(out_shapes)),
+                                         heads=hb, inputs=inputs, outputs=(out_shape,)),
         name="ssd_chunk_output",
     )(*inputs)
-    return outs[0], (outs[1] if pre else None)
 
 
 def _bwd_rows_j_kernel(
@@ -701,23 +694,22 @@ def _cumsums(a):
 
 
 def _forward_local(x, a, b, c, initial_state, *, bs, interpret):
-    y, _, final, states = _forward_fused_local(x, None, a, b, c, initial_state, None, None,
-                                               bs=bs, interpret=interpret)
-    return y, final, states
+    return _forward_fused_local(x, None, a, b, c, initial_state, None, None, bs=bs,
+                                interpret=interpret)
 
 
 def _forward_fused_local(x, dt, a, b, c, initial_state, D, z, *, bs, interpret,
-                         dt_nonnegative=False, keep_pre=False):
+                         dt_nonnegative=False):
     """The forward, with Mamba-2's dt, D and z in the kernels where given: dt joins the
     state scan's per-step weight w (a [b, nc, C, h] array) and scales the output tile's
-    columns, D and z are the output's epilogue. (y, y_pre or None, final, states)."""
+    columns, D and z are the output's epilogue. (y, final, states)."""
     acs, last = _cumsums(a)
     to_last = jnp.exp(_segment(tuple(t[:, :, None, :] for t in last), acs))
     states, final = _state_scan(x, b, to_last if dt is None else to_last * dt,
                                 jnp.exp(last[0] + last[1]), initial_state, bs, interpret)
-    y, y_pre = _chunk_output(x, b, c, acs, states, bs, interpret, dt=dt,
-                             dt_nonnegative=dt_nonnegative, D=D, z=z, keep_pre=keep_pre)
-    return y, y_pre, final, states
+    y = _chunk_output(x, b, c, acs, states, bs, interpret, dt=dt,
+                      dt_nonnegative=dt_nonnegative, D=D, z=z)
+    return y, final, states
 
 
 def _backward_local(x, a, b, c, states, dy, dfinal, *, bs, interpret, grad_dtypes=(None, None)):
@@ -772,14 +764,13 @@ def forward_fused(
     interpret: bool = False,
     block_sizes: BlockSizes | None = None,
     dt_nonnegative: bool = False,
-    keep_pre: bool = False,
 ):
-    """The scan of (x dt, a, b, c) plus D x, gated by silu(z): (y in x.dtype, y_pre (the
-    sums before the gate, in x.dtype, where z is given and keep_pre asks; else None),
-    final_state fp32, chunk_states in x.dtype). dt [b, nc, C, h] is the processed step
-    (fp32); dt_nonnegative promises dt >= 0 everywhere (softplus, or a clamp at 0 or
-    above), which lets the output kernel take dt in the decay's exponent; a = A dt with
-    any resets; D [h, p] fp32. The backward is `backward` on x dt (mamba_scan.fused)."""
+    """The scan of (x dt, a, b, c) plus D x, gated by silu(z): (y in x.dtype, final_state
+    fp32, chunk_states in x.dtype). dt [b, nc, C, h] is the processed step (fp32);
+    dt_nonnegative promises dt >= 0 everywhere (softplus, or a clamp at 0 or above),
+    which lets the output kernel take dt in the decay's exponent; a = A dt with any
+    resets; D [h, p] fp32. Not differentiable itself: mamba_chunk_scan takes its
+    gradients from the composition around chunk_ssd (mamba_scan.api)."""
     _check_inputs(x, a, b, c, initial_state, "initial_state")
     if dt.shape != a.shape:
         raise ValueError(f"dt must have a's shape {a.shape}, got shape {dt.shape}")
@@ -792,7 +783,7 @@ def forward_fused(
     return _forward_fused_local(
         x, dt.astype(F32), a, b.astype(x.dtype), c.astype(x.dtype), initial_state.astype(F32),
         None if D is None else D.astype(F32), z, bs=bs, interpret=interpret,
-        dt_nonnegative=dt_nonnegative, keep_pre=keep_pre)
+        dt_nonnegative=dt_nonnegative)
 
 
 @sharding.local_operands("chunk_ssd")
