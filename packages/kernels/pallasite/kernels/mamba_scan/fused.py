@@ -23,15 +23,11 @@ from __future__ import annotations
 
 import functools
 
-import jax
-import jax.numpy as jnp
-
 from pallasite.kernels import autodiff, sharding
 from pallasite.kernels.ssd import api as ssd_api
 from pallasite.kernels.ssd import context_parallel, layouts
 
 NAME = "pallas_triton"
-_F32 = jnp.float32
 
 
 def eligible(implementation, chunk_size, operands, block_sizes) -> bool:
