@@ -375,6 +375,30 @@ def test_values_from_gives_one_functions_values_and_the_others_gradients():
     assert calls == ["differentiated"]
 
 
+def test_fused_route_under_jax_checkpoint(monkeypatch):
+    """Inside jax.checkpoint (remat) the fused forward gives the plain call's values and
+    the differentiated call rematerialises the composition's forward: values and all
+    nine gradients the oracle's."""
+    routes = _count_fused(monkeypatch)
+    a = _inputs(23)
+    kw = dict(OPTIONS, chunk_size=CHUNK)
+    weights = _weights(24, [a["x"].shape, a["initial_states"].shape])
+
+    def checkpointed(**t):
+        def call(*v):
+            return mamba_chunk_scan(**dict(zip(DIFFERENTIABLE, v)),
+                                    implementation="pallas_triton", **kw)
+        return jax.checkpoint(call)(*(t[k] for k in DIFFERENTIABLE))
+
+    got, got_grads = _loss_and_grads(checkpointed, a, weights)
+    assert routes and set(routes) == {"fused"}  # remat traces the primal as well
+    want, want_grads = _loss_and_grads(mamba_chunk_scan_reference, a, weights, **kw)
+    for name, g, w in zip(("y", "final_states"), got, want):
+        _check(g, w, jnp.float32, name)
+    for name, g, w in zip(DIFFERENTIABLE, got_grads, want_grads):
+        _check(g, w, jnp.float32, "d" + name)
+
+
 def test_triton_takes_dt_d_and_z_into_its_kernels(monkeypatch):
     """With Triton first on local operands, x dt is never formed in the forward and the
     output kernel takes dt, D and z (fused.py): the forward is the two kernels."""
