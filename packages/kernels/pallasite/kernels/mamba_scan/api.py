@@ -66,11 +66,15 @@ def _epilogue(y, x, D, z):
     return ssd_decode.skip_and_gate(f32(y), f32(x), f32(D), f32(z)).astype(x.dtype)
 
 
+def _times_dt(x, dt):
+    """x dt in dt's dtype, rounded to x's (the kernels' operand dtype)."""
+    return (x.astype(dt.dtype) * dt[..., None]).astype(x.dtype)
+
+
 def _composition(x, dt, a, B, C, initial_state, D, z, *, chunk_size, implementation,
                  block_sizes, sequence_axes):
-    """(y, final): chunk_ssd on x dt (in dt's dtype, rounded to x's), then the epilogue."""
-    xdt = (x.astype(dt.dtype) * dt[..., None]).astype(x.dtype)
-    y, final = ssd_api.chunk_ssd(xdt, a, B, C, chunk_size=chunk_size,
+    """(y, final): chunk_ssd on x dt, then the epilogue."""
+    y, final = ssd_api.chunk_ssd(_times_dt(x, dt), a, B, C, chunk_size=chunk_size,
                                  initial_state=initial_state, implementation=implementation,
                                  block_sizes=block_sizes, sequence_axes=sequence_axes or None)
     return _epilogue(y, x, D, z), final
@@ -140,7 +144,6 @@ def mamba_chunk_scan(
     a = A.astype(dtp.dtype)[None, None] * dtp
     if seq_idx is not None:
         a = jnp.where(_sequence_starts(seq_idx, sequence_axes)[..., None], -jnp.inf, a)
-    xdt = lambda: (x.astype(dtp.dtype) * dtp[..., None]).astype(x.dtype)  # noqa: E731
     bsz, _, h, p = x.shape
     s0 = (jnp.zeros((bsz, h, p, B.shape[3]), _F32) if initial_states is None
           else initial_states)
@@ -175,5 +178,6 @@ def mamba_chunk_scan(
     if return_final_states:
         out.append(final)
     if return_varlen_states:
-        out.append(varlen.varlen_states(xdt(), a, B, s0, cu_seqlens, chunk_size))
+        out.append(varlen.varlen_states(_times_dt(x, dtp), a, B, s0, cu_seqlens,
+                                        chunk_size))
     return out[0] if len(out) == 1 else tuple(out)
