@@ -48,10 +48,6 @@ ROWS = 64
 COLUMNS = 64
 NUM_WARPS = 4
 TOKEN_NUM_WARPS = 4
-# Tokens per 32-bit word of the transposed token-block store (1: fp8 values stored as
-# they are), and whether the tile is turned before its bytes are packed.
-TOKEN_PACK = 1
-TOKEN_TURN_FIRST = False
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -144,38 +140,6 @@ def _token_kernel(start_ref, rows_ref, x_ref, v_ref, s_ref, *, c, fp8, transpose
         plgpu.store(s_ref.at[t, cols], jnp.ones((COLUMNS,), jnp.float32), mask=col_ok)
 
 
-def _token_kernel_packed(start_ref, rows_ref, x_ref, v_ref, s_ref, *, c, fp8):
-    """The transposed token-block store with four tokens' fp8 values in each 32-bit word:
-    token 4w + i in byte i of word w (little-endian), so the tile turned for the store
-    is one of 32-bit words, not of bytes."""
-    t, j = pl.program_id(0), pl.program_id(1)
-    start, count = start_ref[t], rows_ref[t]
-    cols = pl.ds(j * COLUMNS, COLUMNS)
-    col_ok = _ok(j * COLUMNS, COLUMNS, c)
-    words = BLOCK // TOKEN_PACK
-
-    @pl.when(count > 0)
-    def _():
-        row_ok = jnp.arange(BLOCK, dtype=jnp.int32) < count
-        x = plgpu.load(x_ref.at[pl.ds(start, BLOCK), cols],
-                       mask=row_ok[:, None] & col_ok[None, :], other=0.0).astype(jnp.float32)
-        scale, inverse = ref.scale_and_inverse(ref.amax(x, axis=0), fp8)
-        values = ref.to_fp8(x, inverse[None, :], fp8)
-        values = jnp.where(row_ok[:, None], values, jnp.zeros_like(values))
-        byte = jax.lax.bitcast_convert_type(values, jnp.uint8).astype(jnp.uint32)
-        shift = (jnp.uint32(1) << (8 * jnp.arange(TOKEN_PACK, dtype=jnp.uint32)))
-        if TOKEN_TURN_FIRST:
-            packed = (byte.T.reshape(COLUMNS, words, TOKEN_PACK) * shift[None, None, :]).sum(axis=2)
-        else:
-            packed = (byte.reshape(words, TOKEN_PACK, COLUMNS) * shift[None, :, None]).sum(axis=1).T
-        plgpu.store(v_ref.at[cols, pl.ds(t * words, words)], packed, mask=col_ok[:, None])
-        plgpu.store(s_ref.at[t, cols], scale, mask=col_ok)
-
-    @pl.when(count == 0)
-    def _():
-        plgpu.store(s_ref.at[t, cols], jnp.ones((COLUMNS,), jnp.float32), mask=col_ok)
-
-
 def token_blocks(x: jax.Array, start: jax.Array, rows: jax.Array, dtype, *, transpose: bool = True,
                  interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """x [m, c] in the blocks of rows [start[t], start[t] + rows[t]) (rows <= 128; 0 for
@@ -185,16 +149,10 @@ def token_blocks(x: jax.Array, start: jax.Array, rows: jax.Array, dtype, *, tran
     shape = (c, BLOCK * start.shape[0]) if transpose else (m, c)
     if not (offsets_fit(shape, dtype) and offsets_fit(x.shape, x.dtype)):
         return xla.token_blocks(x, start, rows, dtype, transpose=transpose)
-    packed = transpose and TOKEN_PACK > 1
-    if packed:
-        values = sharding.out_struct((c, BLOCK // TOKEN_PACK * start.shape[0]), jnp.uint32, like=x)
-        kernel = functools.partial(_token_kernel_packed, c=c, fp8=dtype)
-    else:
-        values = sharding.out_struct(shape, dtype, like=x)
-        kernel = functools.partial(_token_kernel, c=c, fp8=dtype, transpose=transpose)
-    out = (values, sharding.out_struct((start.shape[0], c), jnp.float32, like=x))
-    v, s = pl.pallas_call(
-        kernel,
+    out = (sharding.out_struct(shape, dtype, like=x),
+           sharding.out_struct((start.shape[0], c), jnp.float32, like=x))
+    return pl.pallas_call(
+        functools.partial(_token_kernel, c=c, fp8=dtype, transpose=transpose),
         out_shape=out,
         grid=(start.shape[0], _cdiv(c, COLUMNS)),
         compiler_params=_params(TOKEN_NUM_WARPS),
@@ -202,9 +160,6 @@ def token_blocks(x: jax.Array, start: jax.Array, rows: jax.Array, dtype, *, tran
         cost_estimate=_cost(x, (start, rows) + out, dtype),
         name="quantize_token_blocks",
     )(start, rows, x)
-    if packed:  # [c, w] words -> [c, w, 4] bytes -> [c, 4 w]: a reshape of the same bytes
-        v = jax.lax.bitcast_convert_type(v, dtype).reshape(shape)
-    return v, s
 
 
 # --------------------------------------------------------------------------- weights
