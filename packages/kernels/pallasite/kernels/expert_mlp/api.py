@@ -35,6 +35,7 @@ runs on the local arrays.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -101,7 +102,7 @@ def grouped_mlp(
     else:
         pre = grouped_projection(x, gate_up_kernel, group_sizes, compute, interpret_on_cpu,
                                  **product)
-        h = activate(pre.astype(_F32), activation).astype(compute)
+        h = _activate_saving_input(pre, activation, compute)
     if backend is not None and row_weights is not None and ops.has_down_weighted(backend):
         return ops.down_weighted(h, down_kernel, group_sizes, row_weights, compute,
                                  backend=backend, group_offset=group_offset,
@@ -111,6 +112,20 @@ def grouped_mlp(
     y = grouped_projection(h, down_kernel, group_sizes, compute, interpret_on_cpu, **product)
     if row_weights is None:
         return y
+    return _weigh_saving_input(y, row_weights, compute)
+
+
+# The composition's elementwise steps, rematerialised: their backward keeps the compute-
+# dtype input (pre [m, 2f], y [m, n]) and forms the fp32 intermediates again, where plain
+# autodiff would keep four fp32 [m, f] arrays of the activation and y in fp32 between the
+# passes.
+@functools.partial(jax.checkpoint, static_argnums=(1, 2))
+def _activate_saving_input(pre, activation, compute):
+    return activate(pre.astype(_F32), activation).astype(compute)
+
+
+@functools.partial(jax.checkpoint, static_argnums=(2,))
+def _weigh_saving_input(y, row_weights, compute):
     return (y.astype(_F32) * row_weights.astype(_F32)[:, None]).astype(compute)
 
 
