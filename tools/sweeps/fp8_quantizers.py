@@ -19,9 +19,8 @@ two 128-deep steps per stage (steps_per_stage), A multicast to clusters of two
 experts, and one group of the same dims: the grouped loop against a dense one) and dsv3;
 each variant's output is compared with the default's.
 Token-block variants (`--token-variants`): the Pallas Triton token-block quantizer with
-COLUMNS (columns per program), TOKEN_NUM_WARPS and TOKEN_CHUNK (rows per step of its two
-loops; 0: the whole block at once) over a small grid, on the same operands, with values
-compared to the default's.
+COLUMNS (columns per program) and TOKEN_NUM_WARPS set to each pair of a small grid, on
+the same operands, with values compared to the default's.
 --smoke: tiny shapes through the interpreters (a CPU check of the script).
 """
 
@@ -190,16 +189,13 @@ def _same_used_blocks(got, want, rows) -> bool:
 
 
 def token_variants(out, smoke: bool):
-    """The token-block quantizer's columns per program, warps and row steps, each timed and checked
+    """The token-block quantizer's columns per program and warps, each timed and checked
     against the module's default on the same input."""
     interpret = smoke
     shapes = ([("tiny", 256, 256, 4)] if smoke else
               [("mixtral_x", 32768, 4096, 8), ("dsv3_x", 65536, 7168, 256)])
-    knobs = ("COLUMNS", "TOKEN_NUM_WARPS", "TOKEN_CHUNK")
-    grid = ([(64, 4, 0), (64, 4, 16)] if smoke else
-            [(64, 4, 0)] + [(cw[0], cw[1], step) for step in (8, 16, 32)
-                            for cw in ((64, 4), (64, 8), (128, 4), (128, 8), (256, 8))])
-    default = tuple(getattr(pallas_triton, k) for k in knobs)
+    grid = [(64, 4)] if smoke else [(c, w) for c in (32, 64, 128) for w in (2, 4, 8)]
+    default = (pallas_triton.COLUMNS, pallas_triton.TOKEN_NUM_WARPS)
     for name, m, c, g in shapes:
         xs = _sets(lambda s: jax.random.normal(jax.random.key(s), (m, c), jnp.bfloat16),
                    2 if smoke else 3)
@@ -209,9 +205,8 @@ def token_variants(out, smoke: bool):
             return pallas_triton.token_blocks(x, table.start, table.rows, F8,
                                               interpret=interpret)
         want = jax.jit(run)(xs[0])
-        for variant in grid:
-            for k, v in zip(knobs, variant):
-                setattr(pallas_triton, k, v)
+        for columns, warps in grid:
+            pallas_triton.COLUMNS, pallas_triton.TOKEN_NUM_WARPS = columns, warps
             try:
                 fn = lambda x: run(x)  # noqa: E731  (a new function: traced again)
                 got = jax.jit(fn)(xs[0])
@@ -223,10 +218,9 @@ def token_variants(out, smoke: bool):
             except Exception as e:  # noqa: BLE001 - a variant that fails is a result
                 rec = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
             finally:
-                for k, v in zip(knobs, default):
-                    setattr(pallas_triton, k, v)
-            _write(out, {"what": "token_variant", "shape": name,
-                         **{k.lower(): v for k, v in zip(knobs, variant)}, **rec})
+                pallas_triton.COLUMNS, pallas_triton.TOKEN_NUM_WARPS = default
+            _write(out, {"what": "token_variant", "shape": name, "columns": columns,
+                         "warps": warps, **rec})
 
 
 def _write(out, rec):

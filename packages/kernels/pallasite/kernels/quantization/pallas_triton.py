@@ -48,8 +48,6 @@ ROWS = 64
 COLUMNS = 64
 NUM_WARPS = 4
 TOKEN_NUM_WARPS = 4
-# Rows per step of the token-block kernel's two loops (0: the whole block at once).
-TOKEN_CHUNK = 0
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -142,45 +140,6 @@ def _token_kernel(start_ref, rows_ref, x_ref, v_ref, s_ref, *, c, fp8, transpose
         plgpu.store(s_ref.at[t, cols], jnp.ones((COLUMNS,), jnp.float32), mask=col_ok)
 
 
-def _token_kernel_chunked(start_ref, rows_ref, x_ref, v_ref, s_ref, *, c, fp8):
-    """The transposed token-block kernel in two loops over TOKEN_CHUNK-row steps: a
-    running elementwise max of the magnitudes' bits (each column's amax reduced across
-    threads once, at the end), then the steps loaded again (from L2), quantized and
-    stored turned."""
-    t, j = pl.program_id(0), pl.program_id(1)
-    start, count = start_ref[t], rows_ref[t]
-    cols = pl.ds(j * COLUMNS, COLUMNS)
-    col_ok = _ok(j * COLUMNS, COLUMNS, c)
-    step = TOKEN_CHUNK
-
-    def load(i):
-        row_ok = i * step + jnp.arange(step, dtype=jnp.int32) < count
-        x = plgpu.load(x_ref.at[pl.ds(start + i * step, step), cols],
-                       mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-        return x.astype(jnp.float32), row_ok
-
-    @pl.when(count > 0)
-    def _():
-        def widest(i, top):
-            return jnp.maximum(top, ref.magnitude_bits(load(i)[0]))
-        top = jax.lax.fori_loop(0, BLOCK // step, widest,
-                                jnp.zeros((step, COLUMNS), jnp.int32))
-        scale, inverse = ref.scale_and_inverse(ref.amax_of_bits(jnp.max(top, axis=0)), fp8)
-
-        @pl.loop(0, BLOCK // step)
-        def _(i):
-            x, row_ok = load(i)
-            values = ref.to_fp8(x, inverse[None, :], fp8)
-            values = jnp.where(row_ok[:, None], values, jnp.zeros_like(values))
-            plgpu.store(v_ref.at[cols, pl.ds(t * BLOCK + i * step, step)], values.T,
-                        mask=col_ok[:, None])
-        plgpu.store(s_ref.at[t, cols], scale, mask=col_ok)
-
-    @pl.when(count == 0)
-    def _():
-        plgpu.store(s_ref.at[t, cols], jnp.ones((COLUMNS,), jnp.float32), mask=col_ok)
-
-
 def token_blocks(x: jax.Array, start: jax.Array, rows: jax.Array, dtype, *, transpose: bool = True,
                  interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """x [m, c] in the blocks of rows [start[t], start[t] + rows[t]) (rows <= 128; 0 for
@@ -193,8 +152,7 @@ def token_blocks(x: jax.Array, start: jax.Array, rows: jax.Array, dtype, *, tran
     out = (sharding.out_struct(shape, dtype, like=x),
            sharding.out_struct((start.shape[0], c), jnp.float32, like=x))
     return pl.pallas_call(
-        functools.partial(_token_kernel_chunked, c=c, fp8=dtype) if transpose and TOKEN_CHUNK
-        else functools.partial(_token_kernel, c=c, fp8=dtype, transpose=transpose),
+        functools.partial(_token_kernel, c=c, fp8=dtype, transpose=transpose),
         out_shape=out,
         grid=(start.shape[0], _cdiv(c, COLUMNS)),
         compiler_params=_params(TOKEN_NUM_WARPS),
@@ -210,8 +168,7 @@ def token_blocks(x: jax.Array, start: jax.Array, rows: jax.Array, dtype, *, tran
 def _block_amax(w):
     """amax of a 2-D block, one axis at a time: Pallas Triton lowers a reduction over two
     axes with the operand's rank in its sharding, which fails under a mesh (jax 0.11.2)."""
-    bits = ref.magnitude_bits(w)
-    return ref.amax_of_bits(jnp.max(jnp.max(bits, axis=1), axis=0))
+    return ref.amax(ref.amax(w, axis=1), axis=0)
 
 
 def _weight_kernel(w_ref, v_ref, s_ref, *, k, n, fp8, transpose):
