@@ -12,9 +12,9 @@ outputs would list as saved arrays of their own, out of the count. bf16, mixtral
 bench's routed rows, with row weights (but for the unfused form).
 
 - saved bytes: every array the forward keeps for the backward that is not an argument
-  (jax's saved-residuals listing, traced abstractly: exact and backend-free; --smoke on a
-  CPU gives the same figures for the same shapes);
-- stack temp bytes: XLA's temporary buffers of jit(grad) over `--layers` layers in a row
+  (jax's saved-residuals listing, traced abstractly from shapes: exact, the same on any
+  backend, so a CPU gives them too);
+- stack temp bytes (on a GPU only): XLA's temporary buffers of jit(grad) over `--layers` layers in a row
   (each layer's output is the next one's x), compiled from shapes alone (nothing is
   allocated). In a stack each layer's saved bytes stay alive until the backward reaches
   it, so the difference between forms grows with the depth.
@@ -97,11 +97,12 @@ def stack_temp_bytes(form, m, d, f, g, layers, interpret) -> int | None:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpreters")
+    p.add_argument("--smoke", action="store_true", help="a tiny shape only")
     p.add_argument("--layers", type=int, default=4)
     args = p.parse_args(argv)
     out = os.environ.get("OUT", ".")
     os.makedirs(out, exist_ok=True)
+    on_gpu = jax.default_backend() == "gpu"
     shapes = {"tiny": (1024, 256, 512, 8)} if args.smoke else SHAPES
     for name, (m, d, f, g) in shapes.items():
         pre = m * 2 * f * 2  # the bf16 [m, 2f] pre-activation
@@ -109,8 +110,8 @@ def main(argv=None):
             rec = {"what": "grouped_mlp_memory", "shape": name, "form": form,
                    "pre_activation_bytes": pre, "layers": args.layers}
             try:
-                rec["saved_bytes"] = saved_bytes(form, m, d, f, g, args.smoke)
-                if not args.smoke:
+                rec["saved_bytes"] = saved_bytes(form, m, d, f, g, not on_gpu)
+                if on_gpu:
                     rec["stack_temp_bytes"] = stack_temp_bytes(form, m, d, f, g, args.layers,
                                                                False)
             except Exception as e:  # noqa: BLE001 - a form that cannot run is a result

@@ -233,6 +233,43 @@ def test_fuse_activation_takes_the_fused_gate_up(backend, monkeypatch):
     assert seen == [backend or "pallas_mosaic_gpu"]  # not asked: the composition
 
 
+def _saved_arrays(fn, *args):
+    """(shape, dtype) of each array the forward keeps for the backward, arguments left out
+    (jax's saved-residuals listing, traced abstractly)."""
+    from jax._src.ad_checkpoint import saved_residuals
+    return [(tuple(a.shape), a.dtype) for a, why in saved_residuals(fn, *args)
+            if not why.startswith("from the argument") and a.size]
+
+
+def test_what_the_forward_keeps_for_the_backward():
+    """The composition keeps its bf16 pre-activation [m, 2f], h [m, f] and y [m, n]
+    (the activation and the row weighting are rematerialised: no fp32 [m, f] array is
+    kept), and the fused gate-up keeps no [m, 2f] array: at least the pre-activation's
+    bytes fewer, on both fused backends."""
+    m, d, f, n = 96, 64, 64, 80  # n apart from 2f: shapes tell the arrays apart
+    a = _inputs(14, m=m, d=d, f=f, n=n, dtype=jnp.bfloat16)
+    gs = jnp.asarray(SIZES, jnp.int32)
+
+    def saved(**options):
+        def loss(x, wgu, wd, rw):
+            y = grouped_mlp(x, wgu, wd, gs, jnp.bfloat16, interpret_on_cpu=True,
+                            row_weights=rw, **options)
+            return y.astype(jnp.float32).sum()
+        arrays = _saved_arrays(loss, a["x"], a["gate_up_kernel"], a["down_kernel"],
+                               a["row_weights"])
+        big = [s for s in arrays if np.prod(s[0]) >= m * f]  # the activations
+        return big, sum(np.prod(s) * np.dtype(t).itemsize for s, t in big)
+
+    big, composition = saved(implementation="pallas_triton")
+    assert sorted(big, key=str) == sorted([((m, 2 * f), jnp.bfloat16), ((m, f), jnp.bfloat16),
+                                           ((m, n), jnp.bfloat16)], key=str), big
+    pre = m * 2 * f * 2
+    for backend in ("pallas_triton", "pallas_mosaic_gpu"):
+        big, fused = saved(implementation=backend, fuse_activation=True)
+        assert not [s for s, _ in big if s == (m, 2 * f)], (backend, big)
+        assert fused <= composition - pre, (backend, fused, composition)
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(compute=jnp.float32), "pallas_triton: compute=float32 .*16-bit"),
     (dict(implementation="xla"), "implementation=None or one of"),
