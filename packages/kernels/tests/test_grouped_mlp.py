@@ -287,9 +287,35 @@ def test_fuse_activation_says_why_it_cannot_run(change, message):
         grouped_mlp(**{**args, **change})
 
 
+@pytest.mark.parametrize("shards", [2, 3, 4, 8])
+def test_gate_up_pairs_exchange_column_blocks(shards):
+    """A [g, k, 2f] kernel split in `shards` contiguous parts: gate_up_pairs gives device
+    i the gate and up columns [i f / n, (i + 1) f / n), and gate_up_unpairs returns them
+    to the contiguous parts, bit for bit (odd counts included: 3 devices)."""
+    from pallasite.kernels.expert_mlp import layouts
+    f = 6 * shards
+    w = jax.random.normal(jax.random.key(15), (2, 5, 2 * f))
+    width = f // shards
+    want = jnp.concatenate([jnp.concatenate([w[..., i * width:(i + 1) * width],
+                                             w[..., f + i * width:f + (i + 1) * width]], -1)
+                            for i in range(shards)], -1)
+    mesh = st.mesh((shards,), ("model",))
+    spec = P(None, None, "model")
+
+    def over(fn):
+        return jax.jit(jax.shard_map(lambda t: fn(t, ("model",), shards), mesh=mesh,
+                                     in_specs=spec, out_specs=spec))
+
+    with jax.set_mesh(mesh):
+        pairs = over(layouts.gate_up_pairs)(st.put(w, mesh, *spec))
+        back = over(layouts.gate_up_unpairs)(pairs)
+    np.testing.assert_array_equal(np.asarray(pairs), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(w))
+
+
 @pytest.mark.parametrize("layout", [
     "rows_explicit", "rows_auto", "experts_explicit", "rows_and_experts_explicit",
-    "rows_over_experts_explicit", "columns_explicit"])
+    "rows_over_experts_explicit", "columns_explicit", "columns_auto"])
 def test_fuse_activation_over_a_jits_mesh(layout, monkeypatch):
     """fuse_activation under jit over 8 devices: the fused gate-up keeps the rows and the
     experts split (its planner) and takes the contraction and the 2f columns whole, and
@@ -297,11 +323,14 @@ def test_fuse_activation_over_a_jits_mesh(layout, monkeypatch):
     planners (the down kernel's f split in "columns_explicit" is a split contraction
     there); the values and the four gradients are the definition's within bf16
     tolerance, for rows split over Explicit and Auto axes, experts split, both, rows
-    split over the expert axis too, and kernels split along their columns."""
+    split over the expert axis too, and kernels split along their columns over a
+    tensor-parallel axis (Explicit and Auto): the gate-up kernel stays split, exchanged
+    into gate|up pairs by collective permutes, and no collective moves a whole kernel."""
     downs = []
     seen = _record_fused(monkeypatch, downs)
     g = 8
-    a = _inputs(12, m=160, g=g, dtype=jnp.bfloat16)
+    n = 96  # apart from 2f = 128: a collective's shape tells the kernels apart
+    a = _inputs(12, m=160, g=g, n=n, dtype=jnp.bfloat16)
     gs = jnp.asarray([20, 0, 31, 9, 40, 10, 25, 15], jnp.int32)
     names = ("x", "gate_up_kernel", "down_kernel", "row_weights")
     kind = st.AUTO if layout.endswith("auto") else st.EXPLICIT
@@ -314,13 +343,13 @@ def test_fuse_activation_over_a_jits_mesh(layout, monkeypatch):
     elif layout == "experts_explicit":
         mesh = st.mesh((8,), ("expert",), kind)
         specs = (P(), P("expert"), P("expert"), P())
-    elif layout == "columns_explicit":
+    elif layout.startswith("columns_"):
         mesh = st.mesh((8,), ("model",), kind)
         specs = (P(), P(None, None, "model"), P(None, "model"), P())
     else:
         mesh = st.mesh((8,), ("data",), kind)
         specs = (P("data", None), P(), P(), P("data"))
-    cot = jax.random.normal(jax.random.key(13), (160, 128))
+    cot = jax.random.normal(jax.random.key(13), (160, n))
 
     def run(fn, args):
         def loss(*t):
@@ -343,6 +372,13 @@ def test_fuse_activation_over_a_jits_mesh(layout, monkeypatch):
                          argnums=(0, 1, 2, 3)), *args)
             moved = [s for shapes in found.values() for s in shapes]
             assert not [s for s in moved if s and s[0] == 160], found
+        if layout.startswith("columns_"):  # pairs exchanged, no kernel gathered
+            found = st.compiled_collectives(
+                jax.grad(lambda *t: jnp.sum(fused(*t).astype(jnp.float32) * cot),
+                         argnums=(0, 1, 2, 3)), *args)
+            moved = [s for shapes in found.values() for s in shapes]
+            assert found.get("collective-permute"), found
+            assert not [s for s in moved if s in ((g, 64, 128), (g, 64, n))], found
     assert set(seen) == {"pallas_triton"} and set(downs) == {"pallas_triton"}
     (_, y_ref), grads_ref = run(lambda x, wgu, wd, rw: grouped_mlp_reference(
         x, wgu, wd, gs, jnp.bfloat16, row_weights=rw), [a[k] for k in names])

@@ -3,7 +3,10 @@
 under Auto axes, the local arrays inside a caller's shard_map).
 
 The activation pairs column j of the gate with column j of the up and is not linear in
-the sums, so the contraction (k) and the columns (2f) are taken whole. The rows and the
+the sums, so the contraction (k) is taken whole, and so are the columns (2f) unless the
+axes that split them can split them in gate|up pairs (a tensor-parallel kernel: each
+device's contiguous share is exchanged for the gate and up blocks of its own f / n
+columns, gate_up_pairs, and h keeps the split). The rows and the
 experts stay split as grouped_projection's forward keeps them (grouped_matmul.layouts):
 each row shard runs its part of the global groups, each expert shard its own experts
 (their h summed over the expert axes, exact: every row has one non-zero term).
@@ -17,7 +20,8 @@ The fused down product (y = (h W_down) * row_weights, the weights in the epilogu
 linear in its sums, so its forward keeps every split grouped_projection's does (rows,
 experts, the contraction f and the columns n), the row weights laid out with h's rows.
 Its backward (dh and d row_weights from one kernel, dW_down from the grouped dkernel)
-keeps rows and experts split, as the gate-up's does; f and n are taken whole there.
+keeps rows and experts split, as the gate-up's does, and f split where h and the kernel
+split it alike (the gate-up's pairs); n is taken whole there.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import jax.numpy as jnp
 
 from pallasite.kernels import sharding
 from pallasite.kernels.grouped_matmul import layouts as grouped
-from pallasite.kernels.sharding import Plan
+from pallasite.kernels.sharding import Axes, Plan
 
 # Shardy rules for the Auto-axes path (factor names): m rows, c the contraction, q the
 # kernel's 2f columns, o the result's f columns, e the kernel's experts, G the global
@@ -47,41 +51,136 @@ DOWN_BACKWARD_RULE = "m c, e c q, G, , m, m o -> m c, e c q, m"
 DOWN_BACKWARD_REDUCTION = ("o",)
 
 
+def _pair_axes(given: Axes, f: int, axis_sizes, *taken: Axes) -> Axes:
+    """The axes that split the kernel's 2f columns, where they can be kept split in
+    gate|up pairs: each shard then holds two column blocks of f / n (n = their size), so
+    f must divide by n; and they must not shard another dimension already. () if not."""
+    axes = grouped._apart(sharding.fits(given, 2 * f, axis_sizes), *taken)
+    return axes if axes and f % sharding.size(axes, axis_sizes) == 0 else ()
+
+
+def _exchange(blocks, routes, axes: Axes):
+    """One block per device, sent along `routes` [(source, target, index of the block
+    the source sends)], every device the target of exactly one route: each device's
+    received block. One ppermute per distinct sent block; a device keeps, of what
+    arrives, the one whose route targets it."""
+    me = sharding.shard_index(axes)
+    out = None
+    for which, block in enumerate(blocks):
+        perm = [(src, dst) for src, dst, b in routes if b == which]
+        if not perm:
+            continue
+        got = jax.lax.ppermute(block, axes, perm)
+        mine = jnp.isin(me, jnp.asarray([dst for _, dst in perm], jnp.int32))
+        out = got if out is None else jnp.where(mine, got, out)
+    return out
+
+
+def gate_up_pairs(w, axes: Axes, n: int):
+    """w [g, k, 2f / n], this device's share of a kernel whose 2f columns are split over
+    `axes` in n contiguous parts, to [g, k, 2f / n] = [gate block i | up block i], the
+    same f / n columns of the gate and of the up for device i (h's columns
+    [i f / n, (i + 1) f / n)). Device d holds column blocks 2d and 2d + 1 of the 2n
+    blocks of width f / n (blocks 0..n-1 the gate's, n..2n-1 the up's): each block moves
+    to one device once, a kernel's worth of bytes in all (a gather would move n times
+    that)."""
+    if n == 1:
+        return w
+    lo, hi = jnp.split(w, 2, axis=-1)  # blocks 2d, 2d + 1
+    # block b goes to device b as its gate (b < n) or to device b - n as its up
+    gate = [(d, b, b - 2 * d) for d in range(n) for b in (2 * d, 2 * d + 1) if b < n]
+    up = [(d, b - n, b - 2 * d) for d in range(n) for b in (2 * d, 2 * d + 1) if b >= n]
+    return jnp.concatenate([_exchange((lo, hi), gate, axes),
+                            _exchange((lo, hi), up, axes)], axis=-1)
+
+
+def gate_up_unpairs(w, axes: Axes, n: int):
+    """gate_up_pairs' inverse: [gate block i | up block i] on device i back to column
+    blocks 2d and 2d + 1 on device d (a kernel gradient into the kernel's layout)."""
+    if n == 1:
+        return w
+    gate, up = jnp.split(w, 2, axis=-1)
+    # device i's gate is block i, its up block n + i; block b lands on device b // 2,
+    # first of its two (lo) when b is even
+    lo = [(i, b // 2, part) for part, i, b in _owners(n) if b % 2 == 0]
+    hi = [(i, b // 2, part) for part, i, b in _owners(n) if b % 2 == 1]
+    return jnp.concatenate([_exchange((gate, up), lo, axes),
+                            _exchange((gate, up), hi, axes)], axis=-1)
+
+
+def _owners(n: int):
+    """(0 for the gate part or 1 for the up, device i, the global block it holds)."""
+    return [(0, i, i) for i in range(n)] + [(1, i, n + i) for i in range(n)]
+
+
 def forward_planner(gate_up: Callable, *, out_dtype, shapes,
                     offset_given: bool) -> sharding.Planner:
     """gate_up(x [m, k], w [g, k, 2f], group_sizes, group_offset=..., out_dtype=...) ->
     h [m, f] on local arrays: grouped_projection's forward planner with the contraction
-    and the columns whole."""
-    return grouped.gmm_planner(gate_up, transpose_rhs=False, out_dtype=out_dtype,
-                               shapes=shapes, offset_given=offset_given, whole=True)
+    whole, and the columns whole unless their axes split them in gate|up pairs
+    (_pair_axes): then each device exchanges its column blocks for the gate and up
+    blocks of its own f / n columns (gate_up_pairs) and h keeps the split."""
+    whole = grouped.gmm_planner(gate_up, transpose_rhs=False, out_dtype=out_dtype,
+                                shapes=shapes, offset_given=offset_given, whole=True)
+    f = shapes[1][2] // 2
+
+    def plan(given, axis_sizes) -> Plan:
+        base = whole(given, axis_sizes)
+        (m_axes, _), (e_axes, _, _), *_ = base.in_dims
+        out_m = base.out_dims[0][0]
+        q_axes = _pair_axes(given[1][2], f, axis_sizes, m_axes, e_axes, out_m)
+        if not q_axes:
+            return base
+        n = sharding.size(q_axes, axis_sizes)
+
+        def local(x, w, group_sizes, group_offset):
+            return base.local(x, gate_up_pairs(w, q_axes, n), group_sizes, group_offset)
+
+        in_dims = list(base.in_dims)
+        in_dims[1] = (e_axes, (), q_axes)
+        return Plan(in_dims=tuple(in_dims), out_dims=((out_m, q_axes),), local=local)
+
+    return plan
 
 
 def backward_planner(grads: Callable, *, dtypes, shapes,
                      offset_given: bool) -> sharding.Planner:
     """grads(x, w, group_sizes, dh, group_offset=..., dtypes=(dx, dw)) -> (dx [m, k],
     dw [g_local, k, 2f]) on local arrays, over operands (x, w, group_sizes, group_offset,
-    dh). dtypes: the gradients' dtypes as the caller wants them."""
-    (m, _), (g, _, _) = shapes
+    dh). dtypes: the gradients' dtypes as the caller wants them. With the columns split
+    in gate|up pairs (as the forward keeps them) each device's dx is a partial sum over
+    its f / n columns, summed in fp32 over those axes, and its dW returns to the
+    kernel's layout (gate_up_unpairs)."""
+    (m, _), (g, _, two_f) = shapes
     dx_dtype, dw_dtype = dtypes
 
     def plan(given, axis_sizes) -> Plan:
-        (x_m, _), w_dims, _, _, (dh_m, _) = given
+        (x_m, _), w_dims, _, _, (dh_m, dh_f) = given
         rows = sharding.fits(x_m, m, axis_sizes) if x_m == dh_m else ()
         e_axes, m_axes, scatter = grouped._experts(w_dims[0], g, rows, axis_sizes)
         if scatter:  # rows over the expert axes too: the experts taken whole
             e_axes, m_axes = (), rows
+        q_axes = (_pair_axes(w_dims[2], two_f // 2, axis_sizes, m_axes, e_axes)
+                  if w_dims[2] == dh_f else ())
+        n = sharding.size(q_axes, axis_sizes)
 
         def local(x, w, group_sizes, group_offset, dh):
             sizes = grouped._rows(group_sizes, x.shape[0], m_axes)
             offset = grouped._offset(group_offset, offset_given, e_axes, w.shape[0])
+            if q_axes:
+                w = gate_up_pairs(w, q_axes, n)
             dx, dw = grads(x, w, sizes, dh, group_offset=offset,
-                           dtypes=(dx_dtype, jnp.float32 if m_axes else dw_dtype))
-            if e_axes:
+                           dtypes=(jnp.float32 if q_axes else dx_dtype,
+                                   jnp.float32 if m_axes else dw_dtype))
+            if q_axes:
+                dx = jax.lax.psum(dx, q_axes + e_axes).astype(dx_dtype)
+                dw = gate_up_unpairs(dw, q_axes, n)
+            elif e_axes:
                 dx = jax.lax.psum(dx, e_axes)
             return dx, sharding.psum_f32(dw, m_axes, dw_dtype)
 
-        return Plan(in_dims=((m_axes, ()), (e_axes, (), ()), ((),), (), (m_axes, ())),
-                    out_dims=((m_axes, ()), (e_axes, (), ())), local=local)
+        return Plan(in_dims=((m_axes, ()), (e_axes, (), q_axes), ((),), (), (m_axes, q_axes)),
+                    out_dims=((m_axes, ()), (e_axes, (), q_axes)), local=local)
 
     return plan
 
@@ -102,16 +201,20 @@ def down_backward_planner(grads: Callable, *, dtypes, shapes,
     (dh [m, f], dw [g_local, f, n], d row_weights [m] fp32) on local arrays, over operands
     (h, w, group_sizes, group_offset, row_weights, dy). dh and d row_weights are summed
     over the expert axes (exact: a row's terms come from its one expert), dW over the row
-    axes (fp32, rounded once)."""
-    (m, _), (g, _, _) = shapes
+    axes (fp32, rounded once). Where h and the kernel split f alike (the gate-up's pairs
+    over a tensor-parallel axis) f stays split: dh and dW are local to each part, and
+    d row_weights, a sum over f, is summed over those axes too."""
+    (m, f), (g, _, _) = shapes
     dh_dtype, dw_dtype = dtypes
 
     def plan(given, axis_sizes) -> Plan:
-        (h_m, _), w_dims, _, _, _, (dy_m, _) = given
+        (h_m, h_f), w_dims, _, _, _, (dy_m, _) = given
         rows = sharding.fits(h_m, m, axis_sizes) if h_m == dy_m else ()
         e_axes, m_axes, scatter = grouped._experts(w_dims[0], g, rows, axis_sizes)
         if scatter:  # rows over the expert axes too: the experts taken whole
             e_axes, m_axes = (), rows
+        f_axes = (grouped._apart(sharding.fits(h_f, f, axis_sizes), m_axes, e_axes)
+                  if h_f == w_dims[1] else ())
 
         def local(h, w, group_sizes, group_offset, row_weights, dy):
             sizes = grouped._rows(group_sizes, h.shape[0], m_axes)
@@ -119,11 +222,13 @@ def down_backward_planner(grads: Callable, *, dtypes, shapes,
             dh, dw, d_rw = grads(h, w, sizes, row_weights, dy, group_offset=offset,
                                  dtypes=(dh_dtype, jnp.float32 if m_axes else dw_dtype))
             if e_axes:
-                dh, d_rw = jax.lax.psum(dh, e_axes), jax.lax.psum(d_rw, e_axes)
+                dh = jax.lax.psum(dh, e_axes)
+            if e_axes or f_axes:
+                d_rw = jax.lax.psum(d_rw, e_axes + f_axes)
             return dh, sharding.psum_f32(dw, m_axes, dw_dtype), d_rw
 
-        row = (m_axes, ())
-        return Plan(in_dims=(row, (e_axes, (), ()), ((),), (), (m_axes,), row),
-                    out_dims=(row, (e_axes, (), ()), (m_axes,)), local=local)
+        return Plan(in_dims=((m_axes, f_axes), (e_axes, f_axes, ()), ((),), (), (m_axes,),
+                             (m_axes, ())),
+                    out_dims=((m_axes, f_axes), (e_axes, f_axes, ()), (m_axes,)), local=local)
 
     return plan
