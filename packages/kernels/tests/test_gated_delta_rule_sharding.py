@@ -1,6 +1,6 @@
 """chunk_gated_delta_rule on 8 host devices: rows or value heads sharded under jit (Explicit
-and Auto axes), packed sequences with the heads sharded, and inside a caller's
-shard_map. Values and all six gradients equal the unsharded call's; with rows or heads
+and Auto axes; the plain-JAX form and the Pallas Triton kernels), packed sequences with
+the heads sharded, and inside a caller's shard_map. Values and all six gradients equal the unsharded call's; with rows or heads
 split, the compiled program moves no array of the inputs' size."""
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ def _inputs(seed=0, b=B, n=None):
             jax.random.normal(ks[5], (n or b, HV, K, V)))
 
 
-def _loss(*args, cu_seqlens=None):
+def _loss(*args, cu_seqlens=None, chunk_size=32, implementation=None):
     o, final = chunk_gated_delta_rule(*args[:5], initial_state=args[5], output_final_state=True,
-                                      cu_seqlens=cu_seqlens, chunk_size=32)
+                                      cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+                                      implementation=implementation)
     weights = jnp.cos(jnp.arange(o.size, dtype=jnp.float32)).reshape(o.shape)
     return jnp.sum(o * weights) + jnp.sum(final ** 2)
 
@@ -78,6 +79,26 @@ def test_rows_or_heads_split_under_jit(axis_type, split):
     # under Auto axes, may gather the initial state's rows).
     moved = [s for shapes in found.values() for s in st.big(shapes)]
     assert all(int(np.prod(s)) <= B * HV * K * V for s in moved), found
+
+
+@pytest.mark.parametrize("axis_type", [st.EXPLICIT, st.AUTO], ids=["explicit", "auto"])
+@pytest.mark.parametrize("split", ["rows", "heads"])
+def test_the_kernels_keep_rows_or_heads_local_under_jit(axis_type, split):
+    """pallas_triton (interpreted) with rows or heads over 4 devices: under Auto axes
+    each pass (the forward with its residuals, the backward) is a custom_partitioning
+    that keeps the rows or heads local, as a shard_map does under Explicit axes; values
+    and gradients equal the unsharded call's, and no collective moves more than a
+    scalar (the kernels are not handed gathered arrays)."""
+    b, t = 4, 48
+    args = tuple(a[:b, :t] for a in _inputs(seed=7))
+    mesh = st.mesh((4,), ("x",), axis_type, devices=jax.devices()[:4])
+    loss = functools.partial(_loss, implementation="pallas_triton", chunk_size=16)
+    placed = _placed(args, mesh, split)
+    with jax.set_mesh(mesh):
+        got = _grads(loss, placed)
+        found = st.compiled_collectives(jax.grad(loss, argnums=tuple(range(6))), *placed)
+    _assert_close(got, _grads(loss, args))
+    assert not [s for shapes in found.values() for s in st.big(shapes)], found
 
 
 def test_heads_split_with_packed_sequences():

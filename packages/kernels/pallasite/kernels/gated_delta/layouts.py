@@ -14,6 +14,12 @@ and value heads are independent and keep the mesh axes that shard them, taken fr
     the exchange gives it.
 Everything else is resharded replicated. Under Auto axes and inside a shard_map XLA
 partitions the plain-JAX form itself, and no planner runs.
+
+The Pallas Triton kernels run each pass (the forward with its residuals, the backward)
+through `sharding.run` with `pass_planners`: under Auto axes a custom_partitioning per
+pass keeps the rows and heads the compiler gave the operands local (the same choice as
+above, time whole), so the kernels are not handed whole arrays; under Explicit axes and
+in a shard_map the planner above, or the caller, has made the operands local already.
 """
 
 from __future__ import annotations
@@ -49,3 +55,74 @@ def planner(forward_over: Callable, q_shape, v_shape, packed: bool, *,
         return Plan(in_dims=in_dims, out_dims=(x, state), local=forward_over(time))
 
     return plan
+
+
+# The residuals the Pallas Triton forward keeps for its backward (pallas_triton._kernels):
+# each one's dimensions as Shardy factor names (b rows, c chunks, s and r steps in a
+# chunk, h value heads, j key heads, d K, e V). "positions" (packed sequences only) is
+# the steps' places in the layout, replicated.
+RESIDUALS = {
+    "q": "b c s j d", "k": "b c s j d", "v": "b c s h e", "hi": "b c s h", "lo": "b c s h",
+    "beta": "b c s h", "inv": "b c h s r", "w": "b c s h d", "states": "b c h d e",
+    "u": "b c s h e", "entering": "b c", "leaving": "b c", "positions": "t",
+}
+
+
+def residual_names(packed: bool) -> tuple[str, ...]:
+    return tuple(n for n in RESIDUALS if packed or n != "positions")
+
+
+def pass_rules(packed: bool, residuals: bool = True) -> tuple[str, str]:
+    """The Shardy rules of the Pallas Triton forward (q, k, v, g, beta, initial_state[,
+    cu_seqlens] -> o, finals[, residuals]) and backward (residuals, do, dfinal -> dq, dk,
+    dv, dg, dbeta, d initial_state). T is the steps; packed sequences' states count
+    sequences (n), not rows, and cu_seqlens has its own factor (N)."""
+    state = "n h d e" if packed else "b h d e"
+    saved = ", ".join(RESIDUALS[n] if n != "positions" else "T"
+                      for n in residual_names(packed))
+    inputs = f"b T j d, b T j d, b T h e, b T h, b T h, {state}" + (", N" if packed else "")
+    grads = f"b T j d, b T j d, b T h e, b T h, b T h, {state}"
+    outputs = f"b T h e, {state}" + (f", {saved}" if residuals else "")
+    return f"{inputs} -> {outputs}", f"{saved}, b T h e, {state} -> {grads}"
+
+
+def pass_planners(forward: Callable, backward: Callable, *, batch_size: int, key_heads: int,
+                  value_heads: int, packed: bool,
+                  residuals: bool = True) -> tuple[sharding.Planner, sharding.Planner]:
+    """Planners for the kernels' two passes on local arrays: forward(q, k, v, g, beta,
+    initial_state[, cu_seqlens]) -> (o, finals[, *residuals in residual_names order])
+    and backward(*residuals, do, dfinal) -> (dq, dk, dv, dg, dbeta, d initial_state).
+    Rows and heads stay split as `planner` keeps them (time whole); every residual is
+    laid out by its rows and heads (RESIDUALS), so the backward finds them where the
+    forward left them. The gradients need no sum: a shard's key heads are read by its
+    own value heads only."""
+    names = residual_names(packed)
+
+    def local_axes(v_dims, axis_sizes):
+        batch = () if packed else sharding.fits(v_dims[0], batch_size, axis_sizes)
+        head = sharding.fits(tuple(a for a in v_dims[2] if a not in batch), value_heads,
+                             axis_sizes)
+        if head and key_heads % sharding.size(head, axis_sizes):
+            head = ()
+        return batch, head
+
+    def dims(batch, head):
+        factor = {"b": batch, "h": head, "j": head}
+        x = (batch, (), head, ())
+        gate = (batch, (), head)
+        state = (batch, head, (), ())
+        saved = tuple(tuple(factor.get(f, ()) for f in RESIDUALS[n].split()) for n in names)
+        return x, gate, state, saved
+
+    def forward_plan(given, axis_sizes) -> Plan:
+        x, gate, state, saved = dims(*local_axes(given[2], axis_sizes))
+        in_dims = (x, x, x, gate, gate, state) + (((),) if packed else ())
+        return Plan(in_dims=in_dims, out_dims=(x, state) + (saved if residuals else ()),
+                    local=forward)
+
+    def backward_plan(given, axis_sizes) -> Plan:
+        x, gate, state, saved = dims(*local_axes(given[len(names)], axis_sizes))
+        return Plan(in_dims=saved + (x, state), out_dims=(x, x, x, gate, gate, state),
+                    local=backward)
+
+    return forward_plan, backward_plan

@@ -560,14 +560,58 @@ def _config_kwargs(config: _Config) -> dict:
                 interpret=config.interpret, block_sizes=dict(config.block_sizes))
 
 
+# Each pass runs through sharding.run (layouts.pass_planners): under Auto axes a
+# custom_partitioning keeps the operands' rows and heads local; elsewhere the arrays are
+# local already and it is a plain call.
+def _passes(config: _Config, *, batch_size, key_heads, value_heads, packed: bool,
+            residuals: bool = True):
+    """(residual names, (forward, backward) planners, their rules, sharding.run's
+    options) for these shapes; the forward returns the residuals when `residuals`."""
+    from pallasite.kernels.gated_delta import layouts, pallas_triton_bwd  # they import this
+
+    names = layouts.residual_names(packed)
+    kwargs = _config_kwargs(config)
+
+    def forward(q, k, v, g, beta, init, *cu):
+        out = _kernels(q, k, v, g, beta, init, cu[0] if cu else None, residuals=residuals,
+                       **kwargs)
+        return out[:2] + (tuple(out[2][n] for n in names) if residuals else ())
+
+    def backward(*operands):
+        saved, (do, dfinal) = dict(zip(names, operands)), operands[len(names):]
+        bs = _resolve(dict(config.block_sizes), batch=do.shape[0], length=do.shape[1],
+                      hv=do.shape[2], dk=saved["q"].shape[4], dv=do.shape[3],
+                      chunk=config.chunk_size, dtype=saved["w"].dtype)
+        return pallas_triton_bwd.backward(
+            saved, do, dfinal, scale=config.scale, length=do.shape[1], l2norm=config.l2norm,
+            block_v=bs.block_v, grads_block_v=bs.grads_block_v, interpret=config.interpret)
+
+    planners = layouts.pass_planners(forward, backward, batch_size=batch_size,
+                                     key_heads=key_heads, value_heads=value_heads,
+                                     packed=packed, residuals=residuals)
+    rules = layouts.pass_rules(packed, residuals)
+    return names, planners, rules, sharding.backend_options("pallas_triton", config.interpret)
+
+
+def _forward_pass(config, q, k, v, g, beta, init, cu_seqlens, residuals: bool):
+    """(o, finals[, residuals dict]) of the kernels, over sharding.run."""
+    packed = cu_seqlens is not None
+    names, (plan, _), (rule, _), options = _passes(
+        config, batch_size=q.shape[0], key_heads=q.shape[2], value_heads=v.shape[2],
+        packed=packed, residuals=residuals)
+    args = (q, k, v, g, beta, init) + ((cu_seqlens,) if packed else ())
+    o, finals, *saved = sharding.run(plan, args, rule=rule, **options)
+    return (o, finals) + ((dict(zip(names, saved)),) if residuals else ())
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _chunked(q, k, v, g, beta, init, cu_seqlens, config: _Config):
-    return _kernels(q, k, v, g, beta, init, cu_seqlens, **_config_kwargs(config))
+    return _forward_pass(config, q, k, v, g, beta, init, cu_seqlens, residuals=False)
 
 
 def _chunked_fwd(q, k, v, g, beta, init, cu_seqlens, config):
-    o, finals, saved = _kernels(q, k, v, g, beta, init, cu_seqlens, residuals=True,
-                                **_config_kwargs(config))
+    o, finals, saved = _forward_pass(config, q, k, v, g, beta, init, cu_seqlens,
+                                     residuals=True)
     # The inputs' dtypes, for the gradients, as zero scalars (residuals are arrays).
     dtypes = tuple(jnp.zeros((), t.dtype) for t in (q, k, v, g, beta, init))
     return (o, finals), (saved, dtypes)
@@ -575,17 +619,13 @@ def _chunked_fwd(q, k, v, g, beta, init, cu_seqlens, config):
 
 def _chunked_bwd(config, residuals, cotangents):
     """The backward kernels (pallas_triton_bwd.py) on the forward's residuals."""
-    from pallasite.kernels.gated_delta import pallas_triton_bwd  # it imports this module
-
     saved, dtypes = residuals
     do, dfinal = cotangents
-    bs = _resolve(dict(config.block_sizes), batch=do.shape[0], length=do.shape[1],
-                  hv=do.shape[2], dk=saved["q"].shape[4], dv=do.shape[3],
-                  chunk=config.chunk_size, dtype=saved["w"].dtype)
-    dq, dk, dv, dg, dbeta, dinit = pallas_triton_bwd.backward(
-        saved, do, dfinal, scale=config.scale, length=do.shape[1], l2norm=config.l2norm,
-        block_v=bs.block_v, grads_block_v=bs.grads_block_v, interpret=config.interpret)
-    grads = (dq, dk, dv, dg, dbeta, dinit)
+    (b, _, _, hk, _), hv = saved["q"].shape, saved["v"].shape[3]
+    names, (_, plan), (_, rule), options = _passes(
+        config, batch_size=b, key_heads=hk, value_heads=hv, packed="positions" in saved)
+    args = tuple(saved[n] for n in names) + (do, dfinal.astype(F32))
+    grads = sharding.run(plan, args, rule=rule, **options)
     return tuple(gr.astype(d.dtype) for gr, d in zip(grads, dtypes)) + (None,)
 
 

@@ -379,7 +379,7 @@ def backward(residuals, do, dfinal, *, scale, length: int, l2norm: bool, block_v
         (q, k), pull_norm = jax.vjp(lambda a, c: (_l2norm(a), _l2norm(c)),
                                     q.astype(F32), k.astype(F32))
         q, k = q.astype(cd), k.astype(cd)
-    positions = r["positions"]
+    positions = r.get("positions")  # packed sequences only
     do = packing.in_layout(do.astype(cd), length, padded, positions)
     do = do.reshape(b, nc, chunk, hv, dv)
     d_exit, du, dinit = _reverse_pass(q, k, r["w"], r["hi"], r["lo"], do, r["entering"],
