@@ -195,6 +195,35 @@ def test_interpret_triton_down_weighted_and_its_gradient(sizes):
     assert_close(d_rw, d_rw_ref, dtype=jnp.float32, tol=EXACT_FP32, what="d row_weights")
 
 
+def test_mosaic_gpu_down_weighted_is_composed_from_its_gmm():
+    """Mosaic GPU has no fused down kernel: ops.down_weighted composes the same contract
+    from its grouped gmm (interpreted) and fp32 elementwise work, y rounded once, and the
+    backward gets dh and d row_weights from t = dy W^T, keeping h (not y); values and
+    the three gradients against the definition."""
+    assert not ops.has_down_weighted("pallas_mosaic_gpu")
+    m, f, n = 256, 64, 128
+    gs = jnp.array([100, 0, 90, 30], jnp.int32)  # 36 rows past the total
+    k = jax.random.split(jax.random.key(21), 4)
+    h = jax.random.normal(k[0], (m, f)).astype(BF16)
+    w = (jax.random.normal(k[1], (4, f, n)) / 8).astype(BF16)
+    rw = jax.random.uniform(k[2], (m,), minval=0.1, maxval=1.0)
+    dy = jax.random.normal(k[3], (m, n), jnp.float32)
+
+    def ours(a, b, r):
+        return ops.down_weighted(a, b, gs, r, BF16, backend="pallas_mosaic_gpu",
+                                 interpret=True)
+
+    def definition(a, b, r):
+        return gmm_reference(a.astype(jnp.float32), b.astype(jnp.float32), gs) * r[:, None]
+
+    y, vjp = jax.vjp(ours, h, w, rw)
+    y_ref, vjp_ref = jax.vjp(definition, h, w, rw)
+    assert y.dtype == BF16 and not np.asarray(y[220:], np.float32).any()
+    assert_close(y, y_ref, dtype=BF16, what="y")
+    for got, want, name in zip(vjp(dy.astype(BF16)), vjp_ref(dy), ("dh", "dW", "d_rw")):
+        assert_close(got, want, dtype=BF16, what=name)
+
+
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_gate_up_refuses_bad_arguments(backend):
     x, w = _operands(0, 64, 64, 64, 2)
@@ -238,12 +267,11 @@ def test_gate_up_lowers_for_cuda_from_cpu(backend, activation, monkeypatch):
 
     fns = [lambda a, b, c: BACKENDS[backend].gate_up(a, b, c, activation=activation),
            jax.grad(loss, argnums=(0, 1))]
-    if ops.has_down_weighted(backend):  # the down product with the row weights, and its grad
-        def down_loss(a, b, c):  # x as h [m, k], the [g, k, 2f] kernel as a down kernel
-            y = ops.down_weighted(a, b, c, jnp.ones((m,), jnp.float32), BF16,
-                                  backend=backend)
-            return jnp.sum(y.astype(jnp.float32))
-        fns.append(jax.grad(down_loss, argnums=(0, 1)))
+    def down_loss(a, b, c):  # the down product with the row weights, and its gradient:
+        # x as h [m, k], the [g, k, 2f] kernel as a down kernel
+        y = ops.down_weighted(a, b, c, jnp.ones((m,), jnp.float32), BF16, backend=backend)
+        return jnp.sum(y.astype(jnp.float32))
+    fns.append(jax.grad(down_loss, argnums=(0, 1)))
     for fn in fns:
         with jax.sharding.use_abstract_mesh(mesh):
             text = export.export(
@@ -281,9 +309,12 @@ def test_gpu_gate_up_and_gradients(backend, activation):
 
 
 @pytest.mark.gpu
-def test_gpu_triton_down_weighted_and_gradients():
-    if not platform.triton_runs():
-        pytest.skip("Pallas Triton does not run on this GPU")
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_gpu_down_weighted_and_gradients(backend):
+    """Triton's fused down product, and Mosaic GPU's composed one (its grouped gmm, then
+    the weights on the fp32 sums), against the definition."""
+    if not _gpu_runs(backend):
+        pytest.skip(f"{backend} does not run on this GPU")
     m, f, n, g = 4096, 768, 512, 8
     gs = random_group_sizes(jax.random.key(7), m, g, total=3900)
     k = jax.random.split(jax.random.key(8), 4)
@@ -293,7 +324,7 @@ def test_gpu_triton_down_weighted_and_gradients():
     dy = jax.random.normal(k[3], (m, n), jnp.float32)
 
     def ours(a, b, r):
-        return ops.down_weighted(a, b, gs, r, BF16, backend="pallas_triton")
+        return ops.down_weighted(a, b, gs, r, BF16, backend=backend)
 
     def definition(a, b, r):
         return gmm_reference(a.astype(jnp.float32), b.astype(jnp.float32), gs) * r[:, None]

@@ -20,16 +20,18 @@ the down product's own quantizer, not by the gate-up epilogue).
 
 With `fuse_activation=True` the gate-up runs fused (expert_mlp.ops: act(gate) * up in
 the kernel's epilogue, h rounded once, the pre-activation recomputed in the backward),
-and on Triton the down product takes the row weights in its epilogue (y rounded once;
-dh and d row_weights from one kernel). It is a memory trade, not a speed-up: measured on
+and the down product takes the row weights on its fp32 sums (y rounded once; on Triton
+in its epilogue, dh and d row_weights from one kernel; on Mosaic GPU composed around its
+grouped gmm), its backward keeping h and not y. It is a memory trade, not a speed-up: measured on
 an H200 (docs/grouped_mlp.md) the fused forward runs from 2% faster to 8% slower than
 the composition, and the backward pays one more gate-up product (9-19% more time
 fwd+bwd) for keeping no [m, 2f] pre-activation. It runs on a fused backend (the one named, or with
 implementation=None the first of ops.FUSED_BACKENDS that can run here) when nothing
 asks for more than it does (_fused_refusal): 16-bit compute, no recipe or block sizes,
 first-order reverse mode at most; else it raises, naming why. Over a jit's mesh
-(Explicit or Auto axes) the fused gate-up keeps the rows and the experts split and takes
-the contraction and the 2f columns whole (expert_mlp.layouts); inside a shard_map it
+(Explicit or Auto axes) the fused gate-up keeps the rows and the experts split, takes
+the contraction whole and keeps a tensor-parallel split of the 2f columns in gate|up
+pairs (expert_mlp.layouts); inside a shard_map it
 runs on the local arrays.
 """
 
@@ -103,7 +105,7 @@ def grouped_mlp(
         pre = grouped_projection(x, gate_up_kernel, group_sizes, compute, interpret_on_cpu,
                                  **product)
         h = _activate_saving_input(pre, activation, compute)
-    if backend is not None and row_weights is not None and ops.has_down_weighted(backend):
+    if backend is not None and row_weights is not None:
         return ops.down_weighted(h, down_kernel, group_sizes, row_weights, compute,
                                  backend=backend, group_offset=group_offset,
                                  interpret=interpret)

@@ -113,19 +113,45 @@ _gate_up.defvjp(_forward, _backward)
 
 
 def has_down_weighted(backend: str) -> bool:
-    """Whether the backend fuses the row weights into the down product (down_weighted)."""
+    """Whether the backend fuses the row weights into the down product's kernels
+    (down_weighted); the others compose them around its grouped products (_down_pieces)."""
     return hasattr(_modules(backend)[0], "down_weighted")
+
+
+def _down_pieces(backend: str):
+    """(down_weighted, down_weighted_grad) of the backend: its fused kernels, or the same
+    contracts composed from its grouped gmm and elementwise fp32 work (the sums scaled,
+    then rounded once; t = dy W_down^T in fp32, then dh = weights * t and d row_weights
+    = sum over f of h * t). Either way the backward needs h and the weights, not y."""
+    fused, grouped = _modules(backend)
+    if has_down_weighted(backend):
+        return fused.down_weighted, fused.down_weighted_grad
+
+    def down_weighted(h, w, group_sizes, row_weights, *, group_offset=None, out_dtype=None,
+                      interpret=False):
+        sums = grouped.gmm(h, w, group_sizes, group_offset=group_offset, out_dtype=_F32,
+                           interpret=interpret)
+        return (sums * row_weights.astype(_F32)[:, None]).astype(out_dtype or h.dtype)
+
+    def down_weighted_grad(dy, w, group_sizes, row_weights, h, *, group_offset=None,
+                           interpret=False):
+        t = grouped.gmm(dy, w, group_sizes, group_offset=group_offset, transpose_rhs=True,
+                        out_dtype=_F32, interpret=interpret)
+        dh = (t * row_weights.astype(_F32)[:, None]).astype(h.dtype)
+        return dh, jnp.sum(h.astype(_F32) * t, axis=1)
+
+    return down_weighted, down_weighted_grad
 
 
 def down_weighted(h, down_kernel, group_sizes, row_weights, compute, *, backend: str,
                   group_offset=None, interpret: bool = False):
-    """y = (h W_down) * row_weights in `compute`, the weights applied to the fp32 sums in
-    the kernel's epilogue; differentiable in h, down_kernel and row_weights. The backward
-    gets dh and d row_weights from one kernel (its epilogue forms both from the same
-    tiles, with no pass over y) and dW_down from the grouped dkernel on dy * weights.
-    backend: one with has_down_weighted (Triton)."""
-    if not has_down_weighted(backend):
-        raise ValueError(f"backend={backend!r} has no fused down product")
+    """y = (h W_down) * row_weights in `compute`, the weights applied to the fp32 sums
+    (in the kernel's epilogue where the backend fuses them, has_down_weighted), y rounded
+    once; differentiable in h, down_kernel and row_weights. The backward gets dh and
+    d row_weights from t = dy W_down^T (one kernel where fused: its epilogue forms both
+    from the same tiles, with no pass over y) and dW_down from the grouped dkernel on
+    dy * weights; it keeps h and the weights, never y. backend: one of FUSED_BACKENDS."""
+    _modules(backend)
     offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
     return _down(backend, group_offset is None, bool(interpret), jnp.dtype(compute), h,
                  down_kernel, group_sizes, row_weights, offset)
@@ -139,11 +165,11 @@ def _down(backend, all_groups, interpret, compute, h, w, group_sizes, row_weight
 
 def _down_forward(backend, all_groups, interpret, compute, h, w, group_sizes, row_weights,
                   offset):
-    fused, _ = _modules(backend)
+    weighted, _ = _down_pieces(backend)
 
     def down(h_c, w_c, sizes, rw, *, group_offset, out_dtype):
-        return fused.down_weighted(h_c, w_c, sizes, rw, out_dtype=out_dtype,
-                                   group_offset=group_offset, interpret=interpret)
+        return weighted(h_c, w_c, sizes, rw, out_dtype=out_dtype, group_offset=group_offset,
+                        interpret=interpret)
 
     operands = (h.astype(compute), w.astype(compute), group_sizes, offset,
                 row_weights.astype(_F32))
@@ -157,7 +183,8 @@ def _down_forward(backend, all_groups, interpret, compute, h, w, group_sizes, ro
 
 def _down_backward(backend, all_groups, interpret, compute, residuals, dy):
     h, w, group_sizes, row_weights, offset = residuals
-    fused, grouped = _modules(backend)
+    _, grouped = _modules(backend)
+    _, weighted_grad = _down_pieces(backend)
 
     operands = (h.astype(compute), w.astype(compute), group_sizes, offset,
                 row_weights.astype(_F32), dy.astype(compute))
@@ -166,7 +193,7 @@ def _down_backward(backend, all_groups, interpret, compute, residuals, dy):
 
     def grads(h_c, w_c, sizes, rw, dy, *, group_offset, dtypes):
         local = dict(group_offset=group_offset, interpret=interpret)
-        dh, d_rw = fused.down_weighted_grad(dy, w_c, sizes, rw, h_c, **local)
+        dh, d_rw = weighted_grad(dy, w_c, sizes, rw, h_c, **local)
         dy_weighted = (dy.astype(_F32) * rw[:, None]).astype(compute)
         dw = grouped.tgmm(h_c, dy_weighted, sizes, num_groups=w_c.shape[0],
                           out_dtype=dtypes[1], **local)
