@@ -31,7 +31,9 @@ q and k are L2-normalised in each kernel that reads them when asked
 The backward is two more kernels (pallas_triton_bwd.py: a reverse state pass and the
 chunk gradients) behind a jax.custom_vjp, on the forward's residuals: the layout's
 inputs, G's pair, W, the entry states, u and, stored by the prep only then, T = (I +
-A)^-1 in fp32.
+A)^-1 in fp32. Each pass runs through sharding.run (layouts.pass_planners): under Auto
+axes a custom_partitioning keeps the rows and heads the compiler gave the operands
+local, residuals included; elsewhere it is a plain call on the arrays as given.
 """
 
 from __future__ import annotations
