@@ -76,41 +76,37 @@ def _exchange(blocks, routes, axes: Axes):
     return out
 
 
+def _blocks(n: int):
+    """Where each column block goes: (device d, its block s (0 for column block 2d, 1 for
+    2d + 1), part (0 the gate, 1 the up), device i whose part it is). Of the 2n blocks of
+    width f / n, blocks 0..n-1 are the gate's and n..2n-1 the up's: block b is part
+    b // n of device b % n."""
+    return [(d, s, (2 * d + s) // n, (2 * d + s) % n) for d in range(n) for s in (0, 1)]
+
+
 def gate_up_pairs(w, axes: Axes, n: int):
     """w [g, k, 2f / n], this device's share of a kernel whose 2f columns are split over
     `axes` in n contiguous parts, to [g, k, 2f / n] = [gate block i | up block i], the
     same f / n columns of the gate and of the up for device i (h's columns
-    [i f / n, (i + 1) f / n)). Device d holds column blocks 2d and 2d + 1 of the 2n
-    blocks of width f / n (blocks 0..n-1 the gate's, n..2n-1 the up's): each block moves
-    to one device once, a kernel's worth of bytes in all (a gather would move n times
-    that)."""
+    [i f / n, (i + 1) f / n)). Device d holds column blocks 2d and 2d + 1 (_blocks):
+    each block moves to one device once, a kernel's worth of bytes in all (a gather
+    would move n times that)."""
     if n == 1:
         return w
-    lo, hi = jnp.split(w, 2, axis=-1)  # blocks 2d, 2d + 1
-    # block b goes to device b as its gate (b < n) or to device b - n as its up
-    gate = [(d, b, b - 2 * d) for d in range(n) for b in (2 * d, 2 * d + 1) if b < n]
-    up = [(d, b - n, b - 2 * d) for d in range(n) for b in (2 * d, 2 * d + 1) if b >= n]
-    return jnp.concatenate([_exchange((lo, hi), gate, axes),
-                            _exchange((lo, hi), up, axes)], axis=-1)
+    held = jnp.split(w, 2, axis=-1)  # blocks 2d, 2d + 1
+    gate, up = ([(d, i, s) for d, s, p, i in _blocks(n) if p == part] for part in (0, 1))
+    return jnp.concatenate([_exchange(held, gate, axes), _exchange(held, up, axes)], axis=-1)
 
 
 def gate_up_unpairs(w, axes: Axes, n: int):
-    """gate_up_pairs' inverse: [gate block i | up block i] on device i back to column
-    blocks 2d and 2d + 1 on device d (a kernel gradient into the kernel's layout)."""
+    """gate_up_pairs' inverse, along the same routes reversed: [gate block i | up block
+    i] on device i back to column blocks 2d and 2d + 1 on device d (a kernel gradient
+    into the kernel's layout)."""
     if n == 1:
         return w
-    gate, up = jnp.split(w, 2, axis=-1)
-    # device i's gate is block i, its up block n + i; block b lands on device b // 2,
-    # first of its two (lo) when b is even
-    lo = [(i, b // 2, part) for part, i, b in _owners(n) if b % 2 == 0]
-    hi = [(i, b // 2, part) for part, i, b in _owners(n) if b % 2 == 1]
-    return jnp.concatenate([_exchange((gate, up), lo, axes),
-                            _exchange((gate, up), hi, axes)], axis=-1)
-
-
-def _owners(n: int):
-    """(0 for the gate part or 1 for the up, device i, the global block it holds)."""
-    return [(0, i, i) for i in range(n)] + [(1, i, n + i) for i in range(n)]
+    parts = jnp.split(w, 2, axis=-1)  # gate, up
+    lo, hi = ([(i, d, p) for d, s, p, i in _blocks(n) if s == held] for held in (0, 1))
+    return jnp.concatenate([_exchange(parts, lo, axes), _exchange(parts, hi, axes)], axis=-1)
 
 
 def forward_planner(gate_up: Callable, *, out_dtype, shapes,

@@ -30,6 +30,17 @@ from pallasite.kernels import sharding
 from pallasite.kernels.sharding import Plan
 
 
+def _rows_and_heads(v_dims, axis_sizes, batch_size: int, key_heads: int, value_heads: int,
+                    packed: bool):
+    """(batch axes, head axes) kept local, from v's layout (module docstring)."""
+    batch = () if packed else sharding.fits(v_dims[0], batch_size, axis_sizes)
+    head = sharding.fits(tuple(a for a in v_dims[2] if a not in batch), value_heads,
+                         axis_sizes)
+    if head and key_heads % sharding.size(head, axis_sizes):
+        head = ()
+    return batch, head
+
+
 def planner(forward_over: Callable, q_shape, v_shape, packed: bool, *,
             split_sequence: bool = True) -> sharding.Planner:
     """forward_over(time_axes) -> forward(q, k, v, g, beta, initial_state[, cu_seqlens])
@@ -39,11 +50,8 @@ def planner(forward_over: Callable, q_shape, v_shape, packed: bool, *,
 
     def plan(given, axis_sizes) -> Plan:
         v_dims = given[2]
-        batch = () if packed else sharding.fits(v_dims[0], batch_size, axis_sizes)
-        head = sharding.fits(tuple(a for a in v_dims[2] if a not in batch), value_heads,
-                             axis_sizes)
-        if head and key_heads % sharding.size(head, axis_sizes):
-            head = ()
+        batch, head = _rows_and_heads(v_dims, axis_sizes, batch_size, key_heads,
+                                      value_heads, packed)
         time = ()
         if split_sequence and not packed:
             time = sharding.fits(tuple(a for a in v_dims[1] if a not in batch + head),
@@ -99,12 +107,8 @@ def pass_planners(forward: Callable, backward: Callable, *, batch_size: int, key
     names = residual_names(packed)
 
     def local_axes(v_dims, axis_sizes):
-        batch = () if packed else sharding.fits(v_dims[0], batch_size, axis_sizes)
-        head = sharding.fits(tuple(a for a in v_dims[2] if a not in batch), value_heads,
-                             axis_sizes)
-        if head and key_heads % sharding.size(head, axis_sizes):
-            head = ()
-        return batch, head
+        return _rows_and_heads(v_dims, axis_sizes, batch_size, key_heads, value_heads,
+                               packed)
 
     def dims(batch, head):
         factor = {"b": batch, "h": head, "j": head}
