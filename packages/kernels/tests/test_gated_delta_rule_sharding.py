@@ -1,7 +1,9 @@
 """chunk_gated_delta_rule on 8 host devices: rows or value heads sharded under jit (Explicit
 and Auto axes; the plain-JAX form and the Pallas Triton kernels), packed sequences with
-the heads sharded, and inside a caller's shard_map. Values and all six gradients equal the unsharded call's; with rows or heads
-split, the compiled program moves no array of the inputs' size."""
+the heads sharded, the sequence split over devices (unpacked and packed, under Explicit
+axes and inside a caller's shard_map), and inside a caller's shard_map. Values and all
+six gradients equal the unsharded call's; with rows or heads split, the compiled program
+moves no array of the inputs' size, and with the sequence split only state-sized ones."""
 
 from __future__ import annotations
 
@@ -202,36 +204,87 @@ def test_the_sequence_split_inside_a_callers_shard_map(implementation):
     _assert_close(got, _grads(lambda *a: loss_of(*whole(*a)), args))
 
 
-def test_the_sequence_split_refuses_packed_sequences_by_name():
-    args = _sequence_inputs(seed=6)
-    args = tuple(t[:1] for t in args[:5]) + (args[5][:2],)
-    mesh = st.mesh((2,), ("x",), st.AUTO, devices=jax.devices()[:2])
-    cu = jnp.asarray([0, 40, TS // 2], jnp.int32)
+# Packed over 8 parts of 12 steps: an empty sequence, a boundary on a part's edge (24),
+# a one-step sequence, and one that crosses four parts (31-70).
+PACKED_CU = (0, 5, 5, 24, 30, 31, 70, TS)
+
+
+def _packed_inputs(seed):
+    args = _sequence_inputs(seed)
+    n = len(PACKED_CU) - 1
+    init = jax.random.normal(jax.random.key(seed + 100), (n, HV, K, V))
+    return tuple(t[:1] for t in args[:5]) + (init,), jnp.asarray(PACKED_CU, jnp.int32)
+
+
+def _state_sized(found, states):
+    """Every collective of the compiled program moves at most `states` states."""
+    moved = [s for shapes in found.values() for s in st.big(shapes)]
+    assert moved, "expected the entering-state exchange"
+    assert all(int(np.prod(s)) <= states * HV * K * max(K, V) for s in moved), found
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_triton"])
+def test_packed_sequences_split_under_explicit_axes(implementation):
+    """cu_seqlens with T over 8 devices under jit: the packed row stays split, a
+    sequence crossing parts carries its state through the exchange, each final state
+    comes from the part holding its last step, and values and all six gradients equal
+    the unsharded call's. Only state-sized arrays move."""
+    args, cu = _packed_inputs(seed=7)
+    loss = functools.partial(_loss, cu_seqlens=cu, chunk_size=16,
+                             implementation=implementation)
+    mesh = st.mesh((8,), ("x",), st.EXPLICIT)
+    placed = _time_split(args, mesh)
+    with jax.set_mesh(mesh):
+        got = _grads(loss, placed)
+        found = st.compiled_collectives(jax.grad(loss, argnums=tuple(range(6))), *placed)
+    _assert_close(got, _grads(loss, args))
+    _state_sized(found, 8 * len(PACKED_CU))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_triton"])
+def test_packed_sequences_split_inside_a_callers_shard_map(implementation):
+    """A caller's shard_map splits a packed row over 4 devices (parts of 24 steps) and
+    passes the whole row's cu_seqlens with sequence_axes: values and gradients equal
+    the unsharded call's (xla under check_vma, pallas_triton interpreted without)."""
+    args, cu = _packed_inputs(seed=9)
+    mesh = st.mesh((4,), ("x",), st.AUTO, devices=jax.devices()[:4])
+    kw = dict(output_final_state=True, chunk_size=16, implementation=implementation,
+              cu_seqlens=cu)
+
+    def loss_of(o, final):
+        weights = jnp.cos(jnp.arange(o.size, dtype=jnp.float32)).reshape(o.shape)
+        return jnp.sum(o * weights) + jnp.sum(final ** 2)
 
     def local(*a):
-        return chunk_gated_delta_rule(*a[:5], initial_state=a[5], cu_seqlens=cu,
+        return chunk_gated_delta_rule(*a[:5], initial_state=a[5], sequence_axes="x", **kw)
+
+    t_spec = P(None, "x")
+    split = jax.shard_map(local, mesh=mesh, in_specs=(t_spec,) * 5 + (P(),),
+                          out_specs=(t_spec, P()), check_vma=implementation == "xla")
+    whole = lambda *a: chunk_gated_delta_rule(*a[:5], initial_state=a[5], **kw)  # noqa: E731
+    _assert_close(jax.jit(split)(*args), whole(*args))
+    got = _grads(lambda *a: loss_of(*split(*a)), args)
+    _assert_close(got, _grads(lambda *a: loss_of(*whole(*a)), args))
+
+
+def test_sequence_axes_and_a_split_packed_row_are_checked_by_name():
+    """With sequence_axes, cu_seqlens must end at the whole row's length (4 parts of
+    24 steps: 96), and sequence_axes must name the shard_map's manual axes."""
+    args, _ = _packed_inputs(seed=6)
+    mesh = st.mesh((4,), ("x",), st.AUTO, devices=jax.devices()[:4])
+    part_only = jnp.asarray([0, 10, TS // 4], jnp.int32)
+
+    def local(*a):
+        return chunk_gated_delta_rule(*a[:5], initial_state=a[5][:2], cu_seqlens=part_only,
                                       sequence_axes="x")
 
-    with pytest.raises(NotImplementedError, match="cu_seqlens"):
+    with pytest.raises(ValueError, match="end at the length 96"):
         jax.shard_map(local, mesh=mesh, in_specs=(P(None, "x"),) * 5 + (P(),),
                       out_specs=(P(None, "x"), P()))(*args)
     with pytest.raises(ValueError, match="sequence_axes='y'"):
         jax.shard_map(lambda *a: chunk_gated_delta_rule(*a[:5], sequence_axes="y"),
                       mesh=mesh, in_specs=(P(None, "x"),) * 5,
                       out_specs=(P(None, "x"), P()))(*args[:5])
-
-
-def test_packed_sequences_with_time_split_are_taken_whole():
-    """cu_seqlens with T laid out over devices under jit: the planner keeps no time axis
-    (the packed row is gathered), and the values equal the unsharded call's."""
-    args = _sequence_inputs(seed=7)
-    args = tuple(t[:1] for t in args[:5]) + (args[5][:3],)
-    cu = jnp.asarray([0, 30, 31, TS], jnp.int32)
-    mesh = st.mesh((8,), ("x",), st.EXPLICIT)
-    loss = functools.partial(_loss, cu_seqlens=cu)
-    with jax.set_mesh(mesh):
-        got = _grads(loss, _time_split(args, mesh))
-    _assert_close(got, _grads(loss, args))
 
 
 def test_the_step_by_step_form_splits_the_sequence_too():
@@ -248,3 +301,20 @@ def test_the_step_by_step_form_splits_the_sequence_too():
     _assert_close(got, _grads(_recurrent_loss, args))
     moved = [s for shapes in found.values() for s in st.big(shapes)]
     assert all(int(np.prod(s)) <= 8 * B * HV * K * max(K, V) for s in moved), found
+
+
+def test_the_step_by_step_form_splits_packed_sequences_too():
+    """fused_recurrent_gated_delta_rule on a packed row over 8 devices: the same
+    values and gradients as the unsharded call."""
+    args, cu = _packed_inputs(seed=10)
+
+    def loss(*a):
+        o, final = fused_recurrent_gated_delta_rule(*a[:5], initial_state=a[5],
+                                                    output_final_state=True, cu_seqlens=cu)
+        weights = jnp.cos(jnp.arange(o.size, dtype=jnp.float32)).reshape(o.shape)
+        return jnp.sum(o * weights) + jnp.sum(final ** 2)
+
+    mesh = st.mesh((8,), ("x",), st.EXPLICIT)
+    with jax.set_mesh(mesh):
+        got = _grads(loss, _time_split(args, mesh))
+    _assert_close(got, _grads(loss, args))

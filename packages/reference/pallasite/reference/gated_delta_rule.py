@@ -41,8 +41,10 @@ _shape = shape_of
 
 
 def validate_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
-                              cu_seqlens=None, chunk_size=None) -> int:
-    """ValueError/TypeError naming the argument; returns N, the number of states."""
+                              cu_seqlens=None, chunk_size=None, packed_length=None) -> int:
+    """ValueError/TypeError naming the argument; returns N, the number of states.
+    packed_length: the whole packed row's length cu_seqlens must end at, where the arrays
+    hold one part of it (a sequence split over devices); None: their own T."""
     check_floating_arrays(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
     if q.ndim != 4:
         raise ValueError(f"q must be [batch, time, key_heads, key_dim]; got shape "
@@ -66,7 +68,8 @@ def validate_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=Non
             raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
     n = b
     if cu_seqlens is not None:
-        n = check_cu_seqlens(cu_seqlens, b, t, f"q of shape {_shape(q)}")
+        n = check_cu_seqlens(cu_seqlens, b, t if packed_length is None else packed_length,
+                             f"q of shape {_shape(q)}")
     if initial_state is not None:
         need_shape("initial_state", initial_state, (n, hv, dk, dv),
                    "[num_states, value_heads, key_dim, value_dim]")
@@ -127,7 +130,7 @@ def gated_delta_rule_sequential(
         steps = jnp.arange(t, dtype=jnp.int32)
         seq = jnp.searchsorted(ends[1:], steps, side="right").astype(jnp.int32)
         starts = jnp.where(steps == ends[jnp.clip(seq, 0, n - 1)], seq, -1)
-        s0 = jnp.zeros((1, hv, dk, dv), wide)
+        s0 = jnp.zeros_like(init[:1])
 
     def step(state, inputs):
         q_t, k_t, v_t, g_t, b_t, start = inputs  # [B,H,K] x2, [B,H,V], [B,H] x2, []

@@ -62,24 +62,15 @@ def _chunked_backend(implementation, q, k, v, g, beta, chunk_size, block_sizes):
                      + "; ".join(reasons))
 
 
-def _sequence_axes(sequence_axes, cu_seqlens) -> tuple[str, ...]:
-    """sequence_axes checked against the shard_map in context; packed sequences are not
-    split (NotImplementedError)."""
-    axes = sharding.sequence_axes_in_context(sequence_axes)
-    if axes and cu_seqlens is not None:
-        raise NotImplementedError(
-            f"the gated delta rule: sequence_axes={axes} with cu_seqlens (packed sequences "
-            "split over devices) is not supported; pass the whole packed row to each "
-            "device, or split unpacked rows")
-    return axes
-
-
-def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, block_sizes):
-    """Checks (ValueError/TypeError naming the argument); the scale and initial states."""
+def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, block_sizes,
+             sequence_axes):
+    """Checks (ValueError/TypeError naming the argument); the scale and initial states.
+    With sequence_axes, cu_seqlens spans the whole row: T times the parts."""
     predicates.check_block_sizes(block_sizes)
+    parts = sharding.size(sequence_axes, dict(jax.sharding.get_abstract_mesh().shape))
     n = ref.validate_gated_delta_rule(q, k, v, g, beta, scale=scale,
                                       initial_state=initial_state, cu_seqlens=cu_seqlens,
-                                      chunk_size=chunk_size)
+                                      chunk_size=chunk_size, packed_length=q.shape[1] * parts)
     hv, dv = v.shape[2:]
     dk = q.shape[3]
     if initial_state is None:
@@ -126,13 +117,14 @@ def chunk_gated_delta_rule(
     divide it stays split, the devices passing only state-sized arrays; inside a
     shard_map, name the manual axes the local arrays' T is split over, in order, as
     `sequence_axes` (each part may have any length; the final state and the initial
-    state's gradient are the whole sequence's on every device). Packed sequences
-    (cu_seqlens) are not split: under jit they are taken whole; with sequence_axes they
-    raise NotImplementedError.
+    state's gradient are the whole sequence's on every device).
+    Packed sequences (cu_seqlens) split the same way: a sequence that crosses a part's
+    edge carries its state across it, and each final state comes from the part that
+    holds the sequence's last step.
     """
-    sequence_axes = _sequence_axes(sequence_axes, cu_seqlens)
+    sequence_axes = sharding.sequence_axes_in_context(sequence_axes)
     scale, init = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size,
-                           block_sizes)
+                           block_sizes, sequence_axes)
     name, interpret = _chunked_backend(implementation, q, k, v, g, beta, chunk_size,
                                        block_sizes)
     if name == "xla":
@@ -205,12 +197,12 @@ def fused_recurrent_gated_delta_rule(
     implementation is "xla"; block_sizes must be None. The sequence splits over devices
     as the chunked form's does (sequence_axes, Explicit axes)."""
     platform.named_implementations(implementation, RECURRENT_IMPLEMENTATIONS)
-    sequence_axes = _sequence_axes(sequence_axes, cu_seqlens)
+    sequence_axes = sharding.sequence_axes_in_context(sequence_axes)
     if block_sizes is not None:
         raise TypeError("block_sizes: fused_recurrent_gated_delta_rule's only "
                         f"implementation (xla) takes none; got {block_sizes!r}")
     scale, init = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, None,
-                           block_sizes)
+                           block_sizes, sequence_axes)
     form = functools.partial(ref.gated_delta_rule_sequential, output_final_state=True)
     return _run(form, q, k, v, g, beta, scale, init, cu_seqlens, use_qk_l2norm_in_kernel,
                 output_final_state, sequence_axes=sequence_axes,

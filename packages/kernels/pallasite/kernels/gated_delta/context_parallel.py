@@ -19,9 +19,18 @@ The backward is JAX's, through these steps (each forward differentiates by its o
 backend's backward), so it too moves only state-sized arrays. The cost is two forwards
 (V and K columns) and their backwards, against one unsplit; the gain is that no device
 holds the whole sequence. Padded steps (g = 0, beta = 0) map the state to itself, so a
-part may have any length. Packed sequences (cu_seqlens) are not split: a sequence that
-starts inside a part would take no entering state, and the tables for that are not
-written.
+part may have any length.
+
+Packed sequences (cu_seqlens, one row) split the same way (`_packed_part`). A part sees
+the sequences as its steps cut them (cu_seqlens shifted to its first step and clipped
+to its length, so a sequence outside it is empty there). Only the sequence running
+when the part begins may continue from the part before: it enters with zero in the
+first forward and with I in the second, every other local sequence with its own
+initial state in the first and zero in the second. What passes to the next part is the
+state of the sequence running at the part's end: M S_in + F where that is the entering
+sequence, else its state from its own start (M = 0). Each sequence's final state comes
+from the part that holds its last step, summed over the parts (one part writes it, the
+others zero), and an empty sequence's is its initial state.
 """
 
 from __future__ import annotations
@@ -55,8 +64,8 @@ def split(form, axes):
 
     def run(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel):
         if cu_seqlens is not None:
-            raise NotImplementedError("the gated delta rule does not split packed "
-                                      "sequences (cu_seqlens) over devices")
+            return _packed_part(form, axes, q, k, v, g, beta, scale, initial_state,
+                                cu_seqlens, use_qk_l2norm_in_kernel)
         b, t, hv, dv = v.shape
         dk = q.shape[3]
         common = dict(scale=scale, cu_seqlens=None,
@@ -76,3 +85,46 @@ def split(form, axes):
         return o.astype(o_zero.dtype), final
 
     return run
+
+
+def _packed_part(form, axes, q, k, v, g, beta, scale, initial_state, cu_seqlens, l2norm_qk):
+    """(o, final states [N, ...]) for one part of a packed row split over `axes`: the
+    module docstring's packed steps."""
+    t, hv = v.shape[1], v.shape[2]
+    dk = q.shape[3]
+    n = initial_state.shape[0]
+    ends = cu_seqlens.astype(jnp.int32)
+    start = jax.lax.axis_index(axes) * t
+    local_cu = jnp.clip(ends - start, 0, t)
+
+    def sequence_at(step):  # the non-empty sequence that holds `step`
+        return jnp.clip(jnp.searchsorted(ends[1:], step, side="right"), 0, n - 1)
+
+    first, last = sequence_at(start), sequence_at(start + t - 1)
+    continues = ends[first] < start  # the part's first sequence began in an earlier part
+    entering_one = ((jnp.arange(n) == first) & continues)[:, None, None, None]
+    init = initial_state.astype(F32)
+    eye = jnp.broadcast_to(jnp.eye(dk, dtype=F32), (n, hv, dk, dk))
+    from_own = jnp.where(entering_one, 0.0, init)
+    from_eye = jnp.where(entering_one, eye, 0.0)
+    no_v = jnp.zeros(v.shape[:3] + (dk,), v.dtype)
+    q, k, v, g, beta, from_own, from_eye, no_v, local_cu = sharding.vary_together(
+        (q, k, v, g, beta, from_own, from_eye, no_v, local_cu))
+    common = dict(scale=scale, cu_seqlens=local_cu, use_qk_l2norm_in_kernel=l2norm_qk)
+    o_own, finals_own = form(q, k, v, g, beta, initial_state=from_own, **common)
+    through, transitions = form(q, k, no_v, g, beta, initial_state=from_eye, **common)
+    finals_own, transitions = finals_own.astype(F32), transitions.astype(F32)
+    # What the part passes on: the state of the sequence running at its end.
+    carried = continues & (last == first)
+    transition = jnp.where(carried, transitions[first], 0.0)[None]
+    entering, _ = entering_states(transition, finals_own[last][None],
+                                  jnp.zeros((1, hv, dk, v.shape[3]), F32), axes)
+    o = o_own.astype(F32) + jnp.einsum("bthk,bhkv->bthv", through.astype(F32), entering,
+                                       precision=_HIGHEST)
+    # Each sequence's final state, from the part that holds its last step.
+    mine = ((ends[1:] > ends[:-1]) & (ends[1:] > start) & (ends[1:] <= start + t))
+    local = finals_own + jnp.where(entering_one, jnp.einsum(
+        "shkj,hjv->shkv", transitions, entering[0], precision=_HIGHEST), 0.0)
+    finals = jax.lax.psum(jnp.where(mine[:, None, None, None], local, 0.0), axes)
+    empty = (ends[1:] == ends[:-1])[:, None, None, None]
+    return o.astype(o_own.dtype), finals + jnp.where(empty, init, 0.0)

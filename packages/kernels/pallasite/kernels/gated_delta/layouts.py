@@ -9,9 +9,9 @@ and value heads are independent and keep the mesh axes that shard them, taken fr
     the query/key heads, so each shard's value heads read only its own key heads (head
     h reads key head h // (Hv / Hk)). Otherwise heads are taken whole.
   - time: v's time axes (not on the batch or heads) where they divide T and the caller
-    allows it (no packed sequences, not already inside a split): the sequence split over
-    devices (context_parallel.py), each device running its part from the entering state
-    the exchange gives it.
+    allows it (not already inside a split): the sequence split over devices
+    (context_parallel.py), each device running its part from the entering state the
+    exchange gives it; packed sequences too, cu_seqlens replicated.
 Everything else is resharded replicated. Under Auto axes and inside a shard_map XLA
 partitions the plain-JAX form itself, and no planner runs.
 
@@ -53,7 +53,7 @@ def planner(forward_over: Callable, q_shape, v_shape, packed: bool, *,
         batch, head = _rows_and_heads(v_dims, axis_sizes, batch_size, key_heads,
                                       value_heads, packed)
         time = ()
-        if split_sequence and not packed:
+        if split_sequence:
             time = sharding.fits(tuple(a for a in v_dims[1] if a not in batch + head),
                                  length, axis_sizes)
         x = (batch, time, head, ())

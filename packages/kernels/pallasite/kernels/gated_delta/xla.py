@@ -91,7 +91,7 @@ def forward(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, chunk_size: i
         state0 = init
     else:  # chunk c is sequence s's first (it enters with s's initial state) or last
         entering, leaving = packing.chunk_owners(first, counts, nc)
-        state0 = jnp.zeros((1, hv, dk, dv), f)
+        state0 = jnp.zeros_like(init[:1])  # (varying as init does, inside a shard_map)
 
     def step(carry, inputs):
         state, finals = carry
