@@ -316,7 +316,8 @@ def test_gate_up_pairs_exchange_column_blocks(shards):
 
 @pytest.mark.parametrize("layout", [
     "rows_explicit", "rows_auto", "experts_explicit", "rows_and_experts_explicit",
-    "rows_over_experts_explicit", "columns_explicit", "columns_auto"])
+    "rows_over_experts_explicit", "columns_explicit", "columns_auto", "width_explicit",
+    "width_auto"])
 def test_fuse_activation_over_a_jits_mesh(layout, monkeypatch):
     """fuse_activation under jit over 8 devices: the fused gate-up keeps the rows and the
     experts split (its planner) and takes the contraction and the 2f columns whole, and
@@ -326,7 +327,10 @@ def test_fuse_activation_over_a_jits_mesh(layout, monkeypatch):
     tolerance, for rows split over Explicit and Auto axes, experts split, both, rows
     split over the expert axis too, and kernels split along their columns over a
     tensor-parallel axis (Explicit and Auto): the gate-up kernel stays split, exchanged
-    into gate|up pairs by collective permutes, and no collective moves a whole kernel."""
+    into gate|up pairs by collective permutes, and no collective moves a whole kernel;
+    and a down kernel split along its n columns (the model width, "width_*"): y and dy
+    stay split along n, the down backward sums dh and d row_weights over it, and no
+    collective moves a whole down kernel."""
     downs = []
     seen = _record_fused(monkeypatch, downs)
     g = 8
@@ -347,6 +351,9 @@ def test_fuse_activation_over_a_jits_mesh(layout, monkeypatch):
     elif layout.startswith("columns_"):
         mesh = st.mesh((8,), ("model",), kind)
         specs = (P(), P(None, None, "model"), P(None, "model"), P())
+    elif layout.startswith("width_"):
+        mesh = st.mesh((8,), ("model",), kind)
+        specs = (P(), P(), P(None, None, "model"), P())
     else:
         mesh = st.mesh((8,), ("data",), kind)
         specs = (P("data", None), P(), P(), P("data"))
@@ -380,6 +387,12 @@ def test_fuse_activation_over_a_jits_mesh(layout, monkeypatch):
             moved = [s for shapes in found.values() for s in shapes]
             assert found.get("collective-permute"), found
             assert not [s for s in moved if s in ((g, 64, 128), (g, 64, n))], found
+        if layout.startswith("width_"):  # the down kernel stays split along n
+            found = st.compiled_collectives(
+                jax.grad(lambda *t: jnp.sum(fused(*t).astype(jnp.float32) * cot),
+                         argnums=(0, 1, 2, 3)), *args)
+            moved = [s for shapes in found.values() for s in shapes]
+            assert not [s for s in moved if s == (g, 64, n)], found
     assert set(seen) == {"pallas_triton"} and set(downs) == {"pallas_triton"}
     (_, y_ref), grads_ref = run(lambda x, wgu, wd, rw: grouped_mlp_reference(
         x, wgu, wd, gs, jnp.bfloat16, row_weights=rw), [a[k] for k in names])

@@ -225,6 +225,11 @@ def test_interpret_triton_down_weighted_and_its_gradient(sizes):
     assert dh.dtype == BF16 and d_rw.dtype == jnp.float32
     assert_close(dh, dh_ref, dtype=BF16, what="dh")
     assert_close(d_rw, d_rw_ref, dtype=jnp.float32, tol=EXACT_FP32, what="d row_weights")
+    # fp32 dh (partial sums over a split n are summed before the one rounding)
+    dh32, _ = fused_triton.down_weighted_grad(dy, w, gs, rw, h, block_sizes=bs,
+                                              interpret=True, dh_dtype=jnp.float32)
+    assert dh32.dtype == jnp.float32
+    assert_close(dh32, dh_ref, dtype=jnp.float32, tol=EXACT_FP32, what="dh in fp32")
 
 
 def test_mosaic_gpu_down_weighted_is_composed_from_its_gmm():

@@ -20,8 +20,10 @@ The fused down product (y = (h W_down) * row_weights, the weights in the epilogu
 linear in its sums, so its forward keeps every split grouped_projection's does (rows,
 experts, the contraction f and the columns n), the row weights laid out with h's rows.
 Its backward (dh and d row_weights from one kernel, dW_down from the grouped dkernel)
-keeps rows and experts split, as the gate-up's does, and f split where h and the kernel
-split it alike (the gate-up's pairs); n is taken whole there.
+keeps rows and experts split, as the gate-up's does, f split where h and the kernel
+split it alike (the gate-up's pairs), and n split where dy and the kernel split it alike
+(a model-width split): each part's dh and d row_weights are partial sums over its n
+columns, summed in fp32 and rounded once, and its dW_down columns are its own.
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ BACKWARD_REDUCTION = ("o",)
 # The down product: c = f, o = n; its row weights follow m.
 DOWN_FORWARD_RULE = "m c, e c o, G, , m -> m o"
 DOWN_FORWARD_REDUCTION = ("c", "e")
-DOWN_BACKWARD_RULE = "m c, e c q, G, , m, m o -> m c, e c q, m"
-DOWN_BACKWARD_REDUCTION = ("o",)
+DOWN_BACKWARD_RULE = "m c, e c o, G, , m, m o -> m c, e c o, m"
+DOWN_BACKWARD_REDUCTION = ()
 
 
 def _pair_axes(given: Axes, f: int, axis_sizes, *taken: Axes) -> Axes:
@@ -199,32 +201,38 @@ def down_backward_planner(grads: Callable, *, dtypes, shapes,
     over the expert axes (exact: a row's terms come from its one expert), dW over the row
     axes (fp32, rounded once). Where h and the kernel split f alike (the gate-up's pairs
     over a tensor-parallel axis) f stays split: dh and dW are local to each part, and
-    d row_weights, a sum over f, is summed over those axes too."""
-    (m, f), (g, _, _) = shapes
+    d row_weights, a sum over f, is summed over those axes too. Where dy and the kernel
+    split n alike, n stays split: dh (fp32) and d row_weights are summed over those
+    axes, dW's columns are local."""
+    (m, f), (g, _, n) = shapes
     dh_dtype, dw_dtype = dtypes
 
     def plan(given, axis_sizes) -> Plan:
-        (h_m, h_f), w_dims, _, _, _, (dy_m, _) = given
+        (h_m, h_f), w_dims, _, _, _, (dy_m, dy_n) = given
         rows = sharding.fits(h_m, m, axis_sizes) if h_m == dy_m else ()
         e_axes, m_axes, scatter = grouped._experts(w_dims[0], g, rows, axis_sizes)
         if scatter:  # rows over the expert axes too: the experts taken whole
             e_axes, m_axes = (), rows
         f_axes = (grouped._apart(sharding.fits(h_f, f, axis_sizes), m_axes, e_axes)
                   if h_f == w_dims[1] else ())
+        n_axes = (grouped._apart(sharding.fits(dy_n, n, axis_sizes), m_axes, e_axes, f_axes)
+                  if dy_n == w_dims[2] else ())
 
         def local(h, w, group_sizes, group_offset, row_weights, dy):
             sizes = grouped._rows(group_sizes, h.shape[0], m_axes)
             offset = grouped._offset(group_offset, offset_given, e_axes, w.shape[0])
             dh, dw, d_rw = grads(h, w, sizes, row_weights, dy, group_offset=offset,
-                                 dtypes=(dh_dtype, jnp.float32 if m_axes else dw_dtype))
-            if e_axes:
-                dh = jax.lax.psum(dh, e_axes)
-            if e_axes or f_axes:
-                d_rw = jax.lax.psum(d_rw, e_axes + f_axes)
+                                 dtypes=(jnp.float32 if n_axes else dh_dtype,
+                                         jnp.float32 if m_axes else dw_dtype))
+            if e_axes or n_axes:
+                dh = sharding.psum_f32(dh, e_axes + n_axes, dh_dtype)
+            if e_axes or f_axes or n_axes:
+                d_rw = jax.lax.psum(d_rw, e_axes + f_axes + n_axes)
             return dh, sharding.psum_f32(dw, m_axes, dw_dtype), d_rw
 
-        return Plan(in_dims=((m_axes, f_axes), (e_axes, f_axes, ()), ((),), (), (m_axes,),
-                             (m_axes, ())),
-                    out_dims=((m_axes, f_axes), (e_axes, f_axes, ()), (m_axes,)), local=local)
+        return Plan(in_dims=((m_axes, f_axes), (e_axes, f_axes, n_axes), ((),), (), (m_axes,),
+                             (m_axes, n_axes)),
+                    out_dims=((m_axes, f_axes), (e_axes, f_axes, n_axes), (m_axes,)),
+                    local=local)
 
     return plan

@@ -178,10 +178,10 @@ def _down_pieces(backend: str):
         return (sums * row_weights.astype(_F32)[:, None]).astype(out_dtype or h.dtype)
 
     def down_weighted_grad(dy, w, group_sizes, row_weights, h, *, group_offset=None,
-                           interpret=False):
+                           interpret=False, dh_dtype=None):
         t = grouped.gmm(dy, w, group_sizes, group_offset=group_offset, transpose_rhs=True,
                         out_dtype=_F32, interpret=interpret)
-        dh = (t * row_weights.astype(_F32)[:, None]).astype(h.dtype)
+        dh = (t * row_weights.astype(_F32)[:, None]).astype(dh_dtype or h.dtype)
         return dh, jnp.sum(h.astype(_F32) * t, axis=1)
 
     return down_weighted, down_weighted_grad
@@ -237,7 +237,7 @@ def _down_backward(backend, all_groups, interpret, compute, residuals, dy):
 
     def grads(h_c, w_c, sizes, rw, dy, *, group_offset, dtypes):
         local = dict(group_offset=group_offset, interpret=interpret)
-        dh, d_rw = weighted_grad(dy, w_c, sizes, rw, h_c, **local)
+        dh, d_rw = weighted_grad(dy, w_c, sizes, rw, h_c, dh_dtype=dtypes[0], **local)
         dy_weighted = (dy.astype(_F32) * rw[:, None]).astype(compute)
         dw = grouped.tgmm(h_c, dy_weighted, sizes, num_groups=w_c.shape[0],
                           out_dtype=dtypes[1], **local)

@@ -183,29 +183,32 @@ def down_weighted_grad(
     group_offset=None,
     block_sizes: config.TritonBlockSizes | None = None,
     interpret: bool = False,
+    dh_dtype=None,
 ):
     """The down product's backward for h: t = dy_i rhs[i]^T (fp32 sums, the weights read
-    in place, transposed), then in the epilogue dh = row_weights * t (in h's dtype) and
-    each row's share of d row_weights, sum over the tile's columns of h * t. Returns (dh
-    [m, f], d row_weights [m] fp32): the weights' gradient comes from the same tiles as
-    dh, with no pass over y."""
+    in place, transposed), then in the epilogue dh = row_weights * t (in dh_dtype, h's
+    when None: fp32 where partial sums over a split n are summed after) and each row's
+    share of d row_weights, sum over the tile's columns of h * t. Returns (dh [m, f],
+    d row_weights [m] fp32): the weights' gradient comes from the same tiles as dh, with
+    no pass over y."""
     _check_down(h, rhs, row_weights)
     if dy.shape != (h.shape[0], rhs.shape[2]) or dy.dtype != h.dtype:
         raise ValueError(f"dy must be [m, n] = {(h.shape[0], rhs.shape[2])} of h's dtype "
                          f"{h.dtype}, got {dy.shape} {dy.dtype}")
     m, f = h.shape
     n = rhs.shape[2]
+    dh_dtype = jnp.dtype(dh_dtype or h.dtype)
     if 0 in (m, f, n) or rhs.shape[0] == 0:
-        return jnp.zeros((m, f), h.dtype), jnp.zeros((m,), jnp.float32)
+        return jnp.zeros((m, f), dh_dtype), jnp.zeros((m,), jnp.float32)
     bs = block_sizes or base.resolve_block_sizes(
         None, product="dx", m=m, k=f, n=n, g=group_sizes.shape[0], dtype=h.dtype,
         interpret=interpret)
     # rhs [g, f, n] read as [g, n', k'] = [g, f, n] transposed: the output is f wide
     dh, parts = base.gmm_call(
         dy, rhs, group_sizes, f, bs, group_offset=group_offset, transpose_rhs=True,
-        out_dtype=h.dtype, interpret=interpret, name="grouped_mlp_down_grad_triton",
+        out_dtype=dh_dtype, interpret=interpret, name="grouped_mlp_down_grad_triton",
         extra=(row_weights, h), epilogue=_store_dh_and_weight_parts,
-        outputs=((f, h.dtype), (-(-f // bs.block_n), jnp.float32)),
+        outputs=((f, dh_dtype), (-(-f // bs.block_n), jnp.float32)),
         cost_of=functools.partial(costs.down_weighted, m, f, n, h.dtype, grad=True))
     return dh, jnp.sum(parts, axis=1)
 
