@@ -4,7 +4,11 @@ Each expectation comes from dew's documented behaviour (its docstrings and signa
 generations from a device's compute capability or TPU kind, unknown kinds unchanged;
 bf16 dots from sm80; Triton on a process whose GPUs are all sm80+; the SSD scan in the
 chunk-major layout with fp32 results and `platform` a JAX platform name, interpreted
-where the process has no such device; integer group sizes of any width.
+where the process has no such device; integer group sizes of any width; the gated delta
+rule's pieces (delta_prep, delta_chunks, delta_output) in dew's chunk layout, which
+composed as dew composes them give the step-by-step rule (float64) and its gradients, and
+its decode step with a decay per key dimension, idle rows and a stochastically rounded
+bf16 state.
 """
 
 from __future__ import annotations
@@ -51,10 +55,22 @@ def test_every_dew_name_with_its_signature():
         "ssd_kernel_platform": ["chunk_size", "head_dim", "state_size"],
         "ssd_kernel_runs": ["chunk_size", "head_dim", "state_size", "backend"],
         "triton_runs": [],
+        # dew's delta-rule modules, each with its functions' parameters
+        "delta_prep.chunk_prep": ["k", "v", "beta", "hi", "lo", "interpret"],
+        "delta_prep.refusal": ["key", "value"],
+        "delta_chunks.chunk_states": ["key", "w", "u", "gc", "state", "interpret"],
+        "delta_chunks.refusal": ["key", "out_vals"],
+        "delta_output.chunk_output": ["q", "k", "hi", "lo", "h", "v", "interpret"],
+        "delta_output.refusal": ["key", "value"],
+        "delta_rule.step": ["state", "query", "key", "value", "decay", "beta", "active"],
+        "delta_rule.fits": ["state"],
+        "delta_rule.round_to_bf16": ["state", "key", "value"],
     }
-    assert sorted(dew.__all__) == sorted(expected)
+    assert sorted(dew.__all__) == sorted({name.split(".")[0] for name in expected})
     for name, params in expected.items():
-        assert list(inspect.signature(getattr(dew, name)).parameters) == params, name
+        owner, _, attr = name.rpartition(".")
+        fn = getattr(getattr(dew, owner) if owner else dew, attr)
+        assert list(inspect.signature(fn).parameters) == params, name
     assert dew.ssd_chunk_scan.nondiff_argnums == (5,)
 
 
@@ -282,3 +298,204 @@ def test_gpu_grouped_projection_int16_sizes():
     got = jax.jit(lambda x, k, s: dew.grouped_projection(x, k, s, jnp.bfloat16, False))(
         x, kernel, sizes.astype(jnp.int16))
     np.testing.assert_array_equal(got, want)
+
+
+# ------------------------------------------------------- dew's gated delta-rule pieces
+
+B_, H_, NC_, C_, DK_, DV_ = 2, 3, 3, 16, 16, 32
+
+
+def _chunked_rule_inputs(seed=0):
+    """Inputs in dew's chunk layout: q (already scaled) and k [B, H, NC, C, Dk], v
+    [B, H, NC, C, Dv], g (log decay, <= 0) and beta [B, H, NC, C], and a state."""
+    ks = jax.random.split(jax.random.key(seed), 6)
+    k = jax.random.normal(ks[1], (B_, H_, NC_, C_, DK_)) / np.sqrt(DK_)
+    q = jax.random.normal(ks[0], (B_, H_, NC_, C_, DK_)) * DK_ ** -0.5
+    v = jax.random.normal(ks[2], (B_, H_, NC_, C_, DV_))
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (B_, H_, NC_, C_)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B_, H_, NC_, C_)))
+    state = jax.random.normal(ks[5], (B_, H_, DK_, DV_))
+    return q, k, v, g, beta, state
+
+
+def _dew_pieces(q, k, v, g, beta, state):
+    """dew's chunked rule from its three pieces: the cumulated decay as hi (lo = 0)."""
+    gc = jnp.cumsum(g, axis=-1)
+    w, u = dew.delta_prep.chunk_prep(k, v, beta, gc, jnp.zeros_like(gc))
+    entered, corrected, final = dew.delta_chunks.chunk_states(k, w, u, gc, state)
+    out = dew.delta_output.chunk_output(q, k, gc, jnp.zeros_like(gc), entered, corrected)
+    return out, final
+
+
+def _recurrence64(q, k, v, g, beta, state):
+    """The gated delta rule step by step in float64 NumPy, over dew's layout."""
+    q, k, v, g, beta, s = (np.asarray(a, np.float64) for a in (q, k, v, g, beta, state))
+    b, h, nc, c = g.shape
+    flat = lambda a: a.reshape(b, h, nc * c, *a.shape[4:])  # noqa: E731
+    q, k, v, g, beta = map(flat, (q, k, v, g, beta))
+    out = np.zeros(v.shape)
+    s = s.copy()
+    for t in range(nc * c):
+        s = np.exp(g[:, :, t])[..., None, None] * s
+        pred = np.einsum("bhkv,bhk->bhv", s, k[:, :, t])
+        s = s + (beta[:, :, t, None] * k[:, :, t])[..., None] * (v[:, :, t] - pred)[..., None, :]
+        out[:, :, t] = np.einsum("bhkv,bhk->bhv", s, q[:, :, t])
+    return out.reshape(b, h, nc, c, -1), s
+
+
+def _rel(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+
+def test_delta_pieces_compose_to_the_gated_delta_rule():
+    """dew's chunk_prep, chunk_states and chunk_output, composed as dew's chunked rule
+    composes them, give the step-by-step rule's outputs and final state (float64
+    recurrence), to fp32 accuracy; every output is fp32 and in dew's layout."""
+    args = _chunked_rule_inputs()
+    out, final = jax.jit(_dew_pieces)(*args)
+    want_out, want_final = _recurrence64(*args)
+    assert out.dtype == final.dtype == jnp.float32
+    assert out.shape == (B_, H_, NC_, C_, DV_) and final.shape == (B_, H_, DK_, DV_)
+    assert _rel(out, want_out) < 1e-5 and _rel(final, want_final) < 1e-5
+
+
+def test_delta_pieces_differentiate_as_the_rule_does():
+    """Gradients through the three pieces (JAX's autodiff) equal those of pallasite's
+    plain-JAX sequential rule, for q, k, v, g, beta and the entering state."""
+    from pallasite.reference.gated_delta_rule import gated_delta_rule_sequential
+
+    args = _chunked_rule_inputs(seed=1)
+    weights = jnp.cos(jnp.arange(B_ * H_ * NC_ * C_ * DV_, dtype=jnp.float32))
+
+    def loss_of(out, final):
+        return jnp.sum(out.reshape(-1) * weights) + jnp.sum(final ** 2)
+
+    def sequential(q, k, v, g, beta, state):
+        flat = lambda a: jnp.moveaxis(a.reshape(B_, H_, NC_ * C_, *a.shape[4:]), 1, 2)  # noqa: E731
+        o, final = gated_delta_rule_sequential(*map(flat, (q, k, v, g, beta)), scale=1.0,
+                                               initial_state=state, output_final_state=True)
+        return jnp.moveaxis(o, 2, 1).reshape(B_, H_, NC_, C_, DV_), final
+
+    argnums = tuple(range(6))
+    got = jax.jit(jax.grad(lambda *a: loss_of(*_dew_pieces(*a)), argnums))(*args)
+    want = jax.jit(jax.grad(lambda *a: loss_of(*sequential(*a)), argnums))(*args)
+    for name, g_, w_ in zip(("q", "k", "v", "g", "beta", "state"), got, want):
+        assert _rel(g_, w_) < 1e-4, name
+
+
+def test_delta_chunk_states_returns_each_entered_state_and_corrected_values():
+    """chunk_states' entered states: the given state for chunk 0, then each chunk's
+    leaving state; corrected values u - w S; final the last leaving state."""
+    q, k, v, g, beta, state = _chunked_rule_inputs(seed=2)
+    gc = jnp.cumsum(g, axis=-1)
+    w, u = dew.delta_prep.chunk_prep(k, v, beta, gc, jnp.zeros_like(gc))
+    entered, corrected, final = dew.delta_chunks.chunk_states(k, w, u, gc, state)
+    np.testing.assert_array_equal(entered[:, :, 0], state)
+    for i in range(NC_):
+        s = entered[:, :, i]
+        np.testing.assert_allclose(corrected[:, :, i], u[:, :, i] - jnp.einsum(
+            "bhck,bhkv->bhcv", w[:, :, i], s, precision="highest"), rtol=1e-5, atol=1e-5)
+        leave = jnp.exp(gc[:, :, i, -1:] - gc[:, :, i])
+        nxt = jnp.exp(gc[:, :, i, -1])[..., None, None] * s + jnp.einsum(
+            "bhck,bhcv->bhkv", k[:, :, i] * leave[..., None], corrected[:, :, i],
+            precision="highest")
+        want = entered[:, :, i + 1] if i + 1 < NC_ else final
+        np.testing.assert_allclose(want, nxt, rtol=1e-5, atol=1e-5)
+
+
+def test_delta_pieces_check_their_operands_by_name():
+    q, k, v, g, beta, state = _chunked_rule_inputs()
+    gc = jnp.cumsum(g, axis=-1)
+    assert dew.delta_prep.refusal(k, v) is None
+    assert dew.delta_chunks.refusal(k, v) is None
+    assert dew.delta_output.refusal(k, v) is None
+    assert "not" in dew.delta_prep.refusal(k, v[:, :, :2])
+    with pytest.raises(ValueError, match="beta"):
+        dew.delta_prep.chunk_prep(k, v, beta[..., :4], gc, gc)
+    with pytest.raises(ValueError, match="state"):
+        dew.delta_chunks.chunk_states(k, k, v, gc, state[:1])
+    with pytest.raises(ValueError, match="h must"):
+        dew.delta_output.chunk_output(q, k, gc, gc, v[:, :, :1], v)
+
+
+def _step_inputs(seed, rows=4, heads=2, dk=8, dv=16):
+    ks = jax.random.split(jax.random.key(seed), 7)
+    state = jax.random.normal(ks[0], (rows, heads, dk, dv))
+    query = jax.random.normal(ks[1], (rows, heads, dk)) * dk ** -0.5
+    key = jax.random.normal(ks[2], (rows, heads, dk)) / np.sqrt(dk)
+    value = jax.random.normal(ks[3], (rows, heads, dv))
+    decay = jnp.exp(-jax.nn.softplus(jax.random.normal(ks[4], (rows, heads, dk))))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[5], (rows, heads)))
+    return state, query, key, value, decay, beta
+
+
+def test_delta_rule_step_with_a_decay_per_key_dimension():
+    """step: S' = diag(decay) S + k delta^T, delta = beta (v - (k decay)^T S), out =
+    q^T S', against float64 NumPy with a different decay per key dimension; with one
+    decay per head it is pallasite's own step (reference.one_step, scale 1)."""
+    from pallasite.reference.gated_delta_rule import one_step
+
+    state, q, k, v, d, beta = _step_inputs(3)
+    new, out = jax.jit(dew.delta_rule.step)(state, q, k, v, d, beta)
+    s, q64, k64, v64, d64, b64 = (np.asarray(a, np.float64) for a in (state, q, k, v, d, beta))
+    delta = b64[..., None] * (v64 - np.einsum("rhk,rhkv->rhv", k64 * d64, s))
+    want = d64[..., None] * s + k64[..., None] * delta[..., None, :]
+    assert new.dtype == jnp.float32 and out.dtype == q.dtype
+    assert _rel(new, want) < 1e-6
+    assert _rel(out, np.einsum("rhkv,rhk->rhv", want, q64)) < 1e-6
+    g = -jax.nn.softplus(jax.random.normal(jax.random.key(4), beta.shape))
+    same = jnp.broadcast_to(jnp.exp(g)[..., None], d.shape)
+    new, out = dew.delta_rule.step(state, q, k, v, same, beta)
+    o_ref, s_ref = one_step(state, q, k, v, g, beta, 1.0)
+    assert _rel(new, s_ref) < 1e-6 and _rel(out, o_ref) < 1e-6
+
+
+def test_delta_rule_step_leaves_idle_rows_alone():
+    """A row marked inactive keeps its state bit for bit and gets zeros; the others step."""
+    state, q, k, v, d, beta = _step_inputs(5)
+    active = jnp.asarray([True, False, True, False])
+    new, out = dew.delta_rule.step(state, q, k, v, d, beta, active)
+    np.testing.assert_array_equal(new[1], state[1])
+    np.testing.assert_array_equal(new[3], state[3])
+    assert not np.asarray(out[1]).any() and not np.asarray(out[3]).any()
+    full, full_out = dew.delta_rule.step(state, q, k, v, d, beta)
+    np.testing.assert_array_equal(new[0], full[0])
+    np.testing.assert_array_equal(out[2], full_out[2])
+
+
+def test_delta_rule_step_rounds_a_bf16_state_stochastically():
+    """A bf16 state is written through round_to_bf16: each value is one of the two bf16
+    neighbours of the fp32 update (both directions occur), the same bits on a second
+    call, and different noise for a different token."""
+    state, q, k, v, d, beta = _step_inputs(6, rows=8, heads=4, dk=16, dv=32)
+    held = state.astype(jnp.bfloat16)
+    new, _ = dew.delta_rule.step(held, q, k, v, d, beta)
+    again, _ = dew.delta_rule.step(held, q, k, v, d, beta)
+    assert new.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(new, np.float32), np.asarray(again, np.float32))
+    exact, _ = dew.delta_rule.step(held.astype(jnp.float32), q, k, v, d, beta)
+    exact = np.asarray(exact, np.float32)
+    toward = np.asarray(exact.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+    away = np.asarray((exact.view(np.uint32) & np.uint32(0xFFFF0000))
+                      + np.uint32(0x10000)).view(np.float32)
+    got = np.asarray(new, np.float32)
+    assert ((got == toward) | (got == away)).all()
+    moved = exact != toward
+    assert (got[moved] == away[moved]).any() and (got[moved] == toward[moved]).any()
+    other, _ = dew.delta_rule.step(held, q, k, v * 1.5, d, beta)
+    assert dew.delta_rule.round_to_bf16(exact, k, v).dtype == jnp.bfloat16
+    assert not np.array_equal(np.asarray(other, np.float32), got)
+
+
+def test_delta_rule_step_checks_its_operands_by_name():
+    state, q, k, v, d, beta = _step_inputs(7)
+    assert dew.delta_rule.fits(state) and dew.delta_rule.fits(state.astype(jnp.bfloat16))
+    assert not dew.delta_rule.fits(state.astype(jnp.float16))
+    assert not dew.delta_rule.fits(state[0])
+    with pytest.raises(ValueError, match="decay"):
+        dew.delta_rule.step(state, q, k, v, d[..., :4], beta)
+    with pytest.raises(ValueError, match="active"):
+        dew.delta_rule.step(state, q, k, v, d, beta, jnp.ones((2,), bool))
+    with pytest.raises(ValueError, match="state"):
+        dew.delta_rule.step(state.astype(jnp.float16), q, k, v, d, beta)

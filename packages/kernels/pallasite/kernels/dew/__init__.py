@@ -22,6 +22,15 @@ different conventions, the difference is translated here and nowhere else:
   asks about every GPU of the process.
 - `grouped_projection` casts any integer group sizes to int32 (pallasite asks for int32);
   concrete sizes int32 cannot hold are refused first, showing the values given.
+
+dew's chunked gated delta rule is built from three modules of pieces and a decode step,
+offered here as submodules with dew's names, layouts and meaning: `delta_prep`
+(`chunk_prep`, the in-chunk WY correction), `delta_chunks` (`chunk_states`, the state
+across chunks), `delta_output` (`chunk_output`), each with its `refusal`, and
+`delta_rule` (`step`, one token with a decay per key dimension; `fits`;
+`round_to_bf16`). pallasite's own rule fuses those pieces in its kernels behind one
+hand-written backward, so the pieces are plain-JAX forms (every device, differentiable
+by JAX); docs/dew.md says so per name.
 """
 
 from __future__ import annotations
@@ -35,11 +44,16 @@ from jaxtyping import Array, Float, Int
 
 from pallasite.kernels import grouped_matmul
 from pallasite.kernels import ssd as pallasite_ssd
+from pallasite.kernels.dew import delta_chunks, delta_output, delta_prep, delta_rule
 from pallasite.kernels.grouped_matmul import predicates as grouped_predicates
 from pallasite.reference.grouped_projection import Dtype, PrecisionLike
 
 __all__ = [
     "bf16_dot_runs",
+    "delta_chunks",
+    "delta_output",
+    "delta_prep",
+    "delta_rule",
     "device_generation",
     "grouped_projection",
     "ragged_dot_runs",
