@@ -232,12 +232,34 @@ def test_interpret_triton_down_weighted_and_its_gradient(sizes):
     assert_close(dh32, dh_ref, dtype=jnp.float32, tol=EXACT_FP32, what="dh in fp32")
 
 
-def test_mosaic_gpu_down_weighted_is_composed_from_its_gmm():
-    """Mosaic GPU has no fused down kernel: ops.down_weighted composes the same contract
-    from its grouped gmm (interpreted) and fp32 elementwise work, y rounded once, and the
-    backward gets dh and d row_weights from t = dy W^T, keeping h (not y); values and
-    the three gradients against the definition."""
-    assert not ops.has_down_weighted("pallas_mosaic_gpu")
+@pytest.mark.parametrize("blocks", ["tuned", "pingpong"])
+def test_mosaic_gpu_down_weighted_scales_the_sums_in_its_epilogue(blocks):
+    """The Mosaic GPU down kernel (the cooperative gmm, each consumer's row weights in by
+    TMA): y exact in fp32 against (h W) * weights and zero past the total, n = 192 a
+    3-half tile width (the last tile's second half idle), rows not a tile multiple; a
+    ping-pong block choice runs as the cooperative kernel with its tiles."""
+    m, f, n = 200, 64, 192
+    gs = jnp.array([70, 0, 59, 31], jnp.int32)  # 40 rows past the total
+    k = jax.random.split(jax.random.key(22), 3)
+    h = jax.random.normal(k[0], (m, f)).astype(BF16)
+    w = (jax.random.normal(k[1], (4, f, n)) / 8).astype(BF16)
+    rw = jax.random.uniform(k[2], (m,), minval=0.1, maxval=1.0)
+    bs = None if blocks == "tuned" else mgpu.GMM_PINGPONG
+    y = fused_mgpu.down_weighted(h, w, gs, rw, out_dtype=jnp.float32, block_sizes=bs,
+                                 interpret=True)
+    want = gmm_reference(h.astype(jnp.float32), w.astype(jnp.float32), gs) * rw[:, None]
+    assert y.dtype == jnp.float32 and y.shape == (m, n)
+    assert_close(y, want, dtype=jnp.float32, tol=EXACT_FP32, what="y")
+    assert not np.asarray(y[160:]).any()
+
+
+def test_mosaic_gpu_down_weighted_and_its_composed_backward():
+    """ops.down_weighted on Mosaic GPU: the fused forward (y rounded once from the scaled
+    sums), and a backward composed from its grouped gmm (dh and d row_weights from
+    t = dy W^T, keeping h, not y); values and the three gradients against the
+    definition."""
+    assert not ops.has_down_weighted_grad("pallas_mosaic_gpu")
+    assert ops.has_down_weighted_grad("pallas_triton")
     m, f, n = 256, 64, 128
     gs = jnp.array([100, 0, 90, 30], jnp.int32)  # 36 rows past the total
     k = jax.random.split(jax.random.key(21), 4)

@@ -65,3 +65,13 @@ def d_pre(gate, up, dh, activation: str) -> tuple[jax.Array, jax.Array]:
 def gated(gate: jax.Array, up: jax.Array, activation: str) -> jax.Array:
     """h = act(gate) * up, the fused kernels' epilogue on their fp32 accumulators."""
     return activation_fp32(gate, activation) * up
+
+
+def check_down(h, rhs, row_weights) -> None:
+    """The fused down product's operands, as every backend takes them: h [m, f] and rhs
+    [g, f, n] of one dtype, row_weights [m] (else ValueError naming the argument)."""
+    if h.ndim != 2 or rhs.ndim != 3 or rhs.shape[1] != h.shape[1] or h.dtype != rhs.dtype:
+        raise ValueError(f"h must be [m, f] and rhs [g, f, n] of one dtype; got {h.shape} "
+                         f"{h.dtype} and {rhs.shape} {rhs.dtype}")
+    if row_weights.shape != (h.shape[0],):
+        raise ValueError(f"row_weights must be [m] = [{h.shape[0]}], got {row_weights.shape}")

@@ -156,45 +156,40 @@ _gate_up.defvjp(_forward, _backward)
 # ------------------------------------------------------------------ the down product
 
 
-def has_down_weighted(backend: str) -> bool:
-    """Whether the backend fuses the row weights into the down product's kernels
-    (down_weighted); the others compose them around its grouped products (_down_pieces)."""
-    return hasattr(_modules(backend)[0], "down_weighted")
+def has_down_weighted_grad(backend: str) -> bool:
+    """Whether the backend forms dh and d row_weights in one kernel's epilogue
+    (down_weighted_grad); the others compose them from t = dy W_down^T (_down_pieces)."""
+    return hasattr(_modules(backend)[0], "down_weighted_grad")
 
 
 def _down_pieces(backend: str):
-    """(down_weighted, down_weighted_grad) of the backend: its fused kernels, or the same
-    contracts composed from its grouped gmm and elementwise fp32 work (the sums scaled,
-    then rounded once; t = dy W_down^T in fp32, then dh = weights * t and d row_weights
-    = sum over f of h * t). Either way the backward needs h and the weights, not y."""
+    """(down_weighted, down_weighted_grad) of the backend. Every fused backend scales the
+    fp32 sums by the row weights in its down kernel's epilogue; the backward is its
+    fused kernel, or the same contract composed from its grouped gmm and elementwise
+    fp32 work (t = dy W_down^T in fp32, then dh = weights * t and d row_weights = sum over
+    f of h * t). Either way the backward needs h and the weights, not y."""
     fused, grouped = _modules(backend)
-    if has_down_weighted(backend):
+    if has_down_weighted_grad(backend):
         return fused.down_weighted, fused.down_weighted_grad
 
-    def down_weighted(h, w, group_sizes, row_weights, *, group_offset=None, out_dtype=None,
-                      interpret=False):
-        sums = grouped.gmm(h, w, group_sizes, group_offset=group_offset, out_dtype=_F32,
-                           interpret=interpret)
-        return (sums * row_weights.astype(_F32)[:, None]).astype(out_dtype or h.dtype)
-
-    def down_weighted_grad(dy, w, group_sizes, row_weights, h, *, group_offset=None,
-                           interpret=False, dh_dtype=None):
+    def composed_down_weighted_grad(dy, w, group_sizes, row_weights, h, *, group_offset=None,
+                                    interpret=False, dh_dtype=None):
         t = grouped.gmm(dy, w, group_sizes, group_offset=group_offset, transpose_rhs=True,
                         out_dtype=_F32, interpret=interpret)
         dh = (t * row_weights.astype(_F32)[:, None]).astype(dh_dtype or h.dtype)
         return dh, jnp.sum(h.astype(_F32) * t, axis=1)
 
-    return down_weighted, down_weighted_grad
+    return fused.down_weighted, composed_down_weighted_grad
 
 
 def down_weighted(h, down_kernel, group_sizes, row_weights, compute, *, backend: str,
                   group_offset=None, interpret: bool = False):
     """y = (h W_down) * row_weights in `compute`, the weights applied to the fp32 sums
-    (in the kernel's epilogue where the backend fuses them, has_down_weighted), y rounded
-    once; differentiable in h, down_kernel and row_weights. The backward gets dh and
-    d row_weights from t = dy W_down^T (one kernel where fused: its epilogue forms both
-    from the same tiles, with no pass over y) and dW_down from the grouped dkernel on
-    dy * weights; it keeps h and the weights, never y. backend: one of FUSED_BACKENDS."""
+    in the down kernel's epilogue, y rounded once; differentiable in h, down_kernel and
+    row_weights. The backward gets dh and d row_weights from t = dy W_down^T (one kernel
+    where fused: its epilogue forms both from the same tiles, with no pass over y) and
+    dW_down from the grouped dkernel on dy * weights; it keeps h and the weights, never
+    y. backend: one of FUSED_BACKENDS."""
     _modules(backend)
     offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
     return _down(backend, group_offset is None, bool(interpret), jnp.dtype(compute), h,

@@ -22,6 +22,11 @@ stored into the gate and up columns of an [m, 2f] output, so neither pass writes
 pre-activation. expert_mlp.ops.gate_up_activation is the differentiable form over these
 kernels and pallas_triton.py's; grouped_mlp takes it where pallas_mosaic_gpu is named.
 
+down_weighted is the down product with grouped_mlp's row weights in the epilogue: the
+grouped gmm's cooperative kernel with one more operand (grouped_matmul.pallas_mosaic_gpu,
+row_scaled), so y is rounded once from the scaled fp32 sums. Its backward (dh and
+d row_weights from t = dy W_down^T) is composed around the gmm (expert_mlp.ops).
+
 Not yet measured on a GPU (lowered for an H200 and run by the interpreter on the CPU);
 docs/grouped_mlp.md says what is left.
 """
@@ -222,6 +227,48 @@ def gate_up_grad(
     return _call(lhs, rhs, group_sizes, dh.astype(lhs.dtype), activation=activation,
                  group_offset=group_offset, out_dtype=out_dtype,
                  bs=_checked_blocks(block_sizes), interpret=interpret)
+
+
+@sharding.local_operands("grouped_mlp")
+def down_weighted(
+    h: Shaped[Array, "m f"],
+    rhs: Shaped[Array, "g f n"],
+    group_sizes: Int[Array, " G"],
+    row_weights: Shaped[Array, " m"],
+    *,
+    group_offset=None,
+    out_dtype: Any = None,
+    block_sizes: base.MosaicGpuBlockSizes | None = None,
+    interpret: bool = False,
+) -> Shaped[Array, "m n"]:
+    """y[rows of group i] = (h_i rhs[i]) * row_weights: the grouped gmm's cooperative
+    warp-specialised kernel, whose consumers bring their tile's weights in by TMA while the
+    k loop runs and scale the fp32 sums before the one rounding to out_dtype (h's when
+    None); rows of no local group are zero. block_sizes: None takes the gmm's (tuned)
+    forward blocks; a ping-pong or one-warpgroup choice runs as the cooperative kernel
+    with the same tiles (the ping-pong kernel has no such epilogue)."""
+    epilogue.check_down(h, rhs, row_weights)
+    base._check_gmm(h, rhs, group_sizes, False, group_offset)
+    out_dtype = jnp.dtype(out_dtype or h.dtype)
+    m, f = h.shape
+    g, n = rhs.shape[0], rhs.shape[2]
+    if 0 in (m, f, n) or g == 0:
+        return jnp.zeros((m, n), out_dtype)
+    bs = base.resolve_block_sizes(block_sizes, product="forward", m=m, k=f, n=n,
+                                  g=group_sizes.shape[0], dtype=h.dtype, interpret=interpret)
+    bs = base._fit_block_n(dataclasses.replace(bs, warp_specialized=True, pingpong=False), n)
+    n_p = -(-n // bs.block_n) * bs.block_n
+    bs = base._fit_warp_specialized(bs, n_p, jnp.dtype(h.dtype).itemsize, out_dtype.itemsize)
+    if not bs.warp_specialized:
+        raise ValueError(f"down_weighted: {block_sizes or 'the tuned blocks'} leave no two "
+                         "stages of the cooperative kernel in shared memory")
+    h_p = base._pad_axis(base._pad_axis(h, 1, bs.block_k), 0, 8, bs.block_m)
+    rhs_p = base._pad_axis(base._pad_axis(rhs, 1, bs.block_k), 2, bs.block_n)
+    weights = base._pad_axis(row_weights.astype(_F32), 0, 8, bs.block_m)
+    sizes, row_start = local_groups(group_sizes, group_offset, g)
+    return base._gmm_local(h_p, rhs_p, sizes, row_start, transpose_rhs=False,
+                           out_dtype=out_dtype, bs=bs, interpret=interpret,
+                           row_weights=weights)[:m, :n]
 
 
 def _checked_blocks(block_sizes):

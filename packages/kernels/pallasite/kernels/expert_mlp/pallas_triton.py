@@ -142,7 +142,7 @@ def down_weighted(
     weight in the epilogue, then rounded once to out_dtype (h's when None); rows of no
     local group are zero. block_sizes: None takes the grouped gmm's (tuned) forward
     blocks."""
-    _check_down(h, rhs, row_weights)
+    epilogue.check_down(h, rhs, row_weights)
     m, f = h.shape
     n = rhs.shape[2]
     out_dtype = jnp.dtype(out_dtype or h.dtype)
@@ -191,7 +191,7 @@ def down_weighted_grad(
     share of d row_weights, sum over the tile's columns of h * t. Returns (dh [m, f],
     d row_weights [m] fp32): the weights' gradient comes from the same tiles as dh, with
     no pass over y."""
-    _check_down(h, rhs, row_weights)
+    epilogue.check_down(h, rhs, row_weights)
     if dy.shape != (h.shape[0], rhs.shape[2]) or dy.dtype != h.dtype:
         raise ValueError(f"dy must be [m, n] = {(h.shape[0], rhs.shape[2])} of h's dtype "
                          f"{h.dtype}, got {dy.shape} {dy.dtype}")
@@ -224,11 +224,3 @@ def _store_dh_and_weight_parts(sums, extra, outs, tile):
     plgpu.store(dh_ref.at[tile.rows, tile.cols], dh.astype(dh_ref.dtype), mask=tile.store_ok)
     plgpu.store(parts_ref.at[tile.rows, pl.ds(tile.col, 1)], part[:, None],
                 mask=tile.row_ok[:, None])
-
-
-def _check_down(h, rhs, row_weights) -> None:
-    if h.ndim != 2 or rhs.ndim != 3 or rhs.shape[1] != h.shape[1] or h.dtype != rhs.dtype:
-        raise ValueError(f"h must be [m, f] and rhs [g, f, n] of one dtype; got {h.shape} "
-                         f"{h.dtype} and {rhs.shape} {rhs.dtype}")
-    if row_weights.shape != (h.shape[0],):
-        raise ValueError(f"row_weights must be [m] = [{h.shape[0]}], got {row_weights.shape}")

@@ -589,7 +589,8 @@ def _live_half(ni, wg, bs: MosaicGpuBlockSizes, n: int):
     return (2 * ni + wg) * bs.block_n < n
 
 
-def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_rhs: bool):
+def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_rhs: bool,
+                                 row_scaled: bool = False):
     """gmm with a TMA producer warpgroup and two wgmma consumer warpgroups per program.
 
     The same row-tile table and snake as _gmm_kernel; a program's tile is block_m x
@@ -598,6 +599,10 @@ def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_
     row stores; it waits for its previous stores to leave SMEM only when it next needs the
     slot, so the stores overlap the next tile's main loop while the producer is already
     loading that tile's operands.
+
+    row_scaled: one more operand, fp32 weights [m] (grouped_mlp's row weights), by which
+    each row's fp32 sums are multiplied before the one rounding. Each consumer brings its
+    tile's block_m weights into SMEM by TMA while its k loop runs.
     """
     bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
     cta_n = 2 * bn
@@ -625,7 +630,8 @@ def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_
             compute_context=compute_context,
         )
 
-    def body(table_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem):
+    def body(table_gmem, count_gmem, lhs_gmem, rhs_gmem, *refs):
+        *weights_gmem, out_gmem = refs
         num_tiles = count_gmem[0]
         wg = lax.axis_index("wg")
         ignore = lambda *_, **__: None  # noqa: E731 - allocations do not depend on the body
@@ -633,12 +639,14 @@ def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_
             lhs_gmem.at[pl.ds(0, bm)],
             rhs_gmem.at[0, pl.ds(0, cta_n)] if transpose_rhs else rhs_gmem.at[0, :, pl.ds(0, cta_n)],
         )
-        o_type = plgpu.SMEM((2, bm, _epilogue_strip(bs)), out_gmem.dtype,
-                            transforms=_swizzle_transforms(out_gmem.dtype, rows=1))
+        scratch = dict(o_smem=plgpu.SMEM((2, bm, _epilogue_strip(bs)), out_gmem.dtype,
+                                         transforms=_swizzle_transforms(out_gmem.dtype, rows=1)))
+        if row_scaled:
+            scratch.update(w_smem=plgpu.SMEM((2, bm), jnp.float32),
+                           w_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2))
 
-        @functools.partial(pl.run_scoped, allocations=allocs, o_smem=o_type,
-                           collective_axes="wg")
-        def _(allocations, o_smem):
+        @functools.partial(pl.run_scoped, allocations=allocs, collective_axes="wg", **scratch)
+        def _(allocations, o_smem, w_smem=None, w_ready=None):
             @plgpu.nd_loop((num_tiles * grid_n,), collective_axes="sm")
             def _(info):
                 mi, ni, seg, load0, row0, rows, live = _row_tile(table_gmem, info.index[0],
@@ -658,8 +666,16 @@ def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_
                 def compute_context(run_pipeline):
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
                     def _(acc_ref):
+                        if row_scaled:  # this tile's row weights arrive while the k loop runs
+                            plgpu.copy_gmem_to_smem(weights_gmem[0].at[pl.ds(load0, bm)],
+                                                    w_smem.at[wg], w_ready.at[wg])
                         run_pipeline(acc_ref)
                         acc = acc_ref[...]
+                        if row_scaled:
+                            plgpu.barrier_wait(w_ready.at[wg])
+                            weights = plgpu.load(w_smem.at[wg],
+                                                 layout=plgpu.Layout.WGMMA.reduce(1))
+                            acc = acc * lax.broadcast_in_dim(weights, acc.shape, [0])
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slot free again
 
                         @pl.when(_live_half(ni, wg, bs, n))
@@ -839,16 +855,25 @@ def _gmm_kernel_pingpong(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_rhs: boo
     return body
 
 
-def _gmm_local(lhs, rhs, group_sizes, row_start, *, transpose_rhs, out_dtype, bs, interpret):
-    """gmm on one device's operands (already padded to the block multiples)."""
+def _gmm_local(lhs, rhs, group_sizes, row_start, *, transpose_rhs, out_dtype, bs, interpret,
+               row_weights=None):
+    """gmm on one device's operands (already padded to the block multiples); with
+    row_weights (fp32 [m], the cooperative warp-specialised kernel only) each row's sums
+    are scaled by its weight before the rounding."""
     m, k = lhs.shape
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     table, count = _row_tile_table(group_sizes, m, bs.block_m, row_start)
     out_type = sharding.out_struct((m, n), out_dtype, like=lhs)
+    extra = () if row_weights is None else (row_weights,)
     cost = costs.gmm(m, k, n, lhs.dtype, transpose_rhs=transpose_rhs,
-                     inputs=(table, count, lhs, rhs), outputs=(out_type,))
-    if bs.pingpong:
+                     inputs=(table, count, lhs, rhs, *extra), outputs=(out_type,))
+    if extra:
+        if bs.pingpong or not bs.warp_specialized:
+            raise ValueError(f"row weights run on the cooperative warp-specialised kernel; "
+                             f"got {bs}")
+        body = _gmm_kernel_warp_specialized(m, k, n, g, bs, transpose_rhs, row_scaled=True)
+    elif bs.pingpong:
         body = _gmm_kernel_pingpong(m, k, n, g, bs, transpose_rhs, _num_programs(interpret))
     elif bs.warp_specialized:
         body = _gmm_kernel_warp_specialized(m, k, n, g, bs, transpose_rhs)
@@ -861,9 +886,9 @@ def _gmm_local(lhs, rhs, group_sizes, row_start, *, transpose_rhs, out_dtype, bs
         compiler_params=_compiler_params(),
         interpret=_interpret_params(interpret),
         cost_estimate=cost,
-        name="grouped_projection_gmm_mosaic_gpu",
+        name="grouped_mlp_down_mosaic_gpu" if extra else "grouped_projection_gmm_mosaic_gpu",
     )
-    return call(table, count, lhs, rhs)
+    return call(table, count, lhs, rhs, *extra)
 
 
 def _check_gmm(lhs, rhs, group_sizes, transpose_rhs, group_offset):
