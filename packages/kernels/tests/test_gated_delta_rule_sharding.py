@@ -161,49 +161,6 @@ def _time_split(args, mesh):
     return tuple(st.put(t, mesh, None, "x") for t in (q, k, v, g, beta)) + (st.put(s0, mesh),)
 
 
-def test_the_sequence_split_under_explicit_axes():
-    """T over 8 devices under jit: each device runs its 12 steps, the entering states
-    come from one exchange of state-sized arrays (context_parallel.py), and values and
-    all six gradients equal the unsharded call's. No array with a time axis moves."""
-    args = _sequence_inputs(seed=4)
-    mesh = st.mesh((8,), ("x",), st.EXPLICIT)
-    placed = _time_split(args, mesh)
-    with jax.set_mesh(mesh):
-        got = _grads(_loss, placed)
-        found = st.compiled_collectives(jax.grad(_loss, argnums=tuple(range(6))), *placed)
-    _assert_close(got, _grads(_loss, args))
-    moved = [s for shapes in found.values() for s in st.big(shapes)]
-    assert moved, "expected the entering-state exchange"
-    assert all(int(np.prod(s)) <= 8 * B * HV * K * max(K, V) for s in moved), found
-
-
-@pytest.mark.parametrize("implementation", ["xla", "pallas_triton"])
-def test_the_sequence_split_inside_a_callers_shard_map(implementation):
-    """The caller's shard_map splits T over 4 devices and names the axis as
-    sequence_axes: values and gradients equal the unsharded call's (pallas_triton
-    through its interpreter, which runs without check_vma), and the final state is the
-    whole sequence's on every device."""
-    args = _sequence_inputs(seed=5)
-    args = tuple(t[:2] for t in args)  # two rows keep the interpreter quick
-    mesh = st.mesh((4,), ("x",), st.AUTO, devices=jax.devices()[:4])
-    kw = dict(output_final_state=True, chunk_size=16, implementation=implementation)
-
-    def loss_of(o, final):
-        weights = jnp.cos(jnp.arange(o.size, dtype=jnp.float32)).reshape(o.shape)
-        return jnp.sum(o * weights) + jnp.sum(final ** 2)
-
-    def local(*a):
-        return chunk_gated_delta_rule(*a[:5], initial_state=a[5], sequence_axes="x", **kw)
-
-    t_spec = P(None, "x")
-    split = jax.shard_map(local, mesh=mesh, in_specs=(t_spec,) * 5 + (P(),),
-                          out_specs=(t_spec, P()), check_vma=implementation == "xla")
-    whole = lambda *a: chunk_gated_delta_rule(*a[:5], initial_state=a[5], **kw)  # noqa: E731
-    _assert_close(jax.jit(split)(*args), whole(*args))
-    got = _grads(lambda *a: loss_of(*split(*a)), args)
-    _assert_close(got, _grads(lambda *a: loss_of(*whole(*a)), args))
-
-
 # Packed over 8 parts of 12 steps: an empty sequence, a boundary on a part's edge (24),
 # a one-step sequence, and one that crosses four parts (31-70).
 PACKED_CU = (0, 5, 5, 24, 30, 31, 70, TS)
@@ -223,30 +180,42 @@ def _state_sized(found, states):
     assert all(int(np.prod(s)) <= states * HV * K * max(K, V) for s in moved), found
 
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas_triton"])
-def test_packed_sequences_split_under_explicit_axes(implementation):
-    """cu_seqlens with T over 8 devices under jit: the packed row stays split, a
-    sequence crossing parts carries its state through the exchange, each final state
-    comes from the part holding its last step, and values and all six gradients equal
-    the unsharded call's. Only state-sized arrays move."""
-    args, cu = _packed_inputs(seed=7)
-    loss = functools.partial(_loss, cu_seqlens=cu, chunk_size=16,
-                             implementation=implementation)
+@pytest.mark.parametrize("implementation, packed", [
+    ("xla", False), ("xla", True), ("pallas_triton", True)], ids=["rows", "packed",
+                                                                  "packed_triton"])
+def test_the_sequence_split_under_explicit_axes(implementation, packed):
+    """T over 8 devices under jit: each device runs its 12 steps, the entering states
+    come from one exchange of state-sized arrays (context_parallel.py), and values and
+    all six gradients equal the unsharded call's. Eight rows, or one packed row, whose
+    sequence crossing parts carries its state through the exchange and whose final
+    states come from the parts holding each last step. Only state-sized arrays move."""
+    if packed:
+        args, cu = _packed_inputs(seed=7)
+        loss = functools.partial(_loss, cu_seqlens=cu, chunk_size=16,
+                                 implementation=implementation)
+    else:
+        args, loss = _sequence_inputs(seed=4), _loss
     mesh = st.mesh((8,), ("x",), st.EXPLICIT)
     placed = _time_split(args, mesh)
     with jax.set_mesh(mesh):
         got = _grads(loss, placed)
         found = st.compiled_collectives(jax.grad(loss, argnums=tuple(range(6))), *placed)
     _assert_close(got, _grads(loss, args))
-    _state_sized(found, 8 * len(PACKED_CU))
+    _state_sized(found, 8 * (len(PACKED_CU) if packed else B))
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
 @pytest.mark.parametrize("implementation", ["xla", "pallas_triton"])
-def test_packed_sequences_split_inside_a_callers_shard_map(implementation):
-    """A caller's shard_map splits a packed row over 4 devices (parts of 24 steps) and
-    passes the whole row's cu_seqlens with sequence_axes: values and gradients equal
-    the unsharded call's (xla under check_vma, pallas_triton interpreted without)."""
-    args, cu = _packed_inputs(seed=9)
+def test_the_sequence_split_inside_a_callers_shard_map(implementation, packed):
+    """The caller's shard_map splits T over 4 devices (parts of 24 steps) and names the
+    axis as sequence_axes: values and gradients equal the unsharded call's (xla under
+    check_vma, pallas_triton through its interpreter, which runs without it), and the
+    final states are the whole sequence's on every device. Two rows, or one packed row
+    with the whole row's cu_seqlens."""
+    if packed:
+        args, cu = _packed_inputs(seed=9)
+    else:
+        args, cu = tuple(t[:2] for t in _sequence_inputs(seed=5)), None  # two rows: quick
     mesh = st.mesh((4,), ("x",), st.AUTO, devices=jax.devices()[:4])
     kw = dict(output_final_state=True, chunk_size=16, implementation=implementation,
               cu_seqlens=cu)

@@ -232,18 +232,24 @@ def test_interpret_triton_down_weighted_and_its_gradient(sizes):
     assert_close(dh32, dh_ref, dtype=jnp.float32, tol=EXACT_FP32, what="dh in fp32")
 
 
+def _down_operands(seed, m, f, n, g):
+    """h [m, f] and w [g, f, n] in bf16, row weights in [0.1, 1), dy [m, n] fp32."""
+    k = jax.random.split(jax.random.key(seed), 4)
+    return (jax.random.normal(k[0], (m, f)).astype(BF16),
+            (jax.random.normal(k[1], (g, f, n)) / 8).astype(BF16),
+            jax.random.uniform(k[2], (m,), minval=0.1, maxval=1.0),
+            jax.random.normal(k[3], (m, n), jnp.float32))
+
+
 @pytest.mark.parametrize("blocks", ["tuned", "pingpong"])
 def test_mosaic_gpu_down_weighted_scales_the_sums_in_its_epilogue(blocks):
     """The Mosaic GPU down kernel (the cooperative gmm, each consumer's row weights in by
     TMA): y exact in fp32 against (h W) * weights and zero past the total, n = 192 a
     3-half tile width (the last tile's second half idle), rows not a tile multiple; a
     ping-pong block choice runs as the cooperative kernel with its tiles."""
-    m, f, n = 200, 64, 192
+    m, n = 200, 192
     gs = jnp.array([70, 0, 59, 31], jnp.int32)  # 40 rows past the total
-    k = jax.random.split(jax.random.key(22), 3)
-    h = jax.random.normal(k[0], (m, f)).astype(BF16)
-    w = (jax.random.normal(k[1], (4, f, n)) / 8).astype(BF16)
-    rw = jax.random.uniform(k[2], (m,), minval=0.1, maxval=1.0)
+    h, w, rw, _ = _down_operands(22, m, 64, n, 4)
     bs = None if blocks == "tuned" else mgpu.GMM_PINGPONG
     y = fused_mgpu.down_weighted(h, w, gs, rw, out_dtype=jnp.float32, block_sizes=bs,
                                  interpret=True)
@@ -260,13 +266,8 @@ def test_mosaic_gpu_down_weighted_and_its_composed_backward():
     definition."""
     assert not ops.has_down_weighted_grad("pallas_mosaic_gpu")
     assert ops.has_down_weighted_grad("pallas_triton")
-    m, f, n = 256, 64, 128
     gs = jnp.array([100, 0, 90, 30], jnp.int32)  # 36 rows past the total
-    k = jax.random.split(jax.random.key(21), 4)
-    h = jax.random.normal(k[0], (m, f)).astype(BF16)
-    w = (jax.random.normal(k[1], (4, f, n)) / 8).astype(BF16)
-    rw = jax.random.uniform(k[2], (m,), minval=0.1, maxval=1.0)
-    dy = jax.random.normal(k[3], (m, n), jnp.float32)
+    h, w, rw, dy = _down_operands(21, 256, 64, 128, 4)
 
     def ours(a, b, r):
         return ops.down_weighted(a, b, gs, r, BF16, backend="pallas_mosaic_gpu",

@@ -34,3 +34,13 @@ def check_chunked(name: str, array, leading: tuple[int, ...], ndim: int) -> None
 
 def f32(*arrays):
     return tuple(jnp.asarray(a, F32) for a in arrays)
+
+
+def unpaired(key, value) -> str | None:
+    """Why [B, H, NC, C, Dk] keys and [B, H, NC, C, Dv] values do not describe the same
+    chunks, or None: what every piece's `refusal` comes down to here, where the
+    plain-JAX forms take any width and dtype that dew's kernels bound."""
+    if key.ndim != 5 or value.ndim != 5 or key.shape[:4] != value.shape[:4]:
+        return (f"keys {tuple(key.shape)} and values {tuple(value.shape)} are not "
+                "[batch, heads, chunks, chunk, width] arrays of the same chunks")
+    return None

@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallasite.kernels.dew._layouts import HIGHEST, check_chunked, f32
+from pallasite.kernels.dew._layouts import HIGHEST, check_chunked, f32, unpaired
 
 
 def refusal(key, out_vals) -> str | None:
@@ -28,10 +28,7 @@ def refusal(key, out_vals) -> str | None:
     corrected-value operands, or None where it does. dew's kernels also ask for fp32,
     power-of-two widths and operands no mesh axis splits; the form here takes any of
     those, so only operands that do not pair up are refused."""
-    if key.ndim != 5 or out_vals.ndim != 5 or key.shape[:4] != out_vals.shape[:4]:
-        return (f"keys {tuple(key.shape)} and values {tuple(out_vals.shape)} are not "
-                "[batch, heads, chunks, chunk, width] arrays of the same chunks")
-    return None
+    return unpaired(key, out_vals)
 
 
 def chunk_states(key, w, u, gc, state, interpret: bool = False):

@@ -14,17 +14,14 @@ import functools
 
 import jax.numpy as jnp
 
-from pallasite.kernels.dew._layouts import HIGHEST, check_chunked, chunk_decay, f32
+from pallasite.kernels.dew._layouts import HIGHEST, check_chunked, chunk_decay, f32, unpaired
 
 
 def refusal(key, value) -> str | None:
     """Why `chunk_output` does not take these [B, H, NC, C, Dk] keys and [B, H, NC, C, Dv]
     values, or None where it does. dew's kernel bounds the widths (chunks to 64, keys to
     128, values a power of two to 256); the form here does not."""
-    if key.ndim != 5 or value.ndim != 5 or key.shape[:4] != value.shape[:4]:
-        return (f"keys {tuple(key.shape)} and values {tuple(value.shape)} are not "
-                "[batch, heads, chunks, chunk, width] arrays of the same chunks")
-    return None
+    return unpaired(key, value)
 
 
 def chunk_output(q, k, hi, lo, h, v, interpret: bool = False):

@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallasite.kernels.dew._layouts import HIGHEST, check_chunked, chunk_decay, f32
+from pallasite.kernels.dew._layouts import HIGHEST, check_chunked, chunk_decay, f32, unpaired
 
 
 def refusal(key, value) -> str | None:
@@ -31,10 +31,7 @@ def refusal(key, value) -> str | None:
     values, or None where it does. dew's kernel has width bounds (chunks to 64, keys to
     128, values to 256); the form here has none, so only operands that do not pair up
     are refused."""
-    if key.ndim != 5 or value.ndim != 5 or key.shape[:4] != value.shape[:4]:
-        return (f"keys {tuple(key.shape)} and values {tuple(value.shape)} are not "
-                "[batch, heads, chunks, chunk, width] arrays of the same chunks")
-    return None
+    return unpaired(key, value)
 
 
 def chunk_prep(k, v, beta, hi, lo, interpret: bool = False):
