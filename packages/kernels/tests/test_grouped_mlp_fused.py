@@ -259,13 +259,38 @@ def test_mosaic_gpu_down_weighted_scales_the_sums_in_its_epilogue(blocks):
     assert not np.asarray(y[160:]).any()
 
 
-def test_mosaic_gpu_down_weighted_and_its_composed_backward():
-    """ops.down_weighted on Mosaic GPU: the fused forward (y rounded once from the scaled
-    sums), and a backward composed from its grouped gmm (dh and d row_weights from
-    t = dy W^T, keeping h, not y); values and the three gradients against the
-    definition."""
-    assert not ops.has_down_weighted_grad("pallas_mosaic_gpu")
-    assert ops.has_down_weighted_grad("pallas_triton")
+@pytest.mark.parametrize("sizes", [[3, 60, 1, 0, 57], [0, 0, 0, 0, 0]])
+@pytest.mark.parametrize("dh_dtype", [BF16, jnp.float32])
+def test_mosaic_gpu_down_weighted_grad_forms_dh_and_the_weights_share(sizes, dh_dtype):
+    """The Mosaic GPU down backward for h: t = dy W^T (the gmm's dx, cooperative kernel)
+    with dh = weights * t and each row's sum of h * t formed in its epilogue (h's tile in
+    by TMA), the shares summed over the tiles' valid rows; against autodiff of the
+    definition. m = 131 and f = 192 leave part-empty tiles (f padded to whole 256-wide
+    tiles), rows past the total get zeros, and fp32 dh is exact."""
+    m, f, n = 131, 192, 96
+    gs = jnp.array(sizes, jnp.int32)
+    h, w, rw, dy = _down_operands(sum(sizes) + 3, m, f, n, 5)
+    dy = dy.astype(BF16)
+    dh, d_rw = fused_mgpu.down_weighted_grad(dy, w, gs, rw, h, interpret=True,
+                                             dh_dtype=dh_dtype)
+
+    def definition(h32, weights):
+        return gmm_reference(h32, w.astype(jnp.float32), gs) * weights[:, None]
+
+    _, vjp = jax.vjp(definition, h.astype(jnp.float32), rw)
+    dh_ref, d_rw_ref = vjp(dy.astype(jnp.float32))
+    assert dh.dtype == dh_dtype and dh.shape == (m, f) and d_rw.dtype == jnp.float32
+    tol = EXACT_FP32 if dh_dtype == jnp.float32 else None
+    assert_close(dh, dh_ref, dtype=dh_dtype, tol=tol, what="dh")
+    assert_close(d_rw, d_rw_ref, dtype=jnp.float32, tol=EXACT_FP32, what="d row_weights")
+    assert not np.asarray(dh[sum(sizes):], np.float32).any()
+    assert not np.asarray(d_rw[sum(sizes):]).any()
+
+
+def test_mosaic_gpu_down_weighted_and_its_backward():
+    """ops.down_weighted on Mosaic GPU: y rounded once from the scaled sums, and the
+    backward's dh and d row_weights from one kernel (keeping h, not y); values and the
+    three gradients against the definition."""
     gs = jnp.array([100, 0, 90, 30], jnp.int32)  # 36 rows past the total
     h, w, rw, dy = _down_operands(21, 256, 64, 128, 4)
 

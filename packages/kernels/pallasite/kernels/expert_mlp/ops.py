@@ -156,30 +156,13 @@ _gate_up.defvjp(_forward, _backward)
 # ------------------------------------------------------------------ the down product
 
 
-def has_down_weighted_grad(backend: str) -> bool:
-    """Whether the backend forms dh and d row_weights in one kernel's epilogue
-    (down_weighted_grad); the others compose them from t = dy W_down^T (_down_pieces)."""
-    return hasattr(_modules(backend)[0], "down_weighted_grad")
-
-
 def _down_pieces(backend: str):
-    """(down_weighted, down_weighted_grad) of the backend. Every fused backend scales the
-    fp32 sums by the row weights in its down kernel's epilogue; the backward is its
-    fused kernel, or the same contract composed from its grouped gmm and elementwise
-    fp32 work (t = dy W_down^T in fp32, then dh = weights * t and d row_weights = sum over
-    f of h * t). Either way the backward needs h and the weights, not y."""
-    fused, grouped = _modules(backend)
-    if has_down_weighted_grad(backend):
-        return fused.down_weighted, fused.down_weighted_grad
-
-    def composed_down_weighted_grad(dy, w, group_sizes, row_weights, h, *, group_offset=None,
-                                    interpret=False, dh_dtype=None):
-        t = grouped.gmm(dy, w, group_sizes, group_offset=group_offset, transpose_rhs=True,
-                        out_dtype=_F32, interpret=interpret)
-        dh = (t * row_weights.astype(_F32)[:, None]).astype(dh_dtype or h.dtype)
-        return dh, jnp.sum(h.astype(_F32) * t, axis=1)
-
-    return fused.down_weighted, composed_down_weighted_grad
+    """(down_weighted, down_weighted_grad) of the backend: kernels that scale the fp32
+    sums by the row weights in their epilogue, and whose backward forms dh = weights * t
+    and each row's share of d row_weights (the sum over f of h * t) from the tiles of
+    t = dy W_down^T, so it needs h and the weights, not y, and t never reaches memory."""
+    fused, _ = _modules(backend)
+    return fused.down_weighted, fused.down_weighted_grad
 
 
 def down_weighted(h, down_kernel, group_sizes, row_weights, compute, *, backend: str,

@@ -24,8 +24,9 @@ kernels and pallas_triton.py's; grouped_mlp takes it where pallas_mosaic_gpu is 
 
 down_weighted is the down product with grouped_mlp's row weights in the epilogue: the
 grouped gmm's cooperative kernel with one more operand (grouped_matmul.pallas_mosaic_gpu,
-row_scaled), so y is rounded once from the scaled fp32 sums. Its backward (dh and
-d row_weights from t = dy W_down^T) is composed around the gmm (expert_mlp.ops).
+epilogue "scaled"), so y is rounded once from the scaled fp32 sums. down_weighted_grad
+is its backward for h on the gmm's dx (epilogue "scaled_grad"): dh and each row's share
+of d row_weights from the tiles of t = dy W_down^T and of h, so t never reaches memory.
 
 Not yet measured on a GPU (lowered for an H200 and run by the interpreter on the CPU);
 docs/grouped_mlp.md says what is left.
@@ -229,6 +230,33 @@ def gate_up_grad(
                  bs=_checked_blocks(block_sizes), interpret=interpret)
 
 
+def _cooperative(bs: base.MosaicGpuBlockSizes, width: int, in_dtype, out_dtype,
+                 epilogue_kind: str) -> tuple[base.MosaicGpuBlockSizes, int]:
+    """(blocks, padded width) for the down product's epilogues on the gmm's cooperative
+    warp-specialised kernel: the given (tuned) tiles run as the cooperative kernel; where
+    those and the epilogue's scratch leave no two stages in shared memory, 128 x (2 x 64)
+    tiles. The backward's epilogue stores in 64-column strips, so that the consumers' h
+    tiles fit beside two stages of 128 x (2 x 128) tiles (two 48 KiB stages, 32 KiB of
+    strips, 66 KiB of h and weights). The width is padded to whole tiles, so h's last TMA
+    box stays inside it."""
+    in_bytes, out_bytes = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
+    grad = epilogue_kind == "scaled_grad"
+    narrow = dataclasses.replace(base.GMM_WARP_SPECIALIZED, block_n=64, epilogue_block_n=None)
+    for blocks in (bs, narrow):
+        blocks = base._fit_block_n(
+            dataclasses.replace(blocks, warp_specialized=True, pingpong=False), width)
+        if grad and blocks.block_n > 64 and blocks.block_n % 64 == 0:
+            blocks = dataclasses.replace(blocks, epilogue_block_n=64)
+        padded = -(-width // (2 * blocks.block_n)) * 2 * blocks.block_n
+        blocks = base._fit_warp_specialized(
+            blocks, padded, in_bytes, out_bytes,
+            base.epilogue_scratch_bytes(blocks, epilogue_kind, in_bytes))
+        if blocks.warp_specialized:
+            return blocks, padded
+    raise ValueError(f"the down product's {epilogue_kind} epilogue: no tiles leave two "
+                     f"stages in shared memory for width {width}")
+
+
 @sharding.local_operands("grouped_mlp")
 def down_weighted(
     h: Shaped[Array, "m f"],
@@ -256,12 +284,7 @@ def down_weighted(
         return jnp.zeros((m, n), out_dtype)
     bs = base.resolve_block_sizes(block_sizes, product="forward", m=m, k=f, n=n,
                                   g=group_sizes.shape[0], dtype=h.dtype, interpret=interpret)
-    bs = base._fit_block_n(dataclasses.replace(bs, warp_specialized=True, pingpong=False), n)
-    n_p = -(-n // bs.block_n) * bs.block_n
-    bs = base._fit_warp_specialized(bs, n_p, jnp.dtype(h.dtype).itemsize, out_dtype.itemsize)
-    if not bs.warp_specialized:
-        raise ValueError(f"down_weighted: {block_sizes or 'the tuned blocks'} leave no two "
-                         "stages of the cooperative kernel in shared memory")
+    bs, _ = _cooperative(bs, n, h.dtype, out_dtype, "scaled")
     h_p = base._pad_axis(base._pad_axis(h, 1, bs.block_k), 0, 8, bs.block_m)
     rhs_p = base._pad_axis(base._pad_axis(rhs, 1, bs.block_k), 2, bs.block_n)
     weights = base._pad_axis(row_weights.astype(_F32), 0, 8, bs.block_m)
@@ -269,6 +292,50 @@ def down_weighted(
     return base._gmm_local(h_p, rhs_p, sizes, row_start, transpose_rhs=False,
                            out_dtype=out_dtype, bs=bs, interpret=interpret,
                            row_weights=weights)[:m, :n]
+
+
+@sharding.local_operands("grouped_mlp")
+def down_weighted_grad(
+    dy: Shaped[Array, "m n"],
+    rhs: Shaped[Array, "g f n"],
+    group_sizes: Int[Array, " G"],
+    row_weights: Shaped[Array, " m"],
+    h: Shaped[Array, "m f"],
+    *,
+    group_offset=None,
+    block_sizes: base.MosaicGpuBlockSizes | None = None,
+    interpret: bool = False,
+    dh_dtype=None,
+):
+    """The down product's backward for h: t = dy_i rhs[i]^T (the gmm's dx, fp32 sums),
+    then in the epilogue dh = row_weights * t (in dh_dtype, h's when None) and each row's
+    share of d row_weights, the sum of h * t over the consumer's columns (h's tile in by
+    TMA during the k loop), summed over the shares after. Returns (dh [m, f],
+    d row_weights [m] fp32), with no pass over y and t never in memory. block_sizes:
+    None takes the gmm's (tuned) dx blocks, run as the cooperative kernel."""
+    epilogue.check_down(h, rhs, row_weights)
+    base._check_gmm(dy, rhs, group_sizes, True, group_offset)
+    if dy.shape != (h.shape[0], rhs.shape[2]) or dy.dtype != h.dtype:
+        raise ValueError(f"dy must be [m, n] = {(h.shape[0], rhs.shape[2])} of h's dtype "
+                         f"{h.dtype}, got {dy.shape} {dy.dtype}")
+    dh_dtype = jnp.dtype(dh_dtype or h.dtype)
+    m, f = h.shape
+    g, n = rhs.shape[0], rhs.shape[2]
+    if 0 in (m, f, n) or g == 0:
+        return jnp.zeros((m, f), dh_dtype), jnp.zeros((m,), _F32)
+    # The gmm's dx: contraction n, output f (tuning keys take the projection's dims).
+    bs = base.resolve_block_sizes(block_sizes, product="dx", m=m, k=f, n=n,
+                                  g=group_sizes.shape[0], dtype=h.dtype, interpret=interpret)
+    bs, f_p = _cooperative(bs, f, h.dtype, dh_dtype, "scaled_grad")
+    dy_p = base._pad_axis(base._pad_axis(dy, 1, bs.block_k), 0, 8, bs.block_m)
+    rhs_p = base._pad_axis(base._pad_axis(rhs, 2, bs.block_k), 1, f_p)
+    h_p = base._pad_axis(base._pad_axis(h, 1, f_p), 0, 8, bs.block_m)
+    weights = base._pad_axis(row_weights.astype(_F32), 0, 8, bs.block_m)
+    sizes, row_start = local_groups(group_sizes, group_offset, g)
+    dh, d_rw = base._gmm_local(dy_p, rhs_p, sizes, row_start, transpose_rhs=True,
+                               out_dtype=dh_dtype, bs=bs, interpret=interpret,
+                               row_weights=weights, grad_of=h_p)
+    return dh[:m, :f], d_rw[:m]
 
 
 def _checked_blocks(block_sizes):

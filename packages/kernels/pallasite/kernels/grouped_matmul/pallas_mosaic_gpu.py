@@ -553,21 +553,22 @@ def _gmm_kernel(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_rhs: bool):
 _SMEM_BYTES = platform.SHARED_MEMORY_KIB["sm90"] * 1024 - 2048
 
 
-def _fit_warp_specialized(bs: MosaicGpuBlockSizes, n: int, in_bytes: int, out_bytes: int
-                          ) -> MosaicGpuBlockSizes:
+def _fit_warp_specialized(bs: MosaicGpuBlockSizes, n: int, in_bytes: int, out_bytes: int,
+                          extra_bytes: int = 0) -> MosaicGpuBlockSizes:
     """bs with as many stages as fit shared memory (at least 2), or the one-warpgroup
     kernel when n does not split into block_n columns or even 2 stages do not fit.
     Shared memory: stages x (lhs block_m x block_k + rhs block_k x 2 block_n) operand
     buffers plus one block_m x epilogue strip output slot per consumer. Where n is an odd
     number of block_n columns the last tile's second half lies past n (see _live_half).
     A ping-pong kernel's stage holds one block_k x block_n rhs block (its tiles are
-    block_n wide)."""
+    block_n wide). extra_bytes: scratch an epilogue adds (the down product's row weights
+    and h tiles)."""
     if n % bs.block_n:
         return dataclasses.replace(bs, warp_specialized=False, pingpong=False)
     cta_n = bs.block_n if bs.pingpong else 2 * bs.block_n
     per_stage = (bs.block_m * bs.block_k + bs.block_k * cta_n) * in_bytes
     out_slots = 2 * bs.block_m * _epilogue_strip(bs) * out_bytes
-    stages = min(bs.stages, (_SMEM_BYTES - out_slots) // per_stage)
+    stages = min(bs.stages, (_SMEM_BYTES - out_slots - extra_bytes) // per_stage)
     if stages < 2:
         return dataclasses.replace(bs, warp_specialized=False, pingpong=False)
     return dataclasses.replace(bs, stages=int(stages))
@@ -589,8 +590,19 @@ def _live_half(ni, wg, bs: MosaicGpuBlockSizes, n: int):
     return (2 * ni + wg) * bs.block_n < n
 
 
+def epilogue_scratch_bytes(bs: MosaicGpuBlockSizes, epilogue: str | None, h_bytes: int = 2
+                           ) -> int:
+    """Shared memory _gmm_kernel_warp_specialized's epilogue adds: per consumer a block_m
+    fp32 weights slot ("scaled"), and an h tile and a block_m fp32 share slot
+    ("scaled_grad")."""
+    if not epilogue:
+        return 0
+    grad = epilogue == "scaled_grad"
+    return 2 * bs.block_m * 4 + (2 * bs.block_m * (bs.block_n * h_bytes + 4) if grad else 0)
+
+
 def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_rhs: bool,
-                                 row_scaled: bool = False):
+                                 epilogue: str | None = None):
     """gmm with a TMA producer warpgroup and two wgmma consumer warpgroups per program.
 
     The same row-tile table and snake as _gmm_kernel; a program's tile is block_m x
@@ -600,9 +612,16 @@ def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_
     slot, so the stores overlap the next tile's main loop while the producer is already
     loading that tile's operands.
 
-    row_scaled: one more operand, fp32 weights [m] (grouped_mlp's row weights), by which
-    each row's fp32 sums are multiplied before the one rounding. Each consumer brings its
-    tile's block_m weights into SMEM by TMA while its k loop runs.
+    epilogue (grouped_mlp's down product, expert_mlp.pallas_mosaic_gpu):
+      "scaled": one more operand, fp32 weights [m] (the row weights), by which each row's
+        fp32 sums are multiplied before the one rounding. Each consumer brings its tile's
+        block_m weights into SMEM by TMA while its k loop runs.
+      "scaled_grad": the down product's backward for h (t = dy W^T, this kernel with
+        transpose_rhs): operands weights [m] and h [m, n]; the scaled sums are dh, and a
+        second output [tiles, 2 * grid_n, block_m] fp32 takes each consumer's per-row
+        sum over its columns of h * t (its share of d row_weights), a whole block_m slot
+        per (row tile, column half), which _row_parts sums over the tiles' valid rows.
+        The h tile comes in by TMA beside the weights.
     """
     bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
     cta_n = 2 * bn
@@ -630,8 +649,11 @@ def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_
             compute_context=compute_context,
         )
 
+    grad = epilogue == "scaled_grad"
+
     def body(table_gmem, count_gmem, lhs_gmem, rhs_gmem, *refs):
-        *weights_gmem, out_gmem = refs
+        extra_gmem, (out_gmem, *parts_gmem) = refs[:int(bool(epilogue)) + grad], \
+            refs[int(bool(epilogue)) + grad:]
         num_tiles = count_gmem[0]
         wg = lax.axis_index("wg")
         ignore = lambda *_, **__: None  # noqa: E731 - allocations do not depend on the body
@@ -641,12 +663,19 @@ def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_
         )
         scratch = dict(o_smem=plgpu.SMEM((2, bm, _epilogue_strip(bs)), out_gmem.dtype,
                                          transforms=_swizzle_transforms(out_gmem.dtype, rows=1)))
-        if row_scaled:
+        if epilogue:
             scratch.update(w_smem=plgpu.SMEM((2, bm), jnp.float32),
                            w_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2))
+        if grad:
+            h_dtype = extra_gmem[1].dtype
+            scratch.update(h_smem=plgpu.SMEM((2, bm, bn), h_dtype,
+                                             transforms=_swizzle_transforms(h_dtype)),
+                           h_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2),
+                           p_smem=plgpu.SMEM((2, bm), jnp.float32))
 
         @functools.partial(pl.run_scoped, allocations=allocs, collective_axes="wg", **scratch)
-        def _(allocations, o_smem, w_smem=None, w_ready=None):
+        def _(allocations, o_smem, w_smem=None, w_ready=None, h_smem=None, h_ready=None,
+              p_smem=None):
             @plgpu.nd_loop((num_tiles * grid_n,), collective_axes="sm")
             def _(info):
                 mi, ni, seg, load0, row0, rows, live = _row_tile(table_gmem, info.index[0],
@@ -666,22 +695,35 @@ def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_
                 def compute_context(run_pipeline):
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
                     def _(acc_ref):
-                        if row_scaled:  # this tile's row weights arrive while the k loop runs
-                            plgpu.copy_gmem_to_smem(weights_gmem[0].at[pl.ds(load0, bm)],
+                        col0 = ni * cta_n + wg * bn
+                        if epilogue:  # the tile's row weights (and h) arrive during the k loop
+                            plgpu.copy_gmem_to_smem(extra_gmem[0].at[pl.ds(load0, bm)],
                                                     w_smem.at[wg], w_ready.at[wg])
+                        if grad:
+                            plgpu.copy_gmem_to_smem(
+                                extra_gmem[1].at[pl.ds(load0, bm), pl.ds(col0, bn)],
+                                h_smem.at[wg], h_ready.at[wg])
                         run_pipeline(acc_ref)
                         acc = acc_ref[...]
-                        if row_scaled:
+                        if grad:  # this consumer's share of d row_weights: sum of h * t
+                            plgpu.barrier_wait(h_ready.at[wg])
+                            part = jnp.sum(h_smem.at[wg][...].astype(jnp.float32) * acc, axis=1)
+                        if epilogue:
                             plgpu.barrier_wait(w_ready.at[wg])
                             weights = plgpu.load(w_smem.at[wg],
                                                  layout=plgpu.Layout.WGMMA.reduce(1))
                             acc = acc * lax.broadcast_in_dim(weights, acc.shape, [0])
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slot free again
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slots free again
 
                         @pl.when(_live_half(ni, wg, bs, n))
                         def _():
                             _store_rows_from(acc, o_smem.at[wg], out_gmem, row0, rows,
-                                             row0 - load0, ni * cta_n + wg * bn, bm)
+                                             row0 - load0, col0, bm)
+                            if grad:
+                                p_smem.at[wg][...] = part
+                                plgpu.commit_smem()
+                                plgpu.copy_smem_to_gmem(p_smem.at[wg],
+                                                        parts_gmem[0].at[mi, ni * 2 + wg])
 
                 weights = rhs_gmem.at[jnp.minimum(seg, g - 1)]
                 weights = (weights.at[pl.ds(ni * cta_n, cta_n)] if transpose_rhs
@@ -856,39 +898,67 @@ def _gmm_kernel_pingpong(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_rhs: boo
 
 
 def _gmm_local(lhs, rhs, group_sizes, row_start, *, transpose_rhs, out_dtype, bs, interpret,
-               row_weights=None):
-    """gmm on one device's operands (already padded to the block multiples); with
-    row_weights (fp32 [m], the cooperative warp-specialised kernel only) each row's sums
-    are scaled by its weight before the rounding."""
+               row_weights=None, grad_of=None):
+    """gmm on one device's operands (already padded to the block multiples). With
+    row_weights (fp32 [m]; the cooperative warp-specialised kernel only) each row's sums
+    are scaled by its weight before the rounding; with grad_of (h [m, n] as well) it is
+    the down product's backward for h, returning (dh, d row_weights [m] fp32)
+    (_gmm_kernel_warp_specialized's epilogues)."""
     m, k = lhs.shape
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     table, count = _row_tile_table(group_sizes, m, bs.block_m, row_start)
     out_type = sharding.out_struct((m, n), out_dtype, like=lhs)
-    extra = () if row_weights is None else (row_weights,)
+    extra = (() if row_weights is None else (row_weights,)) + (() if grad_of is None
+                                                              else (grad_of,))
+    grid_n = pl.cdiv(n, 2 * bs.block_n)
+    out_types = (out_type,) + (() if grad_of is None else (sharding.out_struct(
+        (table.shape[1], 2 * grid_n, bs.block_m), jnp.float32, like=lhs),))
     cost = costs.gmm(m, k, n, lhs.dtype, transpose_rhs=transpose_rhs,
-                     inputs=(table, count, lhs, rhs, *extra), outputs=(out_type,))
+                     inputs=(table, count, lhs, rhs, *extra), outputs=out_types)
     if extra:
         if bs.pingpong or not bs.warp_specialized:
             raise ValueError(f"row weights run on the cooperative warp-specialised kernel; "
                              f"got {bs}")
-        body = _gmm_kernel_warp_specialized(m, k, n, g, bs, transpose_rhs, row_scaled=True)
+        body = _gmm_kernel_warp_specialized(m, k, n, g, bs, transpose_rhs,
+                                            "scaled_grad" if grad_of is not None else "scaled")
     elif bs.pingpong:
         body = _gmm_kernel_pingpong(m, k, n, g, bs, transpose_rhs, _num_programs(interpret))
     elif bs.warp_specialized:
         body = _gmm_kernel_warp_specialized(m, k, n, g, bs, transpose_rhs)
     else:
         body = _gmm_kernel(m, k, n, g, bs, transpose_rhs)
+    name = ("grouped_mlp_down_grad_mosaic_gpu" if grad_of is not None
+            else "grouped_mlp_down_mosaic_gpu" if extra else "grouped_projection_gmm_mosaic_gpu")
     call = pl.kernel(
         body,
-        out_type=out_type,
+        out_type=out_types if grad_of is not None else out_type,
         mesh=_mesh(bs, interpret),
         compiler_params=_compiler_params(),
         interpret=_interpret_params(interpret),
         cost_estimate=cost,
-        name="grouped_mlp_down_mosaic_gpu" if extra else "grouped_projection_gmm_mosaic_gpu",
+        name=name,
     )
-    return call(table, count, lhs, rhs, *extra)
+    out = call(table, count, lhs, rhs, *extra)
+    if grad_of is None:
+        return out
+    dh, parts = out
+    return dh, _row_parts(parts, table, count, pl.cdiv(n, bs.block_n), m)
+
+
+def _row_parts(parts, table, count, halves: int, m: int):
+    """[m] fp32: each row's sum of the "scaled_grad" epilogue's per-(tile, column half)
+    slots, over the tiles that hold it as a valid row (the table's first row and row
+    count) and the column halves that lie inside n. Slots of tiles past `count`, of rows
+    outside a tile's valid rows and of halves past n were never written, and are
+    selected away, not multiplied."""
+    load, first, rows = table[1], table[2], table[3]
+    row = load[:, None] + jnp.arange(parts.shape[2], dtype=jnp.int32)[None, :]
+    valid = ((row >= first[:, None]) & (row < (first + rows)[:, None])
+             & (jnp.arange(table.shape[1])[:, None] < count[0]))
+    per_row = jnp.sum(parts[:, :halves], axis=1)
+    per_row = jnp.where(valid, per_row, 0.0)
+    return jnp.zeros((m,), jnp.float32).at[jnp.where(valid, row, m)].add(per_row, mode="drop")
 
 
 def _check_gmm(lhs, rhs, group_sizes, transpose_rhs, group_offset):
