@@ -369,6 +369,36 @@ def test_gate_up_lowers_for_cuda_from_cpu(backend, activation, runs, monkeypatch
         assert ("mosaic_gpu" if backend == "pallas_mosaic_gpu" else "triton") in text
 
 
+@pytest.mark.parametrize("shape", [(65536, 14336, 4096, 8), (8192, 1408, 2880, 16)],
+                         ids=["mixtral", "w2880"])
+def test_mosaic_gpu_down_kernels_lower_at_model_shapes(shape, monkeypatch):
+    """The down kernels with the row weights in their epilogues lower for an H200 at a
+    model's widths, through Mosaic GPU's shared-memory check: the tuned 192-row tiles
+    (mixtral) and a ping-pong choice (width 2880) run as the cooperative kernel, the
+    backward on 128 x (2 x 128) tiles in two stages beside the h tiles."""
+    monkeypatch.setattr(mgpu, "_num_programs", lambda interpret: 132)
+    m, f, n, g = shape
+    s = jax.ShapeDtypeStruct
+    args = (s((m, f), BF16), s((g, f, n), BF16), s((g,), jnp.int32), s((m,), jnp.float32))
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
+
+    def forward(h, w, sizes, rw):
+        return ops.down_weighted(h, w, sizes, rw, BF16, backend="pallas_mosaic_gpu")
+
+    def loss(h, w, sizes, rw):
+        return jnp.sum(forward(h, w, sizes, rw).astype(jnp.float32))
+
+    for fn in (forward, jax.grad(loss, argnums=(0, 1, 3))):
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+        assert "mosaic_gpu" in text
+    dx = mgpu.resolve_block_sizes(None, product="dx", m=m, k=f, n=n, g=g, dtype=BF16,
+                                  interpret=False)
+    blocks, _ = fused_mgpu._cooperative(dx, f, BF16, BF16, "scaled_grad")
+    assert (blocks.block_m, blocks.block_n, blocks.epilogue_block_n) == (128, 128, 64)
+    assert blocks.stages >= 2 and not blocks.pingpong
+
+
 def _gpu_runs(backend):
     return platform.mosaic_gpu_runs() if backend == "pallas_mosaic_gpu" else platform.triton_runs()
 

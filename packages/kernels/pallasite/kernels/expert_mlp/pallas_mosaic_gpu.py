@@ -234,15 +234,16 @@ def _cooperative(bs: base.MosaicGpuBlockSizes, width: int, in_dtype, out_dtype,
                  epilogue_kind: str) -> tuple[base.MosaicGpuBlockSizes, int]:
     """(blocks, padded width) for the down product's epilogues on the gmm's cooperative
     warp-specialised kernel: the given (tuned) tiles run as the cooperative kernel; where
-    those and the epilogue's scratch leave no two stages in shared memory, 128 x (2 x 64)
-    tiles. The backward's epilogue stores in 64-column strips, so that the consumers' h
-    tiles fit beside two stages of 128 x (2 x 128) tiles (two 48 KiB stages, 32 KiB of
-    strips, 66 KiB of h and weights). The width is padded to whole tiles, so h's last TMA
-    box stays inside it."""
+    those and the epilogue's scratch leave no two stages in shared memory, the gmm's
+    128 x (2 x 128) default, then 128 x (2 x 64). The backward's epilogue stores in
+    64-column strips, so that the consumers' h tiles fit beside two stages of
+    128 x (2 x 128) tiles (two 48 KiB stages, 32 KiB of strips, 66 KiB of h and
+    weights; mixtral's tuned 192-row dx tiles leave room for one). The width is padded
+    to whole tiles, so h's last TMA box stays inside it."""
     in_bytes, out_bytes = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
     grad = epilogue_kind == "scaled_grad"
     narrow = dataclasses.replace(base.GMM_WARP_SPECIALIZED, block_n=64, epilogue_block_n=None)
-    for blocks in (bs, narrow):
+    for blocks in (bs, base.GMM_WARP_SPECIALIZED, narrow):
         blocks = base._fit_block_n(
             dataclasses.replace(blocks, warp_specialized=True, pingpong=False), width)
         if grad and blocks.block_n > 64 and blocks.block_n % 64 == 0:
