@@ -67,11 +67,15 @@ def gated(gate: jax.Array, up: jax.Array, activation: str) -> jax.Array:
     return activation_fp32(gate, activation) * up
 
 
-def check_down(h, rhs, row_weights) -> None:
+def check_down(h, rhs, row_weights, dy=None) -> None:
     """The fused down product's operands, as every backend takes them: h [m, f] and rhs
-    [g, f, n] of one dtype, row_weights [m] (else ValueError naming the argument)."""
+    [g, f, n] of one dtype, row_weights [m], and for its backward dy [m, n] of h's dtype
+    (else ValueError naming the argument)."""
     if h.ndim != 2 or rhs.ndim != 3 or rhs.shape[1] != h.shape[1] or h.dtype != rhs.dtype:
         raise ValueError(f"h must be [m, f] and rhs [g, f, n] of one dtype; got {h.shape} "
                          f"{h.dtype} and {rhs.shape} {rhs.dtype}")
     if row_weights.shape != (h.shape[0],):
         raise ValueError(f"row_weights must be [m] = [{h.shape[0]}], got {row_weights.shape}")
+    if dy is not None and (dy.shape != (h.shape[0], rhs.shape[2]) or dy.dtype != h.dtype):
+        raise ValueError(f"dy must be [m, n] = {(h.shape[0], rhs.shape[2])} of h's dtype "
+                         f"{h.dtype}, got {dy.shape} {dy.dtype}")

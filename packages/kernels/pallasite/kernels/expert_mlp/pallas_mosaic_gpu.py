@@ -314,11 +314,8 @@ def down_weighted_grad(
     TMA during the k loop), summed over the shares after. Returns (dh [m, f],
     d row_weights [m] fp32), with no pass over y and t never in memory. block_sizes:
     None takes the gmm's (tuned) dx blocks, run as the cooperative kernel."""
-    epilogue.check_down(h, rhs, row_weights)
+    epilogue.check_down(h, rhs, row_weights, dy)
     base._check_gmm(dy, rhs, group_sizes, True, group_offset)
-    if dy.shape != (h.shape[0], rhs.shape[2]) or dy.dtype != h.dtype:
-        raise ValueError(f"dy must be [m, n] = {(h.shape[0], rhs.shape[2])} of h's dtype "
-                         f"{h.dtype}, got {dy.shape} {dy.dtype}")
     dh_dtype = jnp.dtype(dh_dtype or h.dtype)
     m, f = h.shape
     g, n = rhs.shape[0], rhs.shape[2]

@@ -191,10 +191,7 @@ def down_weighted_grad(
     share of d row_weights, sum over the tile's columns of h * t. Returns (dh [m, f],
     d row_weights [m] fp32): the weights' gradient comes from the same tiles as dh, with
     no pass over y."""
-    epilogue.check_down(h, rhs, row_weights)
-    if dy.shape != (h.shape[0], rhs.shape[2]) or dy.dtype != h.dtype:
-        raise ValueError(f"dy must be [m, n] = {(h.shape[0], rhs.shape[2])} of h's dtype "
-                         f"{h.dtype}, got {dy.shape} {dy.dtype}")
+    epilogue.check_down(h, rhs, row_weights, dy)
     m, f = h.shape
     n = rhs.shape[2]
     dh_dtype = jnp.dtype(dh_dtype or h.dtype)
