@@ -219,7 +219,7 @@ def _down_backward(backend, all_groups, interpret, compute, residuals, dy):
         dy_weighted = (dy.astype(_F32) * rw[:, None]).astype(compute)
         dw = grouped.tgmm(h_c, dy_weighted, sizes, num_groups=w_c.shape[0],
                           out_dtype=dtypes[1], **local)
-        return dh.astype(dtypes[0]), dw, d_rw
+        return dh, dw, d_rw
 
     planner = layouts.down_backward_planner(grads, dtypes=(dh_dtype, dw_dtype),
                                             shapes=(h.shape, w.shape),

@@ -590,6 +590,11 @@ def _live_half(ni, wg, bs: MosaicGpuBlockSizes, n: int):
     return (2 * ni + wg) * bs.block_n < n
 
 
+# The operands each epilogue of _gmm_kernel_warp_specialized adds: the row weights, and
+# for the backward h.
+EPILOGUE_OPERANDS = {None: 0, "scaled": 1, "scaled_grad": 2}
+
+
 def epilogue_scratch_bytes(bs: MosaicGpuBlockSizes, epilogue: str | None, h_bytes: int = 2
                            ) -> int:
     """Shared memory _gmm_kernel_warp_specialized's epilogue adds: per consumer a block_m
@@ -650,10 +655,10 @@ def _gmm_kernel_warp_specialized(m, k, n, g, bs: MosaicGpuBlockSizes, transpose_
         )
 
     grad = epilogue == "scaled_grad"
+    operands = EPILOGUE_OPERANDS[epilogue]
 
     def body(table_gmem, count_gmem, lhs_gmem, rhs_gmem, *refs):
-        extra_gmem, (out_gmem, *parts_gmem) = refs[:int(bool(epilogue)) + grad], \
-            refs[int(bool(epilogue)) + grad:]
+        extra_gmem, (out_gmem, *parts_gmem) = refs[:operands], refs[operands:]
         num_tiles = count_gmem[0]
         wg = lax.axis_index("wg")
         ignore = lambda *_, **__: None  # noqa: E731 - allocations do not depend on the body
@@ -909,27 +914,28 @@ def _gmm_local(lhs, rhs, group_sizes, row_start, *, transpose_rhs, out_dtype, bs
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     table, count = _row_tile_table(group_sizes, m, bs.block_m, row_start)
     out_type = sharding.out_struct((m, n), out_dtype, like=lhs)
-    extra = (() if row_weights is None else (row_weights,)) + (() if grad_of is None
-                                                              else (grad_of,))
-    grid_n = pl.cdiv(n, 2 * bs.block_n)
-    out_types = (out_type,) + (() if grad_of is None else (sharding.out_struct(
-        (table.shape[1], 2 * grid_n, bs.block_m), jnp.float32, like=lhs),))
+    epilogue = (None if row_weights is None
+                else "scaled" if grad_of is None else "scaled_grad")
+    extra = tuple(a for a in (row_weights, grad_of) if a is not None)
+    out_types = (out_type,)
+    if grad_of is not None:  # each (row tile, column half)'s share of d row_weights
+        out_types += (sharding.out_struct((table.shape[1], 2 * pl.cdiv(n, 2 * bs.block_n),
+                                           bs.block_m), jnp.float32, like=lhs),)
     cost = costs.gmm(m, k, n, lhs.dtype, transpose_rhs=transpose_rhs,
                      inputs=(table, count, lhs, rhs, *extra), outputs=out_types)
-    if extra:
+    if epilogue:
         if bs.pingpong or not bs.warp_specialized:
             raise ValueError(f"row weights run on the cooperative warp-specialised kernel; "
                              f"got {bs}")
-        body = _gmm_kernel_warp_specialized(m, k, n, g, bs, transpose_rhs,
-                                            "scaled_grad" if grad_of is not None else "scaled")
+        body = _gmm_kernel_warp_specialized(m, k, n, g, bs, transpose_rhs, epilogue)
     elif bs.pingpong:
         body = _gmm_kernel_pingpong(m, k, n, g, bs, transpose_rhs, _num_programs(interpret))
     elif bs.warp_specialized:
         body = _gmm_kernel_warp_specialized(m, k, n, g, bs, transpose_rhs)
     else:
         body = _gmm_kernel(m, k, n, g, bs, transpose_rhs)
-    name = ("grouped_mlp_down_grad_mosaic_gpu" if grad_of is not None
-            else "grouped_mlp_down_mosaic_gpu" if extra else "grouped_projection_gmm_mosaic_gpu")
+    name = {None: "grouped_projection_gmm_mosaic_gpu", "scaled": "grouped_mlp_down_mosaic_gpu",
+            "scaled_grad": "grouped_mlp_down_grad_mosaic_gpu"}[epilogue]
     call = pl.kernel(
         body,
         out_type=out_types if grad_of is not None else out_type,
