@@ -163,38 +163,6 @@ def test_interpret_gate_up_activation_gradients(activation, local, backend):
         assert not np.asarray(dx[90:], np.float32).any()
 
 
-def test_backward_slices_take_wide_f_in_runs():
-    assert ops.backward_slices(14336) == 4  # mixtral: runs of 3584 columns
-    assert ops.backward_slices(2048) == 2  # DeepSeek-V3
-    assert ops.backward_slices(768) == 1  # Qwen3-30B-A3B: too narrow to cut
-    assert ops.backward_slices(1000) == 1  # not whole 128-column tiles
-
-
-@pytest.mark.parametrize("backend", list(BACKENDS))
-def test_interpret_backward_in_runs_of_columns(backend, monkeypatch):
-    """With runs of 128 columns allowed, f = 256 takes the backward in 2 runs of gate|up
-    pairs (d(pre) [m, 256] at a time, not [m, 512]): dx and dkernel against the
-    definition, local experts included, and each run's dkernel in its own columns."""
-    monkeypatch.setattr(ops, "BACKWARD_SLICE_COLUMNS", 128)
-    assert ops.backward_slices(256) == 2
-    sizes = jnp.array([40, 0, 50, 30], jnp.int32)
-    x, w = _operands(9, 136, 64, 256, 2)
-    dh = jax.random.normal(jax.random.key(10), (136, 256), jnp.float32)
-
-    def ours(a, b):
-        return ops.gate_up_activation(a, b, sizes, BF16, backend=backend, group_offset=1,
-                                      interpret=True)
-
-    h, vjp = jax.vjp(ours, x, w)
-    h_ref, vjp_ref = jax.vjp(lambda a, b: _h_reference(a, _around(b), sizes, "swiglu"),
-                             x, w)
-    assert_close(h, h_ref, dtype=BF16, what="h")
-    (dx, dw), (dx_ref, dw_ref) = vjp(dh.astype(BF16)), vjp_ref(dh)
-    assert_close(dx, dx_ref, dtype=BF16, what="dx, in runs")
-    assert_close(dw, dw_ref, dtype=BF16, what="dkernel, in runs")
-    assert not np.asarray(dx[:40], np.float32).any() and not np.asarray(dx[90:], np.float32).any()
-
-
 @pytest.mark.parametrize("sizes", [[3, 60, 1, 0, 57], [0, 0, 0, 0, 0]])
 def test_interpret_triton_down_weighted_and_its_gradient(sizes):
     """The down product with the row weights in its epilogue: y exact in fp32 against
@@ -336,15 +304,12 @@ def test_mosaic_gpu_gate_up_tiles():
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("activation", ["swiglu", "geglu"])
-@pytest.mark.parametrize("runs", [1, 4])
-def test_gate_up_lowers_for_cuda_from_cpu(backend, activation, runs, monkeypatch):
+def test_gate_up_lowers_for_cuda_from_cpu(backend, activation, monkeypatch):
     """The default tiles lower for an H200: Mosaic GPU through layout inference, wgmma
     and TMA; Triton to its custom call. The differentiated op too (gate-up forward,
-    gmm, dx and tgmm backward), whole and in 4 runs of columns."""
+    gmm, dx and tgmm backward)."""
     monkeypatch.setattr(mgpu, "_num_programs", lambda interpret: 132)
-    monkeypatch.setattr(ops, "BACKWARD_SLICE_COLUMNS", 1024 if runs == 1 else 256)
     m, k, f, g = 4096, 512, 1024, 8
-    assert ops.backward_slices(f) == runs
     s = jax.ShapeDtypeStruct
     args = (s((m, k), BF16), s((g, k, 2 * f), BF16), s((g,), jnp.int32))
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))

@@ -20,12 +20,12 @@ the down product's own quantizer, not by the gate-up epilogue).
 
 With `fuse_activation=True` the gate-up runs fused (expert_mlp.ops: act(gate) * up in
 the kernel's epilogue, h rounded once, the pre-activation recomputed in the backward),
-and the down product takes the row weights on its fp32 sums (y rounded once; on Triton
-in its epilogue, dh and d row_weights from one kernel; on Mosaic GPU composed around its
-grouped gmm), its backward keeping h and not y. It is a memory trade, not a speed-up: measured on
-an H200 (docs/grouped_mlp.md) the fused forward runs from 2% faster to 8% slower than
-the composition, and the backward pays one more gate-up product (9-19% more time
-fwd+bwd) for keeping no [m, 2f] pre-activation. It runs on a fused backend (the one named, or with
+and the down product takes the row weights on its fp32 sums (y rounded once, in the
+kernel's epilogue on either backend; dh and d row_weights from one kernel), its
+backward keeping h and not y. It is a memory trade, not a speed-up: measured on an H200
+(docs/grouped_mlp.md) the fused forward runs from 2% faster to 8% slower than the
+composition, and the backward pays one more gate-up product (9-21% more time fwd+bwd)
+for keeping no [m, 2f] pre-activation. It runs on a fused backend (the one named, or with
 implementation=None the first of ops.FUSED_BACKENDS that can run here) when nothing
 asks for more than it does (_fused_refusal): 16-bit compute, no recipe or block sizes,
 first-order reverse mode at most; else it raises, naming why. Over a jit's mesh

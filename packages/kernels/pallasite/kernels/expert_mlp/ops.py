@@ -8,11 +8,11 @@
               dW = tgmm(x, d_pre)
 
 Nothing [m, 2f] is kept between the passes; the backward pays one more gate-up product
-(recomputing the pre-activation) for it. Where f is wide (backward_slices) the backward
-runs the columns in 2 or 4 runs of gate|up pairs, one after another, so d(pre) is
-[m, 2f / runs] at a time rather than [m, 2f]. The products run on the backend's grouped
-kernels (grouped_matmul.<backend>), the gate-up on expert_mlp.<backend>. d_pre is
-rounded once to the compute dtype, as the products take it.
+(recomputing the pre-activation) for it. d(pre) is formed whole: taking the columns in
+runs, one after another in a loop, measured slower and with more temporary memory on an
+H200 (docs/grouped_mlp.md). The products run on the backend's grouped kernels
+(grouped_matmul.<backend>), the gate-up on expert_mlp.<backend>. d_pre is rounded once
+to the compute dtype, as the products take it.
 """
 
 from __future__ import annotations
@@ -28,21 +28,6 @@ from pallasite.kernels.expert_mlp import epilogue, layouts
 
 FUSED_BACKENDS = ("pallas_mosaic_gpu", "pallas_triton")
 _F32 = jnp.float32
-
-
-# The backward's d(pre) is formed for runs of at least this many of the f columns at a
-# time (backward_slices), in 128-column multiples the kernels' tiles take whole.
-BACKWARD_SLICE_COLUMNS = 1024
-
-
-def backward_slices(f: int) -> int:
-    """How many runs of gate|up column pairs the fused backward takes one after another:
-    4 or 2 where each run keeps at least BACKWARD_SLICE_COLUMNS of the f columns in
-    whole 128-column tiles, else 1. d(pre) in memory is [m, 2f / runs]."""
-    for runs in (4, 2):
-        if f % (runs * 128) == 0 and f // runs >= BACKWARD_SLICE_COLUMNS:
-            return runs
-    return 1
 
 
 def _modules(backend: str):
@@ -107,39 +92,12 @@ def _backward(backend, activation, all_groups, interpret, compute, residuals, dh
 
     def grads(x_c, w_c, sizes, dh, *, group_offset, dtypes):
         local = dict(group_offset=group_offset, interpret=interpret)
-
-        def pieces(w_part, dh_part, dx_dtype):
-            # d(pre) from the gate and up sums recomputed in the kernel, never stored
-            d_pre = fused.gate_up_grad(x_c, w_part, sizes, dh_part, activation=activation,
-                                       **local)
-            return (grouped.gmm(d_pre, w_part, sizes, transpose_rhs=True, out_dtype=dx_dtype,
-                                **local),
-                    grouped.tgmm(x_c, d_pre, sizes, num_groups=w_part.shape[0],
-                                 out_dtype=dtypes[1], **local))
-
-        g, k, two_f = w_c.shape
-        slices = backward_slices(two_f // 2)
-        if slices == 1:
-            return pieces(w_c, dh, dtypes[0])
-        # The columns in `slices` runs of gate|up pairs, one at a time (a loop, so one
-        # run's d(pre) is dead before the next is formed): d(pre) is [m, 2f / slices].
-        # dx sums the runs in fp32 and rounds once; each run's dW lands in its columns.
-        width = two_f // 2 // slices
-        w_runs = w_c.reshape(g, k, 2, slices, width)
-        dh_runs = dh.reshape(dh.shape[0], slices, width)
-
-        def run(i, carry):
-            dx, dw = carry
-            w_i = jax.lax.dynamic_index_in_dim(w_runs, i, axis=3, keepdims=False)
-            dh_i = jax.lax.dynamic_index_in_dim(dh_runs, i, axis=1, keepdims=False)
-            dx_i, dw_i = pieces(w_i.reshape(g, k, 2 * width), dh_i, _F32)
-            dw = jax.lax.dynamic_update_index_in_dim(dw, dw_i.reshape(g, k, 2, width), i, 3)
-            return dx + dx_i, dw
-
-        dx, dw = jax.lax.fori_loop(
-            0, slices, run, (jnp.zeros((x_c.shape[0], k), _F32),
-                             jnp.zeros((g, k, 2, slices, width), dtypes[1])))
-        return dx.astype(dtypes[0]), dw.reshape(g, k, two_f)
+        # d(pre) from the gate and up sums recomputed in the kernel, never stored
+        d_pre = fused.gate_up_grad(x_c, w_c, sizes, dh, activation=activation, **local)
+        return (grouped.gmm(d_pre, w_c, sizes, transpose_rhs=True, out_dtype=dtypes[0],
+                            **local),
+                grouped.tgmm(x_c, d_pre, sizes, num_groups=w_c.shape[0], out_dtype=dtypes[1],
+                             **local))
 
     planner = layouts.backward_planner(grads, dtypes=(dx_dtype, dw_dtype),
                                        shapes=(x.shape, w.shape), offset_given=not all_groups)
