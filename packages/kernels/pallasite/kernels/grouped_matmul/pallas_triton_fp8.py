@@ -28,7 +28,9 @@ triton_fit (fit.triton_fp8_reason holds configs to it).
 
 gmm: one program per (row tile, column tile); the row tiles are pallas_triton.gmm's
 (group_metadata: a tile starts at its group's first row, never straddles two groups;
-rows of no group are zero tiles with no matmul). tgmm: one program per (group, k tile,
+rows of no group are zero tiles with no matmul); grouped_mlp's fp8 gate-up
+(expert_mlp.pallas_triton_fp8) runs the same kernel through gmm_call with its weight
+tiles paired and its own epilogue. tgmm: one program per (group, k tile,
 n tile) over the group's token blocks [first, first + count); an empty group loops zero
 times and stores its zeros. Loads and stores are masked on every axis, so no dimension
 needs padding. Masks are selects (masked loads, the zero tiles' own stores), never a
@@ -44,7 +46,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -135,36 +137,63 @@ def _step_dot(a, b):
 
 
 def _gmm_kernel(group_ref, start_ref, end_ref, lhs_ref, lhs_scales_ref, rhs_ref,
-                rhs_scales_ref, out_ref, *, bs, k, n, num_groups, num_tiles):
+                rhs_scales_ref, *outs, bs, k, n, num_groups, num_tiles, pair=False,
+                epilogue=None):
+    """One (row tile, 128-column tile) of A @ B^T. With `pair` (grouped_mlp's gate-up)
+    B holds 2n rows, the gate's [0, n) and the up's [n, 2n) (n a multiple of 128, so each
+    column tile's up rows are one weight-scale block): two accumulators, and `epilogue`
+    (sums, outs, tile) stores them; `sums` is None on a tile of no local group."""
     bm = bs.block_m
     tile, col = _swizzle(pl.program_id(0), num_tiles, cdiv(n, BLOCK), bs.group_m)
     group, start, end = group_ref[tile], start_ref[tile], end_ref[tile]
     rows = pl.ds(start, bm)
     row_ok = (start + jnp.arange(bm, dtype=jnp.int32)) < end
-    cols = pl.ds(col * BLOCK, BLOCK)
     col_ok = _in_range(col * BLOCK, BLOCK, n)
-    store_ok = _and(row_ok, col_ok)
+    here = OutputTile(rows, pl.ds(col * BLOCK, BLOCK), col, row_ok, _and(row_ok, col_ok))
+    store = epilogue or _store_sums
+    halves = (0, n // BLOCK) if pair else (0,)
 
     @pl.when((group < num_groups) & (end > start))
     def _compute():
         gi = jnp.minimum(group, num_groups - 1)
 
-        def step(i, acc):
+        def step(i, accs):
             ks = pl.ds(i * BLOCK, BLOCK)
             k_ok = _in_range(i * BLOCK, BLOCK, k)
             a = _load(lhs_ref.at[rows, ks], _and(row_ok, k_ok))
-            b = _load(rhs_ref.at[gi, cols, ks], _and(col_ok, k_ok))  # [128 n, 128 k]
-            row_scales = _load(lhs_scales_ref.at[i, rows], row_ok)  # [bm]
-            weight_scale = rhs_scales_ref[gi, col, i]  # one 128 x 128 block
-            return acc + _step_dot(a, b) * (row_scales[:, None] * weight_scale)
+            row_scales = _load(lhs_scales_ref.at[i, rows], row_ok)[:, None]  # [bm, 1]
+            out = []
+            for acc, half in zip(accs, halves):
+                cb = half + col  # the weight's 128-row block: [128 n, 128 k]
+                b = _load(rhs_ref.at[gi, pl.ds(cb * BLOCK, BLOCK), ks], _and(col_ok, k_ok))
+                weight_scale = rhs_scales_ref[gi, cb, i]  # one 128 x 128 block
+                out.append(acc + _step_dot(a, b) * (row_scales * weight_scale))
+            return tuple(out)
 
-        acc = jax.lax.fori_loop(0, cdiv(k, BLOCK), step, jnp.zeros((bm, BLOCK), jnp.float32))
-        plgpu.store(out_ref.at[rows, cols], acc.astype(out_ref.dtype), mask=store_ok)
+        zeros = tuple(jnp.zeros((bm, BLOCK), jnp.float32) for _ in halves)
+        accs = jax.lax.fori_loop(0, cdiv(k, BLOCK), step, zeros)
+        store(accs if pair else accs[0], outs, here)
 
     @pl.when(group == num_groups)  # rows of no local group: zeros, never a product
     def _zeros():
-        plgpu.store(out_ref.at[rows, cols], jnp.zeros((bm, BLOCK), out_ref.dtype),
-                    mask=store_ok)
+        store(None, outs, here)
+
+
+class OutputTile(NamedTuple):
+    """Where a program's output tile lies: rows and 128 columns of the [m, n] output, its
+    column tile's index, and the masks of its rows and of its stores."""
+    rows: Any
+    cols: Any
+    col: Any
+    row_ok: Any
+    store_ok: Any
+
+
+def _store_sums(sums, outs, tile: OutputTile):
+    (out_ref,) = outs
+    sums = jnp.zeros((tile.rows.size, BLOCK), jnp.float32) if sums is None else sums
+    plgpu.store(out_ref.at[tile.rows, tile.cols], sums.astype(out_ref.dtype),
+                mask=tile.store_ok)
 
 
 def gmm_quantized(
@@ -189,24 +218,42 @@ def gmm_quantized(
                              g=group_sizes.shape[0], interpret=interpret)
     if m == 0 or nc == 0 or g == 0 or kc == 0:  # kc == 0: every sum is empty
         return jnp.zeros((m, nc), out_dtype)
+    return gmm_call(lhs, lhs_scales_t, rhs, rhs_scales, group_sizes, nc, bs,
+                    group_offset=group_offset, interpret=interpret,
+                    outputs=(((m, nc), out_dtype),),
+                    name="grouped_projection_gmm_fp8_triton")[0]
+
+
+def gmm_call(lhs, lhs_scales_t, rhs, rhs_scales, group_sizes, n: int,
+             bs: config.TritonBlockSizes, *, group_offset, interpret: bool, outputs,
+             name: str, pair: bool = False, epilogue=None, cost_of=None):
+    """The gmm kernel's call over n output columns with blocks `bs`: a tuple of the
+    `outputs`, each (shape, dtype). For grouped_mlp's kernels: `pair` and `epilogue`
+    (_gmm_kernel), and `cost_of(inputs=..., outputs=...)`, their cost estimate (else the
+    product's)."""
+    m, kc = lhs.shape
+    g = rhs.shape[0]
     sizes, row_start = local_groups(group_sizes, group_offset, g)
     meta = make_group_metadata(sizes, m, bs.block_m, aligned=False, include_tail=True,
                                row_start=row_start)
     num_tiles = num_visits(m, g, bs.block_m)
-    kernel = functools.partial(_gmm_kernel, bs=bs, k=kc, n=nc, num_groups=g,
-                               num_tiles=num_tiles)
-    out_shape = sharding.out_struct((m, nc), out_dtype, like=lhs)
+    kernel = functools.partial(_gmm_kernel, bs=bs, k=kc, n=n, num_groups=g,
+                               num_tiles=num_tiles, pair=pair, epilogue=epilogue)
+    out_shape = tuple(sharding.out_struct(shape, dtype, like=lhs) for shape, dtype in outputs)
     inputs = (meta.group, meta.start, meta.end, lhs, lhs_scales_t, rhs, rhs_scales)
-    cost = costs.gmm(m, kc, nc, lhs.dtype, transpose_rhs=True, inputs=inputs,
-                     outputs=(out_shape,))
+    if cost_of is not None:
+        cost = cost_of(inputs=inputs, outputs=out_shape)
+    else:
+        cost = costs.gmm(m, kc, n, lhs.dtype, transpose_rhs=True, inputs=inputs,
+                         outputs=out_shape)
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(num_tiles * cdiv(nc, BLOCK),),
+        grid=(num_tiles * cdiv(n, BLOCK),),
         compiler_params=_params(bs),
         interpret=interpret,
         cost_estimate=cost,
-        name="grouped_projection_gmm_fp8_triton",
+        name=name,
     )(*inputs)
 
 

@@ -1,0 +1,126 @@
+"""grouped_mlp's gate-up product in fp8, with the activation and h's quantization in the
+epilogue, through Pallas Triton (CUDA GPUs from sm89): h leaves the kernel in e4m3.
+
+It is grouped_matmul.pallas_triton_fp8's gmm with the gate and up blocks paired, as
+expert_mlp.pallas_triton pairs them in 16 bits: x in 1 x 128 blocks, the [g, k, 2f]
+kernel in 128 x 128 blocks (K-major, [g, 2f, k]), two fp32 accumulators, each 128-deep
+step's dot promoted with its scales. A program's 128 columns of h are one 1 x 128 block
+per row, so the epilogue quantizes them where they are: h = act(gate) * up in fp32, each
+row's amax over the tile's columns gives its scale (the oracle's scale and rounding,
+pallasite.reference.quantization), and the tile stores h's e4m3 values [m, f] and the
+scales transposed [f / 128, m]: the layout in which the fp8 down product
+(grouped_matmul.pallas_triton_fp8.gmm_quantized) reads its lhs. So h is never written
+in 16 bits and never quantized by a separate pass. Rows of no local group come out as
+the quantizer makes zeros: values 0, scale 1.
+
+f must be a multiple of 128, so that each column tile's up columns are one weight-scale
+block. Each of num_stages holds an x tile and the two weight tiles (one byte per
+element). Lowered for an H200 and run by the interpreter on a CPU; not yet run or timed
+on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
+from jaxtyping import Array, Float, Int, Shaped
+
+from pallasite.kernels import sharding
+from pallasite.kernels.expert_mlp import costs, epilogue
+from pallasite.kernels.grouped_matmul import config, fit, triton_fit
+from pallasite.kernels.grouped_matmul import pallas_triton_fp8 as base
+from pallasite.kernels.quantization import api as quantization
+from pallasite.reference import quantization as ref
+
+FP8 = base.FP8
+BLOCK = base.BLOCK
+# The fp8 gmm's measured tile (64 rows, one 128 x 128 weight block per step) with two
+# weight tiles per stage; stages: the most of 4, 3, 2 that fit (_default). Not tuned.
+GATE_UP_FP8 = dataclasses.replace(base.GMM_FP8, num_stages=4)
+
+
+def pair_shared_memory_bytes(bs: config.TritonBlockSizes) -> int:
+    """Shared memory of `bs` on the paired product: an x tile and two weight tiles a stage."""
+    return triton_fit.shared_memory_bytes(dataclasses.replace(bs, block_n=2 * bs.block_n), 1,
+                                          "forward")
+
+
+def block_sizes_reason(bs: config.TritonBlockSizes, *, caller: bool) -> str | None:
+    """Why `bs` cannot tile the paired fp8 gate-up (None: it can)."""
+    if (bs.block_k, bs.block_n) != (BLOCK, BLOCK):
+        return (f"block_k={bs.block_k}, block_n={bs.block_n}: the fp8 gate-up steps one "
+                f"128-deep scale step over 128 columns of h (one 1 x 128 block of it)")
+    if bs.block_m not in (64, 128):
+        return f"block_m={bs.block_m}: the fp8 gate-up tiles 64 or 128 rows"
+    budget = fit.triton_budget(caller)
+    need = pair_shared_memory_bytes(bs)
+    if budget is not None and need > budget:
+        return f"{bs.num_stages} stages need {need} bytes of shared memory > {budget}"
+    return None
+
+
+def _default() -> config.TritonBlockSizes:
+    for stages in (4, 3, 2):
+        bs = dataclasses.replace(GATE_UP_FP8, num_stages=stages)
+        if block_sizes_reason(bs, caller=False) is None:
+            return bs
+    return bs
+
+
+@sharding.local_operands("grouped_mlp")
+def gate_up_quantized(
+    lhs: Float[Array, "m k"],
+    rhs: Float[Array, "g k two_f"],
+    group_sizes: Int[Array, " G"],
+    *,
+    activation: str = "swiglu",
+    group_offset=None,
+    block_sizes: config.TritonBlockSizes | None = None,
+    interpret: bool = False,
+) -> tuple[Shaped[Array, "m f"], Float[Array, "fb m"]]:
+    """(h's e4m3 values [m, f], their fp32 scales [f / 128, m]) for h[rows of group i] =
+    act(Q(lhs_i) Q(W_gate[i])) * (Q(lhs_i) Q(W_up[i])), W_gate = rhs[..., :f], W_up =
+    rhs[..., f:], quantized in 1 x 128 blocks of h's rows. lhs and rhs are floating (up to
+    fp32) and quantized here: lhs in 1 x 128 blocks, rhs in 128 x 128. rhs holds groups
+    [group_offset, group_offset + g) of group_sizes (all when None); rows of no local
+    group are zero (scale 1). f must be a multiple of 128."""
+    epilogue.check_gate_up(lhs, rhs, activation)
+    base._check(lhs, rhs, group_sizes)
+    m, k = lhs.shape
+    f = rhs.shape[2] // 2
+    if f % BLOCK:
+        raise ValueError(f"rhs: the fp8 gate-up needs f (rhs.shape[2] / 2) a multiple of "
+                         f"{BLOCK}, got f={f}")
+    if block_sizes is not None and (why := block_sizes_reason(block_sizes, caller=True)):
+        raise ValueError(f"block_sizes: {why}")
+    bs = block_sizes or _default()
+    if 0 in (m, k, f) or rhs.shape[0] == 0:
+        return jnp.zeros((m, f), FP8), jnp.ones((f // BLOCK, m), jnp.float32)
+    q = quantization.quantizer(interpret)
+    kwargs = {"interpret": interpret} if q is not quantization.xla else {}
+    lhs_q, lhs_scales_t = q.rows(lhs, FP8, **kwargs)
+    rhs_q, rhs_scales = q.weight_blocks(rhs, FP8, transpose=True, **kwargs)  # [g, 2f, k]
+    base._check_offsets(lhs=lhs_q, rhs=rhs_q)
+    outputs = (((m, f), FP8), ((f // BLOCK, m), jnp.float32))
+    return base.gmm_call(
+        lhs_q, lhs_scales_t, rhs_q, rhs_scales, group_sizes, f, bs,
+        group_offset=group_offset, interpret=interpret, outputs=outputs,
+        name="grouped_mlp_gate_up_fp8_triton", pair=True,
+        epilogue=functools.partial(_store_quantized_h, activation=activation),
+        cost_of=functools.partial(costs.gate_up, m, k, f, FP8, activation, grad=False))
+
+
+def _store_quantized_h(sums, outs, tile: base.OutputTile, *, activation):
+    """h = act(gate) * up for the tile's rows, quantized per row over its 128 columns."""
+    values_ref, scales_ref = outs
+    if sums is None:
+        h = jnp.zeros((tile.rows.size, BLOCK), jnp.float32)
+    else:
+        h = epilogue.gated(*sums, activation)
+    scale, inverse = ref.scale_and_inverse(ref.amax(h, axis=1), FP8)
+    plgpu.store(values_ref.at[tile.rows, tile.cols], ref.to_fp8(h, inverse[:, None], FP8),
+                mask=tile.store_ok)
+    plgpu.store(scales_ref.at[tile.col, tile.rows], scale, mask=tile.row_ok)

@@ -1,0 +1,223 @@
+"""grouped_mlp's fp8 gate-up with h quantized in its epilogue
+(expert_mlp.pallas_triton_fp8.gate_up_quantized) against the fp8 recipe's oracle.
+
+The oracle (pallasite.reference): x in 1 x 128 blocks and the gate-up kernel in
+128 x 128 blocks, quantized and dequantized; the ragged product summed in fp32; the
+activation; h quantized in 1 x 128 blocks by the reference quantizer. The kernel sums
+the same dequantized values 128 deep per step, so its fp32 h differs from the oracle's
+by summation order alone: the scales agree to 1e-5, and an e4m3 value differs only
+where h sits on a rounding boundary (one step, rarely). The interpreter fills outputs
+with NaN before the kernel runs, so an unwritten row or scale fails.
+
+CPU (no mark): the kernel through the Triton interpreter, the fp8 down product reading
+its output, the argument checks, and the lowering for an H200 from this CPU.
+GPU (-m gpu, sm89 or later): the compiled kernel against the same oracle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+from jax.export import DisabledSafetyCheck
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from pallasite.kernels import platform
+from pallasite.kernels.expert_mlp import pallas_triton_fp8 as mlp_fp8
+from pallasite.kernels.grouped_matmul import config
+from pallasite.kernels.grouped_matmul import pallas_triton_fp8 as tf
+from pallasite.reference import quantization as q
+from pallasite.reference.grouped_mlp import activate
+from pallasite.reference.grouped_projection import gmm_reference
+
+F8 = jnp.float8_e4m3fn
+BF16 = jnp.bfloat16
+F32 = jnp.float32
+# 64-row tiles, so the interpreter's groups span several tiles; 2 stages keep it cheap.
+SMALL = config.TritonBlockSizes(64, 128, 128, group_m=2, num_warps=4, num_stages=2)
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def _operands(seed, m, k, f, g, n=None):
+    kx, kw, kd = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(kx, (m, k), F32).astype(BF16)
+    w = (jax.random.normal(kw, (g, k, 2 * f), F32) / np.sqrt(k)).astype(BF16)
+    down = None if n is None else (jax.random.normal(kd, (g, f, n), F32) / np.sqrt(f)).astype(BF16)
+    return x, w, down
+
+
+def _local_rows(sizes, m, offset=None, g=None):
+    """[m] bool: the rows of groups [offset, offset + g) (all groups when None)."""
+    owner = np.repeat(np.arange(len(sizes)), sizes)[:m]  # each grouped row's group
+    lo = 0 if offset is None else offset
+    hi = len(sizes) if g is None else lo + g
+    return np.pad((owner >= lo) & (owner < hi), (0, m - owner.size))
+
+
+def _oracle_h(x, w_all, sizes, activation, offset=None, g=None):
+    """(h in fp32, its reference quantization: values [m, f], scales [m, f / 128]); rows
+    of no local group zero."""
+    gs = jnp.asarray(sizes, jnp.int32)
+    pre = gmm_reference(q.quantized_rows(x, F8), q.quantized_kernel(w_all, F8), gs)
+    keep = jnp.asarray(_local_rows(sizes, x.shape[0], offset, g))[:, None]
+    h = jnp.where(keep, activate(pre, activation), 0.0)
+    values, scales = q.quantize_blocks(h, (1, q.TOKEN_BLOCK), F8)
+    return h, values, scales
+
+
+def _check_h(values, scales_t, oracle, rows_of_no_group, what):
+    h, ref_values, ref_scales = oracle
+    scales = np.asarray(scales_t).T
+    assert np.isfinite(scales).all(), f"{what}: non-finite scales (an unwritten one?)"
+    np.testing.assert_allclose(scales, np.asarray(ref_scales), rtol=1e-5, err_msg=what)
+    ours = np.asarray(values.astype(F32))
+    assert np.isfinite(ours).all(), f"{what}: non-finite values"
+    theirs = np.asarray(ref_values.astype(F32))
+    differ = np.mean(ours != theirs)
+    assert differ < 5e-3, f"{what}: {differ:.2%} of the e4m3 values differ from the oracle's"
+    deq = np.asarray(q.dequantize_blocks(values, scales, (1, q.TOKEN_BLOCK)), np.float64)
+    ref = np.asarray(h, np.float64)
+    if ref.any():
+        err = np.linalg.norm(deq - ref) / np.linalg.norm(ref)
+        assert err < 4e-2, f"{what}: dequantized h {err:.2e} relative L2 from fp32 h"
+    if rows_of_no_group.any():  # the quantizer's zeros: values 0, scale 1
+        assert not ours[rows_of_no_group].any(), what
+        assert (scales[rows_of_no_group] == 1.0).all(), what
+
+
+CASES = [  # (m, k, f, sizes): empty groups, rows past the total, k not a multiple of 128
+    (200, 192, 256, [50, 0, 70, 33]),
+    (130, 128, 128, [0, 0, 0]),
+    (96, 300, 384, [96, 0]),
+]
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+@pytest.mark.parametrize("case", CASES, ids=["ragged", "all_empty", "full"])
+def test_interpret_gate_up_quantized_matches_the_oracle(case, activation):
+    m, k, f, sizes = case
+    x, w, _ = _operands(0, m, k, f, len(sizes))
+    values, scales_t = jax.jit(lambda a, b: mlp_fp8.gate_up_quantized(
+        a, b, jnp.asarray(sizes, jnp.int32), activation=activation, block_sizes=SMALL,
+        interpret=True))(x, w)
+    assert values.dtype == F8 and values.shape == (m, f)
+    assert scales_t.dtype == F32 and scales_t.shape == (f // 128, m)
+    _check_h(values, scales_t, _oracle_h(x, w, sizes, activation),
+             ~_local_rows(sizes, m), f"{case} {activation}")
+
+
+def test_interpret_local_experts():
+    """Groups [1, 3) of 4 (a traced offset): the other experts' rows are the quantizer's
+    zeros."""
+    sizes = [40, 50, 30, 20]
+    x, w, _ = _operands(1, 150, 128, 256, 4)
+    values, scales_t = jax.jit(lambda a, b, o: mlp_fp8.gate_up_quantized(
+        a, b[1:3], jnp.asarray(sizes, jnp.int32), group_offset=o, block_sizes=SMALL,
+        interpret=True))(x, w, jnp.int32(1))
+    _check_h(values, scales_t, _oracle_h(x, w, sizes, "swiglu", offset=1, g=2),
+             ~_local_rows(sizes, 150, 1, 2), "local experts")
+
+
+def test_interpret_the_down_product_reads_h_as_it_is():
+    """h's values and transposed scales go straight into the fp8 down product
+    (gmm_quantized) with no pass between: y equals the oracle's fp8 composition (h
+    quantized by the reference quantizer) to 1e-5, rows of no group zero."""
+    sizes = [60, 0, 44]
+    m, k, f, n = 120, 128, 256, 192
+    x, w, down = _operands(2, m, k, f, 3, n)
+    gs = jnp.asarray(sizes, jnp.int32)
+
+    @jax.jit
+    def ours(a, b, d):
+        values, scales_t = mlp_fp8.gate_up_quantized(a, b, gs, block_sizes=SMALL,
+                                                     interpret=True)
+        d_q, d_scales = q.quantize_blocks(d, (1, 128, 128), F8)
+        return tf.gmm_quantized(values, scales_t, jnp.swapaxes(d_q, 1, 2),
+                                jnp.swapaxes(d_scales, 1, 2), gs, out_dtype=F32,
+                                block_sizes=SMALL, interpret=True)
+
+    y = np.asarray(ours(x, w, down), np.float64)
+    _, values, scales = _oracle_h(x, w, sizes, "swiglu")
+    h_q = q.dequantize_blocks(values, scales, (1, q.TOKEN_BLOCK))
+    y_ref = np.asarray(gmm_reference(h_q, q.quantized_kernel(down, F8), gs), np.float64)
+    keep = _local_rows(sizes, m)
+    assert not y[~keep].any()
+    err = np.linalg.norm(y - y_ref) / np.linalg.norm(y_ref)
+    assert err < 1e-3, f"y relative L2 {err:.2e}"
+
+
+def test_bad_arguments_are_named():
+    x, w, _ = _operands(3, 64, 128, 192, 2)
+    sizes = jnp.array([30, 34], jnp.int32)
+    with pytest.raises(ValueError, match="rhs: the fp8 gate-up needs f"):
+        mlp_fp8.gate_up_quantized(x, w[..., :2 * 96], sizes, interpret=True)
+    x, w, _ = _operands(3, 64, 128, 128, 2)
+    wide = dataclasses.replace(SMALL, block_n=256)
+    with pytest.raises(ValueError, match="block_sizes: block_k=128, block_n=256"):
+        mlp_fp8.gate_up_quantized(x, w, sizes, block_sizes=wide, interpret=True)
+    with pytest.raises(ValueError, match="activation"):
+        mlp_fp8.gate_up_quantized(x, w, sizes, activation="relu", interpret=True)
+    with pytest.raises(TypeError, match="int32"):
+        mlp_fp8.gate_up_quantized(x, w, sizes.astype(jnp.int16), interpret=True)
+
+
+def test_zero_rows_and_the_default_tiles(monkeypatch):
+    x, w, _ = _operands(4, 64, 128, 128, 2)
+    values, scales_t = mlp_fp8.gate_up_quantized(x[:0], w, jnp.zeros((2,), jnp.int32))
+    assert values.shape == (0, 128) and scales_t.shape == (1, 0)
+    # the default: the most of 4, 3, 2 stages inside every fp8 GPU's shared memory
+    monkeypatch.setattr(platform, "_default_device",
+                        lambda: FakeGpu("NVIDIA H200", "9.0"))
+    bs = mlp_fp8._default()
+    assert mlp_fp8.block_sizes_reason(bs, caller=False) is None
+    assert mlp_fp8.pair_shared_memory_bytes(bs) == bs.num_stages * (64 * 128 + 128 * 256)
+
+
+@dataclasses.dataclass
+class FakeGpu:
+    device_kind: str
+    compute_capability: str
+    platform: str = "gpu"
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+def test_lowers_for_cuda_from_cpu(activation, monkeypatch):
+    """The kernel lowers to Triton for an H200 with its two quantizers (three Triton
+    calls), local experts, k not a multiple of 128, at the default tiles."""
+    monkeypatch.setattr(platform, "_default_device", lambda: FakeGpu("NVIDIA H200", "9.0"))
+    s = jax.ShapeDtypeStruct
+    m, k, f, g = 4096, 1408, 768, 8
+    fn = lambda a, b, c, o: mlp_fp8.gate_up_quantized(  # noqa: E731
+        a, b, c, activation=activation, group_offset=o)
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = export.export(jax.jit(fn), platforms=["cuda"],
+                             disabled_checks=[DisabledSafetyCheck.custom_call(TRITON_CALL)])(
+            s((m, k), BF16), s((g, k, 2 * f), BF16), s((2 * g,), jnp.int32),
+            s((), jnp.int32)).mlir_module()
+    assert text.count(TRITON_CALL) == 3, text.count(TRITON_CALL)
+    assert "grouped_mlp_gate_up_fp8_triton" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES[:1] + [(4096, 1024, 768, [700, 0, 1500, 1000, 896])],
+                         ids=["ragged", "wide"])
+def test_gpu_gate_up_quantized_matches_the_oracle(case):
+    if not platform.fp8_runs():
+        pytest.skip("needs a CUDA GPU from sm89")
+    m, k, f, sizes = case
+    x, w, _ = _operands(5, m, k, f, len(sizes))
+    values, scales_t = jax.jit(lambda a, b: mlp_fp8.gate_up_quantized(
+        a, b, jnp.asarray(sizes, jnp.int32)))(x, w)
+    # the tensor cores' fp8 sums within a step keep fewer bits than fp32: the scales to 1e-3
+    h, ref_values, ref_scales = _oracle_h(x, w, sizes, "swiglu")
+    np.testing.assert_allclose(np.asarray(scales_t).T, np.asarray(ref_scales), rtol=1e-3)
+    deq = np.asarray(q.dequantize_blocks(values, np.asarray(scales_t).T, (1, q.TOKEN_BLOCK)),
+                     np.float64)
+    ref = np.asarray(h, np.float64)
+    assert np.linalg.norm(deq - ref) / np.linalg.norm(ref) < 4e-2
+    assert not np.asarray(values.astype(F32))[~_local_rows(sizes, m)].any()
