@@ -221,3 +221,149 @@ def test_gpu_gate_up_quantized_matches_the_oracle(case):
     ref = np.asarray(h, np.float64)
     assert np.linalg.norm(deq - ref) / np.linalg.norm(ref) < 4e-2
     assert not np.asarray(values.astype(F32))[~_local_rows(sizes, m)].any()
+
+
+# ----------------------------------------------------------------------------- grouped_mlp
+
+
+def _mlp(implementation, fuse, sizes, offset=None):
+    from pallasite.kernels import grouped_mlp
+
+    def loss_and_y(x, w, down, rw, dy):
+        y = grouped_mlp(x, w, down, jnp.asarray(sizes, jnp.int32), BF16, True,
+                        row_weights=rw, recipe="fp8", fuse_activation=fuse,
+                        implementation=implementation, group_offset=offset)
+        return jnp.sum(y.astype(F32) * dy), y
+
+    return jax.jit(jax.value_and_grad(loss_and_y, argnums=(0, 1, 2, 3), has_aux=True))
+
+
+def _exact(sizes, offset):
+    """y and the four gradients of the unquantized definition in fp32 (the reference)."""
+    from pallasite.reference.grouped_mlp import grouped_mlp_reference
+
+    def loss_and_y(x, w, down, rw, dy):
+        y = grouped_mlp_reference(x, w, down, jnp.asarray(sizes, jnp.int32), F32,
+                                  row_weights=rw, group_offset=offset)
+        return jnp.sum(y * dy), y
+
+    return jax.jit(jax.value_and_grad(loss_and_y, argnums=(0, 1, 2, 3), has_aux=True))
+
+
+def _assert_as_near_as_the_composition(fused, composition, definition):
+    """Each of y and the four gradients of the fused route within 1.25x (and 1e-3) of the
+    fp8 composition's relative L2 distance from the definition, and under 10%."""
+    names = ("y", "dx", "dW_gate_up", "dW_down", "d row_weights")
+    for name, a, c, e in zip(names, fused, composition, definition):
+        a, c, e = (np.asarray(v, np.float64) for v in (a, c, e))
+        assert np.isfinite(a).all(), name
+        ours = np.linalg.norm(a - e) / np.linalg.norm(e)
+        theirs = np.linalg.norm(c - e) / np.linalg.norm(e)
+        assert ours <= 1.25 * theirs + 1e-3 and ours < 1e-1, (
+            f"{name}: relative L2 {ours:.2e} from the definition, the fp8 composition's "
+            f"{theirs:.2e}")
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["all_experts", "local_experts"])
+def test_interpret_grouped_mlp_fp8_fused_against_the_composition(local):
+    """grouped_mlp(recipe="fp8", fuse_activation=True) on Triton interpreted, and the fp8
+    composition on XLA (the recipe's oracle products), each against the unquantized
+    definition in fp32: y and the four gradients. Both carry e4m3's error (about 6%
+    relative L2); the fused route's must be no larger than the composition's (within
+    25%), which a wrong or missing term (O(1)) cannot meet. Their errors are not the
+    same numbers: the composition rounds the pre-activation and h to bf16 before
+    quantizing h, and the fused route does not."""
+    sizes = [50, 0, 70, 33]
+    m, k, f, n = 180, 192, 256, 136
+    x, w, down = _operands(6, m, k, f, 4, n)
+    rw = jax.random.uniform(jax.random.key(7), (m,), minval=0.1, maxval=1.0)
+    dy = jax.random.normal(jax.random.key(8), (m, n), F32)
+    offset, g = (1, 2) if local else (None, 4)
+    lo = offset or 0
+    args = (x, w[lo:lo + g], down[lo:lo + g], rw, dy)
+    (_, y), grads = _mlp("pallas_triton", True, sizes, offset)(*args)
+    (_, y_fp8), grads_fp8 = _mlp("xla", False, sizes, offset)(*args)
+    (_, y_ref), grads_ref = _exact(sizes, offset)(*(a.astype(F32) for a in args))
+    keep = _local_rows(sizes, m, offset, g if local else None)
+    assert not np.asarray(y, F32)[~keep].any()
+    _assert_as_near_as_the_composition((y, *grads), (y_fp8, *grads_fp8), (y_ref, *grads_ref))
+    assert not np.asarray(grads[0], F32)[~keep].any()  # rows of no local group
+    assert not np.asarray(grads[3], F32)[~keep].any()
+
+
+def test_grouped_mlp_fp8_fused_refusals_name_why():
+    from pallasite.kernels import grouped_mlp
+
+    x, w, down = _operands(9, 64, 128, 192, 2, 128)
+    sizes = jnp.array([30, 34], jnp.int32)
+    call = lambda **kw: grouped_mlp(x, w, down, sizes, BF16, True, recipe="fp8",  # noqa: E731
+                                    fuse_activation=True, **kw)
+    with pytest.raises(ValueError, match="f=192 is not a multiple of 128"):
+        call()
+    x, w, down = _operands(9, 64, 128, 128, 2, 128)
+    with pytest.raises(ValueError, match="block sizes"):
+        call(block_sizes=SMALL)
+    with pytest.raises(ValueError, match="takes implementation=None or one of"):
+        call(implementation="pallas_mosaic_gpu")
+    with pytest.raises(ValueError, match=r"forward-mode differentiation \(jvp\)"):
+        jax.jvp(lambda a: grouped_mlp(a, w, down, sizes, BF16, True, recipe="fp8",
+                                      fuse_activation=True), (x,), (x,))
+
+
+def test_grouped_mlp_fp8_fused_refuses_explicit_axes():
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    from pallasite.kernels import grouped_mlp
+
+    mesh = jax.make_mesh((len(jax.devices()),), ("x",), axis_types=(AxisType.Explicit,))
+    x, w, down = _operands(10, 64 * len(jax.devices()), 128, 128, 2, 128)
+    with jax.set_mesh(mesh):
+        x = jax.device_put(x, NamedSharding(mesh, P("x")))
+        sizes = jnp.array([x.shape[0] // 2] * 2, jnp.int32)
+        with pytest.raises(ValueError, match="explicit mesh axes"):
+            grouped_mlp(x, w, down, sizes, BF16, True, recipe="fp8", fuse_activation=True)
+
+
+def test_grouped_mlp_fp8_fused_fwd_bwd_lowers_for_cuda_from_cpu(monkeypatch):
+    """jax.grad of grouped_mlp(recipe="fp8", fuse_activation=True) lowers for an H200:
+    the fused gate-up, the down product on its output, and the five backward products,
+    each a Triton call beside its quantizers."""
+    from pallasite.kernels import grouped_mlp
+
+    monkeypatch.setattr(platform, "_default_device", lambda: FakeGpu("NVIDIA H200", "9.0"))
+    s = jax.ShapeDtypeStruct
+    m, k, f, n, g = 4096, 1024, 768, 1024, 8
+
+    def loss(x, w, down, rw, sizes):
+        y = grouped_mlp(x, w, down, sizes, BF16, row_weights=rw, recipe="fp8",
+                        fuse_activation=True)
+        return jnp.sum(y.astype(F32))
+
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = export.export(
+            jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), platforms=["cuda"],
+            disabled_checks=[DisabledSafetyCheck.custom_call(TRITON_CALL)])(
+            s((m, k), BF16), s((g, k, 2 * f), BF16), s((g, f, n), BF16), s((m,), F32),
+            s((g,), jnp.int32)).mlir_module()
+    assert "grouped_mlp_gate_up_fp8_triton" in text
+    for name in ("grouped_projection_gmm_fp8_triton", "grouped_projection_tgmm_fp8_triton"):
+        assert name in text, name
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_mlp_fp8_fused_against_the_composition():
+    """On an fp8 GPU: the fused route and the fp8 composition (its default backends),
+    each against the unquantized definition, as the interpreted test above."""
+    if not platform.fp8_runs():
+        pytest.skip("needs a CUDA GPU from sm89")
+    sizes = [700, 0, 1500, 1000, 896]
+    m, k, f, n = 4096, 1024, 768, 512
+    x, w, down = _operands(11, m, k, f, 5, n)
+    rw = jax.random.uniform(jax.random.key(12), (m,), minval=0.1, maxval=1.0)
+    dy = jax.random.normal(jax.random.key(13), (m, n), F32)
+    args = (x, w, down, rw, dy)
+    (_, y), grads = _mlp(None, True, sizes)(*args)
+    (_, y_fp8), grads_fp8 = _mlp(None, False, sizes)(*args)
+    (_, y_ref), grads_ref = _exact(sizes, None)(*(a.astype(F32) for a in args))
+    _assert_as_near_as_the_composition((y, *grads), (y_fp8, *grads_fp8), (y_ref, *grads_ref))

@@ -16,7 +16,11 @@ sums in fp32 through the activation. This path also writes and reads back the pr
 the backward keeps it.
 
 recipe="fp8" runs both products through grouped_projection's fp8 recipe (h quantized by
-the down product's own quantizer, not by the gate-up epilogue).
+the down product's own quantizer). With fuse_activation=True too it runs ops.mlp_fp8:
+the fp8 gate-up quantizes h in its epilogue (h never in 16 bits), the down product reads
+it as it is, and the backward keeps h's e4m3 values, not the pre-activation
+(_fused_fp8_backend says where it runs: Pallas Triton on fp8 GPUs, f a multiple of 128,
+no block sizes, operands not over explicit mesh axes, first order).
 
 With `fuse_activation=True` the gate-up runs fused (expert_mlp.ops: act(gate) * up in
 the kernel's epilogue, h rounded once, the pre-activation recomputed in the backward),
@@ -47,6 +51,7 @@ from jaxtyping import Array, Float, Int
 
 from pallasite.kernels import autodiff, sharding
 from pallasite.kernels.expert_mlp import ops
+from pallasite.kernels.grouped_matmul import fp8
 from pallasite.kernels.grouped_matmul.api import backend_refusal, grouped_projection
 from pallasite.reference.grouped_mlp import activate, validate_grouped_mlp
 from pallasite.reference.grouped_projection import Dtype
@@ -82,7 +87,8 @@ def grouped_mlp(
     interpret_on_cpu, implementation, block_sizes, recipe: grouped_projection's, for both
     products. fuse_activation: the activation in the gate-up kernel's epilogue and the
     pre-activation recomputed in the backward (less memory, more time: the module
-    docstring); raises where it cannot run.
+    docstring); raises where it cannot run. With recipe="fp8" it is the fp8 fused route
+    (h quantized in the gate-up epilogue; the module docstring).
     Differentiable in x, both kernels and row_weights.
     """
     validate_grouped_mlp(x, gate_up_kernel, down_kernel, group_sizes, compute,
@@ -95,6 +101,13 @@ def grouped_mlp(
                    block_sizes=block_sizes, recipe=recipe)
     interpret = bool(interpret_on_cpu) and jax.default_backend() == "cpu"
     backend = None
+    if fuse_activation and recipe == "fp8" and 0 not in x.shape and 0 not in gate_up_kernel.shape:
+        backend = _fused_fp8_backend(implementation, compute,
+                                     (x, gate_up_kernel, down_kernel, row_weights),
+                                     block_sizes, interpret)
+        return ops.mlp_fp8(x, gate_up_kernel, down_kernel, group_sizes, row_weights, compute,
+                           backend=backend, activation=activation, group_offset=group_offset,
+                           interpret=interpret)
     if fuse_activation and 0 not in x.shape and 0 not in gate_up_kernel.shape:
         backend = _fused_backend(implementation, compute, (x, gate_up_kernel, down_kernel),
                                  block_sizes, recipe, interpret)
@@ -155,10 +168,53 @@ def _fused_backend(implementation, compute, operands, block_sizes, recipe, inter
 def _fused_refusal(implementation, compute, operands, block_sizes, recipe, interpret
                    ) -> str | None:
     """Why fused backend `implementation` cannot run this call's gate-up (None: it can)."""
-    if recipe is not None or block_sizes is not None:
-        return "a recipe or block sizes (the composition's products take them)"
+    if recipe is not None:  # recipe="fp8" takes its own route (_fused_fp8_backend)
+        return f"recipe={recipe!r}"
+    if block_sizes is not None:
+        return "block sizes (the composition's products take them)"
     if np.dtype(compute).itemsize != 2:
         return f"compute={np.dtype(compute).name} (the fused kernels take 16-bit compute)"
     if (why := autodiff.beyond_first_order(*operands)) is not None:
         return why
     return backend_refusal(implementation, compute, operands[:2], interpret)
+
+
+def _fused_fp8_backend(implementation, compute, operands, block_sizes, interpret) -> str:
+    """The backend recipe="fp8" with fuse_activation=True runs on (ops.FP8_FUSED_BACKENDS,
+    the one named or the first that can run); raises naming why none can."""
+    names = ops.FP8_FUSED_BACKENDS if implementation is None else implementation
+    if isinstance(names, str):
+        names = (names,)
+    unknown = [n for n in names if n not in ops.FP8_FUSED_BACKENDS]
+    if unknown or not names:
+        raise ValueError(f"grouped_mlp: recipe='fp8' with fuse_activation=True takes "
+                         f"implementation=None or one of {ops.FP8_FUSED_BACKENDS}, got "
+                         f"{implementation!r}")
+    why = {n: _fused_fp8_refusal(n, compute, operands, block_sizes, interpret) for n in names}
+    for name, reason in why.items():
+        if reason is None:
+            return name
+    raise ValueError("grouped_mlp: recipe='fp8' with fuse_activation=True cannot run here: "
+                     + "; ".join(f"{k}: {v}" for k, v in why.items()))
+
+
+def _fused_fp8_refusal(implementation, compute, operands, block_sizes, interpret
+                       ) -> str | None:
+    """Why the fp8 fused route cannot run on `implementation` (None: it can)."""
+    x, gate_up_kernel, down_kernel = operands[:3]
+    fp8.validate_recipe("fp8", x, gate_up_kernel, compute)
+    fp8.validate_recipe("fp8", x, down_kernel, compute)
+    if block_sizes is not None:
+        return "block sizes (the composition's products take them)"
+    f = down_kernel.shape[1]
+    if f % 128:
+        return (f"f={f} is not a multiple of 128 (the gate-up quantizes h in the 1 x 128 "
+                f"blocks of its column tiles)")
+    if any(any(sharding.explicit_dims(a)) for a in operands
+           if isinstance(a, jax.Array)):
+        return ("operands laid out over explicit mesh axes (the fp8 fused route runs on "
+                "the arrays it is given: call grouped_mlp inside a shard_map over those "
+                "axes, or take fuse_activation=False)")
+    if (why := autodiff.beyond_first_order(*operands)) is not None:
+        return why
+    return fp8.refusal(implementation, compute, (), on_device=not interpret)
