@@ -134,7 +134,9 @@ def test_grouped_mlp_cases_flops_bytes_and_check():
     assert c.bytes == 2 * x + w + 4 * 8
     both = ops.mlp_case("mixtral_mlp", 32768, 4096, 14336, 8, direction="fwd_bwd")
     assert both.flops == 3 * c.flops and both.bytes == c.bytes + (2 * x + w) + (x + w)
-    assert {k.op for k in suites.suite("mlp")} == {ops.GMLP} and len(suites.suite("mlp")) == 6
+    mlp = suites.suite("mlp")
+    assert {k.op for k in mlp} == {ops.GMLP} and len(mlp) == 12
+    assert sorted({k.dtype for k in mlp}) == ["bfloat16", ops.FP8]
     from pallasite.bench import impls
 
     tiny = ops.mlp_case("tiny_mlp", 96, 64, 64, 4, direction="fwd_bwd")
@@ -144,6 +146,22 @@ def test_grouped_mlp_cases_flops_bytes_and_check():
     assert ops.check_grouped_mlp(tiny, inputs, outputs).ok
     wrong = (outputs[0], outputs[1].at[0].add(1.0)) + tuple(outputs[2:])
     assert not ops.check_grouped_mlp(tiny, inputs, wrong).ok
+
+
+@pytest.mark.parametrize("name", ["xla", "pallas_triton.fused"])
+def test_grouped_mlp_fp8_cases_pass_the_check_and_a_wrong_one_does_not(name):
+    """recipe="fp8" cases: the composition on XLA and the fused route (its gate-up
+    quantizing h in the epilogue, interpreted) pass the check against the unquantized
+    definition within e4m3's error; y 1.5 times too large does not."""
+    from pallasite.bench import impls
+
+    impl = next(i for i in impls.IMPLS if i.op == ops.GMLP and i.name == name)
+    case = ops.mlp_case("tiny_mlp_fp8", 256, 128, 128, 4, direction="fwd_bwd", dtype=ops.FP8)
+    inputs = ops.make_inputs(case, 0)
+    outputs = impls.build_grouped_mlp(impl, case, impls.current_platform())(inputs)
+    error = ops.check_grouped_mlp(case, inputs, outputs)
+    assert error.ok and 1e-2 < error.rel_l2 < 0.1, error
+    assert not ops.check_grouped_mlp(case, inputs, (outputs[0] * 1.5,) + tuple(outputs[1:])).ok
 
 
 @pytest.mark.parametrize("name", ["pallas_mosaic_gpu.fused", "pallas_triton.fused"])

@@ -75,11 +75,12 @@ IMPLS: tuple[Impl, ...] = (
     Impl("pallas_mosaic_tpu", ops.MAMBA, False),
     Impl("xla", ops.MAMBA, False),
     Impl("mamba_ssm.triton", ops.MAMBA, True, "torch"),
-    Impl("pallas_mosaic_gpu", ops.GMLP, False),
-    Impl("pallas_triton", ops.GMLP, False),
-    Impl("xla", ops.GMLP, False),
+    Impl("pallas_mosaic_gpu", ops.GMLP, False, dtypes=_WIDE + (ops.FP8,)),
+    Impl("pallas_triton", ops.GMLP, False, dtypes=_WIDE + (ops.FP8,)),
+    Impl("xla", ops.GMLP, False, dtypes=_WIDE + (ops.FP8,)),
     Impl("pallas_mosaic_gpu" + FUSED, ops.GMLP, False, dtypes=("bfloat16", "float16")),
-    Impl("pallas_triton" + FUSED, ops.GMLP, False),
+    # in fp8 cases: h quantized in the gate-up kernel's epilogue (grouped_mlp's fp8 route)
+    Impl("pallas_triton" + FUSED, ops.GMLP, False, dtypes=_WIDE + (ops.FP8,)),
     # The baseline grouped_mlp is measured against: the gate-up product rounded to bf16
     # ([m, 2f] written and read back), the SwiGLU in XLA, the down product: three
     # grouped_projection-era steps, on pallasite's default backends.
@@ -353,7 +354,7 @@ def mamba_grads_reference(case: ops.Case, inputs: dict) -> tuple | None:
 # ---------------------------------------------------------------------------- grouped_mlp
 
 
-def _mlp_forward(impl, plat, dtype, block_sizes) -> Callable:
+def _mlp_forward(impl, plat, dtype, block_sizes, recipe=None) -> Callable:
     from pallasite import kernels
 
     if impl.name == "unfused":
@@ -368,16 +369,19 @@ def _mlp_forward(impl, plat, dtype, block_sizes) -> Callable:
     if impl.name.endswith(FUSED):
         return lambda x, gate_up, down, gs: kernels.grouped_mlp(
             x, gate_up, down, gs, dtype, plat.interpret,
-            implementation=impl.name.removesuffix(FUSED), fuse_activation=True)
+            implementation=impl.name.removesuffix(FUSED), fuse_activation=True,
+            recipe=recipe)
     return lambda x, gate_up, down, gs: kernels.grouped_mlp(
         x, gate_up, down, gs, dtype, plat.interpret, implementation=impl.name,
-        block_sizes=block_sizes)
+        block_sizes=block_sizes, recipe=recipe)
 
 
 def build_grouped_mlp(impl, case, plat, block_sizes=None) -> Callable:
     import jax
 
-    fwd = _mlp_forward(impl, plat, ops._dtype(case.dtype), block_sizes)
+    fp8 = case.dtype == ops.FP8  # recipe="fp8": bf16 operands and outputs
+    fwd = _mlp_forward(impl, plat, ops._dtype("bfloat16" if fp8 else case.dtype), block_sizes,
+                       "fp8" if fp8 else None)
     if case.direction == "fwd":
         return jax.jit(lambda i: (fwd(i["x"], i["gate_up"], i["down"], i["group_sizes"]),))
 

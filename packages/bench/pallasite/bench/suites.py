@@ -18,7 +18,8 @@
 - "mlp": grouped_mlp at three MoE layers' expert shapes (mixtral: d 4096, f 14336, 8
   experts, 16k tokens top 2; qwen3-30B-A3B: d 2048, f 768, 128 experts, 8k tokens top 8;
   dsv3: d 7168, f 2048, 256 experts, 8k tokens top 8), forward and forward+backward,
-  beside the unfused composition (bf16 pre-activation written and read back).
+  beside the unfused composition (bf16 pre-activation written and read back); in bf16
+  and with recipe="fp8".
 - "delta": chunk_gated_delta_rule at Qwen3-Next-like (B 1, T 32768, 16 q/k heads, 32 v
   heads, K = V = 128), (B 8, T 4096, 32 heads, 128 x 128) and 16 sequences packed into
   32768 steps, forward and forward+backward, beside flash-linear-attention (fla-core).
@@ -88,6 +89,7 @@ _MLP = (  # name, routed rows, d, f, experts
     ("dsv3_mlp", 65536, 7168, 2048, 256),
 )
 _CPU_MLP = (("tiny_mlp", 96, 64, 64, 4),)
+_CPU_MLP_FP8 = (("tiny_mlp_fp8", 256, 128, 128, 4),)  # f a multiple of 128: the fused route
 _DELTA = (  # name, b, t, hk, hv, k, v, packed sequences
     ("qwen3_next", 1, 32768, 16, 32, 128, 128, 1),
     ("delta_b8_t4k", 8, 4096, 32, 32, 128, 128, 1),
@@ -148,7 +150,8 @@ def suite(name: str, devices: int = 2) -> list[ops.Case]:
         return [mamba_case(*s, seqs=seqs, direction=d) for d in ops.DIRECTIONS
                 for seqs in (1, _PACKED) for s in _TARGET_SSD]
     if name == "mlp":
-        return [mlp_case(*s, direction=d) for d in ops.DIRECTIONS for s in _MLP]
+        return [mlp_case(*s, direction=d, dtype=dtype) for dtype in ("bfloat16", ops.FP8)
+                for d in ops.DIRECTIONS for s in _MLP]
     if name == "delta":
         return [delta_case(*s[:7], seqs=s[7], direction=d) for d in ops.DIRECTIONS
                 for s in _DELTA]
@@ -162,6 +165,8 @@ def suite(name: str, devices: int = 2) -> list[ops.Case]:
         ] + [mamba_case(*s, chunk=_CPU_MAMBA_CHUNK, seqs=_CPU_MAMBA_SEQS, direction=d)
              for d in ops.DIRECTIONS for s in _CPU_MAMBA] + [
             mlp_case(*s, direction=d) for d in ops.DIRECTIONS for s in _CPU_MLP] + [
+            mlp_case(*s, direction=d, dtype=ops.FP8) for d in ops.DIRECTIONS
+            for s in _CPU_MLP_FP8] + [
             delta_case(*s[:7], chunk=16, seqs=s[7], direction=d) for d in ops.DIRECTIONS
             for s in _CPU_DELTA]
     if name == "smoke":
@@ -187,5 +192,5 @@ def filter_cases(cases: list[ops.Case], *, ops_: list[str] | None = None,
 def shape_names() -> list[str]:
     names = [s[0] for s in _TARGET_GP + _TARGET_SSD + _EXTRA_GP_SKEWED + _EXTRA_GP_ZIPF
              + _EXTRA_GP_WIDTHS + _EXTRA_GP_SMALL_M + _EXTRA_SSD
-             + _QUICK_GP + _CPU_GP + _CPU_SSD + _MLP + _CPU_MLP + _CPU_MAMBA + _DELTA + _CPU_DELTA]
+             + _QUICK_GP + _CPU_GP + _CPU_SSD + _MLP + _CPU_MLP + _CPU_MLP_FP8 + _CPU_MAMBA + _DELTA + _CPU_DELTA]
     return list(dict.fromkeys(names))
