@@ -25,7 +25,6 @@ import jax.numpy as jnp
 
 from pallasite.kernels import sharding
 from pallasite.kernels.expert_mlp import epilogue, layouts
-from pallasite.kernels.quantization import api as quantization
 
 FUSED_BACKENDS = ("pallas_mosaic_gpu", "pallas_triton")
 _F32 = jnp.float32
@@ -212,7 +211,8 @@ def mlp_fp8(x, gate_up_kernel, down_kernel, group_sizes, row_weights, compute, *
             interpret: bool = False):
     """y = (Q(h) Q(W_down)) * row_weights in `compute`, h = act(Q(x) Q(W_gate)) *
     (Q(x) Q(W_up)) quantized in 1 x 128 blocks by the gate-up kernel's epilogue (never
-    written in 16 bits), the down product's fp32 sums weighted before y is rounded once.
+    written in 16 bits), the down product's fp32 sums weighted in its epilogue before y
+    is rounded once.
     Q: the fp8 recipe's blocks (docs/fp8.md). row_weights None weighs every row 1.
 
     Differentiable, first order, in x, both kernels and row_weights, straight through
@@ -220,7 +220,8 @@ def mlp_fp8(x, gate_up_kernel, down_kernel, group_sizes, row_weights, compute, *
     values and scales (half of a 16-bit h), never the pre-activation, and runs
       t = Q(dy) Q(W_down)^T (fp32), dh = row_weights * t, d row_weights = sum_f h * t,
       dW_down = Qt(h)^T Qt(dy * row_weights),
-      (gate | up) = Q(x) Q(W_gate_up) recomputed, d(pre) = [act'(gate) up dh, act(gate) dh],
+      d(pre) = [act'(gate) up dh, act(gate) dh], (gate | up) = Q(x) Q(W_gate_up)
+        recomputed in the fp8 gate-up kernel, never stored,
       dx = Q(d pre) Q(W_gate_up)^T, dW_gate_up = Qt(x)^T Qt(d pre),
     each product on the backend's fp8 kernels. On the arrays it is given (a shard_map's,
     or unsharded; under Auto axes the partitioner gathers them)."""
@@ -246,21 +247,16 @@ def _mlp_fp8_forward(backend, activation, all_groups, interpret, compute, x, w_g
     local = dict(group_offset=None if all_groups else offset, interpret=interpret)
     h, h_scales_t = fused.gate_up_quantized(x, w_gate_up, group_sizes,
                                             activation=activation, **local)
-    q = quantization.quantizer(interpret)
-    kwargs = {"interpret": interpret} if q is not quantization.xla else {}
-    w_q, w_scales = q.weight_blocks(w_down, fused.FP8, transpose=True, **kwargs)
-    sums = grouped.gmm_quantized(h, h_scales_t, w_q, w_scales, group_sizes,
-                                 out_dtype=_F32, **local)
-    y = (sums * row_weights.astype(_F32)[:, None]).astype(compute)
+    y = fused.down_weighted_quantized(h, h_scales_t, w_down, group_sizes,
+                                      row_weights.astype(_F32), out_dtype=compute, **local)
     return y, (x, w_gate_up, w_down, group_sizes, row_weights, offset, h, h_scales_t)
 
 
 def _mlp_fp8_backward(backend, activation, all_groups, interpret, compute, residuals, dy):
     x, w_gate_up, w_down, group_sizes, row_weights, offset, h, h_scales_t = residuals
-    _, grouped = _fp8_modules(backend)
+    fused, grouped = _fp8_modules(backend)
     local = dict(group_offset=None if all_groups else offset, interpret=interpret)
     weights = row_weights.astype(_F32)[:, None]
-    f = w_down.shape[1]
     # the down product's backward, from h as the forward multiplied it
     h = h.astype(_F32) * jnp.repeat(h_scales_t.T, h.shape[1] // h_scales_t.shape[0], axis=1)
     t = grouped.gmm(dy, w_down, group_sizes, transpose_rhs=True, out_dtype=_F32, **local)
@@ -268,10 +264,9 @@ def _mlp_fp8_backward(backend, activation, all_groups, interpret, compute, resid
     dy_weighted = (dy.astype(_F32) * weights).astype(compute)
     dw_down = grouped.tgmm(h, dy_weighted, group_sizes, num_groups=w_down.shape[0],
                            out_dtype=w_down.dtype, **local)
-    # the gate-up's, from the pre-activation recomputed
-    pre = grouped.gmm(x, w_gate_up, group_sizes, out_dtype=_F32, **local)
-    d_gate, d_up = epilogue.d_pre(pre[:, :f], pre[:, f:], t * weights, activation)
-    d_pre = jnp.concatenate([d_gate, d_up], axis=1).astype(compute)
+    # the gate-up's: d(pre) from the gate and up sums recomputed in the kernel
+    d_pre = fused.gate_up_grad_quantized(x, w_gate_up, group_sizes, t * weights,
+                                         activation=activation, out_dtype=compute, **local)
     dx = grouped.gmm(d_pre, w_gate_up, group_sizes, transpose_rhs=True, out_dtype=x.dtype,
                      **local)
     dw_gate_up = grouped.tgmm(x, d_pre, group_sizes, num_groups=w_gate_up.shape[0],

@@ -13,6 +13,12 @@ scales transposed [f / 128, m]: the layout in which the fp8 down product
 in 16 bits and never quantized by a separate pass. Rows of no local group come out as
 the quantizer makes zeros: values 0, scale 1.
 
+gate_up_grad_quantized is the backward's half: the same paired product recomputed, then
+d(pre) = [act'(gate) up dh, act(gate) dh] stored in the compute dtype (pallas_triton's
+epilogue), so the pre-activation is never written. down_weighted_quantized is the down
+product on h as stored, the row weights applied to its fp32 sums in the epilogue
+(pallas_triton's), y rounded once.
+
 f must be a multiple of 128, so that each column tile's up columns are one weight-scale
 block. Each of num_stages holds an x tile and the two weight tiles (one byte per
 element). Lowered for an H200 and run by the interpreter on a CPU; not yet run or timed
@@ -30,6 +36,7 @@ from jaxtyping import Array, Float, Int, Shaped
 
 from pallasite.kernels import sharding
 from pallasite.kernels.expert_mlp import costs, epilogue
+from pallasite.kernels.expert_mlp import pallas_triton as triton16
 from pallasite.kernels.grouped_matmul import config, fit, triton_fit
 from pallasite.kernels.grouped_matmul import pallas_triton_fp8 as base
 from pallasite.kernels.quantization import api as quantization
@@ -88,6 +95,46 @@ def gate_up_quantized(
     [group_offset, group_offset + g) of group_sizes (all when None); rows of no local
     group are zero (scale 1). f must be a multiple of 128."""
     epilogue.check_gate_up(lhs, rhs, activation)
+    m, f = lhs.shape[0], rhs.shape[2] // 2
+    outputs = (((m, f), FP8), ((f // BLOCK, m), jnp.float32))
+    if 0 in lhs.shape or f == 0 or rhs.shape[0] == 0:
+        return jnp.zeros((m, f), FP8), jnp.ones((f // BLOCK, m), jnp.float32)
+    return _paired_call(lhs, rhs, group_sizes, outputs, (), "grouped_mlp_gate_up_fp8_triton",
+                        functools.partial(_store_quantized_h, activation=activation),
+                        activation, False, group_offset, block_sizes, interpret)
+
+
+@sharding.local_operands("grouped_mlp")
+def gate_up_grad_quantized(
+    lhs: Float[Array, "m k"],
+    rhs: Float[Array, "g k two_f"],
+    group_sizes: Int[Array, " G"],
+    dh: Float[Array, "m f"],
+    *,
+    activation: str = "swiglu",
+    group_offset=None,
+    out_dtype=jnp.bfloat16,
+    block_sizes: config.TritonBlockSizes | None = None,
+    interpret: bool = False,
+) -> Shaped[Array, "m two_f"]:
+    """d(pre) [m, 2f] = [act'(gate) up dh, act(gate) dh] in out_dtype, the gate and up
+    sums recomputed in the kernel from Q(lhs) and Q(rhs) as gate_up_quantized forms them
+    (never stored): the fp8 route's backward feeds it to the dx and dkernel products.
+    dh [m, f] is read in its own dtype; rows of no local group are zero."""
+    epilogue.check_gate_up(lhs, rhs, activation, dh)
+    m, f = lhs.shape[0], rhs.shape[2] // 2
+    if 0 in lhs.shape or f == 0 or rhs.shape[0] == 0:
+        return jnp.zeros((m, 2 * f), out_dtype)
+    return _paired_call(lhs, rhs, group_sizes, (((m, 2 * f), jnp.dtype(out_dtype)),), (dh,),
+                        "grouped_mlp_gate_up_grad_fp8_triton",
+                        functools.partial(triton16._store_d_pre, activation=activation, f=f),
+                        activation, True, group_offset, block_sizes, interpret)[0]
+
+
+def _paired_call(lhs, rhs, group_sizes, outputs, extra, name, store, activation, grad,
+                 group_offset, block_sizes, interpret):
+    """lhs and rhs quantized (1 x 128 rows; 128 x 128 blocks, written K-major [g, 2f, k]),
+    then the fp8 gmm with the gate and up tiles paired and `store` as its epilogue."""
     base._check(lhs, rhs, group_sizes)
     m, k = lhs.shape
     f = rhs.shape[2] // 2
@@ -96,28 +143,60 @@ def gate_up_quantized(
                          f"{BLOCK}, got f={f}")
     if block_sizes is not None and (why := block_sizes_reason(block_sizes, caller=True)):
         raise ValueError(f"block_sizes: {why}")
-    bs = block_sizes or _default()
-    if 0 in (m, k, f) or rhs.shape[0] == 0:
-        return jnp.zeros((m, f), FP8), jnp.ones((f // BLOCK, m), jnp.float32)
     q = quantization.quantizer(interpret)
     kwargs = {"interpret": interpret} if q is not quantization.xla else {}
     lhs_q, lhs_scales_t = q.rows(lhs, FP8, **kwargs)
     rhs_q, rhs_scales = q.weight_blocks(rhs, FP8, transpose=True, **kwargs)  # [g, 2f, k]
     base._check_offsets(lhs=lhs_q, rhs=rhs_q)
-    outputs = (((m, f), FP8), ((f // BLOCK, m), jnp.float32))
     return base.gmm_call(
-        lhs_q, lhs_scales_t, rhs_q, rhs_scales, group_sizes, f, bs,
-        group_offset=group_offset, interpret=interpret, outputs=outputs,
-        name="grouped_mlp_gate_up_fp8_triton", pair=True,
-        epilogue=functools.partial(_store_quantized_h, activation=activation),
-        cost_of=functools.partial(costs.gate_up, m, k, f, FP8, activation, grad=False))
+        lhs_q, lhs_scales_t, rhs_q, rhs_scales, group_sizes, f, block_sizes or _default(),
+        group_offset=group_offset, interpret=interpret, outputs=outputs, name=name,
+        pair=True, epilogue=store, extra=extra,
+        cost_of=functools.partial(costs.gate_up, m, k, f, FP8, activation, grad=grad))
 
 
-def _store_quantized_h(sums, outs, tile: base.OutputTile, *, activation):
+@sharding.local_operands("grouped_mlp")
+def down_weighted_quantized(
+    h: Shaped[Array, "m f"],
+    h_scales_t: Float[Array, "fb m"],
+    rhs: Float[Array, "g f n"],
+    group_sizes: Int[Array, " G"],
+    row_weights: Float[Array, " m"],
+    *,
+    group_offset=None,
+    out_dtype=jnp.bfloat16,
+    block_sizes: config.TritonBlockSizes | None = None,
+    interpret: bool = False,
+) -> Shaped[Array, "m n"]:
+    """y[rows of group i] = (dequant(h) Q(rhs[i])) * row_weights in out_dtype: h as
+    gate_up_quantized stores it (e4m3 values, scales [f / 128, m]), rhs floating and
+    quantized here in 128 x 128 blocks; the fp32 sums scaled by each row's weight in the
+    epilogue (pallas_triton's down epilogue), y rounded once. Rows of no local group are
+    zero."""
+    m, f = h.shape
+    n = rhs.shape[2]
+    if 0 in (m, f, n) or rhs.shape[0] == 0:
+        return jnp.zeros((m, n), out_dtype)
+    q = quantization.quantizer(interpret)
+    kwargs = {"interpret": interpret} if q is not quantization.xla else {}
+    rhs_q, rhs_scales = q.weight_blocks(rhs, FP8, transpose=True, **kwargs)  # [g, n, f]
+    base._check_offsets(lhs=h, rhs=rhs_q)
+    bs = base.resolve_block_sizes(block_sizes, product="forward", m=m, k=f, n=n,
+                                  g=group_sizes.shape[0], interpret=interpret)
+    return base.gmm_call(
+        h, h_scales_t, rhs_q, rhs_scales, group_sizes, n, bs, group_offset=group_offset,
+        interpret=interpret, outputs=(((m, n), jnp.dtype(out_dtype)),),
+        name="grouped_mlp_down_fp8_triton", epilogue=triton16._store_weighted,
+        extra=(row_weights,),
+        cost_of=functools.partial(costs.down_weighted, m, f, n, FP8, grad=False))[0]
+
+
+def _store_quantized_h(sums, extra, outs, tile, *, activation):
     """h = act(gate) * up for the tile's rows, quantized per row over its 128 columns."""
+    del extra
     values_ref, scales_ref = outs
     if sums is None:
-        h = jnp.zeros((tile.rows.size, BLOCK), jnp.float32)
+        h = jnp.zeros(tile.shape, jnp.float32)
     else:
         h = epilogue.gated(*sums, activation)
     scale, inverse = ref.scale_and_inverse(ref.amax(h, axis=1), FP8)

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -62,7 +62,7 @@ from pallasite.kernels.grouped_matmul.group_metadata import (
     make_group_metadata,
     num_visits,
 )
-from pallasite.kernels.grouped_matmul.pallas_triton import _and, _in_range, _load, _swizzle
+from pallasite.kernels.grouped_matmul.pallas_triton import Tile, _and, _in_range, _load, _swizzle
 from pallasite.kernels.grouped_matmul.token_blocks import group_table, token_blocks
 from pallasite.kernels.quantization import api as quantization
 from pallasite.reference.quantization import TOKEN_BLOCK
@@ -137,19 +137,22 @@ def _step_dot(a, b):
 
 
 def _gmm_kernel(group_ref, start_ref, end_ref, lhs_ref, lhs_scales_ref, rhs_ref,
-                rhs_scales_ref, *outs, bs, k, n, num_groups, num_tiles, pair=False,
-                epilogue=None):
+                rhs_scales_ref, *refs, bs, k, n, num_groups, num_tiles, pair=False,
+                epilogue=None, num_outputs=1):
     """One (row tile, 128-column tile) of A @ B^T. With `pair` (grouped_mlp's gate-up)
     B holds 2n rows, the gate's [0, n) and the up's [n, 2n) (n a multiple of 128, so each
-    column tile's up rows are one weight-scale block): two accumulators, and `epilogue`
-    (sums, outs, tile) stores them; `sums` is None on a tile of no local group."""
+    column tile's up rows are one weight-scale block): two accumulators. With `epilogue`
+    (grouped_mlp's kernels), epilogue(sums, extra_refs, out_refs, tile) stores the tile
+    to the last `num_outputs` refs, reading the extra operands before them (sums None:
+    rows of no local group, whose outputs are zeros), as pallas_triton's gmm epilogues."""
+    extra_refs, out_refs = refs[:-num_outputs], refs[-num_outputs:]
     bm = bs.block_m
     tile, col = _swizzle(pl.program_id(0), num_tiles, cdiv(n, BLOCK), bs.group_m)
     group, start, end = group_ref[tile], start_ref[tile], end_ref[tile]
     rows = pl.ds(start, bm)
     row_ok = (start + jnp.arange(bm, dtype=jnp.int32)) < end
     col_ok = _in_range(col * BLOCK, BLOCK, n)
-    here = OutputTile(rows, pl.ds(col * BLOCK, BLOCK), col, row_ok, _and(row_ok, col_ok))
+    here = Tile(rows, pl.ds(col * BLOCK, BLOCK), col, row_ok, col_ok, _and(row_ok, col_ok))
     store = epilogue or _store_sums
     halves = (0, n // BLOCK) if pair else (0,)
 
@@ -172,26 +175,17 @@ def _gmm_kernel(group_ref, start_ref, end_ref, lhs_ref, lhs_scales_ref, rhs_ref,
 
         zeros = tuple(jnp.zeros((bm, BLOCK), jnp.float32) for _ in halves)
         accs = jax.lax.fori_loop(0, cdiv(k, BLOCK), step, zeros)
-        store(accs if pair else accs[0], outs, here)
+        store(accs if pair else accs[0], extra_refs, out_refs, here)
 
     @pl.when(group == num_groups)  # rows of no local group: zeros, never a product
     def _zeros():
-        store(None, outs, here)
+        store(None, extra_refs, out_refs, here)
 
 
-class OutputTile(NamedTuple):
-    """Where a program's output tile lies: rows and 128 columns of the [m, n] output, its
-    column tile's index, and the masks of its rows and of its stores."""
-    rows: Any
-    cols: Any
-    col: Any
-    row_ok: Any
-    store_ok: Any
-
-
-def _store_sums(sums, outs, tile: OutputTile):
+def _store_sums(sums, extra, outs, tile: Tile):
+    del extra
     (out_ref,) = outs
-    sums = jnp.zeros((tile.rows.size, BLOCK), jnp.float32) if sums is None else sums
+    sums = jnp.zeros(tile.shape, jnp.float32) if sums is None else sums
     plgpu.store(out_ref.at[tile.rows, tile.cols], sums.astype(out_ref.dtype),
                 mask=tile.store_ok)
 
@@ -226,11 +220,11 @@ def gmm_quantized(
 
 def gmm_call(lhs, lhs_scales_t, rhs, rhs_scales, group_sizes, n: int,
              bs: config.TritonBlockSizes, *, group_offset, interpret: bool, outputs,
-             name: str, pair: bool = False, epilogue=None, cost_of=None):
+             name: str, pair: bool = False, epilogue=None, extra=(), cost_of=None):
     """The gmm kernel's call over n output columns with blocks `bs`: a tuple of the
     `outputs`, each (shape, dtype). For grouped_mlp's kernels: `pair` and `epilogue`
-    (_gmm_kernel), and `cost_of(inputs=..., outputs=...)`, their cost estimate (else the
-    product's)."""
+    (_gmm_kernel), the `extra` operands the epilogue reads, and `cost_of(inputs=...,
+    outputs=...)`, their cost estimate (else the product's)."""
     m, kc = lhs.shape
     g = rhs.shape[0]
     sizes, row_start = local_groups(group_sizes, group_offset, g)
@@ -238,9 +232,10 @@ def gmm_call(lhs, lhs_scales_t, rhs, rhs_scales, group_sizes, n: int,
                                row_start=row_start)
     num_tiles = num_visits(m, g, bs.block_m)
     kernel = functools.partial(_gmm_kernel, bs=bs, k=kc, n=n, num_groups=g,
-                               num_tiles=num_tiles, pair=pair, epilogue=epilogue)
+                               num_tiles=num_tiles, pair=pair, epilogue=epilogue,
+                               num_outputs=len(outputs))
     out_shape = tuple(sharding.out_struct(shape, dtype, like=lhs) for shape, dtype in outputs)
-    inputs = (meta.group, meta.start, meta.end, lhs, lhs_scales_t, rhs, rhs_scales)
+    inputs = (meta.group, meta.start, meta.end, lhs, lhs_scales_t, rhs, rhs_scales, *extra)
     if cost_of is not None:
         cost = cost_of(inputs=inputs, outputs=out_shape)
     else:
