@@ -7,7 +7,8 @@ Forms, each on Mosaic GPU (the H200's default) but the fused Triton one: the com
 (grouped_mlp's default: grouped_projection calls, the activation and the row weights
 rematerialised), the fused gate-up on Mosaic GPU and on Triton (fuse_activation=True), and
 the unfused three calls the bench times (plain autodiff through the activation, no row
-weights). Naming the backend keeps the default order's platform switch, whose branches'
+weights); and in fp8 (recipe="fp8"), the composition on Mosaic GPU and the fused route on
+Triton (h quantized in the gate-up epilogue, kept in e4m3). Naming the backend keeps the default order's platform switch, whose branches'
 outputs would list as saved arrays of their own, out of the count. bf16, mixtral, qwen3 and dsv3 at the
 bench's routed rows, with row weights (but for the unfused form).
 
@@ -43,7 +44,8 @@ SHAPES = {  # name: (routed rows m, d, f, experts)
     "qwen3": (65536, 2048, 768, 128),
     "dsv3": (65536, 7168, 2048, 256),
 }
-FORMS = ("composition", "fused_mosaic_gpu", "fused_triton", "unfused")
+FORMS = ("composition", "fused_mosaic_gpu", "fused_triton", "unfused", "composition_fp8",
+         "fused_fp8_triton")
 
 
 def _layer(form: str, interpret: bool):
@@ -56,10 +58,11 @@ def _layer(form: str, interpret: bool):
             h = (jax.nn.silu(pre[:, :f].astype(jnp.float32)) * pre[:, f:]).astype(BF16)
             return kernels.grouped_projection(h, down, sizes, BF16, interpret, **product)
         return unfused
-    backend = "pallas_triton" if form == "fused_triton" else "pallas_mosaic_gpu"
+    backend = "pallas_triton" if "triton" in form else "pallas_mosaic_gpu"
     return lambda x, gate_up, down, sizes, weights: kernels.grouped_mlp(
         x, gate_up, down, sizes, BF16, interpret, row_weights=weights,
-        implementation=backend, fuse_activation=form != "composition")
+        implementation=backend, fuse_activation=form.startswith("fused"),
+        recipe="fp8" if form.endswith(("_fp8", "fp8_triton")) else None)
 
 
 def _shapes(m, d, f, g, layers=1):

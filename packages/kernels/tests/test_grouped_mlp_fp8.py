@@ -363,6 +363,21 @@ def test_grouped_mlp_fp8_fused_refusals_name_why():
                                       fuse_activation=True), (x,), (x,))
 
 
+def test_grouped_mlp_fp8_fused_refuses_kernels_past_32_bit_offsets():
+    """DeepSeek-V3's down stack (256 x 2048 x 7168: 3.8e9 fp8 values in under 4 GiB) is
+    past Pallas Triton's 32-bit offsets (quantization/pallas_triton.offsets_fit): refused
+    by name, up front (traced from shapes alone)."""
+    from pallasite.kernels import grouped_mlp
+
+    s = jax.ShapeDtypeStruct
+    args = (s((4096, 7168), BF16), s((256, 7168, 4096), BF16), s((256, 2048, 7168), BF16),
+            s((256,), jnp.int32))
+    with pytest.raises(ValueError, match=r"down_kernel \(256, 2048, 7168\) has more "
+                                         r"than 2\*\*31 elements"):
+        jax.eval_shape(lambda *a: grouped_mlp(*a, BF16, True, recipe="fp8",
+                                              fuse_activation=True), *args)
+
+
 def test_grouped_mlp_fp8_fused_refuses_explicit_axes():
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 

@@ -52,6 +52,7 @@ from jaxtyping import Array, Float, Int
 from pallasite.kernels import autodiff, sharding
 from pallasite.kernels.expert_mlp import ops
 from pallasite.kernels.grouped_matmul import fp8
+from pallasite.kernels.quantization import api as quantization
 from pallasite.kernels.grouped_matmul.api import backend_refusal, grouped_projection
 from pallasite.reference.grouped_mlp import activate, validate_grouped_mlp
 from pallasite.reference.grouped_projection import Dtype
@@ -217,4 +218,9 @@ def _fused_fp8_refusal(implementation, compute, operands, block_sizes, interpret
                 "axes, or take fuse_activation=False)")
     if (why := autodiff.beyond_first_order(*operands)) is not None:
         return why
+    for name, a in (("x", x), ("gate_up_kernel", gate_up_kernel), ("down_kernel", down_kernel)):
+        if not quantization.pallas_triton.offsets_fit(a.shape, jnp.float8_e4m3fn):
+            return (f"{name} {tuple(a.shape)} has more than 2**31 elements, past the 32-bit "
+                    f"offsets Pallas Triton addresses its fp8 values with (take "
+                    f"fuse_activation=False, or fewer local experts)")
     return fp8.refusal(implementation, compute, (), on_device=not interpret)
