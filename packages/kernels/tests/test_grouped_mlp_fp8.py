@@ -203,6 +203,30 @@ def test_interpret_down_weighted_quantized_matches_the_oracle():
     assert np.max(np.abs(got16 - want) / (np.abs(want) + 1e-6)) <= 2.0 ** -8
 
 
+def test_interpret_down_weighted_grad_quantized_matches_the_oracle():
+    """dh = row_weights * t and d row_weights = sum_f h * t, t = Q(dy) Q(W_down)^T, from
+    the kernel's epilogue: to 1e-5 of the oracle in fp32; rows of no group zero."""
+    sizes = [60, 0, 44]
+    m, f, n = 120, 256, 200
+    _, _, down = _operands(20, m, 128, f, 3, n)
+    h = jax.random.normal(jax.random.key(21), (m, f), F32)
+    dy = jax.random.normal(jax.random.key(22), (m, n), F32)
+    rw = jax.random.uniform(jax.random.key(23), (m,), minval=0.1, maxval=1.0)
+    gs = jnp.asarray(sizes, jnp.int32)
+    dh, d_rw = jax.jit(lambda a, d, r, b: mlp_fp8.down_weighted_grad_quantized(
+        a, d, gs, r, b, block_sizes=SMALL, interpret=True))(dy, down, rw, h)
+    t = np.asarray(gmm_reference(q.quantized_rows(dy, F8), q.quantized_kernel(down, F8), gs,
+                                 transpose_rhs=True), np.float64)
+    keep = _local_rows(sizes, m)
+    t = np.where(keep[:, None], t, 0.0)
+    want_dh = t * np.asarray(rw)[:, None]
+    want_rw = np.sum(np.asarray(h, np.float64) * t, axis=1)
+    dh, d_rw = np.asarray(dh, np.float64), np.asarray(d_rw, np.float64)
+    assert not dh[~keep].any() and not d_rw[~keep].any()
+    assert np.linalg.norm(dh - want_dh) / np.linalg.norm(want_dh) < 1e-5
+    assert np.linalg.norm(d_rw - want_rw) / np.linalg.norm(want_rw) < 1e-5
+
+
 def test_bad_arguments_are_named():
     x, w, _ = _operands(3, 64, 128, 192, 2)
     sizes = jnp.array([30, 34], jnp.int32)
@@ -416,7 +440,8 @@ def test_grouped_mlp_fp8_fused_fwd_bwd_lowers_for_cuda_from_cpu(monkeypatch):
             s((m, k), BF16), s((g, k, 2 * f), BF16), s((g, f, n), BF16), s((m,), F32),
             s((g,), jnp.int32)).mlir_module()
     for name in ("grouped_mlp_gate_up_fp8_triton", "grouped_mlp_down_fp8_triton",
-                 "grouped_mlp_gate_up_grad_fp8_triton", "grouped_projection_gmm_fp8_triton",
+                 "grouped_mlp_gate_up_grad_fp8_triton", "grouped_mlp_down_grad_fp8_triton",
+                 "grouped_projection_gmm_fp8_triton",
                  "grouped_projection_tgmm_fp8_triton"):
         assert name in text, name
 

@@ -218,7 +218,8 @@ def mlp_fp8(x, gate_up_kernel, down_kernel, group_sizes, row_weights, compute, *
     Differentiable, first order, in x, both kernels and row_weights, straight through
     the quantizations, as grouped_projection's recipe: the backward keeps h's e4m3
     values and scales (half of a 16-bit h), never the pre-activation, and runs
-      t = Q(dy) Q(W_down)^T (fp32), dh = row_weights * t, d row_weights = sum_f h * t,
+      dh = row_weights * t and d row_weights = sum_f h * t from the tiles of
+        t = Q(dy) Q(W_down)^T in one kernel (t never stored),
       dW_down = Qt(h)^T Qt(dy * row_weights),
       d(pre) = [act'(gate) up dh, act(gate) dh], (gate | up) = Q(x) Q(W_gate_up)
         recomputed in the fp8 gate-up kernel, never stored,
@@ -256,16 +257,17 @@ def _mlp_fp8_backward(backend, activation, all_groups, interpret, compute, resid
     x, w_gate_up, w_down, group_sizes, row_weights, offset, h, h_scales_t = residuals
     fused, grouped = _fp8_modules(backend)
     local = dict(group_offset=None if all_groups else offset, interpret=interpret)
-    weights = row_weights.astype(_F32)[:, None]
-    # the down product's backward, from h as the forward multiplied it
+    weights = row_weights.astype(_F32)
+    # the down product's backward, from h as the forward multiplied it: dh and
+    # d row_weights from the tiles of t = dy W_down^T, which never reaches memory
     h = h.astype(_F32) * jnp.repeat(h_scales_t.T, h.shape[1] // h_scales_t.shape[0], axis=1)
-    t = grouped.gmm(dy, w_down, group_sizes, transpose_rhs=True, out_dtype=_F32, **local)
-    d_weights = jnp.sum(h * t, axis=1)
-    dy_weighted = (dy.astype(_F32) * weights).astype(compute)
+    dh, d_weights = fused.down_weighted_grad_quantized(dy, w_down, group_sizes, weights, h,
+                                                       dh_dtype=compute, **local)
+    dy_weighted = (dy.astype(_F32) * weights[:, None]).astype(compute)
     dw_down = grouped.tgmm(h, dy_weighted, group_sizes, num_groups=w_down.shape[0],
                            out_dtype=w_down.dtype, **local)
     # the gate-up's: d(pre) from the gate and up sums recomputed in the kernel
-    d_pre = fused.gate_up_grad_quantized(x, w_gate_up, group_sizes, t * weights,
+    d_pre = fused.gate_up_grad_quantized(x, w_gate_up, group_sizes, dh,
                                          activation=activation, out_dtype=compute, **local)
     dx = grouped.gmm(d_pre, w_gate_up, group_sizes, transpose_rhs=True, out_dtype=x.dtype,
                      **local)

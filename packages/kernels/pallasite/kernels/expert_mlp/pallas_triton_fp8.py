@@ -17,7 +17,8 @@ gate_up_grad_quantized is the backward's half: the same paired product recompute
 d(pre) = [act'(gate) up dh, act(gate) dh] stored in the compute dtype (pallas_triton's
 epilogue), so the pre-activation is never written. down_weighted_quantized is the down
 product on h as stored, the row weights applied to its fp32 sums in the epilogue
-(pallas_triton's), y rounded once.
+(pallas_triton's), y rounded once; down_weighted_grad_quantized its backward for h (dh
+and d row_weights from the tiles of t = dy W_down^T in the epilogue, t never stored).
 
 f must be a multiple of 128, so that each column tile's up columns are one weight-scale
 block. Each of num_stages holds an x tile and the two weight tiles (one byte per
@@ -189,6 +190,45 @@ def down_weighted_quantized(
         name="grouped_mlp_down_fp8_triton", epilogue=triton16._store_weighted,
         extra=(row_weights,),
         cost_of=functools.partial(costs.down_weighted, m, f, n, FP8, grad=False))[0]
+
+
+@sharding.local_operands("grouped_mlp")
+def down_weighted_grad_quantized(
+    dy: Float[Array, "m n"],
+    rhs: Float[Array, "g f n"],
+    group_sizes: Int[Array, " G"],
+    row_weights: Float[Array, " m"],
+    h: Float[Array, "m f"],
+    *,
+    group_offset=None,
+    dh_dtype=jnp.float32,
+    block_sizes: config.TritonBlockSizes | None = None,
+    interpret: bool = False,
+):
+    """The fp8 down product's backward for h: t = Q(dy_i) Q(rhs[i])^T (fp32 sums; dy in
+    1 x 128 blocks, rhs in 128 x 128, read as stored), then in the epilogue (the 16-bit
+    down kernel's) dh = row_weights * t in dh_dtype and each row's share of d row_weights,
+    the sum over the tile's columns of h * t. Returns (dh [m, f], d row_weights [m] fp32):
+    t never reaches memory. h is read in its own dtype (the forward's h, dequantized)."""
+    m, n = dy.shape
+    f = rhs.shape[1]
+    if 0 in (m, f, n) or rhs.shape[0] == 0:
+        return jnp.zeros((m, f), dh_dtype), jnp.zeros((m,), jnp.float32)
+    base._check(dy, rhs, group_sizes)
+    q = quantization.quantizer(interpret)
+    kwargs = {"interpret": interpret} if q is not quantization.xla else {}
+    dy_q, dy_scales_t = q.rows(dy, FP8, **kwargs)
+    rhs_q, rhs_scales = q.weight_blocks(rhs, FP8, transpose=False, **kwargs)  # [g, f, n]
+    base._check_offsets(lhs=dy_q, rhs=rhs_q)
+    bs = base.resolve_block_sizes(block_sizes, product="dx", m=m, k=f, n=n,
+                                  g=group_sizes.shape[0], interpret=interpret)
+    dh, parts = base.gmm_call(
+        dy_q, dy_scales_t, rhs_q, rhs_scales, group_sizes, f, bs, group_offset=group_offset,
+        interpret=interpret, name="grouped_mlp_down_grad_fp8_triton",
+        outputs=(((m, f), jnp.dtype(dh_dtype)), ((m, -(-f // BLOCK)), jnp.float32)),
+        epilogue=triton16._store_dh_and_weight_parts, extra=(row_weights, h),
+        cost_of=functools.partial(costs.down_weighted, m, f, n, FP8, grad=True))
+    return dh, jnp.sum(parts, axis=1)
 
 
 def _store_quantized_h(sums, extra, outs, tile, *, activation):
