@@ -382,6 +382,8 @@ def test_grouped_mlp_fp8_fused_refusals_name_why():
         call(block_sizes=SMALL)
     with pytest.raises(ValueError, match="takes implementation=None or one of"):
         call(implementation="pallas_mosaic_gpu")
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        grouped_mlp(x, w, down, sizes, BF16, True, recipe="fp4", fuse_activation=True)
     with pytest.raises(ValueError, match=r"forward-mode differentiation \(jvp\)"):
         jax.jvp(lambda a: grouped_mlp(a, w, down, sizes, BF16, True, recipe="fp8",
                                       fuse_activation=True), (x,), (x,))

@@ -20,7 +20,8 @@ the down product's own quantizer). With fuse_activation=True too it runs ops.mlp
 the fp8 gate-up quantizes h in its epilogue (h never in 16 bits), the down product reads
 it as it is, and the backward keeps h's e4m3 values, not the pre-activation
 (_fused_fp8_backend says where it runs: Pallas Triton on fp8 GPUs, f a multiple of 128,
-no block sizes, operands not over explicit mesh axes, first order).
+no operand past Pallas Triton's 32-bit offsets, no block sizes, operands not over
+explicit mesh axes, first order).
 
 With `fuse_activation=True` the gate-up runs fused (expert_mlp.ops: act(gate) * up in
 the kernel's epilogue, h rounded once, the pre-activation recomputed in the backward),
@@ -97,6 +98,7 @@ def grouped_mlp(
                          group_offset=group_offset)
     if not isinstance(fuse_activation, bool):
         raise TypeError(f"fuse_activation must be a bool, got {fuse_activation!r}")
+    fp8.validate_recipe(recipe, x, gate_up_kernel, compute)
     compute = np.dtype(compute)
     product = dict(group_offset=group_offset, implementation=implementation,
                    block_sizes=block_sizes, recipe=recipe)
