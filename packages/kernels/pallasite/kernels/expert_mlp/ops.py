@@ -244,7 +244,7 @@ def _mlp_fp8(backend, activation, all_groups, interpret, compute, x, w_gate_up, 
 
 def _mlp_fp8_forward(backend, activation, all_groups, interpret, compute, x, w_gate_up,
                      w_down, group_sizes, row_weights, offset):
-    fused, grouped = _fp8_modules(backend)
+    fused, _ = _fp8_modules(backend)
     local = dict(group_offset=None if all_groups else offset, interpret=interpret)
     h, h_scales_t = fused.gate_up_quantized(x, w_gate_up, group_sizes,
                                             activation=activation, **local)

@@ -97,9 +97,9 @@ def gate_up_quantized(
     group are zero (scale 1). f must be a multiple of 128."""
     epilogue.check_gate_up(lhs, rhs, activation)
     m, f = lhs.shape[0], rhs.shape[2] // 2
-    outputs = (((m, f), FP8), ((f // BLOCK, m), jnp.float32))
     if 0 in lhs.shape or f == 0 or rhs.shape[0] == 0:
         return jnp.zeros((m, f), FP8), jnp.ones((f // BLOCK, m), jnp.float32)
+    outputs = (((m, f), FP8), ((f // BLOCK, m), jnp.float32))
     return _paired_call(lhs, rhs, group_sizes, outputs, (), "grouped_mlp_gate_up_fp8_triton",
                         functools.partial(_store_quantized_h, activation=activation),
                         activation, False, group_offset, block_sizes, interpret)
