@@ -145,9 +145,9 @@ def _paired_call(lhs, rhs, group_sizes, outputs, extra, name, store, activation,
     if block_sizes is not None and (why := block_sizes_reason(block_sizes, caller=True)):
         raise ValueError(f"block_sizes: {why}")
     q = quantization.quantizer(interpret)
-    kwargs = {"interpret": interpret} if q is not quantization.xla else {}
-    lhs_q, lhs_scales_t = q.rows(lhs, FP8, **kwargs)
-    rhs_q, rhs_scales = q.weight_blocks(rhs, FP8, transpose=True, **kwargs)  # [g, 2f, k]
+    lhs_q, lhs_scales_t = q.rows(lhs, FP8, interpret=interpret)
+    # [g, 2f, k], K-major
+    rhs_q, rhs_scales = q.weight_blocks(rhs, FP8, transpose=True, interpret=interpret)
     base._check_offsets(lhs=lhs_q, rhs=rhs_q)
     return base.gmm_call(
         lhs_q, lhs_scales_t, rhs_q, rhs_scales, group_sizes, f, block_sizes or _default(),
@@ -179,8 +179,8 @@ def down_weighted_quantized(
     if 0 in (m, f, n) or rhs.shape[0] == 0:
         return jnp.zeros((m, n), out_dtype)
     q = quantization.quantizer(interpret)
-    kwargs = {"interpret": interpret} if q is not quantization.xla else {}
-    rhs_q, rhs_scales = q.weight_blocks(rhs, FP8, transpose=True, **kwargs)  # [g, n, f]
+    # [g, n, f], K-major
+    rhs_q, rhs_scales = q.weight_blocks(rhs, FP8, transpose=True, interpret=interpret)
     base._check_offsets(lhs=h, rhs=rhs_q)
     bs = base.resolve_block_sizes(block_sizes, product="forward", m=m, k=f, n=n,
                                   g=group_sizes.shape[0], interpret=interpret)
@@ -216,9 +216,9 @@ def down_weighted_grad_quantized(
         return jnp.zeros((m, f), dh_dtype), jnp.zeros((m,), jnp.float32)
     base._check(dy, rhs, group_sizes)
     q = quantization.quantizer(interpret)
-    kwargs = {"interpret": interpret} if q is not quantization.xla else {}
-    dy_q, dy_scales_t = q.rows(dy, FP8, **kwargs)
-    rhs_q, rhs_scales = q.weight_blocks(rhs, FP8, transpose=False, **kwargs)  # [g, f, n]
+    dy_q, dy_scales_t = q.rows(dy, FP8, interpret=interpret)
+    # [g, f, n], as stored
+    rhs_q, rhs_scales = q.weight_blocks(rhs, FP8, transpose=False, interpret=interpret)
     base._check_offsets(lhs=dy_q, rhs=rhs_q)
     bs = base.resolve_block_sizes(block_sizes, product="dx", m=m, k=f, n=n,
                                   g=group_sizes.shape[0], interpret=interpret)

@@ -355,10 +355,10 @@ def gmm(lhs: Float[Array, "m k"], rhs: Float[Array, "g kn nk"], group_sizes: Int
     if 0 in lhs.shape or 0 in rhs.shape:
         return jnp.zeros((m, k if transpose_rhs else n), out_dtype)
     q = quantization.quantizer(interpret)
-    kwargs = {"interpret": interpret} if q is not quantization.xla else {}
-    lhs_q, lhs_scales_t = q.rows(lhs, FP8, **kwargs)
+    lhs_q, lhs_scales_t = q.rows(lhs, FP8, interpret=interpret)
     # forward: B = kernel^T, [g, n, k], written so by the quantizer; dx: B = kernel as is.
-    rhs_q, rhs_scales = q.weight_blocks(rhs, FP8, transpose=not transpose_rhs, **kwargs)
+    rhs_q, rhs_scales = q.weight_blocks(rhs, FP8, transpose=not transpose_rhs,
+                                        interpret=interpret)
     return gmm_quantized(lhs_q, lhs_scales_t, rhs_q, rhs_scales, group_sizes,
                          group_offset=group_offset, out_dtype=out_dtype, block_sizes=bs,
                          interpret=interpret, product=product)
@@ -380,8 +380,7 @@ def tgmm(lhs: Float[Array, "m k"], rhs: Float[Array, "m n"], group_sizes: Int[Ar
     sizes, row_start = local_groups(group_sizes, group_offset, g)
     table = token_blocks(sizes, m, row_start=row_start)
     q = quantization.quantizer(interpret)
-    kwargs = {"interpret": interpret} if q is not quantization.xla else {}
-    lhs_t, lhs_scales = q.token_blocks(lhs, table.start, table.rows, FP8, **kwargs)
-    rhs_t, rhs_scales = q.token_blocks(rhs, table.start, table.rows, FP8, **kwargs)
+    lhs_t, lhs_scales = q.token_blocks(lhs, table.start, table.rows, FP8, interpret=interpret)
+    rhs_t, rhs_scales = q.token_blocks(rhs, table.start, table.rows, FP8, interpret=interpret)
     return tgmm_quantized(lhs_t, lhs_scales, rhs_t, rhs_scales, table.first, table.count,
                           out_dtype=out_dtype, block_sizes=bs, interpret=interpret, m=m)

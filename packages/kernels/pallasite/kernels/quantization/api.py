@@ -47,17 +47,16 @@ def _quantize_with(backend: ModuleType, x, block, dtype, interpret: bool):
     """values and scales in the public layout (x's shape; scales ceil(shape / block))."""
     if backend is xla or not _kernel_shape(x.shape, block):
         return ref.quantize_blocks(x, block, dtype)
-    kwargs = {} if backend is xla else {"interpret": interpret}
     if block == ROWS:
-        values, scales_t = backend.rows(x, dtype, **kwargs)
+        values, scales_t = backend.rows(x, dtype, interpret=interpret)
         return values, scales_t.T
     if block == WEIGHTS:
-        return backend.weight_blocks(x, dtype, transpose=False, **kwargs)
+        return backend.weight_blocks(x, dtype, transpose=False, interpret=interpret)
     m = x.shape[0]  # COLUMNS: plain 128-row blocks from row 0
     bound = -(-m // BLOCK)
     start = jnp.arange(bound, dtype=jnp.int32) * BLOCK
     rows = jnp.minimum(m - start, BLOCK).astype(jnp.int32)
-    return backend.token_blocks(x, start, rows, dtype, transpose=False, **kwargs)
+    return backend.token_blocks(x, start, rows, dtype, transpose=False, interpret=interpret)
 
 
 def _refusal(name: str, interpret: bool) -> str | None:
