@@ -224,8 +224,9 @@ def mlp_fp8(x, gate_up_kernel, down_kernel, group_sizes, row_weights, compute, *
       d(pre) = [act'(gate) up dh, act(gate) dh], (gate | up) = Q(x) Q(W_gate_up)
         recomputed in the fp8 gate-up kernel, never stored,
       dx = Q(d pre) Q(W_gate_up)^T, dW_gate_up = Qt(x)^T Qt(d pre),
-    each product on the backend's fp8 kernels. On the arrays it is given (a shard_map's,
-    or unsharded; under Auto axes the partitioner gathers them)."""
+    each product on the backend's fp8 kernels. On the arrays it is given: unsharded, or
+    inside a shard_map with check_vma=False (its cotangents do not yet carry the
+    primals' manual-axis types; docs/grouped_mlp.md)."""
     _fp8_modules(backend)
     epilogue.check_activation(activation)
     offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
