@@ -17,6 +17,7 @@ GPU (-m gpu, sm89 or later): the compiled kernel against the same oracle.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.extend
@@ -26,6 +27,8 @@ import pytest
 from jax import export
 from jax.export import DisabledSafetyCheck
 from jax.sharding import AbstractDevice, AbstractMesh
+
+import sharding_testlib as st
 
 from pallasite.kernels import platform
 from pallasite.kernels.expert_mlp import pallas_triton_fp8 as mlp_fp8
@@ -404,18 +407,115 @@ def test_grouped_mlp_fp8_fused_refuses_kernels_past_32_bit_offsets():
                                               fuse_activation=True), *args)
 
 
-def test_grouped_mlp_fp8_fused_refuses_explicit_axes():
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+# The sharding routes: 4 experts over 192 rows; k = 2f = 256 and n = 128 apart from m,
+# so a collective's shape tells rows and kernels apart.
+_SHARDED = dict(sizes=[60, 20, 0, 90], m=192, k=256, f=128, n=128)
+
+
+@functools.cache
+def _sharded_operands():
+    c = _SHARDED
+    x, w, down = _operands(15, c["m"], c["k"], c["f"], 4, c["n"])
+    rw = jax.random.uniform(jax.random.key(16), (c["m"],), minval=0.1, maxval=1.0)
+    dy = jax.random.normal(jax.random.key(17), (c["m"], c["n"]), F32)
+    return x, w, down, rw, dy
+
+
+@functools.cache
+def _unsharded_results():
+    """(fused route, fp8 composition, definition): each (y, four gradients), unsharded."""
+    args = _sharded_operands()
+    sizes = _SHARDED["sizes"]
+    flat = lambda r: (r[0][1], *r[1])  # noqa: E731
+    return (flat(_mlp("pallas_triton", True, sizes)(*args)),
+            flat(_mlp("xla", False, sizes)(*args)),
+            flat(_exact(sizes, None)(*(a.astype(F32) for a in args))))
+
+
+def test_grouped_mlp_fp8_fused_in_a_shard_map_with_check_vma():
+    """Expert parallelism in a caller's shard_map (check_vma on, JAX's default): each of
+    2 devices holds 2 experts (group_offset) and the rows whole, y summed over them.
+    The values and the four gradients equal the unsharded fused call's bit for bit (the
+    sums over devices have one non-zero term a row), and the gradients of the
+    replicated x and row weights come back summed, with their primals' types."""
+    from jax.sharding import PartitionSpec as P
 
     from pallasite.kernels import grouped_mlp
 
-    mesh = jax.make_mesh((len(jax.devices()),), ("x",), axis_types=(AxisType.Explicit,))
-    x, w, down = _operands(10, 64 * len(jax.devices()), 128, 128, 2, 128)
+    x, w, down, rw, dy = _sharded_operands()
+    gs = jnp.asarray(_SHARDED["sizes"], jnp.int32)
+    mesh = st.mesh((2,), ("expert",), st.AUTO)
+
+    def local(x, wgu, wd, rw):
+        me = jax.lax.axis_index("expert") * wgu.shape[0]
+        y = grouped_mlp(x, wgu, wd, gs, BF16, True, row_weights=rw, group_offset=me,
+                        implementation="pallas_triton", recipe="fp8", fuse_activation=True)
+        return jax.lax.psum(y.astype(F32), "expert")
+
+    sharded = jax.shard_map(local, mesh=mesh, out_specs=P(),
+                            in_specs=(P(), P("expert"), P("expert"), P()))
+
+    def loss_and_y(*t):
+        y = sharded(*t)
+        return jnp.sum(y * dy), y
+
+    (_, y), grads = jax.jit(jax.value_and_grad(loss_and_y, argnums=(0, 1, 2, 3),
+                                               has_aux=True))(x, w, down, rw)
+    want = _unsharded_results()[0]
+    for name, got, ref in zip(("y", "dx", "dW_gate_up", "dW_down", "d row_weights"),
+                              (y, *grads), want):
+        np.testing.assert_array_equal(np.asarray(got, F32), np.asarray(ref, F32), name)
+
+
+@pytest.mark.parametrize("layout", ["experts_explicit", "experts_auto", "rows_explicit",
+                                    "rows_auto", "rows_and_experts_explicit"])
+def test_grouped_mlp_fp8_fused_over_a_jits_mesh(layout):
+    """The fp8 fused route under jit over 4 devices keeps the rows and the experts split
+    (layouts.mlp_fp8_forward_planner and its backward's), Explicit and Auto axes.
+    Experts split: equal to the unsharded call bit for bit (y, h and its scales summed
+    over the expert axis, one non-zero term a row), and no collective moves a kernel.
+    Rows split: each device quantizes its own rows' blocks (the backward's 128-row
+    blocks of x and d(pre) are cut at the shard's edge), so the results are held to the
+    definition as the unsharded route is; no collective moves an array of all the rows.
+    """
+    from pallasite.kernels import grouped_mlp
+
+    c = _SHARDED
+    x, w, down, rw, dy = _sharded_operands()
+    kind = st.AUTO if layout.endswith("auto") else st.EXPLICIT
+    if layout.startswith("rows_and_experts"):
+        mesh = st.mesh((2, 2), ("data", "expert"), kind)
+        rows, experts = "data", "expert"
+    elif layout.startswith("rows"):
+        mesh = st.mesh((4,), ("data",), kind)
+        rows, experts = "data", None
+    else:
+        mesh = st.mesh((2,), ("expert",), kind)
+        rows, experts = None, "expert"
+    gs = jnp.asarray(c["sizes"], jnp.int32)
+
+    def loss(x, wgu, wd, rw):
+        y = grouped_mlp(x, wgu, wd, gs, BF16, True, row_weights=rw,
+                        implementation="pallas_triton", recipe="fp8", fuse_activation=True)
+        return jnp.sum(y.astype(F32) * dy), y
+
     with jax.set_mesh(mesh):
-        x = jax.device_put(x, NamedSharding(mesh, P("x")))
-        sizes = jnp.array([x.shape[0] // 2] * 2, jnp.int32)
-        with pytest.raises(ValueError, match="explicit mesh axes"):
-            grouped_mlp(x, w, down, sizes, BF16, True, recipe="fp8", fuse_activation=True)
+        args = (st.put(x, mesh, rows, None), st.put(w, mesh, experts),
+                st.put(down, mesh, experts), st.put(rw, mesh, rows))
+        run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+        (_, y), grads = run(*args)
+        found = st.collectives(run.lower(*args).compile().as_text())
+    moved = [s for shapes in found.values() for s in shapes]
+    fused, composition, definition = _unsharded_results()
+    if rows is None:
+        for name, got, ref in zip(("y", "dx", "dW_gate_up", "dW_down", "d row_weights"),
+                                  (y, *grads), fused):
+            np.testing.assert_array_equal(np.asarray(got, F32), np.asarray(ref, F32), name)
+    else:
+        _assert_as_near_as_the_composition((y, *grads), composition, definition)
+        assert not [s for s in moved if s and s[0] == c["m"]], found
+    if experts is not None:
+        assert not [s for s in moved if s and s[0] == 4], found  # a whole kernel stack
 
 
 def test_grouped_mlp_fp8_fused_fwd_bwd_lowers_for_cuda_from_cpu(monkeypatch):

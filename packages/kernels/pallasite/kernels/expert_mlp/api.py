@@ -20,8 +20,9 @@ the down product's own quantizer). With fuse_activation=True too it runs ops.mlp
 the fp8 gate-up quantizes h in its epilogue (h never in 16 bits), the down product reads
 it as it is, and the backward keeps h's e4m3 values, not the pre-activation
 (_fused_fp8_backend says where it runs: Pallas Triton on fp8 GPUs, f a multiple of 128,
-no operand past Pallas Triton's 32-bit offsets, no block sizes, operands not over
-explicit mesh axes, first order).
+no operand past Pallas Triton's 32-bit offsets, no block sizes, first order). Over a
+jit's mesh it keeps the rows and the experts split and takes the rest whole
+(layouts.mlp_fp8_forward_planner); inside a shard_map it runs on the local arrays.
 
 With `fuse_activation=True` the gate-up runs fused (expert_mlp.ops: act(gate) * up in
 the kernel's epilogue, h rounded once, the pre-activation recomputed in the backward),
@@ -50,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from pallasite.kernels import autodiff, sharding
+from pallasite.kernels import autodiff
 from pallasite.kernels.expert_mlp import ops
 from pallasite.kernels.grouped_matmul import fp8
 from pallasite.kernels.quantization import api as quantization
@@ -212,11 +213,6 @@ def _fused_fp8_refusal(implementation, compute, operands, block_sizes, interpret
     if f % 128:
         return (f"f={f} is not a multiple of 128 (the gate-up quantizes h in the 1 x 128 "
                 f"blocks of its column tiles)")
-    if any(any(sharding.explicit_dims(a)) for a in operands
-           if isinstance(a, jax.Array)):
-        return ("operands laid out over explicit mesh axes (the fp8 fused route runs on "
-                "the arrays it is given: call grouped_mlp inside a shard_map over those "
-                "axes, or take fuse_activation=False)")
     if (why := autodiff.beyond_first_order(*operands)) is not None:
         return why
     for name, a in (("x", x), ("gate_up_kernel", gate_up_kernel), ("down_kernel", down_kernel)):

@@ -24,6 +24,14 @@ keeps rows and experts split, as the gate-up's does, f split where h and the ker
 split it alike (the gate-up's pairs), and n split where dy and the kernel split it alike
 (a model-width split): each part's dh and d row_weights are partial sums over its n
 columns, summed in fp32 and rounded once, and its dW_down columns are its own.
+
+The fp8 fused route (ops.mlp_fp8: both products in one pass, h kept in e4m3 between
+them and for the backward) keeps the rows and the experts split and takes the rest
+whole. Its forward's results over the expert axes are exact sums, one non-zero term a
+row: y in the compute dtype, h's e4m3 bytes as integers, and h's scales with those of
+rows of no local group zeroed first (the kernel writes scale 1 there). Its backward
+sums dx and d row_weights over the expert axes, the kernels' gradients over the row
+axes (fp32, rounded once).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import jax.numpy as jnp
 
 from pallasite.kernels import sharding
 from pallasite.kernels.grouped_matmul import layouts as grouped
+from pallasite.kernels.grouped_matmul.group_metadata import group_offsets
 from pallasite.kernels.sharding import Axes, Plan
 
 # Shardy rules for the Auto-axes path (factor names): m rows, c the contraction, q the
@@ -51,6 +60,13 @@ DOWN_FORWARD_RULE = "m c, e c o, G, , m -> m o"
 DOWN_FORWARD_REDUCTION = ("c", "e")
 DOWN_BACKWARD_RULE = "m c, e c o, G, , m, m o -> m c, e c o, m"
 DOWN_BACKWARD_REDUCTION = ()
+# The fp8 fused route, forward and backward: k the contraction, q the gate-up's 2f
+# columns, f h's columns (the down product's contraction), n y's, b h's scale blocks
+# (f / 128).
+FP8_FORWARD_RULE = "m k, e k q, e f n, G, , m -> m n, m f, b m"
+FP8_FORWARD_REDUCTION = ("k", "e", "q")
+FP8_BACKWARD_RULE = "m k, e k q, e f n, G, , m, m f, b m, m n -> m k, e k q, e f n, m"
+FP8_BACKWARD_REDUCTION = ("b",)
 
 
 def _pair_axes(given: Axes, f: int, axis_sizes, *taken: Axes) -> Axes:
@@ -234,5 +250,95 @@ def down_backward_planner(grads: Callable, *, dtypes, shapes,
                              (m_axes, n_axes)),
                     out_dims=((m_axes, f_axes), (e_axes, f_axes, n_axes), (m_axes,)),
                     local=local)
+
+    return plan
+
+
+def _rows_and_experts(x_m: Axes, e_given: Axes, m: int, g: int, axis_sizes
+                      ) -> tuple[Axes, Axes]:
+    """(row axes, expert axes) a pass keeps split: grouped_projection's choice, the
+    experts taken whole where the rows are split over their axes too."""
+    rows = sharding.fits(x_m, m, axis_sizes)
+    e_axes, m_axes, scatter = grouped._experts(e_given, g, rows, axis_sizes)
+    return (rows, ()) if scatter else (m_axes, e_axes)
+
+
+def _of_local_groups(group_sizes, group_offset, local_groups: int, rows: int):
+    """[rows] bool: the rows of groups [group_offset, group_offset + local_groups)."""
+    ends = group_offsets(group_sizes)
+    first, last = ends[group_offset], ends[group_offset + local_groups]
+    row = jnp.arange(rows, dtype=ends.dtype)
+    return (row >= first) & (row < last)
+
+
+def mlp_fp8_forward_planner(forward: Callable, *, shapes,
+                            offset_given: bool) -> sharding.Planner:
+    """forward(x, w_gate_up, w_down, group_sizes, row_weights, group_offset=...) -> (y
+    [m, n], h [m, f] e4m3, h's scales [f / 128, m]) on local arrays, over operands (x,
+    w_gate_up, w_down, group_sizes, group_offset, row_weights): rows and experts split,
+    the contraction and the columns whole. Over the expert axes each device's results
+    hold its experts' rows and zeros elsewhere, and are summed exactly (module
+    docstring)."""
+    (m, _), (g, _, _) = shapes[:2]
+
+    def plan(given, axis_sizes) -> Plan:
+        (x_m, _), (w_e, _, _), *_ = given
+        m_axes, e_axes = _rows_and_experts(x_m, w_e, m, g, axis_sizes)
+
+        def local(x, w_gate_up, w_down, group_sizes, group_offset, row_weights):
+            sizes = grouped._rows(group_sizes, x.shape[0], m_axes)
+            offset = grouped._offset(group_offset, offset_given, e_axes, w_gate_up.shape[0])
+            y, h, scales_t = forward(x, w_gate_up, w_down, sizes, row_weights,
+                                     group_offset=offset)
+            if e_axes:
+                mine = _of_local_groups(sizes, offset, w_gate_up.shape[0], x.shape[0])
+                y = jax.lax.psum(y, e_axes)
+                bits = jax.lax.psum(jax.lax.bitcast_convert_type(h, jnp.uint8), e_axes)
+                h = jax.lax.bitcast_convert_type(bits, h.dtype)
+                scales_t = jax.lax.psum(jnp.where(mine[None, :], scales_t, 0.0), e_axes)
+            return y, h, scales_t
+
+        weights = (e_axes, (), ())
+        return Plan(in_dims=((m_axes, ()), weights, weights, ((),), (), (m_axes,)),
+                    out_dims=((m_axes, ()), (m_axes, ()), ((), m_axes)), local=local)
+
+    return plan
+
+
+def mlp_fp8_backward_planner(backward: Callable, *, dtypes, shapes,
+                             offset_given: bool) -> sharding.Planner:
+    """backward(x, w_gate_up, w_down, group_sizes, row_weights, h, h_scales_t, dy,
+    group_offset=..., dtypes=(dx, dW_gate_up, dW_down)) -> (dx, dW_gate_up, dW_down,
+    d row_weights fp32) on local arrays, over operands (x, w_gate_up, w_down,
+    group_sizes, group_offset, row_weights, h, h_scales_t, dy): the forward's split
+    (mlp_fp8_forward_planner). dx and d row_weights are summed over the expert axes
+    (exact: a row's terms come from its one expert), the kernels' gradients over the
+    row axes (fp32, rounded once)."""
+    (m, _), (g, _, _) = shapes[:2]
+    dx_dtype, dw_gate_up_dtype, dw_down_dtype = dtypes
+
+    def plan(given, axis_sizes) -> Plan:
+        (x_m, _), (w_e, _, _), *_ = given
+        m_axes, e_axes = _rows_and_experts(x_m, w_e, m, g, axis_sizes)
+
+        def local(x, w_gate_up, w_down, group_sizes, group_offset, row_weights, h,
+                  scales_t, dy):
+            sizes = grouped._rows(group_sizes, x.shape[0], m_axes)
+            offset = grouped._offset(group_offset, offset_given, e_axes, w_gate_up.shape[0])
+            wide = jnp.float32 if m_axes else None
+            dx, dw_gate_up, dw_down, d_weights = backward(
+                x, w_gate_up, w_down, sizes, row_weights, h, scales_t, dy,
+                group_offset=offset, dtypes=(dx_dtype, wide or dw_gate_up_dtype,
+                                             wide or dw_down_dtype))
+            if e_axes:
+                dx = jax.lax.psum(dx, e_axes)
+                d_weights = jax.lax.psum(d_weights, e_axes)
+            return (dx, sharding.psum_f32(dw_gate_up, m_axes, dw_gate_up_dtype),
+                    sharding.psum_f32(dw_down, m_axes, dw_down_dtype), d_weights)
+
+        weights = (e_axes, (), ())
+        return Plan(in_dims=((m_axes, ()), weights, weights, ((),), (), (m_axes,),
+                             (m_axes, ()), ((), m_axes), (m_axes, ())),
+                    out_dims=((m_axes, ()), weights, weights, (m_axes,)), local=local)
 
     return plan

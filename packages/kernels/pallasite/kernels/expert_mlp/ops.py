@@ -224,9 +224,9 @@ def mlp_fp8(x, gate_up_kernel, down_kernel, group_sizes, row_weights, compute, *
       d(pre) = [act'(gate) up dh, act(gate) dh], (gate | up) = Q(x) Q(W_gate_up)
         recomputed in the fp8 gate-up kernel, never stored,
       dx = Q(d pre) Q(W_gate_up)^T, dW_gate_up = Qt(x)^T Qt(d pre),
-    each product on the backend's fp8 kernels. On the arrays it is given: unsharded, or
-    inside a shard_map with check_vma=False (its cotangents do not yet carry the
-    primals' manual-axis types; docs/grouped_mlp.md)."""
+    each product on the backend's fp8 kernels. Sharded as layouts.mlp_fp8_forward_planner
+    says: under jit the rows and experts stay split (Explicit or Auto axes), inside a
+    caller's shard_map it runs on the local arrays."""
     _fp8_modules(backend)
     epilogue.check_activation(activation)
     offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
@@ -243,38 +243,73 @@ def _mlp_fp8(backend, activation, all_groups, interpret, compute, x, w_gate_up, 
                             w_gate_up, w_down, group_sizes, row_weights, offset)[0]
 
 
+# Both passes run through sharding.run with their planners (expert_mlp.layouts): rows and
+# experts stay split under jit over sharded operands; inside a shard_map, the local
+# arrays.
 def _mlp_fp8_forward(backend, activation, all_groups, interpret, compute, x, w_gate_up,
                      w_down, group_sizes, row_weights, offset):
     fused, _ = _fp8_modules(backend)
-    local = dict(group_offset=None if all_groups else offset, interpret=interpret)
-    h, h_scales_t = fused.gate_up_quantized(x, w_gate_up, group_sizes,
-                                            activation=activation, **local)
-    y = fused.down_weighted_quantized(h, h_scales_t, w_down, group_sizes,
-                                      row_weights.astype(_F32), out_dtype=compute, **local)
-    return y, (x, w_gate_up, w_down, group_sizes, row_weights, offset, h, h_scales_t)
+
+    def forward(x, w_gate_up, w_down, group_sizes, row_weights, *, group_offset):
+        local = dict(group_offset=group_offset, interpret=interpret)
+        h, h_scales_t = fused.gate_up_quantized(x, w_gate_up, group_sizes,
+                                                activation=activation, **local)
+        y = fused.down_weighted_quantized(h, h_scales_t, w_down, group_sizes,
+                                          row_weights.astype(_F32), out_dtype=compute,
+                                          **local)
+        return y, h, h_scales_t
+
+    planner = layouts.mlp_fp8_forward_planner(
+        forward, shapes=(x.shape, w_gate_up.shape), offset_given=not all_groups)
+    y, h, h_scales_t = sharding.run(
+        planner, (x, w_gate_up, w_down, group_sizes, offset, row_weights),
+        rule=layouts.FP8_FORWARD_RULE, reduction_factors=layouts.FP8_FORWARD_REDUCTION,
+        **sharding.backend_options(backend, interpret))
+    return y, (x, w_gate_up, w_down, group_sizes, offset, row_weights, h, h_scales_t)
 
 
 def _mlp_fp8_backward(backend, activation, all_groups, interpret, compute, residuals, dy):
-    x, w_gate_up, w_down, group_sizes, row_weights, offset, h, h_scales_t = residuals
     fused, grouped = _fp8_modules(backend)
-    local = dict(group_offset=None if all_groups else offset, interpret=interpret)
-    weights = row_weights.astype(_F32)
-    # the down product's backward, from h as the forward multiplied it: dh and
-    # d row_weights from the tiles of t = dy W_down^T, which never reaches memory
-    h = h.astype(_F32) * jnp.repeat(h_scales_t.T, h.shape[1] // h_scales_t.shape[0], axis=1)
-    dh, d_weights = fused.down_weighted_grad_quantized(dy, w_down, group_sizes, weights, h,
-                                                       dh_dtype=compute, **local)
-    dy_weighted = (dy.astype(_F32) * weights[:, None]).astype(compute)
-    dw_down = grouped.tgmm(h, dy_weighted, group_sizes, num_groups=w_down.shape[0],
-                           out_dtype=w_down.dtype, **local)
-    # the gate-up's: d(pre) from the gate and up sums recomputed in the kernel
-    d_pre = fused.gate_up_grad_quantized(x, w_gate_up, group_sizes, dh,
-                                         activation=activation, out_dtype=compute, **local)
-    dx = grouped.gmm(d_pre, w_gate_up, group_sizes, transpose_rhs=True, out_dtype=x.dtype,
-                     **local)
-    dw_gate_up = grouped.tgmm(x, d_pre, group_sizes, num_groups=w_gate_up.shape[0],
-                              out_dtype=w_gate_up.dtype, **local)
-    return (dx, dw_gate_up, dw_down, None, d_weights.astype(row_weights.dtype), None)
+    x, w_gate_up, w_down, group_sizes, offset, row_weights = residuals[:6]
+
+    def backward(x, w_gate_up, w_down, group_sizes, row_weights, h, h_scales_t, dy, *,
+                 group_offset, dtypes):
+        local = dict(group_offset=group_offset, interpret=interpret)
+        dx_dtype, dw_gate_up_dtype, dw_down_dtype = dtypes
+        weights = row_weights.astype(_F32)
+        # the down product's backward, from h as the forward multiplied it: dh and
+        # d row_weights from the tiles of t = dy W_down^T, which never reaches memory
+        h = h.astype(_F32) * jnp.repeat(h_scales_t.T, h.shape[1] // h_scales_t.shape[0],
+                                        axis=1)
+        dh, d_weights = fused.down_weighted_grad_quantized(dy, w_down, group_sizes, weights,
+                                                           h, dh_dtype=compute, **local)
+        dy_weighted = (dy.astype(_F32) * weights[:, None]).astype(compute)
+        dw_down = grouped.tgmm(h, dy_weighted, group_sizes, num_groups=w_down.shape[0],
+                               out_dtype=dw_down_dtype, **local)
+        # the gate-up's: d(pre) from the gate and up sums recomputed in the kernel
+        d_pre = fused.gate_up_grad_quantized(x, w_gate_up, group_sizes, dh,
+                                             activation=activation, out_dtype=compute,
+                                             **local)
+        dx = grouped.gmm(d_pre, w_gate_up, group_sizes, transpose_rhs=True,
+                         out_dtype=dx_dtype, **local)
+        dw_gate_up = grouped.tgmm(x, d_pre, group_sizes, num_groups=w_gate_up.shape[0],
+                                  out_dtype=dw_gate_up_dtype, **local)
+        return dx, dw_gate_up, dw_down, d_weights
+
+    operands = (*residuals, dy)
+    # fp32 where a gradient is still to be summed over a caller's manual axes its primal
+    # does not vary over (as _backward's), then rounded once by cotangents_like.
+    dtypes = tuple(sharding.cotangent_dtype(operands, p, p.dtype)
+                   for p in (x, w_gate_up, w_down))
+    planner = layouts.mlp_fp8_backward_planner(
+        backward, dtypes=dtypes, shapes=(x.shape, w_gate_up.shape),
+        offset_given=not all_groups)
+    grads = sharding.run(planner, operands, rule=layouts.FP8_BACKWARD_RULE,
+                         reduction_factors=layouts.FP8_BACKWARD_REDUCTION,
+                         **sharding.backend_options(backend, interpret))
+    dx, dw_gate_up, dw_down, d_weights = sharding.cotangents_like(
+        grads, (x, w_gate_up, w_down, row_weights))
+    return dx, dw_gate_up, dw_down, None, d_weights, None
 
 
 _mlp_fp8.defvjp(_mlp_fp8_forward, _mlp_fp8_backward)
