@@ -8,6 +8,7 @@ moves no array of the inputs' size, and with the sequence split only state-sized
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -202,6 +203,22 @@ def test_the_sequence_split_under_explicit_axes(implementation, packed):
         found = st.compiled_collectives(jax.grad(loss, argnums=tuple(range(6))), *placed)
     _assert_close(got, _grads(loss, args))
     _state_sized(found, 8 * (len(PACKED_CU) if packed else B))
+
+
+def test_the_sequence_over_auto_axes_is_gathered_and_says_so(caplog):
+    """Under Auto axes the kernels' passes see the sequence's layout only when they are
+    partitioned (after differentiation): a T split there is taken whole, the values
+    and gradients are the unsharded call's, and the log names the axes and says how to
+    keep it split."""
+    b, t = 2, 48
+    args = tuple(a[:b, :t] for a in _inputs(seed=8))
+    mesh = st.mesh((4,), ("x",), st.AUTO, devices=jax.devices()[:4])
+    loss = functools.partial(_loss, implementation="pallas_triton", chunk_size=16)
+    with caplog.at_level(logging.INFO, logger="pallasite.gated_delta"):
+        with jax.set_mesh(mesh):
+            got = _grads(loss, _time_split(args, mesh))
+    _assert_close(got, _grads(loss, args))
+    assert "sequence laid out over Auto axes ('x',) is gathered" in caplog.text, caplog.text
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])

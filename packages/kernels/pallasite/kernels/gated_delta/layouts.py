@@ -20,14 +20,20 @@ through `sharding.run` with `pass_planners`: under Auto axes a custom_partitioni
 pass keeps the rows and heads the compiler gave the operands local (the same choice as
 above, time whole), so the kernels are not handed whole arrays; under Explicit axes and
 in a shard_map the planner above, or the caller, has made the operands local already.
+A sequence the compiler laid out over Auto axes is gathered there, and the log says so
+(logger "pallasite.gated_delta"): the layout is known only when the pass is partitioned,
+after JAX has differentiated the call, too late to take the split forward's exchange.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from pallasite.kernels import sharding
 from pallasite.kernels.sharding import Plan
+
+_LOG = logging.getLogger("pallasite.gated_delta")
 
 
 def _rows_and_heads(v_dims, axis_sizes, batch_size: int, key_heads: int, value_heads: int,
@@ -119,7 +125,13 @@ def pass_planners(forward: Callable, backward: Callable, *, batch_size: int, key
         return x, gate, state, saved
 
     def forward_plan(given, axis_sizes) -> Plan:
-        x, gate, state, saved = dims(*local_axes(given[2], axis_sizes))
+        batch, head = local_axes(given[2], axis_sizes)
+        time = tuple(a for a in given[2][1] if a not in batch + head)
+        if time:
+            _LOG.info("gated_delta_rule: the sequence laid out over Auto axes %s is gathered "
+                      "for the Pallas Triton kernels (to keep it split, lay it out over "
+                      "Explicit axes or call inside a shard_map with sequence_axes)", time)
+        x, gate, state, saved = dims(batch, head)
         in_dims = (x, x, x, gate, gate, state) + (((),) if packed else ())
         return Plan(in_dims=in_dims, out_dims=(x, state) + (saved if residuals else ()),
                     local=forward)
