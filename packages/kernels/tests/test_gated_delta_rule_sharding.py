@@ -253,6 +253,73 @@ def test_the_sequence_split_inside_a_callers_shard_map(implementation, packed):
     _assert_close(got, _grads(lambda *a: loss_of(*whole(*a)), args))
 
 
+@pytest.mark.parametrize("implementation, packed, rows_over_data", [
+    ("xla", False, False), ("xla", True, False), ("pallas_triton", False, False),
+    ("xla", False, True)], ids=["rows", "packed", "triton", "rows_over_data"])
+def test_the_sequence_split_over_auto_axes_by_name(implementation, packed, rows_over_data):
+    """Under jit with Auto axes, sequence_axes naming an Auto axis of the mesh in context
+    splits T over it (4 parts of 24 steps): values and all six gradients equal the
+    unsharded call's, and only state-sized arrays move. Also a packed row, the Triton
+    kernels (interpreted), and rows over a second Auto axis ("data"), which the compiler
+    keeps split inside (the exchange moves each device's half of the rows' states)."""
+    if packed:
+        args, cu = _packed_inputs(seed=11)
+    else:
+        args, cu = _sequence_inputs(seed=12), None
+    kw = dict(cu_seqlens=cu, chunk_size=16, implementation=implementation)
+
+    def loss(*a, **more):
+        o, final = chunk_gated_delta_rule(*a[:5], initial_state=a[5], output_final_state=True,
+                                          **kw, **more)
+        weights = jnp.cos(jnp.arange(o.size, dtype=jnp.float32)).reshape(o.shape)
+        return jnp.sum(o * weights) + jnp.sum(final ** 2)
+
+    split = functools.partial(loss, sequence_axes="x")
+    if rows_over_data:
+        mesh = st.mesh((2, 4), ("data", "x"), st.AUTO)
+        placed = tuple(st.put(a, mesh, "data") for a in args)
+    else:
+        mesh = st.mesh((4,), ("x",), st.AUTO, devices=jax.devices()[:4])
+        placed = args
+    with jax.set_mesh(mesh):
+        got = _grads(split, placed)
+        found = st.compiled_collectives(jax.grad(split, argnums=tuple(range(6))), *placed)
+    _assert_close(got, _grads(loss, args))
+    _state_sized(found, 4 * (len(PACKED_CU) if packed else B))
+
+
+def test_the_step_by_step_form_over_auto_axes_by_name():
+    """fused_recurrent_gated_delta_rule with sequence_axes naming an Auto axis under jit:
+    values and gradients the unsharded call's."""
+    args = _sequence_inputs(seed=13)
+    mesh = st.mesh((4,), ("x",), st.AUTO, devices=jax.devices()[:4])
+
+    def loss(*a, **more):
+        o, final = fused_recurrent_gated_delta_rule(*a[:5], initial_state=a[5],
+                                                    output_final_state=True, **more)
+        weights = jnp.cos(jnp.arange(o.size, dtype=jnp.float32)).reshape(o.shape)
+        return jnp.sum(o * weights) + jnp.sum(final ** 2)
+
+    with jax.set_mesh(mesh):
+        got = _grads(functools.partial(loss, sequence_axes="x"), args)
+        o, final = jax.jit(lambda *a: fused_recurrent_gated_delta_rule(
+            *a[:5], initial_state=a[5], sequence_axes="x"))(*args)
+    assert final is None and o.shape == args[2].shape
+    _assert_close(got, _grads(loss, args))
+
+
+def test_sequence_axes_over_auto_axes_are_checked_by_name():
+    """Under jit with Auto axes: T must divide by the named axes' devices, and a name
+    that is neither a manual nor an Auto axis is refused, the message naming both."""
+    args = tuple(t[:, :90] for t in _sequence_inputs(seed=14)[:5])
+    mesh = st.mesh((4,), ("x",), st.AUTO, devices=jax.devices()[:4])
+    with jax.set_mesh(mesh):
+        with pytest.raises(ValueError, match=r"T=90 must divide by their 4 devices"):
+            jax.jit(lambda *a: chunk_gated_delta_rule(*a, sequence_axes="x"))(*args)
+        with pytest.raises(ValueError, match=r"sequence_axes='y'.*Auto here: \('x',\)"):
+            jax.jit(lambda *a: chunk_gated_delta_rule(*a, sequence_axes="y"))(*args)
+
+
 def test_sequence_axes_and_a_split_packed_row_are_checked_by_name():
     """With sequence_axes, cu_seqlens must end at the whole row's length (4 parts of
     24 steps: 96), and sequence_axes must name the shard_map's manual axes."""

@@ -115,19 +115,39 @@ def fits(axes: Axes, dim: int, axis_sizes: Mapping[str, int]) -> Axes:
     return axes if axes and dim % size(axes, axis_sizes) == 0 else ()
 
 
-def sequence_axes_in_context(sequence_axes) -> tuple[str, ...]:
+def _axes_tuple(sequence_axes) -> tuple:
+    return (sequence_axes,) if isinstance(sequence_axes, str) else tuple(sequence_axes)
+
+
+def sequence_axes_in_context(sequence_axes, *, auto_too: bool = False) -> tuple[str, ...]:
     """An op's `sequence_axes` argument as a tuple of manual mesh axes of the shard_map
-    in context (the axes a caller's shard_map splits the sequence over); () for None."""
+    in context (the axes a caller's shard_map splits the sequence over); () for None.
+    auto_too: the op also takes Auto axes of a jit's mesh (`auto_sequence_axes`), and
+    the error says so."""
     if sequence_axes is None:
         return ()
-    axes = (sequence_axes,) if isinstance(sequence_axes, str) else tuple(sequence_axes)
-    manual = jax.sharding.get_abstract_mesh().manual_axes
+    axes = _axes_tuple(sequence_axes)
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = mesh.manual_axes
     missing = [a for a in axes if not isinstance(a, str) or a not in manual]
     if not axes or missing:
+        also = (f", or under jit the Auto axes of the mesh in context (jax.set_mesh; Auto "
+                f"here: {tuple(mesh.auto_axes)})" if auto_too else "")
         raise ValueError(f"sequence_axes={sequence_axes!r}: name the manual axes of the "
                          f"shard_map in context that split the sequence (manual here: "
-                         f"{tuple(manual)})")
+                         f"{tuple(manual)}){also}")
     return axes
+
+
+def auto_sequence_axes(sequence_axes) -> tuple[str, ...]:
+    """`sequence_axes` as a tuple where, under jit, every one is an Auto axis of the mesh
+    in context (not a shard_map's manual axis): the axes an op is asked to split its
+    sequence over itself. () otherwise (None, or axes for sequence_axes_in_context)."""
+    if sequence_axes is None:
+        return ()
+    axes = _axes_tuple(sequence_axes)
+    auto = jax.sharding.get_abstract_mesh().auto_axes
+    return axes if axes and all(isinstance(a, str) and a in auto for a in axes) else ()
 
 
 def shard_index(axes: Axes):

@@ -117,12 +117,20 @@ def chunk_gated_delta_rule(
     divide it stays split, the devices passing only state-sized arrays; inside a
     shard_map, name the manual axes the local arrays' T is split over, in order, as
     `sequence_axes` (each part may have any length; the final state and the initial
-    state's gradient are the whole sequence's on every device).
+    state's gradient are the whole sequence's on every device). Under jit with Auto
+    axes, where the layout is the compiler's, `sequence_axes` may name Auto axes of the
+    mesh in context (jax.set_mesh) that divide T: the call then splits T over them
+    itself (`_over_auto_axes`), and rows and heads are left to the compiler.
     Packed sequences (cu_seqlens) split the same way: a sequence that crosses a part's
     edge carries its state across it, and each final state comes from the part that
     holds the sequence's last step.
     """
-    sequence_axes = sharding.sequence_axes_in_context(sequence_axes)
+    if auto := sharding.auto_sequence_axes(sequence_axes):
+        return _over_auto_axes(
+            chunk_gated_delta_rule, auto, q, k, v, g, beta, initial_state, cu_seqlens,
+            output_final_state, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            chunk_size=chunk_size, implementation=implementation, block_sizes=block_sizes)
+    sequence_axes = sharding.sequence_axes_in_context(sequence_axes, auto_too=True)
     scale, init = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size,
                            block_sizes, sequence_axes)
     name, interpret = _chunked_backend(implementation, q, k, v, g, beta, chunk_size,
@@ -176,6 +184,38 @@ def _run(form, q, k, v, g, beta, scale, init, cu_seqlens, l2norm_qk, output_fina
     return o, (final.astype(jnp.float32) if output_final_state else None)
 
 
+def _over_auto_axes(public, axes, q, k, v, g, beta, initial_state, cu_seqlens,
+                    output_final_state, **options):
+    """public(...) with T split over the Auto mesh axes `axes` (sequence_axes under jit):
+    a shard_map manual over those axes alone, T laid out over them (the compiler moves
+    it there if it lies elsewhere), each device running its part with sequence_axes as
+    inside a caller's shard_map; the other axes stay Auto, so the compiler partitions
+    rows and heads within. The initial state and cu_seqlens (the whole row's) go to
+    every part whole; the final state comes back the same on every device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    parts = sharding.size(axes, dict(mesh.shape))
+    if q.shape[1] % parts:
+        raise ValueError(f"sequence_axes={axes!r}: T={q.shape[1]} must divide by their "
+                         f"{parts} devices (the sequence is split in equal parts)")
+    P = jax.sharding.PartitionSpec
+    along_t = P(None, axes)
+    whole = tuple(a for a in (initial_state, cu_seqlens) if a is not None)
+
+    def part(q, k, v, g, beta, *rest):
+        rest = iter(rest)
+        init = next(rest) if initial_state is not None else None
+        cu = next(rest) if cu_seqlens is not None else None
+        return public(q, k, v, g, beta, initial_state=init, cu_seqlens=cu,
+                      output_final_state=True, sequence_axes=axes, **options)
+
+    # check_vma off, as the Explicit route's shard_map (sharding.run_explicit): the
+    # Pallas interpreters cannot run under it.
+    o, final = jax.shard_map(part, mesh=mesh, in_specs=(along_t,) * 5 + (P(),) * len(whole),
+                             out_specs=(along_t, P()), axis_names=frozenset(axes),
+                             check_vma=False)(q, k, v, g, beta, *whole)
+    return o, (final if output_final_state else None)
+
+
 def fused_recurrent_gated_delta_rule(
     q: Float[Array, "B T Hk K"],
     k: Float[Array, "B T Hk K"],
@@ -195,9 +235,16 @@ def fused_recurrent_gated_delta_rule(
     """chunk_gated_delta_rule's arguments and results (no chunk_size), computed one step
     at a time: cheaper than the chunked form where T is a few steps (decode). Its one
     implementation is "xla"; block_sizes must be None. The sequence splits over devices
-    as the chunked form's does (sequence_axes, Explicit axes)."""
+    as the chunked form's does (sequence_axes, Explicit axes, sequence_axes naming Auto
+    axes under jit)."""
     platform.named_implementations(implementation, RECURRENT_IMPLEMENTATIONS)
-    sequence_axes = sharding.sequence_axes_in_context(sequence_axes)
+    if auto := sharding.auto_sequence_axes(sequence_axes):
+        return _over_auto_axes(
+            fused_recurrent_gated_delta_rule, auto, q, k, v, g, beta, initial_state,
+            cu_seqlens, output_final_state, scale=scale,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, implementation=implementation,
+            block_sizes=block_sizes)
+    sequence_axes = sharding.sequence_axes_in_context(sequence_axes, auto_too=True)
     if block_sizes is not None:
         raise TypeError("block_sizes: fused_recurrent_gated_delta_rule's only "
                         f"implementation (xla) takes none; got {block_sizes!r}")

@@ -23,6 +23,8 @@ in a shard_map the planner above, or the caller, has made the operands local alr
 A sequence the compiler laid out over Auto axes is gathered there, and the log says so
 (logger "pallasite.gated_delta"): the layout is known only when the pass is partitioned,
 after JAX has differentiated the call, too late to take the split forward's exchange.
+Named as `sequence_axes` under jit, Auto axes split the sequence as a shard_map's do
+(api._over_auto_axes), decided while tracing.
 """
 
 from __future__ import annotations
@@ -129,8 +131,8 @@ def pass_planners(forward: Callable, backward: Callable, *, batch_size: int, key
         time = tuple(a for a in given[2][1] if a not in batch + head)
         if time:
             _LOG.info("gated_delta_rule: the sequence laid out over Auto axes %s is gathered "
-                      "for the Pallas Triton kernels (to keep it split, lay it out over "
-                      "Explicit axes or call inside a shard_map with sequence_axes)", time)
+                      "for the Pallas Triton kernels (to keep it split, name those axes as "
+                      "sequence_axes, or lay it out over Explicit axes)", time)
         x, gate, state, saved = dims(batch, head)
         in_dims = (x, x, x, gate, gate, state) + (((),) if packed else ())
         return Plan(in_dims=in_dims, out_dims=(x, state) + (saved if residuals else ()),
