@@ -468,7 +468,8 @@ def test_grouped_mlp_fp8_fused_in_a_shard_map_with_check_vma():
 
 
 @pytest.mark.parametrize("layout", ["experts_explicit", "experts_auto", "rows_explicit",
-                                    "rows_auto", "rows_and_experts_explicit"])
+                                    "rows_auto", "rows_and_experts_explicit",
+                                    "rows_over_experts_explicit"])
 def test_grouped_mlp_fp8_fused_over_a_jits_mesh(layout):
     """The fp8 fused route under jit over 4 devices keeps the rows and the experts split
     (layouts.mlp_fp8_forward_planner and its backward's), Explicit and Auto axes.
@@ -477,6 +478,7 @@ def test_grouped_mlp_fp8_fused_over_a_jits_mesh(layout):
     Rows split: each device quantizes its own rows' blocks (the backward's 128-row
     blocks of x and d(pre) are cut at the shard's edge), so the results are held to the
     definition as the unsharded route is; no collective moves an array of all the rows.
+    Rows over the expert axis too (its minor-most): the experts are taken whole there.
     """
     from pallasite.kernels import grouped_mlp
 
@@ -486,6 +488,9 @@ def test_grouped_mlp_fp8_fused_over_a_jits_mesh(layout):
     if layout.startswith("rows_and_experts"):
         mesh = st.mesh((2, 2), ("data", "expert"), kind)
         rows, experts = "data", "expert"
+    elif layout.startswith("rows_over_experts"):
+        mesh = st.mesh((2, 2), ("data", "expert"), kind)
+        rows, experts = ("data", "expert"), "expert"
     elif layout.startswith("rows"):
         mesh = st.mesh((4,), ("data",), kind)
         rows, experts = "data", None
@@ -514,7 +519,7 @@ def test_grouped_mlp_fp8_fused_over_a_jits_mesh(layout):
     else:
         _assert_as_near_as_the_composition((y, *grads), composition, definition)
         assert not [s for s in moved if s and s[0] == c["m"]], found
-    if experts is not None:
+    if experts is not None and rows != ("data", "expert"):
         assert not [s for s in moved if s and s[0] == 4], found  # a whole kernel stack
 
 
