@@ -467,6 +467,37 @@ def test_grouped_mlp_fp8_fused_in_a_shard_map_with_check_vma():
         np.testing.assert_array_equal(np.asarray(got, F32), np.asarray(ref, F32), name)
 
 
+def test_grouped_mlp_fp8_fused_under_vmap():
+    """jax.vmap over a batch of two token sets sharing the kernels: the value and the
+    gradients are the per-element calls' (the kernels' own is their sum), exactly: the
+    passes run once per element (sharding.run's batching rule)."""
+    from pallasite.kernels import grouped_mlp
+
+    x, w, down, rw, _ = _sharded_operands()
+    xs = jnp.stack([x, x[::-1]])
+    gs = jnp.asarray(_SHARDED["sizes"], jnp.int32)
+
+    def y_of(x, w, down):
+        return grouped_mlp(x, w, down, gs, BF16, True, row_weights=rw,
+                           implementation="pallas_triton", recipe="fp8",
+                           fuse_activation=True).astype(F32)
+
+    def loss(x, w, down):
+        return jnp.sum(jnp.cos(y_of(x, w, down)))
+
+    value, grads = jax.jit(jax.value_and_grad(
+        lambda *a: jnp.sum(jax.vmap(loss, in_axes=(0, None, None))(*a)),
+        argnums=(0, 1, 2)))(xs, w, down)
+    each = [jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(xs[i], w, down)
+            for i in range(2)]
+    np.testing.assert_allclose(float(value), sum(float(v) for v, _ in each), rtol=1e-6)
+    for i, (_, g) in enumerate(each):
+        np.testing.assert_array_equal(np.asarray(grads[0][i], F32), np.asarray(g[0], F32))
+    for j in (1, 2):
+        total = sum(np.asarray(g[j], F32) for _, g in each)
+        np.testing.assert_allclose(np.asarray(grads[j], F32), total, rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("layout", ["experts_explicit", "experts_auto", "rows_explicit",
                                     "rows_auto", "rows_and_experts_explicit",
                                     "rows_over_experts_explicit"])
