@@ -43,7 +43,8 @@ import jax.numpy as jnp
 
 from pallasite.kernels import sharding
 from pallasite.kernels.grouped_matmul import layouts as grouped
-from pallasite.kernels.grouped_matmul.group_metadata import group_offsets
+from pallasite.kernels.grouped_matmul import xla as grouped_xla
+from pallasite.kernels.grouped_matmul.group_metadata import local_groups
 from pallasite.kernels.sharding import Axes, Plan
 
 # Shardy rules for the Auto-axes path (factor names): m rows, c the contraction, q the
@@ -263,14 +264,6 @@ def _rows_and_experts(x_m: Axes, e_given: Axes, m: int, g: int, axis_sizes
     return (rows, ()) if scatter else (m_axes, e_axes)
 
 
-def _of_local_groups(group_sizes, group_offset, local_groups: int, rows: int):
-    """[rows] bool: the rows of groups [group_offset, group_offset + local_groups)."""
-    ends = group_offsets(group_sizes)
-    first, last = ends[group_offset], ends[group_offset + local_groups]
-    row = jnp.arange(rows, dtype=ends.dtype)
-    return (row >= first) & (row < last)
-
-
 def mlp_fp8_forward_planner(forward: Callable, *, shapes,
                             offset_given: bool) -> sharding.Planner:
     """forward(x, w_gate_up, w_down, group_sizes, row_weights, group_offset=...) -> (y
@@ -291,11 +284,13 @@ def mlp_fp8_forward_planner(forward: Callable, *, shapes,
             y, h, scales_t = forward(x, w_gate_up, w_down, sizes, row_weights,
                                      group_offset=offset)
             if e_axes:
-                mine = _of_local_groups(sizes, offset, w_gate_up.shape[0], x.shape[0])
+                # [m, 1]: the rows of this device's groups, as the backends read them
+                mine = grouped_xla._row_mask(x.shape[0],
+                                             *local_groups(sizes, offset, w_gate_up.shape[0]))
                 y = jax.lax.psum(y, e_axes)
                 bits = jax.lax.psum(jax.lax.bitcast_convert_type(h, jnp.uint8), e_axes)
                 h = jax.lax.bitcast_convert_type(bits, h.dtype)
-                scales_t = jax.lax.psum(jnp.where(mine[None, :], scales_t, 0.0), e_axes)
+                scales_t = jax.lax.psum(jnp.where(mine.T, scales_t, 0.0), e_axes)
             return y, h, scales_t
 
         weights = (e_axes, (), ())
