@@ -62,7 +62,7 @@ def _layer(form: str, interpret: bool):
     return lambda x, gate_up, down, sizes, weights: kernels.grouped_mlp(
         x, gate_up, down, sizes, BF16, interpret, row_weights=weights,
         implementation=backend, fuse_activation=form.startswith("fused"),
-        recipe="fp8" if form.endswith(("_fp8", "fp8_triton")) else None)
+        recipe="fp8" if "fp8" in form else None)
 
 
 def _shapes(m, d, f, g, layers=1):
