@@ -1,5 +1,6 @@
 """Throughput of the expert-parallel MoE block: fwd+bwd tokens/s on 1..D GPUs, the experts
-as one pallasite grouped_mlp ("pallasite"; "pallasite_fused" with fuse_activation=True), as three grouped_projection calls
+as one pallasite grouped_mlp ("pallasite"; "pallasite_fused" with fuse_activation=True;
+"pallasite_fp8" and "pallasite_fp8_fused" with recipe="fp8"), as three grouped_projection calls
 ("pallasite_unfused": what records before 2026-12-03 call "pallasite", under the key
 "project"), or as three jax.lax.ragged_dot calls ("ragged_dot", the peer).
 
@@ -47,6 +48,8 @@ CONFIGS = {
 EXPERTS = {
     "pallasite": moe.pallasite_experts,
     "pallasite_fused": moe.pallasite_fused_experts,
+    "pallasite_fp8": moe.pallasite_fp8_experts,
+    "pallasite_fp8_fused": functools.partial(moe.pallasite_fp8_experts, fuse_activation=True),
     "pallasite_unfused": lambda compute: moe.unfused_experts(moe.pallasite_project(compute)),
     "ragged_dot": lambda compute: moe.unfused_experts(moe.ragged_dot_project(compute)),
 }

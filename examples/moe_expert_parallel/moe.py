@@ -87,13 +87,15 @@ def pallasite_fused_experts(compute, implementation=None) -> Callable:
         implementation=implementation, fuse_activation=True)
 
 
-def pallasite_fp8_experts(compute) -> Callable:
+def pallasite_fp8_experts(compute, fuse_activation=False) -> Callable:
     """grouped_mlp's fp8 training recipe: both products in e4m3 (1 x 128 activation
     blocks, 128 x 128 weight blocks, the weight gradients' operands in 128-token
     blocks), fp32 sums, outputs in `compute`, gradients straight through to the
-    bf16/fp32 arrays (docs/fp8.md)."""
-    return lambda rows, sizes, gate_up, down: grouped_mlp(rows, gate_up, down, sizes, compute,
-                                                          recipe="fp8")
+    bf16/fp32 arrays (docs/fp8.md). fuse_activation: the fused fp8 route (h quantized
+    in the gate-up kernel's epilogue and kept in e4m3; docs/grouped_mlp.md)."""
+    return lambda rows, sizes, gate_up, down: grouped_mlp(
+        rows, gate_up, down, sizes, compute, recipe="fp8", interpret_on_cpu=fuse_activation,
+        fuse_activation=fuse_activation)
 
 
 def pallasite_project(compute) -> Callable:
