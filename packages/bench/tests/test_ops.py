@@ -46,6 +46,8 @@ def test_suites_cover_targets_and_filters():
     assert len([c for c in targets if c.op == ops.SSD]) == 6
     only = suites.filter_cases(targets, ops_=[ops.GP], shapes=["qwen"], directions=["fwd"])
     assert [c.shape_name for c in only] == ["qwen3"]
+    mlp_fp8 = suites.filter_cases(suites.suite("mlp"), dtypes=[ops.FP8])
+    assert mlp_fp8 and {c.dtype for c in mlp_fp8} == {ops.FP8}
     smoke = suites.suite("smoke")
     assert {c.op for c in smoke} == {ops.GP, ops.SSD} and len(smoke) == 2
 

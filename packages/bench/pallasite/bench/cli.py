@@ -43,6 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--implementation", action="append", dest="impls",
                    help="implementation name (substring), e.g. triton, xla, ragged_dot")
     p.add_argument("--direction", action="append", choices=ops.DIRECTIONS, dest="directions")
+    p.add_argument("--dtype", action="append", choices=ops.DTYPES, dest="dtypes",
+                   help="the cases of this dtype only (e.g. fp8 in the mlp suite)")
     p.add_argument("--results", default="results", help="results folder (default ./results)")
     p.add_argument("--no-peers", action="store_true", help="pallasite's implementations only")
     p.add_argument("--no-plot", action="store_true")
@@ -83,11 +85,11 @@ def choose_cases(args, backend: str, devices: int = 1) -> tuple[str, list[ops.Ca
                           "cpu" if backend == "cpu" else "quick" if args.quick else "targets")
     cases = suites.suite(name, devices)
     chosen = suites.filter_cases(cases, ops_=args.ops, shapes=args.shapes,
-                                 directions=args.directions)
+                                 directions=args.directions, dtypes=args.dtypes)
     if not chosen and args.shapes:  # a named shape from another suite
         every = [c for s in ("targets", "extra", "quick", "cpu") for c in suites.suite(s)]
         chosen = suites.filter_cases(every, ops_=args.ops, shapes=args.shapes,
-                                     directions=args.directions)
+                                     directions=args.directions, dtypes=args.dtypes)
     return name, list(dict.fromkeys(chosen))
 
 

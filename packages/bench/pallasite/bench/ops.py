@@ -65,6 +65,7 @@ DIRECTIONS = ("fwd", "fwd_bwd")
 # by the implementation; its bytes count the fp8 operands the products read.
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
 FP8 = "fp8"
+DTYPES = tuple(_ITEMSIZE)  # a case's dtype: its operands' (fp8: recipe="fp8" from bf16)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -180,13 +180,16 @@ SUITES = ("targets", "extra", "fp8", "mamba", "mlp", "delta", "quick", "cpu", "s
 
 def filter_cases(cases: list[ops.Case], *, ops_: list[str] | None = None,
                  shapes: list[str] | None = None,
-                 directions: list[str] | None = None) -> list[ops.Case]:
-    """Keep cases whose op / shape name / direction matches (substring; None keeps all)."""
+                 directions: list[str] | None = None,
+                 dtypes: list[str] | None = None) -> list[ops.Case]:
+    """Keep cases whose op / shape name matches (substring) and whose direction and dtype
+    are among those named (None keeps all)."""
     def hit(value, patterns):
         return not patterns or any(p in value for p in patterns)
 
     return [c for c in cases if hit(c.op, ops_) and hit(c.shape_name, shapes)
-            and (not directions or c.direction in directions)]
+            and (not directions or c.direction in directions)
+            and (not dtypes or c.dtype in dtypes)]
 
 
 def shape_names() -> list[str]:
