@@ -475,6 +475,20 @@ def _group_of(rows: np.ndarray, group_sizes: np.ndarray) -> np.ndarray:
     return np.searchsorted(np.cumsum(group_sizes), rows, side="right")
 
 
+def _by_group(groups: np.ndarray, lhs_rows, weight_of, product):
+    """product(lhs_rows, weight_of(g)) for the groups among the sampled rows, each row
+    taking its own group's: one group's weights at a time (the rows' own copies of them
+    would be 28 GiB in fp32 at mixtral's gate-up)."""
+    import jax.numpy as jnp
+
+    out = None
+    for g in np.unique(groups):
+        full = product(lhs_rows, weight_of(int(g)))
+        pick = jnp.asarray(groups == g)[:, None]
+        out = full if out is None else jnp.where(pick, full, out)
+    return out
+
+
 def check_grouped_projection(case: Case, inputs: dict, outputs: tuple) -> Error:
     """y (and dx, dkernel for fwd_bwd) on sampled rows/columns against exact products."""
     import jax
@@ -488,12 +502,7 @@ def check_grouped_projection(case: Case, inputs: dict, outputs: tuple) -> Error:
                                        precision=jax.lax.Precision.HIGHEST))
 
     def per_row(lhs_rows, weight_fn):
-        out = None
-        for g in np.unique(groups):
-            full = dot(lhs_rows, weight_fn(int(g)))
-            pick = jnp.asarray(groups == g)[:, None]
-            out = full if out is None else jnp.where(pick, full, out)
-        return out
+        return _by_group(groups, lhs_rows, weight_fn, dot)
 
     x, kernel_of, dy, x_tokens, dy_tokens = _as_multiplied(case, inputs, rows_j)
     pairs = [(jnp.asarray(outputs[0])[rows_j], per_row(x, kernel_of))]
@@ -639,37 +648,25 @@ def check_grouped_mlp(case: Case, inputs: dict, outputs: tuple) -> Error:
     dt = _dtype("bfloat16" if fp8 else case.dtype)
     hi = jax.lax.Precision.HIGHEST
 
-    def per_group(fn, *operands):
-        """fn(row operands, the group's gate-up, the group's down) for each group among the
-        sampled rows, in the rows' order: one expert's fp32 weights at a time (the sampled
-        rows' own copies of them would be 28 GiB at mixtral)."""
-        out = [None] * len(rows)
-        for g in np.unique(groups):
-            at = np.flatnonzero(groups == g)
-            got = fn(*(a[jnp.asarray(at)] for a in operands),
-                     inputs["gate_up"][int(g)].astype(jnp.float32),
-                     inputs["down"][int(g)].astype(jnp.float32))
-            for i, r in zip(at, got):
-                out[i] = r
-        return jnp.stack(out)
+    dot = lambda a, w: jnp.dot(a, w, precision=hi)  # noqa: E731
+    gate_up = lambda g: inputs["gate_up"][g].astype(jnp.float32)  # noqa: E731
+    down = lambda g: inputs["down"][g].astype(jnp.float32)  # noqa: E731
 
     x = inputs["x"][jnp.asarray(rows)].astype(jnp.float32)
     f = case.d["f"]
-    pre = per_group(lambda x, wgu, wd: jnp.dot(x, wgu, precision=hi), x)
+    pre = _by_group(groups, x, gate_up, dot)
     gate, up = pre[:, :f], pre[:, f:]
     h = (jax.nn.silu(gate) * up).astype(dt).astype(jnp.float32)
-    y = per_group(lambda h, wgu, wd: jnp.dot(h, wd, precision=hi), h).astype(dt)
+    y = _by_group(groups, h, down, dot).astype(dt)
     pairs = [(jnp.asarray(outputs[0])[jnp.asarray(rows)], y)]
     ref = "definition on sampled rows (fp32 products, h and y rounded once)"
     if case.direction == "fwd_bwd" and len(outputs) > 1:
         dy = inputs["dy"][jnp.asarray(rows)].astype(jnp.float32)
-        dh = per_group(lambda dy, wgu, wd: jnp.dot(dy, wd.T, precision=hi),
-                       dy.astype(dt).astype(jnp.float32))
+        dh = _by_group(groups, dy.astype(dt).astype(jnp.float32), lambda g: down(g).T, dot)
         sig = jax.nn.sigmoid(gate)
         dgate = dh * up * sig * (1 + gate * (1 - sig))
         dup = dh * jax.nn.silu(gate)
-        dx = per_group(lambda dpre, wgu, wd: jnp.dot(dpre, wgu.T, precision=hi),
-                       jnp.concatenate([dgate, dup], 1))
+        dx = _by_group(groups, jnp.concatenate([dgate, dup], 1), lambda g: gate_up(g).T, dot)
         pairs.append((jnp.asarray(outputs[1])[jnp.asarray(rows)], dx))
         ref += "; dx on the same rows"
     if fp8:
