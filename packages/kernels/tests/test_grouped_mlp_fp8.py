@@ -554,14 +554,20 @@ def test_grouped_mlp_fp8_fused_over_a_jits_mesh(layout):
         assert not [s for s in moved if s and s[0] == 4], found  # a whole kernel stack
 
 
-def test_grouped_mlp_fp8_fused_fwd_bwd_lowers_for_cuda_from_cpu(monkeypatch):
+@pytest.mark.parametrize("gpu,plain", [(FakeGpu("NVIDIA H200", "9.0"), "mosaic_gpu"),
+                                       (FakeGpu("NVIDIA L4", "8.9"), "triton")],
+                         ids=["sm90", "sm89"])
+def test_grouped_mlp_fp8_fused_fwd_bwd_lowers_for_cuda_from_cpu(gpu, plain, monkeypatch):
     """jax.value_and_grad of grouped_mlp(recipe="fp8", fuse_activation=True) lowers
-    for an H200: the fused gate-up, the weighted down product on its output, the fused
-    d(pre) kernel and the backward's fp8 gmm and tgmm, each a Triton call beside its
-    quantizers."""
+    for CUDA: the fused gate-up, the weighted down product on its output and the fused
+    d(pre) and down-backward kernels in Triton, beside their quantizers; the backward's
+    plain fp8 gmm (dx) and tgmm (both dkernels) on Hopper in Mosaic GPU (the fp8
+    composition's kernels), on sm89 in Triton."""
     from pallasite.kernels import grouped_mlp
+    from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu as mgpu
 
-    monkeypatch.setattr(platform, "_default_device", lambda: FakeGpu("NVIDIA H200", "9.0"))
+    monkeypatch.setattr(platform, "_default_device", lambda: gpu)
+    monkeypatch.setattr(mgpu, "_num_programs", lambda interpret: 132)
     s = jax.ShapeDtypeStruct
     m, k, f, n, g = 4096, 1024, 768, 1024, 8
 
@@ -570,18 +576,22 @@ def test_grouped_mlp_fp8_fused_fwd_bwd_lowers_for_cuda_from_cpu(monkeypatch):
                         fuse_activation=True)
         return jnp.sum(y.astype(F32))
 
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(gpu.device_kind, None,
+                                                                     "cuda"))
     with jax.sharding.use_abstract_mesh(mesh):
         text = export.export(
             jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))), platforms=["cuda"],
             disabled_checks=[DisabledSafetyCheck.custom_call(TRITON_CALL)])(
             s((m, k), BF16), s((g, k, 2 * f), BF16), s((g, f, n), BF16), s((m,), F32),
             s((g,), jnp.int32)).mlir_module()
+    other = "triton" if plain == "mosaic_gpu" else "mosaic_gpu"
     for name in ("grouped_mlp_gate_up_fp8_triton", "grouped_mlp_down_fp8_triton",
                  "grouped_mlp_gate_up_grad_fp8_triton", "grouped_mlp_down_grad_fp8_triton",
-                 "grouped_projection_gmm_fp8_triton",
-                 "grouped_projection_tgmm_fp8_triton"):
+                 f"grouped_projection_gmm_fp8_{plain}",
+                 f"grouped_projection_tgmm_fp8_{plain}"):
         assert name in text, name
+    for name in (f"grouped_projection_gmm_fp8_{other}", f"grouped_projection_tgmm_fp8_{other}"):
+        assert name not in text, name
 
 
 @pytest.mark.gpu

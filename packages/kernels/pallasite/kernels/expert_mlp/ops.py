@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from pallasite.kernels import sharding
+from pallasite.kernels.grouped_matmul import fp8 as grouped_fp8
 from pallasite.kernels.expert_mlp import epilogue, layouts
 
 FUSED_BACKENDS = ("pallas_mosaic_gpu", "pallas_triton")
@@ -196,14 +197,27 @@ _down.defvjp(_down_forward, _down_backward)
 # ------------------------------------------------------------------ fp8
 
 FP8_FUSED_BACKENDS = ("pallas_triton",)
+PLAIN_FP8_ON_HOPPER = "pallas_mosaic_gpu"
 
 
-def _fp8_modules(backend: str):
+def _fused_fp8_module(backend: str):
     if backend not in FP8_FUSED_BACKENDS:
         raise ValueError(f"backend={backend!r}: the fp8 fused gate-up runs on "
                          f"{FP8_FUSED_BACKENDS}")
-    return (importlib.import_module(f"pallasite.kernels.expert_mlp.{backend}_fp8"),
-            importlib.import_module(f"pallasite.kernels.grouped_matmul.{backend}_fp8"))
+    return importlib.import_module(f"pallasite.kernels.expert_mlp.{backend}_fp8")
+
+
+def _plain_fp8_module(backend: str, interpret: bool):
+    """The module of the fused route's plain fp8 products (the backward's dx and its two
+    dkernels): on Hopper the Mosaic GPU kernels, the fp8 composition's own (there the
+    Triton fp8 products run at about half of bf16, the Mosaic GPU ones above it:
+    docs/performance.md); else, and in the interpreter (the Mosaic GPU interpreter does
+    not run inside a shard_map), the fused backend's."""
+    name = backend
+    if not interpret and grouped_fp8.refusal(PLAIN_FP8_ON_HOPPER, None, (),
+                                             on_device=True) is None:
+        name = PLAIN_FP8_ON_HOPPER
+    return importlib.import_module(f"pallasite.kernels.grouped_matmul.{name}_fp8")
 
 
 def mlp_fp8(x, gate_up_kernel, down_kernel, group_sizes, row_weights, compute, *,
@@ -224,10 +238,11 @@ def mlp_fp8(x, gate_up_kernel, down_kernel, group_sizes, row_weights, compute, *
       d(pre) = [act'(gate) up dh, act(gate) dh], (gate | up) = Q(x) Q(W_gate_up)
         recomputed in the fp8 gate-up kernel, never stored,
       dx = Q(d pre) Q(W_gate_up)^T, dW_gate_up = Qt(x)^T Qt(d pre),
-    each product on the backend's fp8 kernels. Sharded as layouts.mlp_fp8_forward_planner
+    the fused products on the backend's fp8 kernels, dx and the two dW on Hopper on the
+    Mosaic GPU fp8 kernels (_plain_fp8_module). Sharded as layouts.mlp_fp8_forward_planner
     says: under jit the rows and experts stay split (Explicit or Auto axes), inside a
     caller's shard_map it runs on the local arrays."""
-    _fp8_modules(backend)
+    _fused_fp8_module(backend)
     epilogue.check_activation(activation)
     offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
     weights = (jnp.ones((x.shape[0],), _F32) if row_weights is None else row_weights)
@@ -248,7 +263,7 @@ def _mlp_fp8(backend, activation, all_groups, interpret, compute, x, w_gate_up, 
 # arrays.
 def _mlp_fp8_forward(backend, activation, all_groups, interpret, compute, x, w_gate_up,
                      w_down, group_sizes, row_weights, offset):
-    fused, _ = _fp8_modules(backend)
+    fused = _fused_fp8_module(backend)
 
     def forward(x, w_gate_up, w_down, group_sizes, row_weights, *, group_offset):
         local = dict(group_offset=group_offset, interpret=interpret)
@@ -269,7 +284,7 @@ def _mlp_fp8_forward(backend, activation, all_groups, interpret, compute, x, w_g
 
 
 def _mlp_fp8_backward(backend, activation, all_groups, interpret, compute, residuals, dy):
-    fused, grouped = _fp8_modules(backend)
+    fused, grouped = _fused_fp8_module(backend), _plain_fp8_module(backend, interpret)
     x, w_gate_up, w_down, group_sizes, offset, row_weights = residuals[:6]
 
     def backward(x, w_gate_up, w_down, group_sizes, row_weights, h, h_scales_t, dy, *,
