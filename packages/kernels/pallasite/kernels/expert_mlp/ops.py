@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from pallasite.kernels import sharding
 from pallasite.kernels.grouped_matmul import fp8 as grouped_fp8
+from pallasite.kernels.grouped_matmul import ops as grouped_ops
 from pallasite.kernels.expert_mlp import epilogue, layouts
 
 FUSED_BACKENDS = ("pallas_mosaic_gpu", "pallas_triton")
@@ -35,8 +36,7 @@ def _modules(backend: str):
     if backend not in FUSED_BACKENDS:
         raise ValueError(f"backend={backend!r}: the fused gate-up runs on {FUSED_BACKENDS}")
     fused = importlib.import_module(f"pallasite.kernels.expert_mlp.{backend}")
-    grouped = importlib.import_module(f"pallasite.kernels.grouped_matmul.{backend}")
-    return fused, grouped
+    return fused, grouped_ops.backend(backend)
 
 
 def gate_up_activation(x, gate_up_kernel, group_sizes, compute, *, backend: str,
@@ -207,17 +207,17 @@ def _fused_fp8_module(backend: str):
     return importlib.import_module(f"pallasite.kernels.expert_mlp.{backend}_fp8")
 
 
-def _plain_fp8_module(backend: str, interpret: bool):
+def _plain_fp8_module(backend: str, interpret: bool, compute, operands):
     """The module of the fused route's plain fp8 products (the backward's dx and its two
     dkernels): on Hopper the Mosaic GPU kernels, the fp8 composition's own (there the
     Triton fp8 products run at about half of bf16, the Mosaic GPU ones above it:
     docs/performance.md); else, and in the interpreter (the Mosaic GPU interpreter does
     not run inside a shard_map), the fused backend's."""
     name = backend
-    if not interpret and grouped_fp8.refusal(PLAIN_FP8_ON_HOPPER, None, (),
+    if not interpret and grouped_fp8.refusal(PLAIN_FP8_ON_HOPPER, compute, operands,
                                              on_device=True) is None:
         name = PLAIN_FP8_ON_HOPPER
-    return importlib.import_module(f"pallasite.kernels.grouped_matmul.{name}_fp8")
+    return grouped_ops.backend(name, "fp8")
 
 
 def mlp_fp8(x, gate_up_kernel, down_kernel, group_sizes, row_weights, compute, *,
@@ -284,8 +284,9 @@ def _mlp_fp8_forward(backend, activation, all_groups, interpret, compute, x, w_g
 
 
 def _mlp_fp8_backward(backend, activation, all_groups, interpret, compute, residuals, dy):
-    fused, grouped = _fused_fp8_module(backend), _plain_fp8_module(backend, interpret)
     x, w_gate_up, w_down, group_sizes, offset, row_weights = residuals[:6]
+    fused = _fused_fp8_module(backend)
+    grouped = _plain_fp8_module(backend, interpret, compute, (x, w_gate_up, w_down, dy))
 
     def backward(x, w_gate_up, w_down, group_sizes, row_weights, h, h_scales_t, dy, *,
                  group_offset, dtypes):
