@@ -1,5 +1,6 @@
-"""grouped_mlp's fp8 gate-up with h quantized in its epilogue
-(expert_mlp.pallas_triton_fp8.gate_up_quantized) against the fp8 recipe's oracle.
+"""grouped_mlp's fp8 gate-up with h quantized in its epilogue (gate_up_quantized of
+expert_mlp.pallas_triton_fp8 and expert_mlp.pallas_mosaic_gpu_fp8) against the fp8
+recipe's oracle, the fp8 down products with the row weights, and the fp8 fused route.
 
 The oracle (pallasite.reference): x in 1 x 128 blocks and the gate-up kernel in
 128 x 128 blocks, quantized and dequantized; the ragged product summed in fp32; the
@@ -9,9 +10,10 @@ by summation order alone: the scales agree to 1e-5, and an e4m3 value differs on
 where h sits on a rounding boundary (one step, rarely). The interpreter fills outputs
 with NaN before the kernel runs, so an unwritten row or scale fails.
 
-CPU (no mark): the kernel through the Triton interpreter, the fp8 down product reading
-its output, the argument checks, and the lowering for an H200 from this CPU.
-GPU (-m gpu, sm89 or later): the compiled kernel against the same oracle.
+CPU (no mark): the kernels through the Triton and Mosaic GPU interpreters, the fp8 down
+product reading their output, the argument checks, and the lowering for an H200 from
+this CPU. GPU (-m gpu, sm89 or later; Mosaic GPU on Hopper): the compiled kernels
+against the same oracle.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from jax.sharding import AbstractDevice, AbstractMesh
 import sharding_testlib as st
 
 from pallasite.kernels import platform
+from pallasite.kernels.expert_mlp import pallas_mosaic_gpu_fp8 as mgpu_fp8
 from pallasite.kernels.expert_mlp import pallas_triton_fp8 as mlp_fp8
 from pallasite.kernels.grouped_matmul import config
 from pallasite.kernels.grouped_matmul import pallas_triton_fp8 as tf
@@ -44,6 +47,8 @@ F32 = jnp.float32
 # 64-row tiles, so the interpreter's groups span several tiles; 2 stages keep it cheap.
 SMALL = config.TritonBlockSizes(64, 128, 128, group_m=2, num_warps=4, num_stages=2)
 TRITON_CALL = "__gpu$xla.gpu.triton"
+# The fused fp8 kernels' backends: (module, the interpreter's block sizes).
+KERNELS = {"pallas_triton": (mlp_fp8, SMALL), "pallas_mosaic_gpu": (mgpu_fp8, None)}
 
 
 def _operands(seed, m, k, f, g, n=None):
@@ -100,13 +105,15 @@ CASES = [  # (m, k, f, sizes): empty groups, rows past the total, k not a multip
 ]
 
 
+@pytest.mark.parametrize("backend", list(KERNELS))
 @pytest.mark.parametrize("activation", ["swiglu", "geglu"])
 @pytest.mark.parametrize("case", CASES, ids=["ragged", "all_empty", "full"])
-def test_interpret_gate_up_quantized_matches_the_oracle(case, activation):
+def test_interpret_gate_up_quantized_matches_the_oracle(case, activation, backend):
     m, k, f, sizes = case
+    module, blocks = KERNELS[backend]
     x, w, _ = _operands(0, m, k, f, len(sizes))
-    values, scales_t = jax.jit(lambda a, b: mlp_fp8.gate_up_quantized(
-        a, b, jnp.asarray(sizes, jnp.int32), activation=activation, block_sizes=SMALL,
+    values, scales_t = jax.jit(lambda a, b: module.gate_up_quantized(
+        a, b, jnp.asarray(sizes, jnp.int32), activation=activation, block_sizes=blocks,
         interpret=True))(x, w)
     assert values.dtype == F8 and values.shape == (m, f)
     assert scales_t.dtype == F32 and scales_t.shape == (f // 128, m)
@@ -114,13 +121,15 @@ def test_interpret_gate_up_quantized_matches_the_oracle(case, activation):
              ~_local_rows(sizes, m), f"{case} {activation}")
 
 
-def test_interpret_local_experts():
+@pytest.mark.parametrize("backend", list(KERNELS))
+def test_interpret_local_experts(backend):
     """Groups [1, 3) of 4 (a traced offset): the other experts' rows are the quantizer's
     zeros."""
+    module, blocks = KERNELS[backend]
     sizes = [40, 50, 30, 20]
     x, w, _ = _operands(1, 150, 128, 256, 4)
-    values, scales_t = jax.jit(lambda a, b, o: mlp_fp8.gate_up_quantized(
-        a, b[1:3], jnp.asarray(sizes, jnp.int32), group_offset=o, block_sizes=SMALL,
+    values, scales_t = jax.jit(lambda a, b, o: module.gate_up_quantized(
+        a, b[1:3], jnp.asarray(sizes, jnp.int32), group_offset=o, block_sizes=blocks,
         interpret=True))(x, w, jnp.int32(1))
     _check_h(values, scales_t, _oracle_h(x, w, sizes, "swiglu", offset=1, g=2),
              ~_local_rows(sizes, 150, 1, 2), "local experts")
@@ -154,19 +163,21 @@ def test_interpret_the_down_product_reads_h_as_it_is():
     assert err < 1e-3, f"y relative L2 {err:.2e}"
 
 
+@pytest.mark.parametrize("backend", list(KERNELS))
 @pytest.mark.parametrize("activation", ["swiglu", "geglu"])
-def test_interpret_gate_up_grad_quantized_matches_the_oracle(activation):
+def test_interpret_gate_up_grad_quantized_matches_the_oracle(activation, backend):
     """d(pre) from the gate and up sums recomputed in the kernel: against the oracle's
     fp32 pre-activation of the quantized operands, differentiated through the reference
     activation, to 1e-5 in fp32 (summation order); rows of no local group zero."""
+    module, blocks = KERNELS[backend]
     sizes = [40, 0, 70, 33]
     m, k, f = 160, 192, 256
     x, w, _ = _operands(15, m, k, f, 3)
     dh = jax.random.normal(jax.random.key(16), (m, f), F32)
     gs = jnp.asarray(sizes, jnp.int32)
-    got = jax.jit(lambda a, b, c, o: mlp_fp8.gate_up_grad_quantized(
+    got = jax.jit(lambda a, b, c, o: module.gate_up_grad_quantized(
         a, b, gs, c, activation=activation, group_offset=o, out_dtype=F32,
-        block_sizes=SMALL, interpret=True))(x, w, dh, jnp.int32(1))
+        block_sizes=blocks, interpret=True))(x, w, dh, jnp.int32(1))
     full = jnp.concatenate([w[:1], w], axis=0)  # groups 1..3 local; group 0 stands in
     pre = gmm_reference(q.quantized_rows(x, F8), q.quantized_kernel(full, F8), gs)
     (want,) = jax.vjp(lambda p: activate(p, activation), pre)[1](dh)
@@ -178,10 +189,12 @@ def test_interpret_gate_up_grad_quantized_matches_the_oracle(activation):
     assert err < 1e-5, f"d(pre) relative L2 {err:.2e}"
 
 
-def test_interpret_down_weighted_quantized_matches_the_oracle():
+@pytest.mark.parametrize("backend", list(KERNELS))
+def test_interpret_down_weighted_quantized_matches_the_oracle(backend):
     """y = (dequant(h) Q(W_down)) * row_weights, the weights on the fp32 sums in the
     epilogue: to 1e-5 of the oracle in fp32; in bf16, the oracle rounded once (within
     one bf16 step)."""
+    module, blocks = KERNELS[backend]
     sizes = [60, 0, 44]
     m, f, n = 120, 256, 200
     _, _, down = _operands(17, m, 128, f, 3, n)
@@ -191,8 +204,8 @@ def test_interpret_down_weighted_quantized_matches_the_oracle():
     gs = jnp.asarray(sizes, jnp.int32)
 
     def ours(dtype):
-        return np.asarray(jax.jit(lambda v, s, d, r: mlp_fp8.down_weighted_quantized(
-            v, s, d, gs, r, out_dtype=dtype, block_sizes=SMALL, interpret=True))(
+        return np.asarray(jax.jit(lambda v, s, d, r: module.down_weighted_quantized(
+            v, s, d, gs, r, out_dtype=dtype, block_sizes=blocks, interpret=True))(
             values, scales.T, down, rw).astype(F32), np.float64)
 
     keep = _local_rows(sizes, m)
@@ -283,15 +296,22 @@ def test_lowers_for_cuda_from_cpu(activation, monkeypatch):
     assert "grouped_mlp_gate_up_fp8_triton" in text
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES[:1] + [(4096, 1024, 768, [700, 0, 1500, 1000, 896])],
-                         ids=["ragged", "wide"])
-def test_gpu_gate_up_quantized_matches_the_oracle(case):
+def _skip_unless_it_runs(backend):
     if not platform.fp8_runs():
         pytest.skip("needs a CUDA GPU from sm89")
+    if backend == "pallas_mosaic_gpu" and not platform.mosaic_gpu_runs():
+        pytest.skip("needs a Hopper GPU (sm90)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", list(KERNELS))
+@pytest.mark.parametrize("case", CASES[:1] + [(4096, 1024, 768, [700, 0, 1500, 1000, 896])],
+                         ids=["ragged", "wide"])
+def test_gpu_gate_up_quantized_matches_the_oracle(case, backend):
+    _skip_unless_it_runs(backend)
     m, k, f, sizes = case
     x, w, _ = _operands(5, m, k, f, len(sizes))
-    values, scales_t = jax.jit(lambda a, b: mlp_fp8.gate_up_quantized(
+    values, scales_t = jax.jit(lambda a, b: KERNELS[backend][0].gate_up_quantized(
         a, b, jnp.asarray(sizes, jnp.int32)))(x, w)
     # the tensor cores' fp8 sums within a step keep fewer bits than fp32: the scales to 1e-3
     h, ref_values, ref_scales = _oracle_h(x, w, sizes, "swiglu")
@@ -344,10 +364,11 @@ def _assert_as_near_as_the_composition(fused, composition, definition):
             f"{theirs:.2e}")
 
 
+@pytest.mark.parametrize("backend", list(KERNELS))
 @pytest.mark.parametrize("local", [False, True], ids=["all_experts", "local_experts"])
-def test_interpret_grouped_mlp_fp8_fused_against_the_composition(local):
-    """grouped_mlp(recipe="fp8", fuse_activation=True) on Triton interpreted, and the fp8
-    composition on XLA (the recipe's oracle products), each against the unquantized
+def test_interpret_grouped_mlp_fp8_fused_against_the_composition(local, backend):
+    """grouped_mlp(recipe="fp8", fuse_activation=True) interpreted (its forward on either
+    backend; the backward's fused kernels are Triton's), and the fp8 composition on XLA (the recipe's oracle products), each against the unquantized
     definition in fp32: y and the four gradients. Both carry e4m3's error (about 6%
     relative L2); the fused route's must be no larger than the composition's (within
     25%), which a wrong or missing term (O(1)) cannot meet. Their errors are not the
@@ -361,7 +382,7 @@ def test_interpret_grouped_mlp_fp8_fused_against_the_composition(local):
     offset, g = (1, 2) if local else (None, 4)
     lo = offset or 0
     args = (x, w[lo:lo + g], down[lo:lo + g], rw, dy)
-    (_, y), grads = _mlp("pallas_triton", True, sizes, offset)(*args)
+    (_, y), grads = _mlp(backend, True, sizes, offset)(*args)
     (_, y_fp8), grads_fp8 = _mlp("xla", False, sizes, offset)(*args)
     (_, y_ref), grads_ref = _exact(sizes, offset)(*(a.astype(F32) for a in args))
     keep = _local_rows(sizes, m, offset, g if local else None)
@@ -384,7 +405,7 @@ def test_grouped_mlp_fp8_fused_refusals_name_why():
     with pytest.raises(ValueError, match="block sizes"):
         call(block_sizes=SMALL)
     with pytest.raises(ValueError, match="takes implementation=None or one of"):
-        call(implementation="pallas_mosaic_gpu")
+        call(implementation="xla")
     with pytest.raises(ValueError, match="recipe must be one of"):
         grouped_mlp(x, w, down, sizes, BF16, True, recipe="fp4", fuse_activation=True)
     with pytest.raises(ValueError, match=r"forward-mode differentiation \(jvp\)"):
@@ -559,10 +580,11 @@ def test_grouped_mlp_fp8_fused_over_a_jits_mesh(layout):
                          ids=["sm90", "sm89"])
 def test_grouped_mlp_fp8_fused_fwd_bwd_lowers_for_cuda_from_cpu(gpu, plain, monkeypatch):
     """jax.value_and_grad of grouped_mlp(recipe="fp8", fuse_activation=True) lowers
-    for CUDA: the fused gate-up, the weighted down product on its output and the fused
-    d(pre) and down-backward kernels in Triton, beside their quantizers; the backward's
-    plain fp8 gmm (dx) and tgmm (both dkernels) on Hopper in Mosaic GPU (the fp8
-    composition's kernels), on sm89 in Triton."""
+    for CUDA with the default choice: on Hopper the fused gate-up, the weighted down
+    product and the fused d(pre) in Mosaic GPU, on sm89 in Triton; the down-backward
+    kernel in Triton on both, beside the quantizers; the backward's plain fp8 gmm (dx) and
+    tgmm (both dkernels) on Hopper in Mosaic GPU (the fp8 composition's kernels), on
+    sm89 in Triton."""
     from pallasite.kernels import grouped_mlp
     from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu as mgpu
 
@@ -585,13 +607,42 @@ def test_grouped_mlp_fp8_fused_fwd_bwd_lowers_for_cuda_from_cpu(gpu, plain, monk
             s((m, k), BF16), s((g, k, 2 * f), BF16), s((g, f, n), BF16), s((m,), F32),
             s((g,), jnp.int32)).mlir_module()
     other = "triton" if plain == "mosaic_gpu" else "mosaic_gpu"
-    for name in ("grouped_mlp_gate_up_fp8_triton", "grouped_mlp_down_fp8_triton",
-                 "grouped_mlp_gate_up_grad_fp8_triton", "grouped_mlp_down_grad_fp8_triton",
+    for name in (f"grouped_mlp_gate_up_fp8_{plain}", f"grouped_mlp_down_fp8_{plain}",
+                 f"grouped_mlp_gate_up_grad_fp8_{plain}", "grouped_mlp_down_grad_fp8_triton",
                  f"grouped_projection_gmm_fp8_{plain}",
                  f"grouped_projection_tgmm_fp8_{plain}"):
         assert name in text, name
-    for name in (f"grouped_projection_gmm_fp8_{other}", f"grouped_projection_tgmm_fp8_{other}"):
+    for name in (f"grouped_mlp_gate_up_fp8_{other}", f"grouped_mlp_down_fp8_{other}",
+                 f"grouped_mlp_gate_up_grad_fp8_{other}",
+                 f"grouped_projection_gmm_fp8_{other}", f"grouped_projection_tgmm_fp8_{other}"):
         assert name not in text, name
+
+
+@pytest.mark.parametrize("shape", [(32768, 4096, 14336, 4096, 8), (65536, 7168, 2048, 7168, 32),
+                                   (65536, 2048, 768, 2048, 128)],
+                         ids=["mixtral", "dsv3_local", "qwen3"])
+def test_mosaic_gpu_forward_kernels_lower_at_model_shapes(shape, monkeypatch):
+    """The Mosaic GPU fp8 gate-up (three 128 x 128 fp8 tiles a stage, h's e4m3 slots), its
+    backward half (dh tiles in, d(pre) out in bf16) and the weighted down product lower
+    for an H200 at the models' dims, through Mosaic GPU's layout inference and
+    shared-memory check."""
+    from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu as mgpu
+
+    monkeypatch.setattr(mgpu, "_num_programs", lambda interpret: 132)
+    m, k, f, n, g = shape
+    s = jax.ShapeDtypeStruct
+    fns = [(lambda a, b, c: mgpu_fp8.gate_up_quantized(a, b, c),
+            (s((m, k), BF16), s((g, k, 2 * f), BF16), s((g,), jnp.int32))),
+           (lambda h, hs, d, c, r: mgpu_fp8.down_weighted_quantized(h, hs, d, c, r),
+            (s((m, f), F8), s((f // 128, m), F32), s((g, f, n), BF16), s((g,), jnp.int32),
+             s((m,), F32))),
+           (lambda a, b, c, dh: mgpu_fp8.gate_up_grad_quantized(a, b, c, dh),
+            (s((m, k), BF16), s((g, k, 2 * f), BF16), s((g,), jnp.int32), s((m, f), BF16)))]
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
+    for (fn, args), name in zip(fns, ("gate_up", "down", "gate_up_grad")):
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+        assert f"grouped_mlp_{name}_fp8_mosaic_gpu" in text
 
 
 @pytest.mark.gpu

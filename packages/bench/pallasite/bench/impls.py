@@ -78,8 +78,9 @@ IMPLS: tuple[Impl, ...] = (
     Impl("pallas_mosaic_gpu", ops.GMLP, False, dtypes=_WIDE + (ops.FP8,)),
     Impl("pallas_triton", ops.GMLP, False, dtypes=_WIDE + (ops.FP8,)),
     Impl("xla", ops.GMLP, False, dtypes=_WIDE + (ops.FP8,)),
-    Impl("pallas_mosaic_gpu" + FUSED, ops.GMLP, False, dtypes=("bfloat16", "float16")),
-    # in fp8 cases: h quantized in the gate-up kernel's epilogue (grouped_mlp's fp8 route)
+    # in fp8 cases: h quantized in the gate-up kernel's epilogue (grouped_mlp's fp8 route;
+    # on Mosaic GPU its forward kernels, the backward's fused kernels Triton's)
+    Impl("pallas_mosaic_gpu" + FUSED, ops.GMLP, False, dtypes=("bfloat16", "float16", ops.FP8)),
     Impl("pallas_triton" + FUSED, ops.GMLP, False, dtypes=_WIDE + (ops.FP8,)),
     # The baseline grouped_mlp is measured against: the gate-up product rounded to bf16
     # ([m, 2f] written and read back), the SwiGLU in XLA, the down product: three

@@ -19,8 +19,9 @@ recipe="fp8" runs both products through grouped_projection's fp8 recipe (h quant
 the down product's own quantizer). With fuse_activation=True too it runs ops.mlp_fp8:
 the fp8 gate-up quantizes h in its epilogue (h never in 16 bits), the down product reads
 it as it is, and the backward keeps h's e4m3 values, not the pre-activation
-(_fused_fp8_backend says where it runs: Pallas Triton on fp8 GPUs, f a multiple of 128,
-no operand past Pallas Triton's 32-bit offsets, no block sizes, first order). Over a
+(_fused_fp8_backend says where it runs: its forward on Mosaic GPU on Hopper, else on
+Pallas Triton on fp8 GPUs; f a multiple of 128, no operand past Pallas Triton's 32-bit
+offsets (the backward's fused kernels are Triton's), no block sizes, first order). Over a
 jit's mesh it keeps the rows and the experts split and takes the rest whole
 (layouts.mlp_fp8_forward_planner); inside a shard_map it runs on the local arrays.
 
@@ -186,7 +187,8 @@ def _fused_refusal(implementation, compute, operands, block_sizes, recipe, inter
 def _fused_fp8_backend(implementation, compute, operands, block_sizes, interpret) -> str:
     """The backend recipe="fp8" with fuse_activation=True runs on (ops.FP8_FUSED_BACKENDS,
     the one named or the first that can run); raises naming why none can."""
-    names = ops.FP8_FUSED_BACKENDS if implementation is None else implementation
+    default = ops.FP8_FUSED_BACKENDS[::-1] if interpret else ops.FP8_FUSED_BACKENDS
+    names = default if implementation is None else implementation
     if isinstance(names, str):
         names = (names,)
     unknown = [n for n in names if n not in ops.FP8_FUSED_BACKENDS]

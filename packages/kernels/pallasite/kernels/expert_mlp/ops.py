@@ -196,7 +196,10 @@ _down.defvjp(_down_forward, _down_backward)
 
 # ------------------------------------------------------------------ fp8
 
-FP8_FUSED_BACKENDS = ("pallas_triton",)
+# The fp8 fused route's backends, in the default order on a device: Hopper's Mosaic GPU
+# forward kernels, then Triton (sm89+). The interpreter takes Triton first, as
+# grouped_projection's fp8 products do (api._fused_fp8_backend).
+FP8_FUSED_BACKENDS = ("pallas_mosaic_gpu", "pallas_triton")
 PLAIN_FP8_ON_HOPPER = "pallas_mosaic_gpu"
 
 
@@ -211,9 +214,10 @@ def _plain_fp8_module(backend: str, interpret: bool, compute, operands):
     """The module of the fused route's plain fp8 products (the backward's dx and its two
     dkernels): on Hopper the Mosaic GPU kernels, the fp8 composition's own (there the
     Triton fp8 products run at about half of bf16, the Mosaic GPU ones above it:
-    docs/performance.md); else, and in the interpreter (the Mosaic GPU interpreter does
-    not run inside a shard_map), the fused backend's."""
-    name = backend
+    docs/performance.md); else, and in the interpreter, Triton's (the Mosaic GPU
+    interpreter runs neither inside a shard_map nor beside the Triton interpreter in one
+    program on a small host: grouped_matmul.pallas_mosaic_gpu_fp8._quantizer)."""
+    name = "pallas_triton"
     if not interpret and grouped_fp8.refusal(PLAIN_FP8_ON_HOPPER, compute, operands,
                                              on_device=True) is None:
         name = PLAIN_FP8_ON_HOPPER

@@ -1,0 +1,173 @@
+"""grouped_mlp's fp8 products on Hopper (sm90) through Pallas Mosaic GPU: the gate-up
+with the activation and h's quantization in its epilogue, its backward half, and the
+down product with the row weights in its epilogue. The same functions as
+pallas_triton_fp8.py, so that ops.mlp_fp8 runs either backend.
+
+gate_up_quantized is grouped_matmul.pallas_mosaic_gpu_fp8's gmm (e4m3 wgmma, each
+128-deep step promoted to fp32 with its block scales; a producer warpgroup and two
+consumers of 64 rows) with its B tiles paired, epilogue "quantized_h": a stage holds the
+x tile and the 128 x 128 gate and up weight tiles of one column tile of h, and a
+consumer keeps a gate and an up total, 64 x 128 fp32 each, promoting one fresh
+accumulator at a time (gate, then up). A tile's 128 columns of h are one 1 x 128 block of
+each row, so the epilogue forms h = act(gate) * up in fp32, takes each row's amax over
+them, and stores h's e4m3 values [m, f] by TMA and the row scales into a per-tile slot,
+assembled into [f / 128, m] after (grouped_matmul.pallas_mosaic_gpu_fp8.h_scales): the
+layout the fp8 down product reads its lhs in. h is never written in 16 bits. Rows of no
+local group come out as the quantizer makes zeros: values 0, scale 1.
+
+gate_up_grad_quantized is the same paired product with epilogue "d_pre": each
+consumer's dh tile comes in by TMA while its k loop runs, and d(pre) = [act'(gate) up dh,
+act(gate) dh] is stored into the gate and up columns of an [m, 2f] output, so the
+pre-activation is written in neither pass.
+
+down_weighted_quantized is the fp8 gmm with epilogue "weighted": each consumer brings
+its 64 row weights into shared memory by TMA while its k loop runs and scales its fp32
+sums before y's one rounding. The down product's backward (dh and d row_weights from
+the tiles of t = dy W_down^T, down_weighted_grad_quantized) is pallas_triton_fp8's: it
+runs on Hopper too, through Triton.
+
+f must be a multiple of 128 (mixtral 14336, qwen3 768 and dsv3 2048 are), so that a
+column tile's up columns are one weight-scale block row. Lowered for an H200 and run by
+the Mosaic GPU interpreter on a CPU.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Float, Int, Shaped
+
+from pallasite.kernels import sharding
+from pallasite.kernels.expert_mlp import costs, epilogue
+from pallasite.kernels.expert_mlp import pallas_triton_fp8
+from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu_fp8 as base
+from pallasite.reference import quantization as ref
+
+FP8 = base.FP8
+BLOCK = base.BLOCK
+# The down product's backward runs through Triton on Hopper too (module docstring).
+down_weighted_grad_quantized = pallas_triton_fp8.down_weighted_grad_quantized
+
+
+def _quantized_h(gate, up, activation: str):
+    """(h's e4m3 values, one scale per row) for h = act(gate) * up over a consumer's
+    64 x 128 tile, whose rows' 128 columns are one 1 x 128 block each: the oracle's amax,
+    scale and rounding (pallasite.reference.quantization), the broadcast written out."""
+    h = epilogue.gated(gate, up, activation)
+    scale, inverse = ref.scale_and_inverse(ref.amax(h, axis=1), FP8)
+    return ref.to_fp8(h, lax.broadcast_in_dim(inverse, h.shape, [0]), FP8), scale
+
+
+def check_f(f: int) -> None:
+    if f % BLOCK:
+        raise ValueError(f"rhs: the fp8 gate-up needs f (rhs.shape[2] / 2) a multiple of "
+                         f"{BLOCK}, got f={f}")
+
+
+@sharding.local_operands("grouped_mlp")
+def gate_up_quantized(
+    lhs: Float[Array, "m k"],
+    rhs: Float[Array, "g k two_f"],
+    group_sizes: Int[Array, " G"],
+    *,
+    activation: str = "swiglu",
+    group_offset=None,
+    block_sizes: base.MosaicGpuFp8BlockSizes | None = None,
+    interpret: bool = False,
+) -> tuple[Shaped[Array, "m f"], Float[Array, "fb m"]]:
+    """(h's e4m3 values [m, f], their fp32 scales [f / 128, m]) for h[rows of group i] =
+    act(Q(lhs_i) Q(W_gate[i])) * (Q(lhs_i) Q(W_up[i])), W_gate = rhs[..., :f], W_up =
+    rhs[..., f:], quantized in 1 x 128 blocks of h's rows. lhs and rhs are floating (up to
+    fp32) and quantized here: lhs in 1 x 128 blocks, rhs in 128 x 128. rhs holds groups
+    [group_offset, group_offset + g) of group_sizes (all when None); rows of no local
+    group are zero (scale 1). f must be a multiple of 128. block_sizes: the fp8 gmm's
+    (stages and the snake's width; the fp8 DEFAULT when None)."""
+    epilogue.check_gate_up(lhs, rhs, activation)
+    base._check(lhs, rhs, group_sizes)
+    m, f = lhs.shape[0], rhs.shape[2] // 2
+    if 0 in lhs.shape or f == 0 or rhs.shape[0] == 0:
+        return jnp.zeros((m, f), FP8), jnp.ones((f // BLOCK, m), jnp.float32)
+    check_f(f)
+    q = base._quantizer(interpret)
+    lhs_q, lhs_scales_t = q.rows(lhs, FP8)
+    rhs_q, rhs_scales = q.weight_blocks(rhs, FP8, transpose=True)  # [g, 2f, k], K-major
+    k = lhs.shape[1]
+    return base.gmm_call(
+        lhs_q, lhs_scales_t, rhs_q, rhs_scales, group_sizes, f, group_offset=group_offset,
+        out_dtype=FP8, bs=block_sizes or base.DEFAULT, interpret=interpret,
+        epilogue="quantized_h", finish=lambda gate, up: _quantized_h(gate, up, activation),
+        cost_of=lambda **io: costs.gate_up(m, k, f, FP8, activation, grad=False, **io),
+        name="grouped_mlp_gate_up_fp8_mosaic_gpu")
+
+
+@sharding.local_operands("grouped_mlp")
+def down_weighted_quantized(
+    h: Shaped[Array, "m f"],
+    h_scales_t: Float[Array, "fb m"],
+    rhs: Float[Array, "g f n"],
+    group_sizes: Int[Array, " G"],
+    row_weights: Float[Array, " m"],
+    *,
+    group_offset=None,
+    out_dtype=jnp.bfloat16,
+    block_sizes: base.MosaicGpuFp8BlockSizes | None = None,
+    interpret: bool = False,
+) -> Shaped[Array, "m n"]:
+    """y[rows of group i] = (dequant(h) Q(rhs[i])) * row_weights in out_dtype: h as
+    gate_up_quantized stores it (e4m3 values, scales [f / 128, m]), rhs floating and
+    quantized here in 128 x 128 blocks; the fp32 sums scaled by each row's weight in the
+    epilogue, y rounded once. Rows of no local group are zero."""
+    m, f = h.shape
+    n = rhs.shape[2]
+    if 0 in (m, f, n) or rhs.shape[0] == 0:
+        return jnp.zeros((m, n), out_dtype)
+    if row_weights.shape != (m,):
+        raise ValueError(f"row_weights must be [m] = [{m}], got {row_weights.shape}")
+    q = base._quantizer(interpret)
+    rhs_q, rhs_scales = q.weight_blocks(rhs, FP8, transpose=True)  # [g, n, f], K-major
+    bs = base.resolve_block_sizes(block_sizes, product="forward", m=m, k=f, n=n,
+                                  g=group_sizes.shape[0], interpret=interpret)
+    return base.gmm_call(
+        h, h_scales_t, rhs_q, rhs_scales, group_sizes, n, group_offset=group_offset,
+        out_dtype=jnp.dtype(out_dtype), bs=bs, interpret=interpret, epilogue="weighted",
+        extra=(row_weights.astype(jnp.float32),),
+        cost_of=lambda **io: costs.down_weighted(m, f, n, FP8, grad=False, **io),
+        name="grouped_mlp_down_fp8_mosaic_gpu")
+
+
+@sharding.local_operands("grouped_mlp")
+def gate_up_grad_quantized(
+    lhs: Float[Array, "m k"],
+    rhs: Float[Array, "g k two_f"],
+    group_sizes: Int[Array, " G"],
+    dh: Float[Array, "m f"],
+    *,
+    activation: str = "swiglu",
+    group_offset=None,
+    out_dtype=jnp.bfloat16,
+    block_sizes: base.MosaicGpuFp8BlockSizes | None = None,
+    interpret: bool = False,
+) -> Shaped[Array, "m two_f"]:
+    """d(pre) [m, 2f] = [act'(gate) up dh, act(gate) dh] in out_dtype, the gate and up
+    sums recomputed in the kernel from Q(lhs) and Q(rhs) as gate_up_quantized forms them
+    (never stored): the fp8 route's backward feeds it to the dx and dkernel products.
+    dh [m, f] is read in out_dtype (its tile in by TMA while the k loop runs); rows of no
+    local group are zero."""
+    epilogue.check_gate_up(lhs, rhs, activation, dh)
+    base._check(lhs, rhs, group_sizes)
+    m, f = lhs.shape[0], rhs.shape[2] // 2
+    out_dtype = jnp.dtype(out_dtype)
+    if 0 in lhs.shape or f == 0 or rhs.shape[0] == 0:
+        return jnp.zeros((m, 2 * f), out_dtype)
+    check_f(f)
+    q = base._quantizer(interpret)
+    lhs_q, lhs_scales_t = q.rows(lhs, FP8)
+    rhs_q, rhs_scales = q.weight_blocks(rhs, FP8, transpose=True)  # [g, 2f, k], K-major
+    k = lhs.shape[1]
+    return base.gmm_call(
+        lhs_q, lhs_scales_t, rhs_q, rhs_scales, group_sizes, f, group_offset=group_offset,
+        out_dtype=out_dtype, bs=block_sizes or base.DEFAULT, interpret=interpret,
+        epilogue="d_pre", extra=(dh.astype(out_dtype),),
+        finish=lambda gate, up, dh: epilogue.d_pre(gate, up, dh, activation),
+        cost_of=lambda **io: costs.gate_up(m, k, f, FP8, activation, grad=True, **io),
+        name="grouped_mlp_gate_up_grad_fp8_mosaic_gpu")
