@@ -219,9 +219,11 @@ def test_interpret_down_weighted_quantized_matches_the_oracle(backend):
     assert np.max(np.abs(got16 - want) / (np.abs(want) + 1e-6)) <= 2.0 ** -8
 
 
-def test_interpret_down_weighted_grad_quantized_matches_the_oracle():
+@pytest.mark.parametrize("backend", list(KERNELS))
+def test_interpret_down_weighted_grad_quantized_matches_the_oracle(backend):
     """dh = row_weights * t and d row_weights = sum_f h * t, t = Q(dy) Q(W_down)^T, from
     the kernel's epilogue: to 1e-5 of the oracle in fp32; rows of no group zero."""
+    module, blocks = KERNELS[backend]
     sizes = [60, 0, 44]
     m, f, n = 120, 256, 200
     _, _, down = _operands(20, m, 128, f, 3, n)
@@ -229,8 +231,8 @@ def test_interpret_down_weighted_grad_quantized_matches_the_oracle():
     dy = jax.random.normal(jax.random.key(22), (m, n), F32)
     rw = jax.random.uniform(jax.random.key(23), (m,), minval=0.1, maxval=1.0)
     gs = jnp.asarray(sizes, jnp.int32)
-    dh, d_rw = jax.jit(lambda a, d, r, b: mlp_fp8.down_weighted_grad_quantized(
-        a, d, gs, r, b, block_sizes=SMALL, interpret=True))(dy, down, rw, h)
+    dh, d_rw = jax.jit(lambda a, d, r, b: module.down_weighted_grad_quantized(
+        a, d, gs, r, b, block_sizes=blocks, interpret=True))(dy, down, rw, h)
     t = np.asarray(gmm_reference(q.quantized_rows(dy, F8), q.quantized_kernel(down, F8), gs,
                                  transpose_rhs=True), np.float64)
     keep = _local_rows(sizes, m)
@@ -580,9 +582,9 @@ def test_grouped_mlp_fp8_fused_over_a_jits_mesh(layout):
                          ids=["sm90", "sm89"])
 def test_grouped_mlp_fp8_fused_fwd_bwd_lowers_for_cuda_from_cpu(gpu, plain, monkeypatch):
     """jax.value_and_grad of grouped_mlp(recipe="fp8", fuse_activation=True) lowers
-    for CUDA with the default choice: on Hopper the fused gate-up, the weighted down
-    product and the fused d(pre) in Mosaic GPU, on sm89 in Triton; the down-backward
-    kernel in Triton on both, beside the quantizers; the backward's plain fp8 gmm (dx) and
+    for CUDA with the default choice: the fused gate-up, the weighted down product, the
+    fused d(pre) and the down product's backward on Hopper in Mosaic GPU, on sm89 in
+    Triton, beside the quantizers; the backward's plain fp8 gmm (dx) and
     tgmm (both dkernels) on Hopper in Mosaic GPU (the fp8 composition's kernels), on
     sm89 in Triton."""
     from pallasite.kernels import grouped_mlp
@@ -608,12 +610,12 @@ def test_grouped_mlp_fp8_fused_fwd_bwd_lowers_for_cuda_from_cpu(gpu, plain, monk
             s((g,), jnp.int32)).mlir_module()
     other = "triton" if plain == "mosaic_gpu" else "mosaic_gpu"
     for name in (f"grouped_mlp_gate_up_fp8_{plain}", f"grouped_mlp_down_fp8_{plain}",
-                 f"grouped_mlp_gate_up_grad_fp8_{plain}", "grouped_mlp_down_grad_fp8_triton",
+                 f"grouped_mlp_gate_up_grad_fp8_{plain}", f"grouped_mlp_down_grad_fp8_{plain}",
                  f"grouped_projection_gmm_fp8_{plain}",
                  f"grouped_projection_tgmm_fp8_{plain}"):
         assert name in text, name
     for name in (f"grouped_mlp_gate_up_fp8_{other}", f"grouped_mlp_down_fp8_{other}",
-                 f"grouped_mlp_gate_up_grad_fp8_{other}",
+                 f"grouped_mlp_gate_up_grad_fp8_{other}", f"grouped_mlp_down_grad_fp8_{other}",
                  f"grouped_projection_gmm_fp8_{other}", f"grouped_projection_tgmm_fp8_{other}"):
         assert name not in text, name
 
@@ -623,9 +625,9 @@ def test_grouped_mlp_fp8_fused_fwd_bwd_lowers_for_cuda_from_cpu(gpu, plain, monk
                          ids=["mixtral", "dsv3_local", "qwen3"])
 def test_mosaic_gpu_forward_kernels_lower_at_model_shapes(shape, monkeypatch):
     """The Mosaic GPU fp8 gate-up (three 128 x 128 fp8 tiles a stage, h's e4m3 slots), its
-    backward half (dh tiles in, d(pre) out in bf16) and the weighted down product lower
-    for an H200 at the models' dims, through Mosaic GPU's layout inference and
-    shared-memory check."""
+    backward half (dh tiles in, d(pre) out in bf16), the weighted down product and its
+    backward (fp32 h tiles in) lower for an H200 at the models' dims, through Mosaic
+    GPU's layout inference and shared-memory check."""
     from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu as mgpu
 
     monkeypatch.setattr(mgpu, "_num_programs", lambda interpret: 132)
@@ -637,9 +639,13 @@ def test_mosaic_gpu_forward_kernels_lower_at_model_shapes(shape, monkeypatch):
             (s((m, f), F8), s((f // 128, m), F32), s((g, f, n), BF16), s((g,), jnp.int32),
              s((m,), F32))),
            (lambda a, b, c, dh: mgpu_fp8.gate_up_grad_quantized(a, b, c, dh),
-            (s((m, k), BF16), s((g, k, 2 * f), BF16), s((g,), jnp.int32), s((m, f), BF16)))]
+            (s((m, k), BF16), s((g, k, 2 * f), BF16), s((g,), jnp.int32), s((m, f), BF16))),
+           (lambda dy, d, c, r, h: mgpu_fp8.down_weighted_grad_quantized(
+               dy, d, c, r, h, dh_dtype=BF16),
+            (s((m, n), BF16), s((g, f, n), BF16), s((g,), jnp.int32), s((m,), F32),
+             s((m, f), F32)))]
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
-    for (fn, args), name in zip(fns, ("gate_up", "down", "gate_up_grad")):
+    for (fn, args), name in zip(fns, ("gate_up", "down", "gate_up_grad", "down_grad")):
         with jax.sharding.use_abstract_mesh(mesh):
             text = export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
         assert f"grouped_mlp_{name}_fp8_mosaic_gpu" in text

@@ -22,9 +22,11 @@ pre-activation is written in neither pass.
 
 down_weighted_quantized is the fp8 gmm with epilogue "weighted": each consumer brings
 its 64 row weights into shared memory by TMA while its k loop runs and scales its fp32
-sums before y's one rounding. The down product's backward (dh and d row_weights from
-the tiles of t = dy W_down^T, down_weighted_grad_quantized) is pallas_triton_fp8's: it
-runs on Hopper too, through Triton.
+sums before y's one rounding. down_weighted_grad_quantized is its backward for h, the
+fp8 gmm as dx (t = dy W_down^T) with epilogue "weighted_grad": each consumer's weights
+and h tile come in by TMA while its k loop runs, and it stores dh = weights * t and its
+rows' share of d row_weights (the sum of h * t over its 128 columns) into a per-tile
+slot, summed after: t never reaches memory and y is not kept.
 
 f must be a multiple of 128 (mixtral 14336, qwen3 768 and dsv3 2048 are), so that a
 column tile's up columns are one weight-scale block row. Lowered for an H200 and run by
@@ -39,14 +41,11 @@ from jaxtyping import Array, Float, Int, Shaped
 
 from pallasite.kernels import sharding
 from pallasite.kernels.expert_mlp import costs, epilogue
-from pallasite.kernels.expert_mlp import pallas_triton_fp8
 from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu_fp8 as base
 from pallasite.reference import quantization as ref
 
 FP8 = base.FP8
 BLOCK = base.BLOCK
-# The down product's backward runs through Triton on Hopper too (module docstring).
-down_weighted_grad_quantized = pallas_triton_fp8.down_weighted_grad_quantized
 
 
 def _quantized_h(gate, up, activation: str):
@@ -171,3 +170,43 @@ def gate_up_grad_quantized(
         finish=lambda gate, up, dh: epilogue.d_pre(gate, up, dh, activation),
         cost_of=lambda **io: costs.gate_up(m, k, f, FP8, activation, grad=True, **io),
         name="grouped_mlp_gate_up_grad_fp8_mosaic_gpu")
+
+
+@sharding.local_operands("grouped_mlp")
+def down_weighted_grad_quantized(
+    dy: Float[Array, "m n"],
+    rhs: Float[Array, "g f n"],
+    group_sizes: Int[Array, " G"],
+    row_weights: Float[Array, " m"],
+    h: Float[Array, "m f"],
+    *,
+    group_offset=None,
+    dh_dtype=jnp.float32,
+    block_sizes: base.MosaicGpuFp8BlockSizes | None = None,
+    interpret: bool = False,
+):
+    """The fp8 down product's backward for h: t = Q(dy_i) Q(rhs[i])^T (fp32 sums; dy in
+    1 x 128 blocks, rhs in 128 x 128, read as stored), then in the epilogue dh =
+    row_weights * t in dh_dtype and each row's share of d row_weights, the sum over the
+    tile's columns of h * t. Returns (dh [m, f], d row_weights [m] fp32): t never
+    reaches memory. h is read in fp32 (the forward's h, dequantized)."""
+    m, n = dy.shape
+    f = rhs.shape[1]
+    if 0 in (m, f, n) or rhs.shape[0] == 0:
+        return jnp.zeros((m, f), dh_dtype), jnp.zeros((m,), jnp.float32)
+    base._check(dy, rhs, group_sizes)
+    if h.shape != (m, f) or row_weights.shape != (m,):
+        raise ValueError(f"h must be [m, f] = {(m, f)} and row_weights [m]; got {h.shape} "
+                         f"and {row_weights.shape}")
+    q = base._quantizer(interpret)
+    dy_q, dy_scales_t = q.rows(dy, FP8)
+    rhs_q, rhs_scales = q.weight_blocks(rhs, FP8, transpose=False)  # [g, f, n], as stored
+    bs = base.resolve_block_sizes(block_sizes, product="dx", m=m, k=f, n=n,
+                                  g=group_sizes.shape[0], interpret=interpret)
+    return base.gmm_call(
+        dy_q, dy_scales_t, rhs_q, rhs_scales, group_sizes, f, group_offset=group_offset,
+        out_dtype=jnp.dtype(dh_dtype), bs=bs, interpret=interpret, epilogue="weighted_grad",
+        extra=(row_weights.astype(jnp.float32),
+               base._pad_to(h.astype(jnp.float32), 1, BLOCK)),  # whole TMA boxes
+        cost_of=lambda **io: costs.down_weighted(m, f, n, FP8, grad=True, **io),
+        name="grouped_mlp_down_grad_fp8_mosaic_gpu")

@@ -264,9 +264,13 @@ def _specs(index_a, index_b, b_scales_block, depth: int = 1, cluster: int = 1,
 # each consumer's 64 row scales (h_scales assembles them). "d_pre": the paired gate-up's
 # backward half, one more operand dh [m, n] (its tile in by TMA during the k loop);
 # `finish(gate, up, dh)` gives (d gate, d up), stored into the gate and up columns of an
-# [m, 2n] output.
-EPILOGUES = (None, "weighted", "quantized_h", "d_pre")
-_EPILOGUE_OPERANDS = {None: 0, "weighted": 1, "quantized_h": 0, "d_pre": 1}
+# [m, 2n] output. "weighted_grad": the down product's backward for h (this product as
+# dx, t = dy W^T): operands the row weights [m] and h [m, n] fp32 (tiles in by TMA
+# during the k loop); the output is dh = weights * t, and a second output
+# [tiles, n / 128, 2, 64] fp32 takes each consumer's per-row sum of h * t over its
+# columns (its share of d row_weights; pallas_mosaic_gpu._row_parts sums them).
+EPILOGUES = (None, "weighted", "quantized_h", "d_pre", "weighted_grad")
+_EPILOGUE_OPERANDS = {None: 0, "weighted": 1, "quantized_h": 0, "d_pre": 1, "weighted_grad": 2}
 _PAIRED = ("quantized_h", "d_pre")
 
 
@@ -300,11 +304,16 @@ def _gmm_kernel(m, k, n, g, bs: MosaicGpuFp8BlockSizes, stages: int, strip: int,
         scratch = dict(o_smem=plgpu.SMEM((2, _CONSUMER_ROWS, strip), out_gmem.dtype,
                                          transforms=bf16._swizzle_transforms(out_gmem.dtype,
                                                                              rows=1)))
-        if epilogue == "weighted":
+        weighted = epilogue in ("weighted", "weighted_grad")
+        if weighted:
             scratch.update(w_smem=plgpu.SMEM((2, _CONSUMER_ROWS), jnp.float32),
                            w_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2))
-        if epilogue == "quantized_h":
+        if epilogue in ("quantized_h", "weighted_grad"):  # a per-row slot a consumer
             scratch.update(s_smem=plgpu.SMEM((2, _CONSUMER_ROWS), jnp.float32))
+        if epilogue == "weighted_grad":
+            scratch.update(h_smem=plgpu.SMEM((2, _CONSUMER_ROWS, BLOCK), jnp.float32,
+                                             transforms=bf16._swizzle_transforms(jnp.float32)),
+                           h_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2))
         if epilogue == "d_pre":
             dh_dtype = extra_gmem[0].dtype
             scratch.update(dh_smem=plgpu.SMEM((2, _CONSUMER_ROWS, BLOCK), dh_dtype,
@@ -313,7 +322,7 @@ def _gmm_kernel(m, k, n, g, bs: MosaicGpuFp8BlockSizes, stages: int, strip: int,
 
         @functools.partial(pl.run_scoped, allocations=allocs, collective_axes="wg", **scratch)
         def _(allocations, o_smem, w_smem=None, w_ready=None, s_smem=None, dh_smem=None,
-              dh_ready=None):
+              dh_ready=None, h_smem=None, h_ready=None):
             @plgpu.nd_loop((num_tiles * (grid_n // cluster),), collective_axes="sm")
             def _(info):
                 mi, nc, seg, load0, row0, rows, live = bf16._row_tile(
@@ -351,10 +360,15 @@ def _gmm_kernel(m, k, n, g, bs: MosaicGpuFp8BlockSizes, stages: int, strip: int,
 
                 def compute_context(run_pipeline):
                     # The epilogue's operand tiles arrive during the k loop.
-                    if epilogue == "weighted":
+                    if weighted:
                         plgpu.copy_gmem_to_smem(
                             extra_gmem[0].at[pl.ds(load0 + mine, _CONSUMER_ROWS)],
                             w_smem.at[wg], w_ready.at[wg])
+                    if epilogue == "weighted_grad":
+                        plgpu.copy_gmem_to_smem(
+                            extra_gmem[1].at[pl.ds(load0 + mine, _CONSUMER_ROWS),
+                                             pl.ds(ni * BLOCK, BLOCK)],
+                            h_smem.at[wg], h_ready.at[wg])
                     if epilogue == "d_pre":
                         plgpu.copy_gmem_to_smem(
                             extra_gmem[0].at[pl.ds(load0 + mine, _CONSUMER_ROWS),
@@ -362,13 +376,16 @@ def _gmm_kernel(m, k, n, g, bs: MosaicGpuFp8BlockSizes, stages: int, strip: int,
                             dh_smem.at[wg], dh_ready.at[wg])
                     total = run_pipeline((_zeros(), _zeros()) if pair else _zeros())
                     outs = [(total, ni * BLOCK)]
-                    if epilogue == "weighted":
+                    if epilogue == "weighted_grad":  # this consumer's share: sum of h * t
+                        plgpu.barrier_wait(h_ready.at[wg])
+                        row_sums = jnp.sum(h_smem.at[wg][...] * total, axis=1)
+                    if weighted:
                         plgpu.barrier_wait(w_ready.at[wg])
                         weights = plgpu.load(w_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
                         outs = [(total * lax.broadcast_in_dim(weights, total.shape, [0]),
                                  ni * BLOCK)]
                     if epilogue == "quantized_h":
-                        values, scales = finish(*total)
+                        values, row_sums = finish(*total)  # the row scales
                         outs = [(values, ni * BLOCK)]
                     if epilogue == "d_pre":
                         plgpu.barrier_wait(dh_ready.at[wg])
@@ -384,8 +401,8 @@ def _gmm_kernel(m, k, n, g, bs: MosaicGpuFp8BlockSizes, stages: int, strip: int,
                         bf16._store_rows_from(out, o_smem.at[wg], out_gmem, load0 + lo,
                                               jnp.maximum(hi - lo, 0), lo - mine, col,
                                               _CONSUMER_ROWS)
-                    if epilogue == "quantized_h":  # all 64 row scales, into the tile's slot
-                        s_smem.at[wg][...] = scales
+                    if epilogue in ("quantized_h", "weighted_grad"):  # into the tile's slot
+                        s_smem.at[wg][...] = row_sums
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(s_smem.at[wg], parts_gmem[0].at[mi, ni, wg])
 
@@ -421,7 +438,8 @@ def gmm_call(lhs, lhs_scales_t, rhs, rhs_scales, group_sizes, n: int, *, group_o
     operands ([m] or [m, n] arrays, padded here along m) and `finish`; cost_of(inputs=,
     outputs=) the epilogue's cost estimate (the plain product's when None). rhs: [g, n,
     k], or [g, 2n, k] for the paired epilogues. Returns the [m, n] output; for
-    "quantized_h" (values, scales [n / 128, m]); for "d_pre" [m, 2n]."""
+    "quantized_h" (values, scales [n / 128, m]); for "d_pre" [m, 2n]; for
+    "weighted_grad" (dh [m, n], the row sums [m] fp32)."""
     m, k = lhs.shape
     g = rhs.shape[0]
     pair = epilogue in _PAIRED
@@ -441,7 +459,7 @@ def gmm_call(lhs, lhs_scales_t, rhs, rhs_scales, group_sizes, n: int, *, group_o
     out_type = sharding.out_struct((mp, 2 * np_ if epilogue == "d_pre" else np_), out_dtype,
                                    like=lhs)
     out_types = (out_type,)
-    if epilogue == "quantized_h":
+    if epilogue in ("quantized_h", "weighted_grad"):
         out_types += (sharding.out_struct((table.shape[1], np_ // BLOCK, 2, _CONSUMER_ROWS),
                                           jnp.float32, like=lhs),)
     inputs = (table, count, lhs_p, scales_p, rhs_p, rhs_scales, *extra)
@@ -454,8 +472,9 @@ def gmm_call(lhs, lhs_scales_t, rhs, rhs_scales, group_sizes, n: int, *, group_o
     depth = bs.steps_per_stage if (kp // BLOCK) % bs.steps_per_stage == 0 and not pair else 1
     cluster = (bs.cluster if (np_ // BLOCK) % bs.cluster == 0 and not interpret and not pair
                else 1)
-    extra_bytes = 2 * _CONSUMER_ROWS * (
-        BLOCK * extra[0].dtype.itemsize if epilogue == "d_pre" else 4 if epilogue else 0)
+    extra_bytes = 2 * _CONSUMER_ROWS * 4 * ((epilogue is not None) + (epilogue == "weighted_grad"))
+    if epilogue in ("d_pre", "weighted_grad"):  # the dh or h tiles
+        extra_bytes += 2 * _CONSUMER_ROWS * BLOCK * extra[-1].dtype.itemsize
     stages, strip = _stages(bs, jnp.dtype(out_dtype).itemsize, depth, b_tiles=2 if pair else 1,
                             extra_bytes=extra_bytes)
     if stages < 2:
@@ -463,7 +482,7 @@ def gmm_call(lhs, lhs_scales_t, rhs, rhs_scales, group_sizes, n: int, *, group_o
     call = pl.kernel(
         _gmm_kernel(mp, kp, np_, g, bs, min(stages, kp // (depth * BLOCK)), strip, depth,
                     cluster, epilogue, finish),
-        out_type=out_types if epilogue == "quantized_h" else out_type,
+        out_type=out_types if len(out_types) > 1 else out_type,
         mesh=_mesh(interpret, cluster),
         compiler_params=bf16._compiler_params(),
         interpret=bf16._interpret_params(interpret),
@@ -473,6 +492,10 @@ def gmm_call(lhs, lhs_scales_t, rhs, rhs_scales, group_sizes, n: int, *, group_o
     out = call(*inputs)
     if epilogue == "d_pre":
         return jnp.concatenate([out[:m, :n], out[:m, np_:np_ + n]], axis=1)
+    if epilogue == "weighted_grad":
+        dh, parts = out
+        parts = parts.reshape(parts.shape[0], parts.shape[1], BLOCK)
+        return dh[:m, :n], bf16._row_parts(parts, table, count, parts.shape[1], mp)[:m]
     if not pair:
         return out[:m, :n]
     values, parts = out
