@@ -417,17 +417,24 @@ def test_grouped_mlp_fp8_fused_refusals_name_why():
 
 def test_grouped_mlp_fp8_fused_refuses_kernels_past_32_bit_offsets():
     """DeepSeek-V3's down stack (256 x 2048 x 7168: 3.8e9 fp8 values in under 4 GiB) is
-    past Pallas Triton's 32-bit offsets (quantization/pallas_triton.offsets_fit): refused
-    by name, up front (traced from shapes alone)."""
+    past Pallas Triton's 32-bit offsets (quantization/pallas_triton.offsets_fit): the
+    Triton route refuses it by name, up front (traced from shapes alone); the Mosaic GPU
+    route (TMA, 64-bit addresses) takes it."""
     from pallasite.kernels import grouped_mlp
 
     s = jax.ShapeDtypeStruct
     args = (s((4096, 7168), BF16), s((256, 7168, 4096), BF16), s((256, 2048, 7168), BF16),
             s((256,), jnp.int32))
+
+    def call(implementation):
+        return jax.eval_shape(lambda *a: grouped_mlp(
+            *a, BF16, True, recipe="fp8", fuse_activation=True,
+            implementation=implementation), *args)
+
     with pytest.raises(ValueError, match=r"down_kernel \(256, 2048, 7168\) has more "
                                          r"than 2\*\*31 elements"):
-        jax.eval_shape(lambda *a: grouped_mlp(*a, BF16, True, recipe="fp8",
-                                              fuse_activation=True), *args)
+        call("pallas_triton")
+    assert call("pallas_mosaic_gpu").shape == (4096, 7168)
 
 
 # The sharding routes: 4 experts over 192 rows; k = 2f = 256 and n = 128 apart from m,

@@ -19,9 +19,9 @@ recipe="fp8" runs both products through grouped_projection's fp8 recipe (h quant
 the down product's own quantizer). With fuse_activation=True too it runs ops.mlp_fp8:
 the fp8 gate-up quantizes h in its epilogue (h never in 16 bits), the down product reads
 it as it is, and the backward keeps h's e4m3 values, not the pre-activation
-(_fused_fp8_backend says where it runs: its forward on Mosaic GPU on Hopper, else on
-Pallas Triton on fp8 GPUs; f a multiple of 128, no operand past Pallas Triton's 32-bit
-offsets (the backward's fused kernels are Triton's), no block sizes, first order). Over a
+(_fused_fp8_backend says where it runs: on Mosaic GPU on Hopper, else on Pallas Triton
+on fp8 GPUs, there with no operand past Pallas Triton's 32-bit offsets; f a multiple of
+128, no block sizes, first order). Over a
 jit's mesh it keeps the rows and the experts split and takes the rest whole
 (layouts.mlp_fp8_forward_planner); inside a shard_map it runs on the local arrays.
 
@@ -218,7 +218,8 @@ def _fused_fp8_refusal(implementation, compute, operands, block_sizes, interpret
     if (why := autodiff.beyond_first_order(*operands)) is not None:
         return why
     for name, a in (("x", x), ("gate_up_kernel", gate_up_kernel), ("down_kernel", down_kernel)):
-        if not quantization.pallas_triton.offsets_fit(a.shape, jnp.float8_e4m3fn):
+        if (implementation == "pallas_triton"
+                and not quantization.pallas_triton.offsets_fit(a.shape, jnp.float8_e4m3fn)):
             return (f"{name} {tuple(a.shape)} has more than 2**31 elements, past the 32-bit "
                     f"offsets Pallas Triton addresses its fp8 values with (take "
                     f"fuse_activation=False, or fewer local experts)")

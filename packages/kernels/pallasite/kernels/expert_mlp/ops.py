@@ -242,8 +242,9 @@ def mlp_fp8(x, gate_up_kernel, down_kernel, group_sizes, row_weights, compute, *
       d(pre) = [act'(gate) up dh, act(gate) dh], (gate | up) = Q(x) Q(W_gate_up)
         recomputed in the fp8 gate-up kernel, never stored,
       dx = Q(d pre) Q(W_gate_up)^T, dW_gate_up = Qt(x)^T Qt(d pre),
-    the fused products on the backend's fp8 kernels, dx and the two dW on Hopper on the
-    Mosaic GPU fp8 kernels (_plain_fp8_module). Sharded as layouts.mlp_fp8_forward_planner
+    the fused products on the backend's fp8 kernels (on Hopper Mosaic GPU's,
+    pallas_mosaic_gpu_fp8.py), dx and the two dW on Hopper on the Mosaic GPU fp8
+    kernels whichever the backend (_plain_fp8_module). Sharded as layouts.mlp_fp8_forward_planner
     says: under jit the rows and experts stay split (Explicit or Auto axes), inside a
     caller's shard_map it runs on the local arrays."""
     _fused_fp8_module(backend)
