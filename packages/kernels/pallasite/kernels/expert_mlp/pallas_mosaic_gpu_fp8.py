@@ -78,27 +78,35 @@ def gate_up_quantized(
 ) -> tuple[Shaped[Array, "m f"], Float[Array, "fb m"]]:
     """(h's e4m3 values [m, f], their fp32 scales [f / 128, m]) for h[rows of group i] =
     act(Q(lhs_i) Q(W_gate[i])) * (Q(lhs_i) Q(W_up[i])), W_gate = rhs[..., :f], W_up =
-    rhs[..., f:], quantized in 1 x 128 blocks of h's rows. lhs and rhs are floating (up to
-    fp32) and quantized here: lhs in 1 x 128 blocks, rhs in 128 x 128. rhs holds groups
-    [group_offset, group_offset + g) of group_sizes (all when None); rows of no local
-    group are zero (scale 1). f must be a multiple of 128. block_sizes: the fp8 gmm's
-    (stages and the snake's width; the fp8 DEFAULT when None)."""
+    rhs[..., f:], quantized in 1 x 128 blocks of h's rows: pallas_triton_fp8's function
+    on Hopper's kernel (module docstring). lhs and rhs are floating (up to fp32) and
+    quantized here; rows of no local group are zero (scale 1); f a multiple of 128.
+    block_sizes: the fp8 gmm's (stages and the snake's width; its DEFAULT when None)."""
     epilogue.check_gate_up(lhs, rhs, activation)
-    base._check(lhs, rhs, group_sizes)
     m, f = lhs.shape[0], rhs.shape[2] // 2
     if 0 in lhs.shape or f == 0 or rhs.shape[0] == 0:
         return jnp.zeros((m, f), FP8), jnp.ones((f // BLOCK, m), jnp.float32)
+    return _paired(lhs, rhs, group_sizes, "quantized_h", (), FP8,
+                   lambda gate, up: _quantized_h(gate, up, activation), activation,
+                   group_offset, block_sizes, interpret, "grouped_mlp_gate_up_fp8_mosaic_gpu")
+
+
+def _paired(lhs, rhs, group_sizes, kind, extra, out_dtype, finish, activation, group_offset,
+            block_sizes, interpret, name):
+    """lhs quantized in 1 x 128 blocks and rhs in 128 x 128 (written K-major, [g, 2f, k]),
+    then the fp8 gmm with the gate and up tiles paired and epilogue `kind`."""
+    base._check(lhs, rhs, group_sizes)
+    (m, k), f = lhs.shape, rhs.shape[2] // 2
     check_f(f)
     q = base._quantizer(interpret)
     lhs_q, lhs_scales_t = q.rows(lhs, FP8)
-    rhs_q, rhs_scales = q.weight_blocks(rhs, FP8, transpose=True)  # [g, 2f, k], K-major
-    k = lhs.shape[1]
+    rhs_q, rhs_scales = q.weight_blocks(rhs, FP8, transpose=True)
     return base.gmm_call(
         lhs_q, lhs_scales_t, rhs_q, rhs_scales, group_sizes, f, group_offset=group_offset,
-        out_dtype=FP8, bs=block_sizes or base.DEFAULT, interpret=interpret,
-        epilogue="quantized_h", finish=lambda gate, up: _quantized_h(gate, up, activation),
-        cost_of=lambda **io: costs.gate_up(m, k, f, FP8, activation, grad=False, **io),
-        name="grouped_mlp_gate_up_fp8_mosaic_gpu")
+        out_dtype=out_dtype, bs=block_sizes or base.DEFAULT, interpret=interpret,
+        epilogue=kind, extra=extra, finish=finish,
+        cost_of=lambda **io: costs.gate_up(m, k, f, FP8, activation, grad=bool(extra), **io),
+        name=name)
 
 
 @sharding.local_operands("grouped_mlp")
@@ -114,10 +122,9 @@ def down_weighted_quantized(
     block_sizes: base.MosaicGpuFp8BlockSizes | None = None,
     interpret: bool = False,
 ) -> Shaped[Array, "m n"]:
-    """y[rows of group i] = (dequant(h) Q(rhs[i])) * row_weights in out_dtype: h as
-    gate_up_quantized stores it (e4m3 values, scales [f / 128, m]), rhs floating and
-    quantized here in 128 x 128 blocks; the fp32 sums scaled by each row's weight in the
-    epilogue, y rounded once. Rows of no local group are zero."""
+    """y[rows of group i] = (dequant(h) Q(rhs[i])) * row_weights in out_dtype, h as
+    gate_up_quantized stores it, rhs quantized here: pallas_triton_fp8's function on
+    Hopper's kernel (module docstring)."""
     m, f = h.shape
     n = rhs.shape[2]
     if 0 in (m, f, n) or rhs.shape[0] == 0:
@@ -151,27 +158,17 @@ def gate_up_grad_quantized(
 ) -> Shaped[Array, "m two_f"]:
     """d(pre) [m, 2f] = [act'(gate) up dh, act(gate) dh] in out_dtype, the gate and up
     sums recomputed in the kernel from Q(lhs) and Q(rhs) as gate_up_quantized forms them
-    (never stored): the fp8 route's backward feeds it to the dx and dkernel products.
-    dh [m, f] is read in out_dtype (its tile in by TMA while the k loop runs); rows of no
-    local group are zero."""
+    (never stored). dh [m, f] is read in out_dtype (its tile in by TMA while the k loop
+    runs); rows of no local group are zero."""
     epilogue.check_gate_up(lhs, rhs, activation, dh)
-    base._check(lhs, rhs, group_sizes)
     m, f = lhs.shape[0], rhs.shape[2] // 2
     out_dtype = jnp.dtype(out_dtype)
     if 0 in lhs.shape or f == 0 or rhs.shape[0] == 0:
         return jnp.zeros((m, 2 * f), out_dtype)
-    check_f(f)
-    q = base._quantizer(interpret)
-    lhs_q, lhs_scales_t = q.rows(lhs, FP8)
-    rhs_q, rhs_scales = q.weight_blocks(rhs, FP8, transpose=True)  # [g, 2f, k], K-major
-    k = lhs.shape[1]
-    return base.gmm_call(
-        lhs_q, lhs_scales_t, rhs_q, rhs_scales, group_sizes, f, group_offset=group_offset,
-        out_dtype=out_dtype, bs=block_sizes or base.DEFAULT, interpret=interpret,
-        epilogue="d_pre", extra=(dh.astype(out_dtype),),
-        finish=lambda gate, up, dh: epilogue.d_pre(gate, up, dh, activation),
-        cost_of=lambda **io: costs.gate_up(m, k, f, FP8, activation, grad=True, **io),
-        name="grouped_mlp_gate_up_grad_fp8_mosaic_gpu")
+    return _paired(lhs, rhs, group_sizes, "d_pre", (dh.astype(out_dtype),), out_dtype,
+                   lambda gate, up, dh: epilogue.d_pre(gate, up, dh, activation), activation,
+                   group_offset, block_sizes, interpret,
+                   "grouped_mlp_gate_up_grad_fp8_mosaic_gpu")
 
 
 @sharding.local_operands("grouped_mlp")
@@ -187,11 +184,9 @@ def down_weighted_grad_quantized(
     block_sizes: base.MosaicGpuFp8BlockSizes | None = None,
     interpret: bool = False,
 ):
-    """The fp8 down product's backward for h: t = Q(dy_i) Q(rhs[i])^T (fp32 sums; dy in
-    1 x 128 blocks, rhs in 128 x 128, read as stored), then in the epilogue dh =
-    row_weights * t in dh_dtype and each row's share of d row_weights, the sum over the
-    tile's columns of h * t. Returns (dh [m, f], d row_weights [m] fp32): t never
-    reaches memory. h is read in fp32 (the forward's h, dequantized)."""
+    """(dh = row_weights * t in dh_dtype [m, f], d row_weights = sum_f h * t [m] fp32)
+    for t = Q(dy_i) Q(rhs[i])^T, t never in memory: pallas_triton_fp8's function on
+    Hopper's kernel (module docstring). h is read in fp32 (the forward's, dequantized)."""
     m, n = dy.shape
     f = rhs.shape[1]
     if 0 in (m, f, n) or rhs.shape[0] == 0:
