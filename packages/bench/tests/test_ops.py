@@ -150,11 +150,11 @@ def test_grouped_mlp_cases_flops_bytes_and_check():
     assert not ops.check_grouped_mlp(tiny, inputs, wrong).ok
 
 
-@pytest.mark.parametrize("name", ["xla", "pallas_triton.fused"])
+@pytest.mark.parametrize("name", ["xla", "pallas_triton.fused", "pallas_mosaic_gpu.fused"])
 def test_grouped_mlp_fp8_cases_pass_the_check_and_a_wrong_one_does_not(name):
-    """recipe="fp8" cases: the composition on XLA and the fused route (its gate-up
-    quantizing h in the epilogue, interpreted) pass the check against the unquantized
-    definition within e4m3's error; y 1.5 times too large does not."""
+    """recipe="fp8" cases: the composition on XLA and the fused route on either backend
+    (its gate-up quantizing h in the epilogue, interpreted) pass the check against the
+    unquantized definition within e4m3's error; y 1.5 times too large does not."""
     from pallasite.bench import impls
 
     impl = next(i for i in impls.IMPLS if i.op == ops.GMLP and i.name == name)

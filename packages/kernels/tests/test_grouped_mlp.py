@@ -274,9 +274,11 @@ def test_what_the_forward_keeps_for_the_backward():
 @pytest.mark.parametrize("change, message", [
     (dict(compute=jnp.float32), "pallas_triton: compute=float32 .*16-bit"),
     (dict(implementation="xla"), "implementation=None or one of"),
-    (dict(implementation="pallas_mosaic_gpu", recipe="fp8"),
+    (dict(implementation="xla", recipe="fp8"),
      "recipe='fp8' with fuse_activation=True takes implementation=None or one of"),
     (dict(implementation="pallas_triton", recipe="fp8"), "f=.* is not a multiple of 128"),
+    (dict(implementation="pallas_mosaic_gpu", recipe="fp8"),
+     "pallas_mosaic_gpu: f=.* is not a multiple of 128"),
     (dict(implementation="pallas_triton", block_sizes=()), "cannot run on pallas_triton: block sizes"),
     (dict(implementation="pallas_triton", fuse_activation=1), "fuse_activation must be a bool"),
 ])
