@@ -21,12 +21,18 @@ each variant's output is compared with the default's.
 Token-block variants (`--token-variants`): the Pallas Triton token-block quantizer with
 COLUMNS (columns per program) and TOKEN_NUM_WARPS set to each pair of a small grid, on
 the same operands, with values compared to the default's.
+Paired gate-up (`--paired-gate-up`): grouped_mlp's fp8 gate-up on Mosaic GPU from
+pre-quantized operands, at mixtral's, qwen3's and dsv3's (32 local experts) dims: the
+plain fp8 gmm writing the [m, 2f] pre-activation in bf16 (the composition's product),
+the paired kernel quantizing h in its epilogue ("quantized_h"), and its backward half
+("d_pre"), each at 2 m k 2f flops: what the pairing costs against the plain loop.
 --smoke: tiny shapes through the interpreters (a CPU check of the script).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -177,6 +183,41 @@ def forward_variants(out, smoke: bool):
         gc.collect()
 
 
+def paired_gate_up(out, smoke: bool):
+    from pallasite.kernels.expert_mlp import pallas_mosaic_gpu_fp8 as fused
+
+    interpret = smoke
+    shapes = ([("tiny", 512, 256, 256, 4)] if smoke else
+              [("mixtral", 32768, 4096, 14336, 8), ("qwen3", 65536, 2048, 768, 128),
+               ("dsv3_local", 65536, 7168, 2048, 32)])
+    q = xla if smoke else pallas_triton
+    for name, m, k, f, g in shapes:
+        x, w, _ = ref_inputs.grouped_projection_inputs(jax.random.key(0), m, k, 2 * f, g,
+                                                       jnp.bfloat16)
+        sizes = ref_inputs.aligned_group_sizes(jax.random.key(1234), m, g)
+        dh = jax.random.normal(jax.random.key(1), (m, f), jnp.bfloat16)
+        args = (*q.rows(x, F8), *_weight_blocks(q, w, transpose=True))
+        bs = mgpu_fp8.DEFAULT
+        call = functools.partial(mgpu_fp8.gmm_call, group_offset=None, bs=bs,
+                                 interpret=interpret)
+        runs = {
+            "plain_pre_bf16": lambda a: call(*a, sizes, 2 * f, out_dtype=jnp.bfloat16),
+            "quantized_h": lambda a: call(
+                *a, sizes, f, out_dtype=F8, epilogue="quantized_h",
+                finish=lambda gate, up: fused._quantized_h(gate, up, "swiglu")),
+            "d_pre": lambda a: call(
+                *a, sizes, f, out_dtype=jnp.bfloat16, epilogue="d_pre", extra=(dh,),
+                finish=lambda gate, up, d: fused.epilogue.d_pre(gate, up, d, "swiglu")),
+        }
+        for kernel, fn in runs.items():
+            t = _time(fn, [args])
+            _write(out, {"what": "paired_gate_up", "shape": name, "kernel": kernel,
+                         "m": m, "k": k, "f": f, "g": g, "ms": t * 1e3,
+                         "tflops": 2 * m * k * 2 * f / t / 1e12})
+        del x, w, dh, args
+        gc.collect()
+
+
 def _same_used_blocks(got, want, rows) -> bool:
     """Values and scales equal in the blocks that hold rows (an unused block's values
     are never written, so they are not compared)."""
@@ -237,6 +278,8 @@ def main(argv=None):
                    help="only the fp8 forward's and dx's steps per stage and clusters")
     p.add_argument("--token-variants", action="store_true",
                    help="only the token-block quantizer's columns and warps")
+    p.add_argument("--paired-gate-up", action="store_true",
+                   help="only grouped_mlp's paired fp8 gate-up against the plain fp8 gmm")
     args = p.parse_args(argv)
     out = os.environ.get("OUT", ".")
     os.makedirs(out, exist_ok=True)
@@ -245,6 +288,9 @@ def main(argv=None):
         return
     if args.token_variants:
         token_variants(out, args.smoke)
+        return
+    if args.paired_gate_up:
+        paired_gate_up(out, args.smoke)
         return
     quantizers(out, args.smoke)
     if args.stages:
