@@ -206,11 +206,11 @@ def paired_gate_up(out, smoke: bool):
                 *a, sizes, f, out_dtype=F8, epilogue="quantized_h",
                 finish=lambda gate, up: fused._quantized_h(gate, up, "swiglu")),
             "d_pre": lambda a: call(
-                *a, sizes, f, out_dtype=jnp.bfloat16, epilogue="d_pre", extra=(dh,),
+                *a[:4], sizes, f, out_dtype=jnp.bfloat16, epilogue="d_pre", extra=(a[4],),
                 finish=lambda gate, up, d: fused.epilogue.d_pre(gate, up, d, "swiglu")),
         }
         for kernel, fn in runs.items():
-            t = _time(fn, [args])
+            t = _time(fn, [args + (dh,) if kernel == "d_pre" else args])
             _write(out, {"what": "paired_gate_up", "shape": name, "kernel": kernel,
                          "m": m, "k": k, "f": f, "g": g, "ms": t * 1e3,
                          "tflops": 2 * m * k * 2 * f / t / 1e12})
