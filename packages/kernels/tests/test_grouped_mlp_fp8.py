@@ -369,8 +369,9 @@ def _assert_as_near_as_the_composition(fused, composition, definition):
 @pytest.mark.parametrize("backend", list(KERNELS))
 @pytest.mark.parametrize("local", [False, True], ids=["all_experts", "local_experts"])
 def test_interpret_grouped_mlp_fp8_fused_against_the_composition(local, backend):
-    """grouped_mlp(recipe="fp8", fuse_activation=True) interpreted (its forward on either
-    backend; the backward's fused kernels are Triton's), and the fp8 composition on XLA (the recipe's oracle products), each against the unquantized
+    """grouped_mlp(recipe="fp8", fuse_activation=True) interpreted on either backend
+    (its plain backward products Triton's), and the fp8 composition on XLA (the recipe's
+    oracle products), each against the unquantized
     definition in fp32: y and the four gradients. Both carry e4m3's error (about 6%
     relative L2); the fused route's must be no larger than the composition's (within
     25%), which a wrong or missing term (O(1)) cannot meet. Their errors are not the
@@ -630,7 +631,7 @@ def test_grouped_mlp_fp8_fused_fwd_bwd_lowers_for_cuda_from_cpu(gpu, plain, monk
 @pytest.mark.parametrize("shape", [(32768, 4096, 14336, 4096, 8), (65536, 7168, 2048, 7168, 32),
                                    (65536, 2048, 768, 2048, 128)],
                          ids=["mixtral", "dsv3_local", "qwen3"])
-def test_mosaic_gpu_forward_kernels_lower_at_model_shapes(shape, monkeypatch):
+def test_mosaic_gpu_fp8_mlp_kernels_lower_at_model_shapes(shape, monkeypatch):
     """The Mosaic GPU fp8 gate-up (three 128 x 128 fp8 tiles a stage, h's e4m3 slots), its
     backward half (dh tiles in, d(pre) out in bf16), the weighted down product and its
     backward (fp32 h tiles in) lower for an H200 at the models' dims, through Mosaic

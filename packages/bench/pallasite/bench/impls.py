@@ -78,8 +78,8 @@ IMPLS: tuple[Impl, ...] = (
     Impl("pallas_mosaic_gpu", ops.GMLP, False, dtypes=_WIDE + (ops.FP8,)),
     Impl("pallas_triton", ops.GMLP, False, dtypes=_WIDE + (ops.FP8,)),
     Impl("xla", ops.GMLP, False, dtypes=_WIDE + (ops.FP8,)),
-    # in fp8 cases: h quantized in the gate-up kernel's epilogue (grouped_mlp's fp8 route;
-    # on Mosaic GPU its forward kernels, the backward's fused kernels Triton's)
+    # in fp8 cases: h quantized in the gate-up kernel's epilogue (grouped_mlp's fp8 route,
+    # its fused kernels on the backend named)
     Impl("pallas_mosaic_gpu" + FUSED, ops.GMLP, False, dtypes=("bfloat16", "float16", ops.FP8)),
     Impl("pallas_triton" + FUSED, ops.GMLP, False, dtypes=_WIDE + (ops.FP8,)),
     # The baseline grouped_mlp is measured against: the gate-up product rounded to bf16

@@ -34,6 +34,14 @@ def check_gate_up(lhs, rhs, activation: str, dh=None) -> None:
         raise ValueError(f"dh must be [m, f] = {want}, got {dh.shape}")
 
 
+def check_fp8_f(f: int, block: int = 128) -> None:
+    """The fp8 gate-up's f (rhs.shape[2] / 2) a multiple of the 1 x 128 block, so that a
+    column tile's up columns are one weight-scale block row (else ValueError naming rhs)."""
+    if f % block:
+        raise ValueError(f"rhs: the fp8 gate-up needs f (rhs.shape[2] / 2) a multiple of "
+                         f"{block}, got f={f}")
+
+
 def activation_fp32(gate: jax.Array, activation: str) -> jax.Array:
     """act(gate): silu for "swiglu", the tanh-approximate GELU for "geglu"."""
     check_activation(activation)

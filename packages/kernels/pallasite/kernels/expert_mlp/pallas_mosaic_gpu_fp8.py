@@ -59,12 +59,6 @@ def _quantized_h(gate, up, activation: str):
     return ref.to_fp8(h, lax.broadcast_in_dim(inverse, h.shape, [0]), FP8), scale
 
 
-def check_f(f: int) -> None:
-    if f % BLOCK:
-        raise ValueError(f"rhs: the fp8 gate-up needs f (rhs.shape[2] / 2) a multiple of "
-                         f"{BLOCK}, got f={f}")
-
-
 @sharding.local_operands("grouped_mlp")
 def gate_up_quantized(
     lhs: Float[Array, "m k"],
@@ -97,7 +91,7 @@ def _paired(lhs, rhs, group_sizes, kind, extra, out_dtype, finish, activation, g
     then the fp8 gmm with the gate and up tiles paired and epilogue `kind`."""
     base._check(lhs, rhs, group_sizes)
     (m, k), f = lhs.shape, rhs.shape[2] // 2
-    check_f(f)
+    epilogue.check_fp8_f(f, BLOCK)
     q = base._quantizer(interpret)
     lhs_q, lhs_scales_t = q.rows(lhs, FP8)
     rhs_q, rhs_scales = q.weight_blocks(rhs, FP8, transpose=True)

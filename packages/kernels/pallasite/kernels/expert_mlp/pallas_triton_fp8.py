@@ -140,9 +140,7 @@ def _paired_call(lhs, rhs, group_sizes, outputs, extra, name, store, activation,
     base._check(lhs, rhs, group_sizes)
     m, k = lhs.shape
     f = rhs.shape[2] // 2
-    if f % BLOCK:
-        raise ValueError(f"rhs: the fp8 gate-up needs f (rhs.shape[2] / 2) a multiple of "
-                         f"{BLOCK}, got f={f}")
+    epilogue.check_fp8_f(f, BLOCK)
     if block_sizes is not None and (why := block_sizes_reason(block_sizes, caller=True)):
         raise ValueError(f"block_sizes: {why}")
     q = quantization.quantizer(interpret)

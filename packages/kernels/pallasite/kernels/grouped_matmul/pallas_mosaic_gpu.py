@@ -952,16 +952,24 @@ def _gmm_local(lhs, rhs, group_sizes, row_start, *, transpose_rhs, out_dtype, bs
     return dh, _row_parts(parts, table, count, pl.cdiv(n, bs.block_n), m)
 
 
-def _row_parts(parts, table, count, halves: int, m: int):
-    """[m] fp32: each row's sum of the "scaled_grad" epilogue's per-(tile, column half)
-    slots, over the tiles that hold it as a valid row (the table's first row and row
-    count) and the column halves that lie inside n. Slots of tiles past `count`, of rows
-    outside a tile's valid rows and of halves past n were never written, and are
-    selected away, not multiplied."""
+def tile_rows(table, count, block_m: int) -> tuple[jax.Array, jax.Array]:
+    """(row [T, block_m], valid [T, block_m]): the row each slot of a row tile's
+    block_m-row window stands for (the table's load row on), and whether the tile holds
+    it as one of its valid rows (the table's first row and row count; tiles past `count`
+    hold none). Each row of [0, m) is valid in exactly one tile (_row_tile_table)."""
     load, first, rows = table[1], table[2], table[3]
-    row = load[:, None] + jnp.arange(parts.shape[2], dtype=jnp.int32)[None, :]
+    row = load[:, None] + jnp.arange(block_m, dtype=jnp.int32)[None, :]
     valid = ((row >= first[:, None]) & (row < (first + rows)[:, None])
              & (jnp.arange(table.shape[1])[:, None] < count[0]))
+    return row, valid
+
+
+def _row_parts(parts, table, count, halves: int, m: int):
+    """[m] fp32: each row's sum of the "scaled_grad" epilogue's per-(tile, column half)
+    slots, over the tiles that hold it as a valid row (tile_rows) and the column halves
+    that lie inside n. Slots of tiles past `count`, of rows outside a tile's valid rows
+    and of halves past n were never written, and are selected away, not multiplied."""
+    row, valid = tile_rows(table, count, parts.shape[2])
     per_row = jnp.sum(parts[:, :halves], axis=1)
     per_row = jnp.where(valid, per_row, 0.0)
     return jnp.zeros((m,), jnp.float32).at[jnp.where(valid, row, m)].add(per_row, mode="drop")

@@ -241,12 +241,11 @@ def _specs(index_a, index_b, b_scales_block, depth: int = 1, cluster: int = 1,
     """In specs: A [128, 128 depth], A's scales [depth, 128], `b_tiles` B blocks [128,
     128 depth] (two for the gate-up: the gate's and the up's), and B's scales.
     cluster 2: A and its scales multicast to the cluster's two programs."""
-    fp8 = jnp.float8_e4m3fn
     spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
     shared = functools.partial(spec, collective_axes=("cluster",) if cluster > 1 else None)
-    specs = [shared((BLOCK, depth * BLOCK), index_a, transforms=_transforms(fp8)),
+    specs = [shared((BLOCK, depth * BLOCK), index_a, transforms=_transforms(FP8)),
              shared((depth, BLOCK), lambda kk: (index_a(kk)[1], 0))]
-    specs += [spec((BLOCK, depth * BLOCK), index_b, transforms=_transforms(fp8))] * b_tiles
+    specs += [spec((BLOCK, depth * BLOCK), index_b, transforms=_transforms(FP8))] * b_tiles
     if b_scales_block is not None:
         specs.append(spec(b_scales_block, lambda kk: (index_b(kk)[1], 0)))
     return specs
@@ -272,6 +271,20 @@ def _specs(index_a, index_b, b_scales_block, depth: int = 1, cluster: int = 1,
 EPILOGUES = (None, "weighted", "quantized_h", "d_pre", "weighted_grad")
 _EPILOGUE_OPERANDS = {None: 0, "weighted": 1, "quantized_h": 0, "d_pre": 1, "weighted_grad": 2}
 _PAIRED = ("quantized_h", "d_pre")
+# What each epilogue adds to a consumer's shared memory (_gmm_kernel's scratch): a
+# 64-row fp32 slot for the row weights, a 64-row fp32 slot for its per-row results, and
+# a 64 x 128 operand tile (dh, or h).
+_WEIGHTS_SLOT = ("weighted", "weighted_grad")
+_ROW_SLOT = ("quantized_h", "weighted_grad")
+_TILE_IN = ("d_pre", "weighted_grad")
+
+
+def _epilogue_scratch_bytes(epilogue: str | None, tile_dtype=None) -> int:
+    """Shared memory `epilogue`'s scratch takes for both consumers (the slots above;
+    the operand tile in tile_dtype)."""
+    slots = (epilogue in _WEIGHTS_SLOT) + (epilogue in _ROW_SLOT)
+    tile = BLOCK * jnp.dtype(tile_dtype).itemsize if epilogue in _TILE_IN else 0
+    return 2 * _CONSUMER_ROWS * (4 * slots + tile)
 
 
 def _gmm_kernel(m, k, n, g, bs: MosaicGpuFp8BlockSizes, stages: int, strip: int, depth: int,
@@ -304,11 +317,11 @@ def _gmm_kernel(m, k, n, g, bs: MosaicGpuFp8BlockSizes, stages: int, strip: int,
         scratch = dict(o_smem=plgpu.SMEM((2, _CONSUMER_ROWS, strip), out_gmem.dtype,
                                          transforms=bf16._swizzle_transforms(out_gmem.dtype,
                                                                              rows=1)))
-        weighted = epilogue in ("weighted", "weighted_grad")
+        weighted = epilogue in _WEIGHTS_SLOT
         if weighted:
             scratch.update(w_smem=plgpu.SMEM((2, _CONSUMER_ROWS), jnp.float32),
                            w_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2))
-        if epilogue in ("quantized_h", "weighted_grad"):  # a per-row slot a consumer
+        if epilogue in _ROW_SLOT:
             scratch.update(s_smem=plgpu.SMEM((2, _CONSUMER_ROWS), jnp.float32))
         if epilogue == "weighted_grad":
             scratch.update(h_smem=plgpu.SMEM((2, _CONSUMER_ROWS, BLOCK), jnp.float32,
@@ -401,7 +414,7 @@ def _gmm_kernel(m, k, n, g, bs: MosaicGpuFp8BlockSizes, stages: int, strip: int,
                         bf16._store_rows_from(out, o_smem.at[wg], out_gmem, load0 + lo,
                                               jnp.maximum(hi - lo, 0), lo - mine, col,
                                               _CONSUMER_ROWS)
-                    if epilogue in ("quantized_h", "weighted_grad"):  # into the tile's slot
+                    if epilogue in _ROW_SLOT:  # into the tile's slot
                         s_smem.at[wg][...] = row_sums
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(s_smem.at[wg], parts_gmem[0].at[mi, ni, wg])
@@ -459,7 +472,7 @@ def gmm_call(lhs, lhs_scales_t, rhs, rhs_scales, group_sizes, n: int, *, group_o
     out_type = sharding.out_struct((mp, 2 * np_ if epilogue == "d_pre" else np_), out_dtype,
                                    like=lhs)
     out_types = (out_type,)
-    if epilogue in ("quantized_h", "weighted_grad"):
+    if epilogue in _ROW_SLOT:
         out_types += (sharding.out_struct((table.shape[1], np_ // BLOCK, 2, _CONSUMER_ROWS),
                                           jnp.float32, like=lhs),)
     inputs = (table, count, lhs_p, scales_p, rhs_p, rhs_scales, *extra)
@@ -472,9 +485,7 @@ def gmm_call(lhs, lhs_scales_t, rhs, rhs_scales, group_sizes, n: int, *, group_o
     depth = bs.steps_per_stage if (kp // BLOCK) % bs.steps_per_stage == 0 and not pair else 1
     cluster = (bs.cluster if (np_ // BLOCK) % bs.cluster == 0 and not interpret and not pair
                else 1)
-    extra_bytes = 2 * _CONSUMER_ROWS * 4 * ((epilogue is not None) + (epilogue == "weighted_grad"))
-    if epilogue in ("d_pre", "weighted_grad"):  # the dh or h tiles
-        extra_bytes += 2 * _CONSUMER_ROWS * BLOCK * extra[-1].dtype.itemsize
+    extra_bytes = _epilogue_scratch_bytes(epilogue, extra[-1].dtype if extra else None)
     stages, strip = _stages(bs, jnp.dtype(out_dtype).itemsize, depth, b_tiles=2 if pair else 1,
                             extra_bytes=extra_bytes)
     if stages < 2:
@@ -505,12 +516,9 @@ def gmm_call(lhs, lhs_scales_t, rhs, rhs_scales, group_sizes, n: int, *, group_o
 def h_scales(parts, table, count, m: int):
     """[n / 128, m] fp32: the "quantized_h" epilogue's per-(row tile, column tile) slots
     of 64 + 64 row scales, each row's taken from the one tile that holds it as a valid
-    row (the row-tile table covers every row of [0, m_padded) once, rows of no group
-    included: their tiles store zeros with scale 1)."""
-    load, first, rows = table[1], table[2], table[3]
-    row = load[:, None] + jnp.arange(BLOCK, dtype=jnp.int32)[None, :]
-    valid = ((row >= first[:, None]) & (row < (first + rows)[:, None])
-             & (jnp.arange(table.shape[1])[:, None] < count[0]))
+    row (bf16.tile_rows; rows of no group included: their tiles store zeros with
+    scale 1)."""
+    row, valid = bf16.tile_rows(table, count, BLOCK)
     at = jnp.where(valid, row, m).reshape(-1)  # m: dropped
     per_tile = jnp.moveaxis(parts.reshape(parts.shape[0], parts.shape[1], BLOCK), 1, 0)
     return (jnp.ones((parts.shape[1], m), jnp.float32)
@@ -679,9 +687,9 @@ def gmm(lhs: Float[Array, "m k"], rhs: Float[Array, "g kn nk"], group_sizes: Int
     read as [g, n, k]^T) in fp8: lhs in 1 x 128 blocks, rhs in 128 x 128 blocks."""
     _check(lhs, rhs, group_sizes)
     q = _quantizer(interpret)
-    lhs_q, lhs_scales_t = q.rows(lhs, jnp.float8_e4m3fn)
+    lhs_q, lhs_scales_t = q.rows(lhs, FP8)
     # forward: B = kernel^T, [g, n, k], written so by the quantizer; dx: B = kernel as is.
-    rhs_q, rhs_scales = q.weight_blocks(rhs, jnp.float8_e4m3fn, transpose=not transpose_rhs)
+    rhs_q, rhs_scales = q.weight_blocks(rhs, FP8, transpose=not transpose_rhs)
     return gmm_quantized(lhs_q, lhs_scales_t, rhs_q, rhs_scales, group_sizes,
                          group_offset=group_offset, out_dtype=out_dtype or lhs.dtype,
                          block_sizes=block_sizes, interpret=interpret,
@@ -699,8 +707,8 @@ def tgmm(lhs: Float[Array, "m k"], rhs: Float[Array, "m n"], group_sizes: Int[Ar
     sizes, row_start = local_groups(group_sizes, group_offset, g)
     table = token_blocks(sizes, m, row_start=row_start)
     q = _quantizer(interpret)
-    lhs_t, lhs_scales = q.token_blocks(lhs, table.start, table.rows, jnp.float8_e4m3fn)
-    rhs_t, rhs_scales = q.token_blocks(rhs, table.start, table.rows, jnp.float8_e4m3fn)
+    lhs_t, lhs_scales = q.token_blocks(lhs, table.start, table.rows, FP8)
+    rhs_t, rhs_scales = q.token_blocks(rhs, table.start, table.rows, FP8)
     return tgmm_quantized(lhs_t, lhs_scales, rhs_t, rhs_scales, table.first, table.count,
                           out_dtype=out_dtype or lhs.dtype, block_sizes=block_sizes,
                           interpret=interpret, m=m)
