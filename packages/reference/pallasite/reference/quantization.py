@@ -44,6 +44,8 @@ __all__ = [
     "TOKEN_BLOCK",
     "max_finite",
     "amax",
+    "magnitude_bits",
+    "amax_of_bits",
     "scale_and_inverse",
     "to_fp8",
     "quantize_blocks",
@@ -97,14 +99,23 @@ def scales_shape(shape: tuple[int, ...], block: tuple[int, ...]) -> tuple[int, .
 def amax(x: Array, axis=None) -> Array:
     """max |x| over `axis`, NaN where any value there is NaN or infinite.
 
-    The non-finite test reads the exponent bits, and the NaN enters through a select:
-    on a GPU a max drops NaN operands (PTX max.f32 returns the other one) and a compiler
-    may fold x * 0 to 0, so neither can carry it."""
-    x = x.astype(jnp.float32)
-    exponent = jax.lax.bitcast_convert_type(x, jnp.int32) & 0x7F800000
-    nonfinite = (exponent == 0x7F800000).astype(jnp.float32)
-    top = jnp.max(jnp.abs(jnp.where(nonfinite > 0, 0.0, x)), axis=axis)
-    return jnp.where(jnp.max(nonfinite, axis=axis) > 0, jnp.nan, top)
+    One integer max over the magnitudes' bits (magnitude_bits): a non-negative float's
+    bits order as its value does, and every non-finite one sits above the largest finite
+    one. A float max would not do: on a GPU it drops NaN operands (PTX max.f32 returns
+    the other one)."""
+    return amax_of_bits(jnp.max(magnitude_bits(x), axis=axis))
+
+
+def magnitude_bits(x: Array) -> Array:
+    """|x|'s fp32 bits as int32 (the sign bit cleared): ordered as |x| for finite values,
+    infinities and NaNs at 0x7F800000 and above."""
+    return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32) & 0x7FFFFFFF
+
+
+def amax_of_bits(top: Array) -> Array:
+    """The largest magnitude from its bits (magnitude_bits' max): NaN if non-finite."""
+    return jnp.where(top >= 0x7F800000, jnp.nan,
+                     jax.lax.bitcast_convert_type(top, jnp.float32))
 
 
 def scale_and_inverse(amax: Array, dtype) -> tuple[Array, Array]:

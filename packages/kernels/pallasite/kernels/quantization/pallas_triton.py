@@ -168,7 +168,8 @@ def token_blocks(x: jax.Array, start: jax.Array, rows: jax.Array, dtype, *, tran
 def _block_amax(w):
     """amax of a 2-D block, one axis at a time: Pallas Triton lowers a reduction over two
     axes with the operand's rank in its sharding, which fails under a mesh (jax 0.11.2)."""
-    return ref.amax(ref.amax(w, axis=1), axis=0)
+    bits = ref.magnitude_bits(w)
+    return ref.amax_of_bits(jnp.max(jnp.max(bits, axis=1), axis=0))
 
 
 def _weight_kernel(w_ref, v_ref, s_ref, *, k, n, fp8, transpose):
