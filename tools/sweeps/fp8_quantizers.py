@@ -3,8 +3,8 @@ stage and tile variants, on one GPU; JSON lines to $OUT/fp8_quantizers.jsonl.
 
     OUT=folder python3 tools/sweeps/fp8_quantizers.py [--smoke]
 
-Quantizers: each Pallas Triton quantizer (rows, token blocks, both from one read, weight
-blocks) and its XLA form, on mixtral's and dsv3's operands (x and dy of 65536 tokens, the experts' kernels),
+Quantizers: each Pallas Triton quantizer (rows, token blocks, weight blocks) and its XLA
+form, on mixtral's and dsv3's operands (x and dy of 65536 tokens, the experts' kernels),
 against an XLA cast of the same array to e4m3 (reads 2 bytes and writes 1 per element:
 the traffic of a quantizer without its scales, the practical ceiling). TB/s counts each
 call's input and output bytes once. Timed by the bench harness's queued method (calls
@@ -21,8 +21,6 @@ each variant's output is compared with the default's.
 Token-block variants (`--token-variants`): the Pallas Triton token-block quantizer with
 COLUMNS (columns per program) and TOKEN_NUM_WARPS set to each pair of a small grid, on
 the same operands, with values compared to the default's.
-One-read variants (`--both-variants`): rows_and_token_blocks with BOTH_NUM_WARPS and
-BOTH_PIECES on a small grid, against rows then token_blocks, values compared.
 Paired gate-up (`--paired-gate-up`): grouped_mlp's fp8 gate-up on Mosaic GPU from
 pre-quantized operands, at mixtral's, qwen3's and dsv3's (32 local experts) dims: the
 plain fp8 gmm writing the [m, 2f] pre-activation in bf16 (the composition's product),
@@ -84,13 +82,6 @@ def quantizers(out, smoke: bool):
             "token_blocks.pallas_triton": lambda x: pallas_triton.token_blocks(
                 x, table.start, table.rows, F8, interpret=interpret),
             "token_blocks.xla": lambda x: xla.token_blocks(x, table.start, table.rows, F8),
-            # dy as the fp8 backward needs it: both layouts in one pass, or two.
-            "rows_and_token_blocks.pallas_triton": lambda x: pallas_triton.rows_and_token_blocks(
-                x, table.start, table.rows, F8, interpret=interpret),
-            "rows_then_token_blocks.pallas_triton": lambda x: (
-                pallas_triton.rows(x, F8, interpret=interpret)
-                + pallas_triton.token_blocks(x, table.start, table.rows, F8,
-                                             interpret=interpret)),
         }
         for impl, fn in runs.items():
             t = _time(fn, xs)
@@ -103,12 +94,7 @@ def quantizers(out, smoke: bool):
                          "weights.pallas_triton": lambda w: pallas_triton.weight_blocks(
                              w, F8, transpose=True, interpret=interpret),
                          "weights.xla": lambda w: xla.weight_blocks(w, F8, transpose=True)}.items():
-            try:
-                t = _time(fn, ws)
-            except jax.errors.JaxRuntimeError as e:  # dsv3's XLA form on an 80 GB card
-                _write(out, {"what": "quantizer", "shape": name + "_kernel", "impl": impl,
-                             "error": str(e)[:160]})
-                continue
+            t = _time(fn, ws)
             moved = _nbytes(ws[0]) + _nbytes(jax.eval_shape(fn, ws[0]))
             _write(out, {"what": "quantizer", "shape": name + "_kernel", "dims": list(w_shape),
                          "impl": impl, "ms": t * 1e3, "tbps": moved / t / 1e12})
@@ -278,48 +264,6 @@ def token_variants(out, smoke: bool):
                          "warps": warps, **rec})
 
 
-def both_variants(out, smoke: bool):
-    """rows_and_token_blocks (one read of x for both layouts) with BOTH_NUM_WARPS and
-    BOTH_PIECES set to each pair of a small grid, against rows then token_blocks (two
-    reads), values checked against theirs."""
-    interpret = smoke
-    shapes = ([("tiny", 256, 256, 4)] if smoke else
-              [("mixtral_x", 32768, 4096, 8), ("mixtral_dy", 32768, 14336, 8),
-               ("dsv3_x", 65536, 7168, 256)])
-    grid = [(4, 2)] if smoke else [(w, p) for p in (1, 2) for w in (4, 8, 16)]
-    default = (pallas_triton.BOTH_NUM_WARPS, pallas_triton.BOTH_PIECES)
-    for name, m, c, g in shapes:
-        xs = _sets(lambda s: jax.random.normal(jax.random.key(s), (m, c), jnp.bfloat16),
-                   2 if smoke else 3)
-        table = token_blocks(ref_inputs.random_group_sizes(jax.random.key(1234), m, g), m)
-
-        def apart(x):
-            return (pallas_triton.rows(x, F8, interpret=interpret)
-                    + pallas_triton.token_blocks(x, table.start, table.rows, F8,
-                                                 interpret=interpret))
-        want = jax.jit(apart)(xs[0])
-        t = _time(apart, xs)
-        _write(out, {"what": "both_variant", "shape": name, "apart": True, "ms": t * 1e3})
-        for warps, pieces in grid:
-            pallas_triton.BOTH_NUM_WARPS, pallas_triton.BOTH_PIECES = warps, pieces
-            try:
-                fn = lambda x: pallas_triton.rows_and_token_blocks(  # noqa: E731
-                    x, table.start, table.rows, F8, interpret=interpret)
-                got = jax.jit(fn)(xs[0])
-                same = (bool(jnp.array_equal(got[0].astype(jnp.float32),
-                                             want[0].astype(jnp.float32)))
-                        and bool(jnp.array_equal(got[1], want[1]))
-                        and _same_used_blocks(got[2:], want[2:], table.rows))
-                t = _time(fn, xs)
-                rec = {"ms": t * 1e3, "same_as_apart": same}
-            except Exception as e:  # noqa: BLE001 - a variant that fails is a result
-                rec = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-            finally:
-                pallas_triton.BOTH_NUM_WARPS, pallas_triton.BOTH_PIECES = default
-            _write(out, {"what": "both_variant", "shape": name, "warps": warps,
-                         "pieces": pieces, **rec})
-
-
 def _write(out, rec):
     print(json.dumps(rec), flush=True)
     with open(os.path.join(out, "fp8_quantizers.jsonl"), "a") as f:
@@ -334,8 +278,6 @@ def main(argv=None):
                    help="only the fp8 forward's and dx's steps per stage and clusters")
     p.add_argument("--token-variants", action="store_true",
                    help="only the token-block quantizer's columns and warps")
-    p.add_argument("--both-variants", action="store_true",
-                   help="time rows_and_token_blocks' warps and pieces against two passes")
     p.add_argument("--paired-gate-up", action="store_true",
                    help="only grouped_mlp's paired fp8 gate-up against the plain fp8 gmm")
     args = p.parse_args(argv)
@@ -346,9 +288,6 @@ def main(argv=None):
         return
     if args.token_variants:
         token_variants(out, args.smoke)
-        return
-    if args.both_variants:
-        both_variants(out, args.smoke)
         return
     if args.paired_gate_up:
         paired_gate_up(out, args.smoke)

@@ -54,11 +54,8 @@ ROWS = 64
 COLUMNS = 64
 NUM_WARPS = 4
 TOKEN_NUM_WARPS = 4
-# Warps of `rows_and_token_blocks`, and the column pieces each of its 128 x 128 tiles is
-# loaded and stored in (1: the whole tile; 2: two 128 x 64 halves, the token kernel's
-# tile, whose row amaxes are combined before the rows are quantized).
+# Warps of `rows_and_token_blocks` (its programs take 128 x 128 tiles).
 BOTH_NUM_WARPS = 8
-BOTH_PIECES = 1
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -185,32 +182,19 @@ def _both_kernel(start_ref, rows_ref, x_ref, v_ref, s_ref, vt_ref, st_ref, *, c,
     @pl.when(count > 0)
     def _():
         row_ok = jnp.arange(BLOCK, dtype=jnp.int32) < count
-        width = BLOCK // BOTH_PIECES
-        pieces = []
-        for i in range(BOTH_PIECES):
-            piece_ok = _ok(j * BLOCK + i * width, width, c)
-            at = (pl.ds(start, BLOCK), pl.ds(j * BLOCK + i * width, width))
-            x = plgpu.load(x_ref.at[at], mask=row_ok[:, None] & piece_ok[None, :],
-                           other=0.0).astype(jnp.float32)
-            pieces.append((x, at, piece_ok, i * width))
-        # 1 x 128 blocks: each row over this program's 128 columns (one integer max over
-        # the pieces' magnitude bits, as ref.amax takes it).
-        bits = functools.reduce(jnp.maximum, [jnp.max(ref.magnitude_bits(x), axis=1)
-                                              for x, *_ in pieces])
-        scale, inverse = ref.scale_and_inverse(ref.amax_of_bits(bits), fp8)
+        mask = row_ok[:, None] & col_ok[None, :]
+        at = (pl.ds(start, BLOCK), cols)
+        x = plgpu.load(x_ref.at[at], mask=mask, other=0.0).astype(jnp.float32)
+        # 1 x 128 blocks: each row over this program's 128 columns.
+        scale, inverse = ref.scale_and_inverse(ref.amax(x, axis=1), fp8)
+        plgpu.store(v_ref.at[at], ref.to_fp8(x, inverse[:, None], fp8), mask=mask)
         plgpu.store(s_ref.at[j, pl.ds(start, BLOCK)], scale, mask=row_ok)
-        for x, at, piece_ok, offset in pieces:
-            plgpu.store(v_ref.at[at], ref.to_fp8(x, inverse[:, None], fp8),
-                        mask=row_ok[:, None] & piece_ok[None, :])
         # The token block: each column over the block's rows, stored turned.
-        for x, at, piece_ok, offset in pieces:
-            piece = pl.ds(j * BLOCK + offset, width)
-            token_scale, token_inverse = ref.scale_and_inverse(ref.amax(x, axis=0), fp8)
-            values = ref.to_fp8(x, token_inverse[None, :], fp8)
-            values = jnp.where(row_ok[:, None], values, jnp.zeros_like(values))
-            plgpu.store(vt_ref.at[piece, pl.ds(t * BLOCK, BLOCK)], values.T,
-                        mask=piece_ok[:, None])
-            plgpu.store(st_ref.at[t, piece], token_scale, mask=piece_ok)
+        scale, inverse = ref.scale_and_inverse(ref.amax(x, axis=0), fp8)
+        values = ref.to_fp8(x, inverse[None, :], fp8)
+        values = jnp.where(row_ok[:, None], values, jnp.zeros_like(values))
+        plgpu.store(vt_ref.at[cols, pl.ds(t * BLOCK, BLOCK)], values.T, mask=col_ok[:, None])
+        plgpu.store(st_ref.at[t, cols], scale, mask=col_ok)
 
     @pl.when(count == 0)  # an unused block: scale 1 (its values are never read)
     def _():
