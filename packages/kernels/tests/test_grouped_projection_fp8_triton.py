@@ -188,39 +188,6 @@ def test_local_experts_match_the_oracle():
     assert not np.asarray(fwd)[other].any() and not np.asarray(dx)[other].any()
 
 
-@pytest.mark.parametrize("offset,g", [(None, None), (1, 3)])
-def test_grads_quantize_dy_once_and_equal_the_two_products(offset, g):
-    """`grads` (dy quantized both ways in one pass, the recipe's backward on whole
-    operands) gives dx and dkernel bit for bit as gmm(transpose_rhs) and tgmm do, with
-    NaN in the rows of other experts and past the total."""
-    sizes = [30, 40, 0, 50, 60]
-    m, k, n = 200, 160, 136
-    x, w_all, dy = _operands(jax.random.key(7), m, k, n, len(sizes))
-    w = w_all if offset is None else w_all[offset:offset + g]
-    other = ~_local_rows(sizes, m, offset, g)
-    x, dy = _poison_rows(x, other), _poison_rows(dy, other)
-    gs = jnp.asarray(sizes, jnp.int32)
-    off = None if offset is None else jnp.int32(offset)
-
-    @jax.jit
-    def both(x, w, dy, gs):
-        fused = tf.grads(dy, x, w, gs, group_offset=off, dx_dtype=jnp.float32,
-                         dk_dtype=BF16, interpret=True)
-        apart = (tf.gmm(dy, w, gs, group_offset=off, transpose_rhs=True,
-                        out_dtype=jnp.float32, interpret=True),
-                 tf.tgmm(x, dy, gs, num_groups=w.shape[0], group_offset=off, out_dtype=BF16,
-                         interpret=True))
-        return fused, apart
-
-    (dx, dk), (dx_apart, dk_apart) = both(x, w, dy, gs)
-    assert dx.dtype == jnp.float32 and dk.dtype == BF16
-    np.testing.assert_array_equal(np.asarray(dx), np.asarray(dx_apart))
-    np.testing.assert_array_equal(np.asarray(dk, np.float32), np.asarray(dk_apart, np.float32))
-    _, dx_ref, dk_ref = _oracle(x, w_all, dy, sizes, offset, g)
-    _assert_matches(dx, dx_ref, "dx")
-    _assert_matches(dk, dk_ref, "dkernel", tol=4e-3)
-
-
 def test_bf16_outputs_round_the_fp32_sums_once():
     m, k, n, sizes = 136, 256, 128, [50, 0, 86]
     x, w, dy = _operands(jax.random.key(9), m, k, n, len(sizes))
@@ -427,23 +394,6 @@ def test_lowers_for_cuda_from_cpu(product, generation, blocks, monkeypatch):
     assert text.count(TRITON_CALL) == 3, text.count(TRITON_CALL)
     name = "tgmm" if product == "dkernel" else "gmm"
     assert f"grouped_projection_{name}_fp8_triton" in text
-
-
-@pytest.mark.parametrize("generation", ["sm89", "sm90"])
-def test_grads_lower_for_cuda_from_cpu(generation, monkeypatch):
-    """The backward on whole operands: four quantizers, dy's both ways in one, then the
-    two products (five Triton calls, where the two products apart make six)."""
-    m, k, n, g = 4096, 1408, 704, 8
-    s = jax.ShapeDtypeStruct
-    f = lambda dy, x, w, gs, o: tf.grads(dy, x, w, gs, group_offset=o,  # noqa: E731
-                                         dx_dtype=BF16, dk_dtype=BF16)
-    args = (s((m, n), BF16), s((m, k), BF16), s((g, k, n), BF16), s((2 * g,), jnp.int32),
-            s((), jnp.int32))
-    text = _cuda_module(f, args, generation, monkeypatch)
-    assert text.count(TRITON_CALL) == 5, text.count(TRITON_CALL)
-    called = lambda name: text.count(f'name = "{name}"')  # noqa: E731
-    assert called("quantize_rows_and_token_blocks") == 1
-    assert called("quantize_rows") == 0 and called("quantize_token_blocks") == 1
 
 
 # ----------------------------------------------------------------------------- GPU

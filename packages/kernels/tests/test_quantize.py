@@ -66,34 +66,6 @@ def test_token_blocks_match_the_xla_form(sizes, row_start, m):
     _same(plain[0], xla.token_blocks(x, table.start, table.rows, F8, transpose=False)[0])
 
 
-@pytest.mark.parametrize("sizes,row_start,m,c", [
-    ([100, 0, 150, 30], None, 300, 200),   # an empty group, rows past the total
-    ([50, 60, 70], 40, 256, 260),          # local experts from row 40; partial columns
-    ([0, 0], None, 64, 128),               # every group empty: one segment of rows
-    ([7], None, 7, 100),
-])
-def test_rows_and_token_blocks_are_both_kernels_in_one(sizes, row_start, m, c):
-    """The fused quantizer writes what `rows` and `token_blocks` write, every row's
-    1 x 128 blocks included (the table's segments cover all rows), bit for bit."""
-    x = _x(m, c, seed=2)
-    table = token_blocks(jnp.asarray(sizes, jnp.int32), m, row_start=row_start)
-    got = pallas_triton.rows_and_token_blocks(x, table.start, table.rows, F8, interpret=True)
-    assert [a.shape for a in got] == [(m, c), (-(-c // 128), m), (c, 128 * table.bound),
-                                      (table.bound, c)]
-    for g, w in zip(got[:2], pallas_triton.rows(x, F8, interpret=True)):
-        _same(g, w)
-    want = pallas_triton.token_blocks(x, table.start, table.rows, F8, interpret=True)
-    cols = _used_columns(table.start, table.rows)
-    _same(got[2][:, cols], want[0][:, cols])
-    _same(got[3], want[1])
-    # The XLA form (the fallback) gives the same four arrays.
-    fallback = xla.rows_and_token_blocks(x, table.start, table.rows, F8)
-    for g, w in zip(got[:2], fallback[:2]):
-        _same(g, w)
-    _same(got[2][:, cols], fallback[2][:, cols])
-    _same(got[3], fallback[3])
-
-
 def test_token_blocks_agree_with_the_oracle_numbering():
     sizes = jnp.array([100, 0, 150, 30], jnp.int32)
     table = token_blocks(sizes, 300)
@@ -151,8 +123,6 @@ def test_oversized_fp8_values_never_reach_a_pallas_triton_store(monkeypatch):
     jax.eval_shape(lambda x: pallas_triton.token_blocks(
         x, jnp.zeros((2**13,), jnp.int32), jnp.ones((2**13,), jnp.int32), F8,
         transpose=False), big)
-    jax.eval_shape(lambda x: pallas_triton.rows_and_token_blocks(
-        x, jnp.zeros((2**13,), jnp.int32), jnp.ones((2**13,), jnp.int32), F8), big)
     assert seen == []
     small = s((8, 512, 1024), jnp.bfloat16)  # the kernels still take what fits
     jax.eval_shape(lambda w: pallas_triton.weight_blocks(w, F8, transpose=True), small)
@@ -213,15 +183,13 @@ def _h200():
         (1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda")))
 
 
-@pytest.mark.parametrize("kind", ["rows", "token_blocks", "rows_and_token_blocks",
-                                  "weight_blocks"])
+@pytest.mark.parametrize("kind", ["rows", "token_blocks", "weight_blocks"])
 def test_quantizers_lower_for_cuda_from_cpu(kind):
     s = jax.ShapeDtypeStruct
     if kind == "rows":
         f, args = (lambda a: pallas_triton.rows(a, F8)), (s((4096, 512), jnp.bfloat16),)
-    elif kind in ("token_blocks", "rows_and_token_blocks"):
-        quantizer = getattr(pallas_triton, kind)
-        f = lambda a, st, r: quantizer(a, st, r, F8)  # noqa: E731
+    elif kind == "token_blocks":
+        f = lambda a, st, r: pallas_triton.token_blocks(a, st, r, F8)  # noqa: E731
         args = (s((4096, 512), jnp.bfloat16), s((40,), jnp.int32), s((40,), jnp.int32))
     else:
         f = lambda w: pallas_triton.weight_blocks(w, F8, transpose=True)  # noqa: E731
@@ -250,12 +218,6 @@ def test_compiled_quantizers_match_the_xla_forms(m, c):
     cols = _used_columns(table.start, table.rows)
     _close_fp8(got[0][:, cols], want[0][:, cols])
     _close_fp8(got[1], want[1])
-    both = jax.jit(lambda a: pallas_triton.rows_and_token_blocks(a, table.start, table.rows,
-                                                                 F8))(x)
-    for g, w in zip(both[:2], xla.rows(x, F8)):
-        _close_fp8(g, w)
-    _close_fp8(both[2][:, cols], want[0][:, cols])
-    _close_fp8(both[3], want[1])
     w = x[: (m // 8) * 8].reshape(8, m // 8, c)
     for got, want in zip(jax.jit(lambda a: pallas_triton.weight_blocks(a, F8, transpose=True))(w),
                          xla.weight_blocks(w, F8, transpose=True)):

@@ -21,9 +21,7 @@ recipe="fp8" runs the same three products through a backend's fp8 module
 x and dy, 128 x 128 for the kernel, 128-token blocks aligned to groups for dkernel) and
 multiply in e4m3: the operands are not cast to `compute` first, and the gradients are
 straight-through (dx in x's dtype, dkernel in the kernel's), quantized again in each
-product from the residual x and kernel. Where the operands are whole on the device (no
-mesh, or a caller's shard_map) the backward runs as one call, `grads`, that quantizes dy
-both ways in one pass (fp8_backward.py); under a mesh each product quantizes its own.
+product from the residual x and kernel.
 
 group_offset (local experts) rides through every product: the kernel holds groups
 [offset, offset + g) of the global group_sizes. Where the kernel's group axis is sharded
@@ -121,51 +119,15 @@ def _project_fwd(x, kernel, group_sizes, group_offset, name, compute, block_size
     return out, (xc, kc, group_sizes, group_offset, protos)
 
 
-def _whole_here(*arrays) -> bool:
-    """Whether `run` would take these operands whole, as they are (no mesh in context,
-    or a caller's shard_map's local arrays), rather than plan their shards."""
-    mesh = sharding.context_mesh(arrays)
-    return mesh.empty or (bool(mesh.manual_axes) and not mesh.explicit_axes)
-
-
-def _fp8_grads(dy, xc, kc, group_sizes, group_offset, *, dx_dtype, dk_dtype, name,
-               block_sizes, interpret):
-    """dx and dkernel through the backend's `grads` (dy quantized once), on operands
-    `_whole_here` says are whole: the plan keeps every operand as it is."""
-    offset, given = _offset_operand(group_offset)
-    grads = backend(name, "fp8").grads
-
-    def local(dy, kernel, x, group_sizes, offset):
-        return grads(dy, x, kernel, group_sizes, group_offset=offset if given else None,
-                     dx_dtype=dx_dtype, dk_dtype=dk_dtype, block_sizes=block_sizes,
-                     interpret=interpret)
-
-    def planner(given_dims, axis_sizes):
-        del axis_sizes
-        return sharding.Plan(in_dims=tuple(sharding.replicated(len(d)) for d in given_dims),
-                             out_dims=(sharding.replicated(2), sharding.replicated(3)),
-                             local=local)
-
-    return sharding.run(planner, (dy, kc, xc, group_sizes, offset),
-                        rule="m n, e k n, m k, G, -> m k, e k n",
-                        **sharding.backend_options(name, interpret))
-
-
 def _project_bwd(name, compute, block_sizes, interpret, recipe, residuals, dy):
     xc, kc, group_sizes, group_offset, (x_proto, k_proto) = residuals
     dy = dy.astype(compute)
     common = dict(name=name, block_sizes=block_sizes, interpret=interpret, recipe=recipe)
     dx_dtype = sharding.cotangent_dtype((dy, kc, group_sizes), xc, x_proto.dtype)
     dk_dtype = sharding.cotangent_dtype((xc, dy, group_sizes), kc, k_proto.dtype)
-    if (recipe == "fp8" and hasattr(backend(name, recipe), "grads")
-            and 0 not in (*dy.shape, *xc.shape, *kc.shape) and _whole_here(dy, xc, kc)):
-        dx, dk = _fp8_grads(dy, xc, kc, group_sizes, group_offset, dx_dtype=dx_dtype,
-                            dk_dtype=dk_dtype, name=name, block_sizes=block_sizes,
-                            interpret=interpret)
-    else:
-        dx = _gmm(dy, kc, group_sizes, group_offset, transpose_rhs=True, out_dtype=dx_dtype,
-                  **common)
-        dk = _tgmm(xc, dy, group_sizes, group_offset, kc, out_dtype=dk_dtype, **common)
+    dx = _gmm(dy, kc, group_sizes, group_offset, transpose_rhs=True, out_dtype=dx_dtype,
+              **common)
+    dk = _tgmm(xc, dy, group_sizes, group_offset, kc, out_dtype=dk_dtype, **common)
     dx = sharding.cotangent_like(dx, xc).astype(x_proto.dtype)
     dk = sharding.cotangent_like(dk, kc).astype(k_proto.dtype)
     return dx, dk, None, None

@@ -55,7 +55,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int, Shaped
 
 from pallasite.kernels import platform, sharding
-from pallasite.kernels.grouped_matmul import config, costs, fp8_backward, tuning_benchmarks
+from pallasite.kernels.grouped_matmul import config, costs, tuning_benchmarks
 from pallasite.kernels.grouped_matmul.group_metadata import (
     cdiv,
     local_groups,
@@ -330,7 +330,12 @@ def _check_offsets(**operands):
 
 
 def _check(lhs, rhs, group_sizes):
-    fp8_backward.check(lhs=lhs, rhs=rhs, group_sizes=group_sizes)
+    for name, a in (("lhs", lhs), ("rhs", rhs)):
+        if not jnp.issubdtype(a.dtype, jnp.floating) or jnp.dtype(a.dtype).itemsize > 4:
+            raise TypeError(f"fp8 grouped products quantize floating operands up to fp32; "
+                            f"{name} is {jnp.dtype(a.dtype).name}")
+    if group_sizes.dtype != jnp.int32:
+        raise TypeError(f"group_sizes must be int32, got {group_sizes.dtype}")
 
 
 def gmm(lhs: Float[Array, "m k"], rhs: Float[Array, "g kn nk"], group_sizes: Int[Array, " G"],
@@ -379,14 +384,3 @@ def tgmm(lhs: Float[Array, "m k"], rhs: Float[Array, "m n"], group_sizes: Int[Ar
     rhs_t, rhs_scales = q.token_blocks(rhs, table.start, table.rows, FP8, interpret=interpret)
     return tgmm_quantized(lhs_t, lhs_scales, rhs_t, rhs_scales, table.first, table.count,
                           out_dtype=out_dtype, block_sizes=bs, interpret=interpret, m=m)
-
-
-def grads(dy: Float[Array, "m n"], x: Float[Array, "m k"], kernel: Float[Array, "g k n"],
-          group_sizes: Int[Array, " G"], *, group_offset=None, dx_dtype: Any,
-          dk_dtype: Any, block_sizes=None, interpret: bool = False):
-    """(dx, dkernel) of the fp8 recipe with dy quantized once, both ways in one pass
-    (fp8_backward): the values of gmm(dy, kernel, transpose_rhs=True) and tgmm(x, dy)."""
-    return fp8_backward.grads(sys.modules[__name__], quantization.quantizer(interpret), dy, x,
-                              kernel, group_sizes, group_offset=group_offset, dx_dtype=dx_dtype,
-                              dk_dtype=dk_dtype, block_sizes=block_sizes,
-                              interpret=interpret, quantizer_interpret=interpret)

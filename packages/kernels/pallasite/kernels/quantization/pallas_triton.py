@@ -10,12 +10,6 @@ layouts, one pass over the input each.
   program takes one block's (up to) 128 rows x `COLUMNS` columns, finds each column's
   amax and writes the values transposed, `[c, 128 * bound]` (the zeros past the block's
   rows included), so the weight gradient contracts whole, aligned 128-token steps.
-- `rows_and_token_blocks`: both of the above from one read of x, for an operand the
-  fp8 backward needs both ways (the output gradient: dx reads its 1 x 128 blocks, the
-  weight gradient its token blocks). A program takes one token block's rows x 128
-  columns: each row's amax over them is its 1 x 128 block's, each column's its token
-  block's. The blocks of the table cover every row (its segments tile [0, m)), so
-  every row's 1 x 128 blocks are written. The values are those of the two kernels.
 - `weight_blocks`: w [g, k, n] in 1 x 128 x 128 blocks; with `transpose` the values are
   written [g, n, k] (the forward's K-major layout: fp8 wgmma reads both operands K-major).
 
@@ -54,8 +48,6 @@ ROWS = 64
 COLUMNS = 64
 NUM_WARPS = 4
 TOKEN_NUM_WARPS = 4
-# Warps of `rows_and_token_blocks` (its programs take 128 x 128 tiles).
-BOTH_NUM_WARPS = 8
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -168,65 +160,6 @@ def token_blocks(x: jax.Array, start: jax.Array, rows: jax.Array, dtype, *, tran
         cost_estimate=_cost(x, (start, rows) + out, dtype),
         name="quantize_token_blocks",
     )(start, rows, x)
-
-
-# --------------------------------------------------------------------------- both
-
-
-def _both_kernel(start_ref, rows_ref, x_ref, v_ref, s_ref, vt_ref, st_ref, *, c, fp8):
-    t, j = pl.program_id(0), pl.program_id(1)
-    start, count = start_ref[t], rows_ref[t]
-    cols = pl.ds(j * BLOCK, BLOCK)
-    col_ok = _ok(j * BLOCK, BLOCK, c)
-
-    @pl.when(count > 0)
-    def _():
-        row_ok = jnp.arange(BLOCK, dtype=jnp.int32) < count
-        mask = row_ok[:, None] & col_ok[None, :]
-        at = (pl.ds(start, BLOCK), cols)
-        x = plgpu.load(x_ref.at[at], mask=mask, other=0.0).astype(jnp.float32)
-        # 1 x 128 blocks: each row over this program's 128 columns.
-        scale, inverse = ref.scale_and_inverse(ref.amax(x, axis=1), fp8)
-        plgpu.store(v_ref.at[at], ref.to_fp8(x, inverse[:, None], fp8), mask=mask)
-        plgpu.store(s_ref.at[j, pl.ds(start, BLOCK)], scale, mask=row_ok)
-        # The token block: each column over the block's rows, stored turned.
-        scale, inverse = ref.scale_and_inverse(ref.amax(x, axis=0), fp8)
-        values = ref.to_fp8(x, inverse[None, :], fp8)
-        values = jnp.where(row_ok[:, None], values, jnp.zeros_like(values))
-        plgpu.store(vt_ref.at[cols, pl.ds(t * BLOCK, BLOCK)], values.T, mask=col_ok[:, None])
-        plgpu.store(st_ref.at[t, cols], scale, mask=col_ok)
-
-    @pl.when(count == 0)  # an unused block: scale 1 (its values are never read)
-    def _():
-        plgpu.store(st_ref.at[t, cols], jnp.ones((BLOCK,), jnp.float32), mask=col_ok)
-
-
-def rows_and_token_blocks(x: jax.Array, start: jax.Array, rows_: jax.Array, dtype, *,
-                          interpret: bool = False) -> tuple[jax.Array, ...]:
-    """x [m, c] -> `rows(x)` + `token_blocks(x, start, rows_)` (transposed): (values
-    [m, c], scales [ceil(c / 128), m], values [c, 128 * bound], scales [bound, c]), from
-    one read of x. The table (start, rows_) must cover every row, as token_blocks.py's
-    does; the XLA form where 32-bit offsets would not reach every value."""
-    m, c = x.shape
-    turned = (c, BLOCK * start.shape[0])
-    if not all(offsets_fit(s, d) for s, d in (((m, c), dtype), (turned, dtype),
-                                              (x.shape, x.dtype))):
-        return xla.rows_and_token_blocks(x, start, rows_, dtype)
-    out = (sharding.out_struct((m, c), dtype, like=x),
-           sharding.out_struct((_cdiv(c, BLOCK), m), jnp.float32, like=x),
-           sharding.out_struct(turned, dtype, like=x),
-           sharding.out_struct((start.shape[0], c), jnp.float32, like=x))
-    cost_ = _cost(x, (start, rows_) + out, dtype)
-    return pl.pallas_call(
-        functools.partial(_both_kernel, c=c, fp8=dtype),
-        out_shape=out,
-        grid=(start.shape[0], _cdiv(c, BLOCK)),
-        compiler_params=_params(BOTH_NUM_WARPS),
-        interpret=interpret,
-        cost_estimate=pl.CostEstimate(flops=2 * cost_.flops, transcendentals=0,
-                                      bytes_accessed=cost_.bytes_accessed),
-        name="quantize_rows_and_token_blocks",
-    )(start, rows_, x)
 
 
 # --------------------------------------------------------------------------- weights

@@ -47,13 +47,6 @@ def token_blocks(x: jax.Array, start: jax.Array, rows: jax.Array, dtype, *, tran
     return out.at[:, position].set(values.T), scales
 
 
-def rows_and_token_blocks(x: jax.Array, start: jax.Array, rows_: jax.Array, dtype, *,
-                          interpret: bool = False) -> tuple[jax.Array, ...]:
-    """`rows(x)` and `token_blocks(x, start, rows_)` (transposed): the four arrays of
-    both layouts, here two passes (the Pallas form makes them in one)."""
-    return rows(x, dtype) + token_blocks(x, start, rows_, dtype)
-
-
 def weight_blocks(w: jax.Array, dtype, *, transpose: bool, interpret: bool = False
                   ) -> tuple[jax.Array, jax.Array]:
     """w [g, k, n] in 1 x 128 x 128 blocks: (values, scales [g, ceil(k/128), ceil(n/128)]),
