@@ -21,6 +21,8 @@ each variant's output is compared with the default's.
 Token-block variants (`--token-variants`): the Pallas Triton token-block quantizer with
 COLUMNS (columns per program) and TOKEN_NUM_WARPS set to each pair of a small grid, on
 the same operands, with values compared to the default's.
+Cast variants (`--cast-variants`): each Pallas quantizer with the oracle's clip before
+the fp8 cast and without it (SATURATING_CAST), values compared.
 Paired gate-up (`--paired-gate-up`): grouped_mlp's fp8 gate-up on Mosaic GPU from
 pre-quantized operands, at mixtral's, qwen3's and dsv3's (32 local experts) dims: the
 plain fp8 gmm writing the [m, 2f] pre-activation in bf16 (the composition's product),
@@ -264,6 +266,49 @@ def token_variants(out, smoke: bool):
                          "warps": warps, **rec})
 
 
+def cast_variants(out, smoke: bool):
+    """Each Pallas quantizer with the oracle's clip before the cast and without it
+    (SATURATING_CAST: the cast saturates), timed on the same input, values compared."""
+    interpret = smoke
+    shapes = ([("tiny", 256, 256, 4, 128)] if smoke else
+              [("mixtral_x", 32768, 4096, 8, 14336), ("mixtral_dy", 32768, 14336, 8, 4096),
+               ("dsv3_x", 65536, 7168, 256, 2048)])
+    default = pallas_triton.SATURATING_CAST
+    for name, m, c, g, n in shapes:
+        xs = _sets(lambda s: jax.random.normal(jax.random.key(s), (m, c), jnp.bfloat16),
+                   2 if smoke else 3)
+        table = token_blocks(ref_inputs.random_group_sizes(jax.random.key(1234), m, g), m)
+        ws = _sets(lambda s: jax.random.normal(jax.random.key(s), (8, c, n), jnp.bfloat16), 2)
+        runs = {
+            "rows": (xs, lambda x: pallas_triton.rows(x, F8, interpret=interpret)),
+            "token_blocks": (xs, lambda x: pallas_triton.token_blocks(
+                x, table.start, table.rows, F8, interpret=interpret)),
+            "weight_blocks": (ws, lambda w: pallas_triton.weight_blocks(
+                w, F8, transpose=True, interpret=interpret)),
+        }
+        for impl, (sets, run) in runs.items():
+            results = {}
+            for saturating in (False, True):
+                pallas_triton.SATURATING_CAST = saturating
+                try:
+                    fn = lambda a: run(a)  # noqa: E731  (a new function: traced again)
+                    results[saturating] = jax.jit(fn)(sets[0])
+                    t = _time(fn, sets)
+                    moved = _nbytes(sets[0]) + _nbytes(results[saturating])
+                    rec = {"ms": t * 1e3, "tbps": moved / t / 1e12}
+                except Exception as e:  # noqa: BLE001 - a variant that fails is a result
+                    rec = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                finally:
+                    pallas_triton.SATURATING_CAST = default
+                if saturating and len(results) == 2:
+                    rec["same_as_clip"] = all(
+                        bool(jnp.array_equal(a.astype(jnp.float32), b.astype(jnp.float32),
+                                             equal_nan=True))
+                        for a, b in zip(results[False], results[True]))
+                _write(out, {"what": "cast_variant", "shape": name, "impl": impl,
+                             "saturating_cast": saturating, **rec})
+
+
 def _write(out, rec):
     print(json.dumps(rec), flush=True)
     with open(os.path.join(out, "fp8_quantizers.jsonl"), "a") as f:
@@ -278,6 +323,8 @@ def main(argv=None):
                    help="only the fp8 forward's and dx's steps per stage and clusters")
     p.add_argument("--token-variants", action="store_true",
                    help="only the token-block quantizer's columns and warps")
+    p.add_argument("--cast-variants", action="store_true",
+                   help="time the quantizers with and without the clip before the cast")
     p.add_argument("--paired-gate-up", action="store_true",
                    help="only grouped_mlp's paired fp8 gate-up against the plain fp8 gmm")
     args = p.parse_args(argv)
@@ -288,6 +335,9 @@ def main(argv=None):
         return
     if args.token_variants:
         token_variants(out, args.smoke)
+        return
+    if args.cast_variants:
+        cast_variants(out, args.smoke)
         return
     if args.paired_gate_up:
         paired_gate_up(out, args.smoke)

@@ -206,6 +206,24 @@ def test_quantizers_lower_for_cuda_from_cpu(kind):
 
 
 @pytest.mark.gpu
+def test_compiled_fp8_cast_saturates_as_the_clip_does():
+    """What the compiled quantizers rely on to leave out the oracle's clip
+    (pallas_triton._to_fp8): Triton's fp32 -> e4m3 cast holds values past 448 (a
+    rounding step over it, far over it, infinities) at +-448 and keeps NaN."""
+    from jax.experimental import pallas as pl
+
+    x = jnp.array([448.0, 448.5, 464.0, 500.0, 1e30, jnp.inf, -448.7, -1e30, -jnp.inf,
+                   jnp.nan, 0.0, -0.0, 1.0, 3.3e-3, 240.0, 447.9] * 2, jnp.float32)
+
+    def cast(x_ref, o_ref):
+        o_ref[...] = x_ref[...].astype(F8)
+
+    got = pl.pallas_call(cast, out_shape=jax.ShapeDtypeStruct(x.shape, F8),
+                         compiler_params=pallas_triton._params())(x)
+    _same(got, ref.to_fp8(x, jnp.float32(1.0), F8))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m,c", [(4096, 2048), (1000, 300)])
 def test_compiled_quantizers_match_the_xla_forms(m, c):
     x = _x(m, c, seed=5)

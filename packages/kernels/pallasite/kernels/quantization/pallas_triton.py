@@ -22,7 +22,9 @@ values, the same bytes in half the elements, ran at 1.36 TB/s on those DeepSeek-
 weights, against 1.93 for the XLA form, on an H200 on 2026-12-03: docs/performance.md.)
 
 The scale and rounding are the oracle's functions (pallasite.reference.quantization),
-traced into the kernel body, so both compute the same expressions. Loads and stores are
+traced into the kernel body, so both compute the same expressions; the one exception is
+the clip to the finite range before the cast, which a compiled kernel leaves to the cast
+itself (`_to_fp8`). Loads and stores are
 masked: no dimension needs padding. Each element is read once (2 bytes for bf16) and
 written once (1 byte), plus the scales.
 """
@@ -48,6 +50,9 @@ ROWS = 64
 COLUMNS = 64
 NUM_WARPS = 4
 TOKEN_NUM_WARPS = 4
+# Whether compiled kernels leave the clip to the cast (`_to_fp8`); False keeps the
+# oracle's selects (a sweep knob: tools/sweeps/fp8_quantizers.py --cast-variants).
+SATURATING_CAST = True
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -70,6 +75,18 @@ def _params(num_warps: int = NUM_WARPS):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
 
 
+def _to_fp8(x, inverse, fp8, interpret: bool):
+    """ref.to_fp8 as a kernel computes it. Compiled, Triton casts fp32 to fp8 with
+    `cvt.rn.satfinite` (sm89 and later), which holds a value rounded past the finite
+    range at the bound and keeps NaN: what the oracle's clip does, so the clip's two
+    compares and selects per value are left out for e4m3 (tests/test_quantize.py
+    checks that cast on a GPU). The interpreter casts as XLA does (NaN past the range)
+    and keeps the clip, as e5m2 does."""
+    if interpret or not SATURATING_CAST or np.dtype(fp8) != np.dtype(jnp.float8_e4m3fn):
+        return ref.to_fp8(x, inverse, fp8)
+    return (x.astype(jnp.float32) * inverse).astype(fp8)
+
+
 def _cost(x, outputs, fp8):
     """Per element the multiply by the inverse scale, the one op pl.estimate_cost counts
     (not the abs, the clip's compares and selects, or the cast)."""
@@ -80,7 +97,7 @@ def _cost(x, outputs, fp8):
 # --------------------------------------------------------------------------- rows
 
 
-def _rows_kernel(x_ref, v_ref, s_ref, *, m, c, fp8):
+def _rows_kernel(x_ref, v_ref, s_ref, *, m, c, fp8, interpret):
     r0, j = pl.program_id(0) * ROWS, pl.program_id(1)
     row_ok = _ok(r0, ROWS, m)
     col_ok = _ok(j * BLOCK, BLOCK, c)
@@ -88,7 +105,7 @@ def _rows_kernel(x_ref, v_ref, s_ref, *, m, c, fp8):
     at = (pl.ds(r0, ROWS), pl.ds(j * BLOCK, BLOCK))
     x = plgpu.load(x_ref.at[at], mask=mask, other=0.0).astype(jnp.float32)
     scale, inverse = ref.scale_and_inverse(ref.amax(x, axis=1), fp8)
-    plgpu.store(v_ref.at[at], ref.to_fp8(x, inverse[:, None], fp8), mask=mask)
+    plgpu.store(v_ref.at[at], _to_fp8(x, inverse[:, None], fp8, interpret), mask=mask)
     plgpu.store(s_ref.at[j, pl.ds(r0, ROWS)], scale, mask=row_ok)
 
 
@@ -100,7 +117,7 @@ def rows(x: jax.Array, dtype, *, interpret: bool = False) -> tuple[jax.Array, ja
     out = (sharding.out_struct((m, c), dtype, like=x),
            sharding.out_struct((_cdiv(c, BLOCK), m), jnp.float32, like=x))
     return pl.pallas_call(
-        functools.partial(_rows_kernel, m=m, c=c, fp8=dtype),
+        functools.partial(_rows_kernel, m=m, c=c, fp8=dtype, interpret=interpret),
         out_shape=out,
         grid=(_cdiv(m, ROWS), _cdiv(c, BLOCK)),
         compiler_params=_params(),
@@ -113,7 +130,7 @@ def rows(x: jax.Array, dtype, *, interpret: bool = False) -> tuple[jax.Array, ja
 # --------------------------------------------------------------------------- token blocks
 
 
-def _token_kernel(start_ref, rows_ref, x_ref, v_ref, s_ref, *, c, fp8, transpose):
+def _token_kernel(start_ref, rows_ref, x_ref, v_ref, s_ref, *, c, fp8, transpose, interpret):
     t, j = pl.program_id(0), pl.program_id(1)
     start, count = start_ref[t], rows_ref[t]
     cols = pl.ds(j * COLUMNS, COLUMNS)
@@ -125,7 +142,7 @@ def _token_kernel(start_ref, rows_ref, x_ref, v_ref, s_ref, *, c, fp8, transpose
         x = plgpu.load(x_ref.at[pl.ds(start, BLOCK), cols],
                        mask=row_ok[:, None] & col_ok[None, :], other=0.0).astype(jnp.float32)
         scale, inverse = ref.scale_and_inverse(ref.amax(x, axis=0), fp8)
-        values = ref.to_fp8(x, inverse[None, :], fp8)
+        values = _to_fp8(x, inverse[None, :], fp8, interpret)
         if transpose:  # the whole block, zeros past `count` (a select: NaN-safe)
             values = jnp.where(row_ok[:, None], values, jnp.zeros_like(values))
             plgpu.store(v_ref.at[cols, pl.ds(t * BLOCK, BLOCK)], values.T,
@@ -152,7 +169,8 @@ def token_blocks(x: jax.Array, start: jax.Array, rows: jax.Array, dtype, *, tran
     out = (sharding.out_struct(shape, dtype, like=x),
            sharding.out_struct((start.shape[0], c), jnp.float32, like=x))
     return pl.pallas_call(
-        functools.partial(_token_kernel, c=c, fp8=dtype, transpose=transpose),
+        functools.partial(_token_kernel, c=c, fp8=dtype, transpose=transpose,
+                          interpret=interpret),
         out_shape=out,
         grid=(start.shape[0], _cdiv(c, COLUMNS)),
         compiler_params=_params(TOKEN_NUM_WARPS),
@@ -172,13 +190,13 @@ def _block_amax(w):
     return ref.amax_of_bits(jnp.max(jnp.max(bits, axis=1), axis=0))
 
 
-def _weight_kernel(w_ref, v_ref, s_ref, *, k, n, fp8, transpose):
+def _weight_kernel(w_ref, v_ref, s_ref, *, k, n, fp8, transpose, interpret):
     gi, kb, nb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     mask = _ok(kb * BLOCK, BLOCK, k)[:, None] & _ok(nb * BLOCK, BLOCK, n)[None, :]
     ks, ns = pl.ds(kb * BLOCK, BLOCK), pl.ds(nb * BLOCK, BLOCK)
     w = plgpu.load(w_ref.at[gi, ks, ns], mask=mask, other=0.0).astype(jnp.float32)
     scale, inverse = ref.scale_and_inverse(_block_amax(w), fp8)
-    values = ref.to_fp8(w, inverse, fp8)
+    values = _to_fp8(w, inverse, fp8, interpret)
     if transpose:
         plgpu.store(v_ref.at[gi, ns, ks], values.T, mask=mask.T)
         plgpu.store(s_ref.at[gi, nb, kb], scale)
@@ -200,7 +218,8 @@ def weight_blocks(w: jax.Array, dtype, *, transpose: bool,
     out = (sharding.out_struct(shape, dtype, like=w),
            sharding.out_struct(scales, jnp.float32, like=w))
     return pl.pallas_call(
-        functools.partial(_weight_kernel, k=k, n=n, fp8=dtype, transpose=transpose),
+        functools.partial(_weight_kernel, k=k, n=n, fp8=dtype, transpose=transpose,
+                          interpret=interpret),
         out_shape=out,
         grid=(g, kb, nb),
         compiler_params=_params(),
