@@ -336,18 +336,13 @@ def main(argv=None):
     args = p.parse_args(argv)
     out = os.environ.get("OUT", ".")
     os.makedirs(out, exist_ok=True)
-    if args.forward_variants:
-        forward_variants(out, args.smoke)
-        return
-    if args.token_variants:
-        token_variants(out, args.smoke)
-        return
-    if args.cast_variants:
-        cast_variants(out, args.smoke)
-        return
-    if args.paired_gate_up:
-        paired_gate_up(out, args.smoke)
-        return
+    # Each of these flags runs its sweep alone (the first set, in this order).
+    alone = {"forward_variants": forward_variants, "token_variants": token_variants,
+             "cast_variants": cast_variants, "paired_gate_up": paired_gate_up}
+    for flag, sweep in alone.items():
+        if getattr(args, flag):
+            sweep(out, args.smoke)
+            return
     quantizers(out, args.smoke)
     if args.stages:
         kernels(out, args.smoke)

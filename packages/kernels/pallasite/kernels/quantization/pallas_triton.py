@@ -24,9 +24,8 @@ weights, against 1.93 for the XLA form, on an H200 on 2026-12-03: docs/performan
 The scale and rounding are the oracle's functions (pallasite.reference.quantization),
 traced into the kernel body, so both compute the same expressions; the one exception is
 the clip to the finite range before the cast, which a compiled kernel leaves to the cast
-itself (`_to_fp8`). Loads and stores are
-masked: no dimension needs padding. Each element is read once (2 bytes for bf16) and
-written once (1 byte), plus the scales.
+itself (`_to_fp8`). Loads and stores are masked: no dimension needs padding. Each
+element is read once (2 bytes for bf16) and written once (1 byte), plus the scales.
 """
 
 from __future__ import annotations
