@@ -199,17 +199,14 @@ def paired_gate_up(out, smoke: bool):
         sizes = ref_inputs.aligned_group_sizes(jax.random.key(1234), m, g)
         dh = jax.random.normal(jax.random.key(1), (m, f), jnp.bfloat16)
         args = (*q.rows(x, F8), *_weight_blocks(q, w, transpose=True))
-        bs = mgpu_fp8.DEFAULT
-        call = functools.partial(mgpu_fp8.gmm_call, group_offset=None, bs=bs,
+        call = functools.partial(mgpu_fp8.gmm_call, group_offset=None, bs=mgpu_fp8.DEFAULT,
                                  interpret=interpret)
+        paired = functools.partial(fused.paired_call, activation="swiglu", interpret=interpret)
         runs = {
             "plain_pre_bf16": lambda a: call(*a, sizes, 2 * f, out_dtype=jnp.bfloat16),
-            "quantized_h": lambda a: call(
-                *a, sizes, f, out_dtype=F8, epilogue="quantized_h",
-                finish=lambda gate, up: fused._quantized_h(gate, up, "swiglu")),
-            "d_pre": lambda a: call(
-                *a[:4], sizes, f, out_dtype=jnp.bfloat16, epilogue="d_pre", extra=(a[4],),
-                finish=lambda gate, up, d: fused.epilogue.d_pre(gate, up, d, "swiglu")),
+            "quantized_h": lambda a: paired(*a, sizes, kind="quantized_h"),
+            "d_pre": lambda a: paired(*a[:4], sizes, kind="d_pre", dh=a[4],
+                                      out_dtype=jnp.bfloat16),
         }
         for kernel, fn in runs.items():
             t = _time(fn, [args + (dh,) if kernel == "d_pre" else args])

@@ -1,5 +1,6 @@
-"""Every pallas_call's cost estimate (31 call sites: the grouped gmm and tgmm of three
-backends, the fp8 gmm and tgmm of two, the three fp8 quantizers, five SSD Triton kernels,
+"""Every pallas_call's cost estimate (32 call sites: the grouped gmm and tgmm of three
+backends, the fp8 gmm and tgmm of two, grouped_mlp's paired fp8 gate-up on Mosaic GPU,
+the three fp8 quantizers, five SSD Triton kernels,
 the SSD Mosaic TPU forward and backward, the two decode steps, the chunked gated delta
 rule's three forward and three backward Triton kernels and its Mosaic TPU forward and
 backward, grouped_mlp's Mosaic GPU gate-up; its Triton gate-up and down kernels share the
@@ -252,6 +253,31 @@ def test_fp8_mosaic_gpu():
     p = 128 * t
     _check(tgmm, 2 * kp * p * np_, 0, 2 * G * 4 + _bytes(
         ((kp, p), F8), ((t, kp), F32), ((np_, p), F8), ((t, np_), F32), ((G, kp, np_), F32)))
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+def test_fp8_gate_up_mosaic_gpu(activation):
+    """grouped_mlp's paired fp8 gate-up: m 300 -> 304, k 200 -> 256, f 128 (gate and up
+    each); its 64-row tile table rides along, the forward writes h's e4m3 values and a
+    slot of 64 row scales per (row tile, column tile), the gradient reads dh and writes
+    d(pre) [m, 2f]."""
+    from pallasite.kernels.expert_mlp import pallas_mosaic_gpu_fp8 as fused
+
+    f, mp, kp = 128, 304, 256
+    lhs, lhs_scales, rhs, rhs_scales = _fp8_operands(QK, 2 * f)
+    table, count = jax.eval_shape(lambda s: pallas_mosaic_gpu._row_tile_table(s, mp, 64), SIZES)
+    ins = _bytes((table.shape, I32), (count.shape, I32), ((mp, kp), F8), ((kp // 128, mp), F32),
+                 ((G, 2 * f, kp), F8), ((G, 2 * f // 128, kp // 128), F32))
+    (fwd,), = _calls(lambda *a: fused.paired_call(*a, SIZES, kind="quantized_h",
+                                                  activation=activation),
+                     lhs, lhs_scales, rhs, rhs_scales).values()
+    _check(fwd, 2 * mp * kp * 2 * f + _EPILOGUE[activation, False] * mp * f, mp * f,
+           ins + _bytes(((mp, f), F8), ((table.shape[1], f // 128, 64), F32)))
+    (grad,), = _calls(lambda *a: fused.paired_call(*a[:4], SIZES, kind="d_pre", dh=a[4],
+                                                   activation=activation, out_dtype=BF16),
+                      lhs, lhs_scales, rhs, rhs_scales, S((QM, f), BF16)).values()
+    _check(grad, 2 * mp * kp * 2 * f + _EPILOGUE[activation, True] * mp * f, mp * f,
+           ins + _bytes(((mp, f), BF16), ((mp, 2 * f), BF16)))
 
 
 def test_quantizers():

@@ -37,26 +37,23 @@ the paired gate-up ran at about half the fp8 gmm's rate at mixtral's dims
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float, Int, Shaped
 
 from pallasite.kernels import sharding
 from pallasite.kernels.expert_mlp import costs, epilogue
+from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu as bf16
 from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu_fp8 as base
+from pallasite.kernels.grouped_matmul.group_metadata import local_groups
 from pallasite.reference import quantization as ref
 
 FP8 = base.FP8
 BLOCK = base.BLOCK
-
-
-def _quantized_h(gate, up, activation: str):
-    """(h's e4m3 values, one scale per row) for h = act(gate) * up over a consumer's
-    64 x 128 tile, whose rows' 128 columns are one 1 x 128 block each: the oracle's amax,
-    scale and rounding (pallasite.reference.quantization), the broadcast written out."""
-    h = epilogue.gated(gate, up, activation)
-    scale, inverse = ref.scale_and_inverse(ref.amax(h, axis=1), FP8)
-    return ref.to_fp8(h, lax.broadcast_in_dim(inverse, h.shape, [0]), FP8), scale
 
 
 @sharding.local_operands("grouped_mlp")
@@ -80,27 +77,17 @@ def gate_up_quantized(
     m, f = lhs.shape[0], rhs.shape[2] // 2
     if 0 in lhs.shape or f == 0 or rhs.shape[0] == 0:
         return jnp.zeros((m, f), FP8), jnp.ones((f // BLOCK, m), jnp.float32)
-    return _paired(lhs, rhs, group_sizes, "quantized_h", (), FP8,
-                   lambda gate, up: _quantized_h(gate, up, activation), activation,
-                   group_offset, block_sizes, interpret, "grouped_mlp_gate_up_fp8_mosaic_gpu")
+    return paired_call(*_quantized_operands(lhs, rhs, group_sizes, interpret), group_sizes,
+                       kind="quantized_h", activation=activation, group_offset=group_offset,
+                       block_sizes=block_sizes, interpret=interpret)
 
 
-def _paired(lhs, rhs, group_sizes, kind, extra, out_dtype, finish, activation, group_offset,
-            block_sizes, interpret, name):
-    """lhs quantized in 1 x 128 blocks and rhs in 128 x 128 (written K-major, [g, 2f, k]),
-    then the fp8 gmm with the gate and up tiles paired and epilogue `kind`."""
+def _quantized_operands(lhs, rhs, group_sizes, interpret):
+    """lhs in 1 x 128 blocks and rhs in 128 x 128 (written K-major, [g, 2f, k])."""
     base._check(lhs, rhs, group_sizes)
-    (m, k), f = lhs.shape, rhs.shape[2] // 2
-    epilogue.check_fp8_f(f, BLOCK)
+    epilogue.check_fp8_f(rhs.shape[2] // 2, BLOCK)
     q = base._quantizer(interpret)
-    lhs_q, lhs_scales_t = q.rows(lhs, FP8)
-    rhs_q, rhs_scales = q.weight_blocks(rhs, FP8, transpose=True)
-    return base.gmm_call(
-        lhs_q, lhs_scales_t, rhs_q, rhs_scales, group_sizes, f, group_offset=group_offset,
-        out_dtype=out_dtype, bs=block_sizes or base.DEFAULT, interpret=interpret,
-        epilogue=kind, extra=extra, finish=finish,
-        cost_of=lambda **io: costs.gate_up(m, k, f, FP8, activation, grad=bool(extra), **io),
-        name=name)
+    return (*q.rows(lhs, FP8), *q.weight_blocks(rhs, FP8, transpose=True))
 
 
 @sharding.local_operands("grouped_mlp")
@@ -159,10 +146,9 @@ def gate_up_grad_quantized(
     out_dtype = jnp.dtype(out_dtype)
     if 0 in lhs.shape or f == 0 or rhs.shape[0] == 0:
         return jnp.zeros((m, 2 * f), out_dtype)
-    return _paired(lhs, rhs, group_sizes, "d_pre", (dh.astype(out_dtype),), out_dtype,
-                   lambda gate, up, dh: epilogue.d_pre(gate, up, dh, activation), activation,
-                   group_offset, block_sizes, interpret,
-                   "grouped_mlp_gate_up_grad_fp8_mosaic_gpu")
+    return paired_call(*_quantized_operands(lhs, rhs, group_sizes, interpret), group_sizes,
+                       kind="d_pre", activation=activation, group_offset=group_offset, dh=dh,
+                       out_dtype=out_dtype, block_sizes=block_sizes, interpret=interpret)
 
 
 @sharding.local_operands("grouped_mlp")
@@ -201,3 +187,229 @@ def down_weighted_grad_quantized(
                base._pad_to(h.astype(jnp.float32), 1, BLOCK)),  # whole TMA boxes
         cost_of=lambda **io: costs.down_weighted(m, f, n, FP8, grad=True, **io),
         name="grouped_mlp_down_grad_fp8_mosaic_gpu")
+
+
+# ------------------------------------------------------------- the paired gate-up
+
+_ROWS = base._CONSUMER_ROWS  # a row tile: 64 rows, read by both consumers
+_HALF = BLOCK // 2  # each consumer's columns of h's 128-column tile
+PAIRED_KINDS = ("quantized_h", "d_pre")
+
+
+def _slot_transforms(dtype, cols: int) -> tuple:
+    """Swizzle for a [rows, cols] SMEM slot stored by TMA row boxes (tiles of one row):
+    128 bytes, or the row's width where it is narrower (64 e4m3 values)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = min(128, cols * itemsize)
+    return (plgpu.TilingTransform((1, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _promote_pair(totals, a, b_tiles, scales, live):
+    """base._promote of the gate and the up product at once: both issued into fresh
+    accumulators, then waited for and promoted, each with its scale() ([64, 64], zero
+    where not `live`)."""
+    shape = (_ROWS, _HALF)
+
+    def gate_scope(gate_acc):
+        def up_scope(up_acc):
+            @pl.when(live)
+            def _():
+                plgpu.wgmma(gate_acc, a, b_tiles[0].transpose((1, 0)))
+                plgpu.wgmma(up_acc, a, b_tiles[1].transpose((1, 0)))
+
+            gate_factor, up_factor = scales[0](), scales[1]()
+            return (totals[0] + gate_acc[...] * gate_factor,
+                    totals[1] + up_acc[...] * up_factor)
+
+        return pl.run_scoped(up_scope, plgpu.ACC(shape, jnp.float32))
+
+    return pl.run_scoped(gate_scope, plgpu.ACC(shape, jnp.float32))
+
+
+def _paired_stages(bs, out_dtype, kind: str, dh_dtype) -> int:
+    """bs.stages cut to what shared memory holds: a stage is the 64 x 128 A tile, its 64
+    row scales and the gate and up 128 x 128 B tiles; each consumer has a 64 x 64 output
+    slot, and "quantized_h" its amax slots and the scale row, "d_pre" a dh tile."""
+    per_stage = _ROWS * BLOCK + 2 * BLOCK * BLOCK + _ROWS * 4
+    scratch = 2 * _ROWS * _HALF * jnp.dtype(out_dtype).itemsize
+    scratch += (2 * 2 * _ROWS * 4 + _ROWS * 4 if kind == "quantized_h"
+                else 2 * _ROWS * _HALF * jnp.dtype(dh_dtype).itemsize)
+    return int(min(bs.stages, (bf16._SMEM_BYTES - scratch) // per_stage))
+
+
+def _paired_kernel(k: int, f: int, g: int, bs, stages: int, kind: str, activation: str):
+    """The paired gate-up on a persistent grid of 64-row tiles: a tile is 64 rows of x
+    and one 128-column tile of h; the producer streams the A tile and the gate's and the
+    up's 128 x 128 B tiles; consumer c computes h's columns [64 c, 64 c + 64) of the tile
+    from the rows [64 c, 64 c + 64) of both B tiles. Its totals, gate and up, hold 64 x 64
+    fp32 each, and its two fresh accumulators as many: the 64 x 128 tile of the plain
+    gmm in registers. For "quantized_h" the two consumers exchange their rows' amax
+    through shared memory (one barrier, slots alternating per tile) so that each row's
+    scale covers its whole 1 x 128 block of h."""
+    grid_n = f // BLOCK
+    k_steps = k // BLOCK
+    index = lambda kk: (0, kk)  # noqa: E731 - A and B blocks of pipeline step kk
+    spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
+    specs = [spec((_ROWS, BLOCK), index, transforms=base._transforms(FP8)),
+             spec((1, _ROWS), lambda kk: (kk, 0)),
+             spec((BLOCK, BLOCK), index, transforms=base._transforms(FP8)),
+             spec((BLOCK, BLOCK), index, transforms=base._transforms(FP8))]
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def body(table_gmem, count_gmem, lhs_gmem, lhs_scales_gmem, rhs_gmem, rhs_scales_gmem,
+             *refs):
+        if kind == "d_pre":
+            dh_gmem, out_gmem = refs
+        else:
+            out_gmem, scales_gmem = refs
+        num_tiles = count_gmem[0]
+        wg = lax.axis_index("wg")
+        mine = pl.ds(wg * _HALF, _HALF)
+        ignore = lambda *_, **__: None  # noqa: E731 - allocations do not depend on the body
+        b_block = rhs_gmem.at[0, pl.ds(0, BLOCK)]
+        allocs = base._pipeline(ignore, ignore, specs, stages, stages).get_allocations(
+            lhs_gmem.at[pl.ds(0, _ROWS)], lhs_scales_gmem.at[:, pl.ds(0, _ROWS)],
+            b_block, b_block)
+        scratch = dict(o_smem=plgpu.SMEM((2, _ROWS, _HALF), out_gmem.dtype,
+                                         transforms=_slot_transforms(out_gmem.dtype, _HALF)))
+        if kind == "quantized_h":
+            scratch.update(amax_smem=plgpu.SMEM((2, 2, _ROWS), jnp.float32),
+                           amax_ready=plgpu.Barrier(num_arrivals=2),
+                           s_smem=plgpu.SMEM((_ROWS,), jnp.float32))
+        else:
+            scratch.update(dh_smem=plgpu.SMEM((2, _ROWS, _HALF), dh_gmem.dtype,
+                                              transforms=bf16._swizzle_transforms(dh_gmem.dtype)),
+                           dh_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2))
+
+        @functools.partial(pl.run_scoped, allocations=allocs, collective_axes="wg", **scratch)
+        def _(allocations, o_smem, amax_smem=None, amax_ready=None, s_smem=None,
+              dh_smem=None, dh_ready=None):
+            @plgpu.nd_loop((num_tiles * grid_n,), collective_axes="sm")
+            def _(info):
+                mi, ni, seg, load0, row0, rows, live = bf16._row_tile(
+                    table_gmem, info.index[0], num_tiles, grid_n, bs, g)
+                gi = jnp.minimum(seg, g - 1)
+                col = ni * BLOCK + wg * _HALF  # this consumer's first column of h
+
+                def mma(idx, a_smem, a_scales_smem, gate_smem, up_smem, totals):
+                    def scale_of(col_block):
+                        def scale():
+                            row_scales = (plgpu.load(a_scales_smem.at[0], layout=row_layout)
+                                          * rhs_scales_gmem[gi, col_block, idx[0]])
+                            return lax.broadcast_in_dim(base._where(live, row_scales),
+                                                        (_ROWS, _HALF), [0])
+                        return scale
+
+                    return _promote_pair(totals, a_smem, (gate_smem.at[mine], up_smem.at[mine]),
+                                         (scale_of(ni), scale_of(grid_n + ni)), live)
+
+                def compute_context(run_pipeline):
+                    if kind == "d_pre":  # the dh tile arrives during the k loop
+                        plgpu.copy_gmem_to_smem(dh_gmem.at[pl.ds(load0, _ROWS), pl.ds(col, _HALF)],
+                                                dh_smem.at[wg], dh_ready.at[wg])
+                    gate, up = run_pipeline((_zeros(), _zeros()))
+                    if kind == "quantized_h":
+                        h = epilogue.gated(gate, up, activation)
+                        slots = amax_smem.at[info.local_index % 2]
+                        slots.at[wg][...] = ref.amax(h, axis=1)
+                        plgpu.barrier_arrive(amax_ready)
+                        plgpu.barrier_wait(amax_ready)
+                        amax = jnp.maximum(plgpu.load(slots.at[0], layout=row_layout),
+                                           plgpu.load(slots.at[1], layout=row_layout))
+                        scale, inverse = ref.scale_and_inverse(amax, FP8)
+                        outs = [(ref.to_fp8(h, lax.broadcast_in_dim(inverse, h.shape, [0]), FP8),
+                                 col)]
+                    else:
+                        plgpu.barrier_wait(dh_ready.at[wg])
+                        d_gate, d_up = epilogue.d_pre(
+                            gate, up, dh_smem.at[wg][...].astype(jnp.float32), activation)
+                        outs = [(d_gate, col), (d_up, f + col)]
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slots free again
+                    lo = jnp.maximum(row0 - load0, 0)  # the tile's rows that are the group's
+                    hi = jnp.minimum(row0 - load0 + rows, _ROWS)
+                    for i, (out, at) in enumerate(outs):
+                        if i:
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        bf16._store_rows_from(out, o_smem.at[wg], out_gmem, load0 + lo,
+                                              jnp.maximum(hi - lo, 0), lo, at, _ROWS)
+                    if kind == "quantized_h":  # the tile's row scales, into its slot
+                        @pl.when(wg == 0)
+                        def _():
+                            s_smem[...] = scale
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(s_smem, scales_gmem.at[mi, ni])
+
+                weights = rhs_gmem.at[gi]
+                base._pipeline(mma, compute_context, specs, stages,
+                               bf16._k_steps(live, k_steps, 0))(
+                    lhs_gmem.at[pl.ds(load0, _ROWS)], lhs_scales_gmem.at[:, pl.ds(load0, _ROWS)],
+                    weights.at[pl.ds(ni * BLOCK, BLOCK)],
+                    weights.at[pl.ds(f + ni * BLOCK, BLOCK)], allocations=allocations)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    return body
+
+
+def _zeros():
+    return plgpu.layout_cast(jnp.zeros((_ROWS, _HALF), jnp.float32), plgpu.Layout.WGMMA)
+
+
+def paired_call(lhs, lhs_scales_t, rhs, rhs_scales, group_sizes, *, kind: str,
+                activation: str, group_offset=None, dh=None, out_dtype=FP8,
+                block_sizes: base.MosaicGpuFp8BlockSizes | None = None,
+                interpret: bool = False, name: str | None = None):
+    """The paired gate-up on operands already quantized: lhs [m, k] e4m3 with scales
+    [ceil(k / 128), m], rhs [g, 2f, k] (K-major, the gate's f rows, then the up's) with
+    scales [g, 2f / 128, ceil(k / 128)]. kind "quantized_h": (h's e4m3 values [m, f], their
+    scales [f / 128, m]); "d_pre": d(pre) [m, 2f] in out_dtype from dh [m, f]."""
+    if kind not in PAIRED_KINDS:
+        raise ValueError(f"kind={kind!r}: one of {PAIRED_KINDS}")
+    m, k = lhs.shape
+    g, f = rhs.shape[0], rhs.shape[1] // 2
+    epilogue.check_fp8_f(f, BLOCK)
+    bs = block_sizes or base.DEFAULT
+    kp = -(-k // BLOCK) * BLOCK
+    lhs_p = base._pad_to(base._pad_to(lhs, 1, BLOCK), 0, 8, BLOCK)
+    scales_p = base._pad_to(lhs_scales_t, 1, 8, BLOCK, value=1.0)
+    rhs_p = base._pad_to(rhs, 2, BLOCK)
+    mp = lhs_p.shape[0]
+    sizes, row_start = local_groups(group_sizes, group_offset, g)
+    table, count = bf16._row_tile_table(sizes, mp, _ROWS, row_start)
+    if kind == "d_pre":
+        dh = base._pad_to(dh.astype(out_dtype), 0, 8, BLOCK)
+        out_types = (sharding.out_struct((mp, 2 * f), out_dtype, like=lhs),)
+        inputs = (table, count, lhs_p, scales_p, rhs_p, rhs_scales, dh)
+    else:
+        out_types = (sharding.out_struct((mp, f), FP8, like=lhs),
+                     sharding.out_struct((table.shape[1], f // BLOCK, _ROWS), jnp.float32,
+                                         like=lhs))
+        inputs = (table, count, lhs_p, scales_p, rhs_p, rhs_scales)
+    stages = _paired_stages(bs, out_types[0].dtype, kind, out_dtype)
+    if stages < 2:
+        raise ValueError(f"{name}: {bs} leaves fewer than two stages in shared memory")
+    call = pl.kernel(
+        _paired_kernel(kp, f, g, bs, min(stages, kp // BLOCK), kind, activation),
+        out_type=out_types if len(out_types) > 1 else out_types[0],
+        mesh=base._mesh(interpret),
+        compiler_params=bf16._compiler_params(),
+        interpret=bf16._interpret_params(interpret),
+        cost_estimate=costs.gate_up(mp, kp, f, FP8, activation, grad=kind == "d_pre",
+                                    inputs=inputs, outputs=out_types),
+        name=name or f"grouped_mlp_gate_up{'_grad' if kind == 'd_pre' else ''}_fp8_mosaic_gpu",
+    )
+    out = call(*inputs)
+    if kind == "d_pre":
+        return out[:m]
+    values, parts = out
+    return values[:m], h_scales(parts, table, count, m)
+
+
+def h_scales(parts, table, count, m: int):
+    """[f / 128, m] fp32 from the "quantized_h" kernel's per-(row tile, column tile)
+    slots of 64 row scales: each row's from the one tile that holds it as a valid row
+    (bf16.tile_rows; rows of no group included: their tiles store zeros with scale 1)."""
+    row, valid = bf16.tile_rows(table, count, parts.shape[-1])
+    at = jnp.where(valid, row, m).reshape(-1)  # m: dropped
+    per_tile = jnp.moveaxis(parts, 1, 0).reshape(parts.shape[1], -1)
+    return jnp.ones((parts.shape[1], m), jnp.float32).at[:, at].set(per_tile, mode="drop")

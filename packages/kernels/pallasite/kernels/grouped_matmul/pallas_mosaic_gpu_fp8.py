@@ -140,14 +140,14 @@ def refusal(compute, operands, *, on_device: bool) -> str | None:
 
 
 def _stages(bs: MosaicGpuFp8BlockSizes, out_bytes: int, depth: int = 1, strips: bool = True,
-            b_tiles: int = 1, extra_bytes: int = 0) -> tuple[int, int]:
+            extra_bytes: int = 0) -> tuple[int, int]:
     """(stages, epilogue strip): bs.stages cut to what shared memory holds. A stage holds
-    `depth` steps of A and `b_tiles` B tiles (fp8, 128 x 128 each; two for the gate-up's
-    paired product) and two [128] fp32 scale vectors; each consumer has one 64 x strip
+    `depth` steps of A and B (fp8, 128 x 128 each) and two [128] fp32 scale vectors;
+    each consumer has one 64 x strip
     output slot, and an epilogue `extra_bytes` more. The strip is 128 columns, or 64 (the
     tile stored in two strips, gmm's ragged stores only: `strips`) where that lets one
     more stage fit."""
-    per_stage = depth * ((1 + b_tiles) * BLOCK * BLOCK + 2 * BLOCK * 4)
+    per_stage = depth * (2 * BLOCK * BLOCK + 2 * BLOCK * 4)
 
     def fit(strip):
         free = bf16._SMEM_BYTES - 2 * _CONSUMER_ROWS * strip * out_bytes - extra_bytes
@@ -236,16 +236,14 @@ def _pipeline(mma, compute_context, in_specs, stages, steps):
         num_compute_wgs=2, max_concurrent_steps=stages, compute_context=compute_context)
 
 
-def _specs(index_a, index_b, b_scales_block, depth: int = 1, cluster: int = 1,
-           b_tiles: int = 1):
-    """In specs: A [128, 128 depth], A's scales [depth, 128], `b_tiles` B blocks [128,
-    128 depth] (two for the gate-up: the gate's and the up's), and B's scales.
-    cluster 2: A and its scales multicast to the cluster's two programs."""
+def _specs(index_a, index_b, b_scales_block, depth: int = 1, cluster: int = 1):
+    """In specs: A [128, 128 depth], A's scales [depth, 128], B [128, 128 depth], and B's
+    scales. cluster 2: A and its scales multicast to the cluster's two programs."""
     spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
     shared = functools.partial(spec, collective_axes=("cluster",) if cluster > 1 else None)
     specs = [shared((BLOCK, depth * BLOCK), index_a, transforms=_transforms(FP8)),
              shared((depth, BLOCK), lambda kk: (index_a(kk)[1], 0))]
-    specs += [spec((BLOCK, depth * BLOCK), index_b, transforms=_transforms(FP8))] * b_tiles
+    specs.append(spec((BLOCK, depth * BLOCK), index_b, transforms=_transforms(FP8)))
     if b_scales_block is not None:
         specs.append(spec(b_scales_block, lambda kk: (index_b(kk)[1], 0)))
     return specs
@@ -256,46 +254,30 @@ def _specs(index_a, index_b, b_scales_block, depth: int = 1, cluster: int = 1,
 # gmm's epilogues: what a tile's fp32 totals become, and the operands and outputs each
 # adds (gmm_call). None: the sums rounded to the output dtype. "weighted": one more
 # operand, fp32 row weights [m], which scale each row's sums before the rounding (the
-# grouped_mlp down product). "quantized_h": the paired gate-up (two totals, gate and up,
-# for 128 columns of h), which a caller's `finish(gate, up)` turns into (e4m3 values,
-# one scale per row): h quantized per row over the tile's 128 columns, one 1 x 128 block
-# (expert_mlp.pallas_mosaic_gpu_fp8). A second output [tiles, n / 128, 2, 64] fp32 takes
-# each consumer's 64 row scales (h_scales assembles them). "d_pre": the paired gate-up's
-# backward half, one more operand dh [m, n] (its tile in by TMA during the k loop);
-# `finish(gate, up, dh)` gives (d gate, d up), stored into the gate and up columns of an
-# [m, 2n] output. "weighted_grad": the down product's backward for h (this product as
-# dx, t = dy W^T): operands the row weights [m] and h [m, n] fp32 (tiles in by TMA
-# during the k loop); the output is dh = weights * t, and a second output
+# grouped_mlp down product). "weighted_grad": the down product's backward for h (this
+# product as dx, t = dy W^T): operands the row weights [m] and h [m, n] fp32 (tiles in
+# by TMA during the k loop); the output is dh = weights * t, and a second output
 # [tiles, n / 128, 2, 64] fp32 takes each consumer's per-row sum of h * t over its
 # columns (its share of d row_weights; pallas_mosaic_gpu._row_parts sums them).
-EPILOGUES = (None, "weighted", "quantized_h", "d_pre", "weighted_grad")
-_EPILOGUE_OPERANDS = {None: 0, "weighted": 1, "quantized_h": 0, "d_pre": 1, "weighted_grad": 2}
-_PAIRED = ("quantized_h", "d_pre")
-# What each epilogue adds to a consumer's shared memory (_gmm_kernel's scratch): a
-# 64-row fp32 slot for the row weights, a 64-row fp32 slot for its per-row results, and
-# a 64 x 128 operand tile (dh, or h).
-_WEIGHTS_SLOT = ("weighted", "weighted_grad")
-_ROW_SLOT = ("quantized_h", "weighted_grad")
-_TILE_IN = ("d_pre", "weighted_grad")
+# grouped_mlp's paired gate-up is its own kernel (expert_mlp.pallas_mosaic_gpu_fp8).
+EPILOGUES = (None, "weighted", "weighted_grad")
+_EPILOGUE_OPERANDS = {None: 0, "weighted": 1, "weighted_grad": 2}
 
 
-def _epilogue_scratch_bytes(epilogue: str | None, tile_dtype=None) -> int:
-    """Shared memory `epilogue`'s scratch takes for both consumers (the slots above;
-    the operand tile in tile_dtype)."""
-    slots = (epilogue in _WEIGHTS_SLOT) + (epilogue in _ROW_SLOT)
-    tile = BLOCK * jnp.dtype(tile_dtype).itemsize if epilogue in _TILE_IN else 0
+def _epilogue_scratch_bytes(epilogue: str | None) -> int:
+    """Shared memory `epilogue`'s scratch takes for both consumers: a 64-row fp32 slot
+    for the row weights, and for "weighted_grad" one for its row sums and a 64 x 128
+    fp32 h tile."""
+    slots = {None: 0, "weighted": 1, "weighted_grad": 2}[epilogue]
+    tile = BLOCK * 4 if epilogue == "weighted_grad" else 0
     return 2 * _CONSUMER_ROWS * (4 * slots + tile)
 
 
 def _gmm_kernel(m, k, n, g, bs: MosaicGpuFp8BlockSizes, stages: int, strip: int, depth: int,
-                cluster: int, epilogue: str | None = None, finish=None):
+                cluster: int, epilogue: str | None = None):
     """depth: 128-deep steps per pipeline step (steps_per_stage); strip: the epilogue's
     slot width (_stages); cluster: programs per cluster, on adjacent column tiles;
-    epilogue: one of EPILOGUES ("quantized_h" and "d_pre" pair the B tiles: rhs [g, 2n, k]
-    holds the gate's n rows, then the up's; depth and cluster 1; `finish` their last
-    step)."""
-    pair = epilogue in _PAIRED
-    assert not pair or (depth == 1 and cluster == 1)
+    epilogue: one of EPILOGUES."""
     grid_n = n // BLOCK
     # The snake walks (row tile, column tiles of a cluster); its width in those units.
     snake = dataclasses.replace(bs, grid_block_n=max(bs.grid_block_n // cluster, 1))
@@ -308,34 +290,27 @@ def _gmm_kernel(m, k, n, g, bs: MosaicGpuFp8BlockSizes, stages: int, strip: int,
         extra_gmem, (out_gmem, *parts_gmem) = refs[:operands], refs[operands:]
         num_tiles = count_gmem[0]
         wg = lax.axis_index("wg")
-        specs = _specs(index, index, None, depth, cluster, 2 if pair else 1)
+        specs = _specs(index, index, None, depth, cluster)
         ignore = lambda *_, **__: None  # noqa: E731 - allocations do not depend on the body
         b_block = rhs_gmem.at[0, pl.ds(0, BLOCK)]
         allocs = _pipeline(ignore, ignore, specs, stages, stages).get_allocations(
-            lhs_gmem.at[pl.ds(0, BLOCK)], lhs_scales_gmem.at[:, pl.ds(0, BLOCK)],
-            *[b_block] * (2 if pair else 1))
+            lhs_gmem.at[pl.ds(0, BLOCK)], lhs_scales_gmem.at[:, pl.ds(0, BLOCK)], b_block)
         scratch = dict(o_smem=plgpu.SMEM((2, _CONSUMER_ROWS, strip), out_gmem.dtype,
                                          transforms=bf16._swizzle_transforms(out_gmem.dtype,
                                                                              rows=1)))
-        weighted = epilogue in _WEIGHTS_SLOT
+        weighted = epilogue is not None  # both epilogues read the row weights
         if weighted:
             scratch.update(w_smem=plgpu.SMEM((2, _CONSUMER_ROWS), jnp.float32),
                            w_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2))
-        if epilogue in _ROW_SLOT:
-            scratch.update(s_smem=plgpu.SMEM((2, _CONSUMER_ROWS), jnp.float32))
         if epilogue == "weighted_grad":
-            scratch.update(h_smem=plgpu.SMEM((2, _CONSUMER_ROWS, BLOCK), jnp.float32,
+            scratch.update(s_smem=plgpu.SMEM((2, _CONSUMER_ROWS), jnp.float32),
+                           h_smem=plgpu.SMEM((2, _CONSUMER_ROWS, BLOCK), jnp.float32,
                                              transforms=bf16._swizzle_transforms(jnp.float32)),
                            h_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2))
-        if epilogue == "d_pre":
-            dh_dtype = extra_gmem[0].dtype
-            scratch.update(dh_smem=plgpu.SMEM((2, _CONSUMER_ROWS, BLOCK), dh_dtype,
-                                              transforms=bf16._swizzle_transforms(dh_dtype)),
-                           dh_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2))
 
         @functools.partial(pl.run_scoped, allocations=allocs, collective_axes="wg", **scratch)
-        def _(allocations, o_smem, w_smem=None, w_ready=None, s_smem=None, dh_smem=None,
-              dh_ready=None, h_smem=None, h_ready=None):
+        def _(allocations, o_smem, w_smem=None, w_ready=None, s_smem=None, h_smem=None,
+              h_ready=None):
             @plgpu.nd_loop((num_tiles * (grid_n // cluster),), collective_axes="sm")
             def _(info):
                 mi, nc, seg, load0, row0, rows, live = bf16._row_tile(
@@ -352,21 +327,13 @@ def _gmm_kernel(m, k, n, g, bs: MosaicGpuFp8BlockSizes, stages: int, strip: int,
                                                     (_CONSUMER_ROWS, BLOCK), [0])
                     return scale
 
-                def mma(idx, a_smem, a_scales_smem, *b_and_total):
-                    *b_smem, total = b_and_total
+                def mma(idx, a_smem, a_scales_smem, b_smem, total):
                     rows = pl.ds(mine, _CONSUMER_ROWS)
-                    if pair:  # gate, then up: one fresh accumulator at a time
-                        a = a_smem.at[rows]
-                        gate = _promote(total[0], a, b_smem[0],
-                                        scale_of(idx, a_scales_smem, 0, ni), live)
-                        up = _promote(total[1], a, b_smem[1],
-                                      scale_of(idx, a_scales_smem, 0, grid_n + ni), live)
-                        return gate, up
                     a, b, scales = [], [], []
                     for j in range(depth):
                         scales.append(scale_of(idx, a_scales_smem, j, ni))
                         a.append(a_smem.at[rows, pl.ds(j * BLOCK, BLOCK)])
-                        b.append(b_smem[0].at[:, pl.ds(j * BLOCK, BLOCK)])
+                        b.append(b_smem.at[:, pl.ds(j * BLOCK, BLOCK)])
                     if depth == 1:
                         return _promote(total, a[0], b[0], scales[0], live)
                     return _promote_two(total, a, b, scales, live)
@@ -382,12 +349,7 @@ def _gmm_kernel(m, k, n, g, bs: MosaicGpuFp8BlockSizes, stages: int, strip: int,
                             extra_gmem[1].at[pl.ds(load0 + mine, _CONSUMER_ROWS),
                                              pl.ds(ni * BLOCK, BLOCK)],
                             h_smem.at[wg], h_ready.at[wg])
-                    if epilogue == "d_pre":
-                        plgpu.copy_gmem_to_smem(
-                            extra_gmem[0].at[pl.ds(load0 + mine, _CONSUMER_ROWS),
-                                             pl.ds(ni * BLOCK, BLOCK)],
-                            dh_smem.at[wg], dh_ready.at[wg])
-                    total = run_pipeline((_zeros(), _zeros()) if pair else _zeros())
+                    total = run_pipeline(_zeros())
                     outs = [(total, ni * BLOCK)]
                     if epilogue == "weighted_grad":  # this consumer's share: sum of h * t
                         plgpu.barrier_wait(h_ready.at[wg])
@@ -397,13 +359,6 @@ def _gmm_kernel(m, k, n, g, bs: MosaicGpuFp8BlockSizes, stages: int, strip: int,
                         weights = plgpu.load(w_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
                         outs = [(total * lax.broadcast_in_dim(weights, total.shape, [0]),
                                  ni * BLOCK)]
-                    if epilogue == "quantized_h":
-                        values, row_sums = finish(*total)  # the row scales
-                        outs = [(values, ni * BLOCK)]
-                    if epilogue == "d_pre":
-                        plgpu.barrier_wait(dh_ready.at[wg])
-                        d_gate, d_up = finish(*total, dh_smem.at[wg][...].astype(jnp.float32))
-                        outs = [(d_gate, ni * BLOCK), (d_up, n + ni * BLOCK)]
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slots free again
                     # This consumer's rows of the tile that are the group's.
                     lo = jnp.maximum(row0 - load0, mine)
@@ -414,18 +369,14 @@ def _gmm_kernel(m, k, n, g, bs: MosaicGpuFp8BlockSizes, stages: int, strip: int,
                         bf16._store_rows_from(out, o_smem.at[wg], out_gmem, load0 + lo,
                                               jnp.maximum(hi - lo, 0), lo - mine, col,
                                               _CONSUMER_ROWS)
-                    if epilogue in _ROW_SLOT:  # into the tile's slot
+                    if epilogue == "weighted_grad":  # the row sums, into the tile's slot
                         s_smem.at[wg][...] = row_sums
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(s_smem.at[wg], parts_gmem[0].at[mi, ni, wg])
 
-                weights = rhs_gmem.at[gi]
-                b_operands = [weights.at[pl.ds(ni * BLOCK, BLOCK)]]
-                if pair:
-                    b_operands.append(weights.at[pl.ds(n + ni * BLOCK, BLOCK)])
                 _pipeline(mma, compute_context, specs, stages, bf16._k_steps(live, k_steps, 0))(
                     lhs_gmem.at[pl.ds(load0, BLOCK)], lhs_scales_gmem.at[:, pl.ds(load0, BLOCK)],
-                    *b_operands, allocations=allocations)
+                    rhs_gmem.at[gi, pl.ds(ni * BLOCK, BLOCK)], allocations=allocations)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -444,35 +395,26 @@ def _pad_to(x, axis: int, multiple: int, minimum: int = 0, value=0):
 
 def gmm_call(lhs, lhs_scales_t, rhs, rhs_scales, group_sizes, n: int, *, group_offset,
              out_dtype, bs: MosaicGpuFp8BlockSizes, interpret: bool, epilogue=None,
-             extra=(), finish=None, cost_of=None,
-             name="grouped_projection_gmm_fp8_mosaic_gpu"):
+             extra=(), cost_of=None, name="grouped_projection_gmm_fp8_mosaic_gpu"):
     """The fp8 gmm's call on quantized operands in the kernel's layouts (gmm_quantized's
     docstring), n output columns, with an `epilogue` of EPILOGUES and its `extra`
-    operands ([m] or [m, n] arrays, padded here along m) and `finish`; cost_of(inputs=,
-    outputs=) the epilogue's cost estimate (the plain product's when None). rhs: [g, n,
-    k], or [g, 2n, k] for the paired epilogues. Returns the [m, n] output; for
-    "quantized_h" (values, scales [n / 128, m]); for "d_pre" [m, 2n]; for
-    "weighted_grad" (dh [m, n], the row sums [m] fp32)."""
+    operands ([m] or [m, n] arrays, padded here along m); cost_of(inputs=, outputs=) the
+    epilogue's cost estimate (the plain product's when None). rhs: [g, n, k]. Returns
+    the [m, n] output; for "weighted_grad" (dh [m, n], the row sums [m] fp32)."""
     m, k = lhs.shape
     g = rhs.shape[0]
-    pair = epilogue in _PAIRED
     kp = -(-k // BLOCK) * BLOCK
     lhs_p = _pad_to(_pad_to(lhs, 1, BLOCK), 0, 8, BLOCK)
     scales_p = _pad_to(lhs_scales_t, 1, 8, BLOCK, value=1.0)
     mp = lhs_p.shape[0]
-    if pair:  # n is whole 128-column tiles, each half's tiles one weight-scale block row
-        rhs_p = _pad_to(rhs, 2, BLOCK)
-        np_ = n
-    else:
-        rhs_p = _pad_to(_pad_to(rhs, 2, BLOCK), 1, BLOCK)
-        np_ = rhs_p.shape[1]
+    rhs_p = _pad_to(_pad_to(rhs, 2, BLOCK), 1, BLOCK)
+    np_ = rhs_p.shape[1]
     extra = tuple(_pad_to(a, 0, 8, BLOCK) for a in extra)
     sizes, row_start = local_groups(group_sizes, group_offset, g)
     table, count = bf16._row_tile_table(sizes, mp, BLOCK, row_start)
-    out_type = sharding.out_struct((mp, 2 * np_ if epilogue == "d_pre" else np_), out_dtype,
-                                   like=lhs)
+    out_type = sharding.out_struct((mp, np_), out_dtype, like=lhs)
     out_types = (out_type,)
-    if epilogue in _ROW_SLOT:
+    if epilogue == "weighted_grad":
         out_types += (sharding.out_struct((table.shape[1], np_ // BLOCK, 2, _CONSUMER_ROWS),
                                           jnp.float32, like=lhs),)
     inputs = (table, count, lhs_p, scales_p, rhs_p, rhs_scales, *extra)
@@ -480,19 +422,17 @@ def gmm_call(lhs, lhs_scales_t, rhs, rhs_scales, group_sizes, n: int, *, group_o
                       outputs=out_types) if cost_of is None
             else cost_of(inputs=inputs, outputs=out_types))
     # Two steps per stage where k has an even number of them (steps_per_stage); clusters
-    # of two where the column tiles pair up (cluster). The paired gate-up takes neither;
-    # the interpreter runs without clusters (its multicast copies hang on jax 0.11.2).
-    depth = bs.steps_per_stage if (kp // BLOCK) % bs.steps_per_stage == 0 and not pair else 1
-    cluster = (bs.cluster if (np_ // BLOCK) % bs.cluster == 0 and not interpret and not pair
-               else 1)
-    extra_bytes = _epilogue_scratch_bytes(epilogue, extra[-1].dtype if extra else None)
-    stages, strip = _stages(bs, jnp.dtype(out_dtype).itemsize, depth, b_tiles=2 if pair else 1,
-                            extra_bytes=extra_bytes)
+    # of two where the column tiles pair up (cluster). The interpreter runs without
+    # clusters (its multicast copies hang on jax 0.11.2).
+    depth = bs.steps_per_stage if (kp // BLOCK) % bs.steps_per_stage == 0 else 1
+    cluster = bs.cluster if (np_ // BLOCK) % bs.cluster == 0 and not interpret else 1
+    stages, strip = _stages(bs, jnp.dtype(out_dtype).itemsize, depth,
+                            extra_bytes=_epilogue_scratch_bytes(epilogue))
     if stages < 2:
         raise ValueError(f"{name}: {bs} leaves fewer than two stages in shared memory")
     call = pl.kernel(
         _gmm_kernel(mp, kp, np_, g, bs, min(stages, kp // (depth * BLOCK)), strip, depth,
-                    cluster, epilogue, finish),
+                    cluster, epilogue),
         out_type=out_types if len(out_types) > 1 else out_type,
         mesh=_mesh(interpret, cluster),
         compiler_params=bf16._compiler_params(),
@@ -501,28 +441,11 @@ def gmm_call(lhs, lhs_scales_t, rhs, rhs_scales, group_sizes, n: int, *, group_o
         name=name,
     )
     out = call(*inputs)
-    if epilogue == "d_pre":
-        return jnp.concatenate([out[:m, :n], out[:m, np_:np_ + n]], axis=1)
     if epilogue == "weighted_grad":
         dh, parts = out
         parts = parts.reshape(parts.shape[0], parts.shape[1], BLOCK)
         return dh[:m, :n], bf16._row_parts(parts, table, count, parts.shape[1], mp)[:m]
-    if not pair:
-        return out[:m, :n]
-    values, parts = out
-    return values[:m], h_scales(parts, table, count, m)
-
-
-def h_scales(parts, table, count, m: int):
-    """[n / 128, m] fp32: the "quantized_h" epilogue's per-(row tile, column tile) slots
-    of 64 + 64 row scales, each row's taken from the one tile that holds it as a valid
-    row (bf16.tile_rows; rows of no group included: their tiles store zeros with
-    scale 1)."""
-    row, valid = bf16.tile_rows(table, count, BLOCK)
-    at = jnp.where(valid, row, m).reshape(-1)  # m: dropped
-    per_tile = jnp.moveaxis(parts.reshape(parts.shape[0], parts.shape[1], BLOCK), 1, 0)
-    return (jnp.ones((parts.shape[1], m), jnp.float32)
-            .at[:, at].set(per_tile.reshape(parts.shape[1], -1), mode="drop"))
+    return out[:m, :n]
 
 
 def gmm_quantized(
