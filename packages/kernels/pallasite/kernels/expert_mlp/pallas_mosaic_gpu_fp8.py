@@ -3,20 +3,24 @@ with the activation and h's quantization in its epilogue, its backward half, and
 down product with the row weights in its epilogue. The same functions as
 pallas_triton_fp8.py, so that ops.mlp_fp8 runs either backend.
 
-gate_up_quantized is grouped_matmul.pallas_mosaic_gpu_fp8's gmm (e4m3 wgmma, each
-128-deep step promoted to fp32 with its block scales; a producer warpgroup and two
-consumers of 64 rows) with its B tiles paired, epilogue "quantized_h": a stage holds the
-x tile and the 128 x 128 gate and up weight tiles of one column tile of h, and a
-consumer keeps a gate and an up total, 64 x 128 fp32 each, promoting one fresh
-accumulator at a time (gate, then up). A tile's 128 columns of h are one 1 x 128 block of
-each row, so the epilogue forms h = act(gate) * up in fp32, takes each row's amax over
-them, and stores h's e4m3 values [m, f] by TMA and the row scales into a per-tile slot,
-assembled into [f / 128, m] after (grouped_matmul.pallas_mosaic_gpu_fp8.h_scales): the
-layout the fp8 down product reads its lhs in. h is never written in 16 bits. Rows of no
-local group come out as the quantizer makes zeros: values 0, scale 1.
+gate_up_quantized is the paired gate-up kernel below (paired_call, kind "quantized_h"):
+e4m3 wgmma with each 128-deep step promoted to fp32 with its block scales, as
+grouped_matmul.pallas_mosaic_gpu_fp8's gmm does, on a persistent grid of 64-row tiles.
+A stage holds the 64 x 128 x tile and the 128 x 128 gate and up weight tiles of one
+128-column tile of h; consumer c of the two takes h's columns [64 c, 64 c + 64), so it
+keeps a gate and an up total of 64 x 64 fp32 each and two fresh accumulators as large:
+the plain gmm's 64 x 128 in registers. (Consumers of 64 rows x 128 columns of h held
+64 x 128 gate and up totals beside a fresh accumulator and spilled 336-360 bytes a
+thread: about 2.5x slower than the plain gmm, docs/grouped_mlp.md.) A tile's 128
+columns of h are one 1 x 128 block of each row, so each consumer forms h = act(gate) *
+up in fp32 and its rows' amax over its 64 columns, the two exchange their amax through
+shared memory, and each stores its e4m3 values [m, f] by TMA; the row scales go into a
+per-tile slot, assembled into [f / 128, m] after (h_scales): the layout the fp8 down
+product reads its lhs in. h is never written in 16 bits. Rows of no local group come out
+as the quantizer makes zeros: values 0, scale 1.
 
-gate_up_grad_quantized is the same paired product with epilogue "d_pre": each
-consumer's dh tile comes in by TMA while its k loop runs, and d(pre) = [act'(gate) up dh,
+gate_up_grad_quantized is the same paired kernel, kind "d_pre": each consumer's 64 x 64
+dh tile comes in by TMA while its k loop runs, and d(pre) = [act'(gate) up dh,
 act(gate) dh] is stored into the gate and up columns of an [m, 2f] output, so the
 pre-activation is written in neither pass.
 
@@ -30,9 +34,8 @@ slot, summed after: t never reaches memory and y is not kept.
 
 f must be a multiple of 128 (mixtral 14336, qwen3 768 and dsv3 2048 are), so that a
 column tile's up columns are one weight-scale block row. Lowered for an H200 and run by
-the Mosaic GPU interpreter on a CPU; its GPU tests pass on an H100 (2026-12-05), where
-the paired gate-up ran at about half the fp8 gmm's rate at mixtral's dims
-(docs/grouped_mlp.md, "The fp8 fused route on Mosaic GPU").
+the Mosaic GPU interpreter on a CPU (docs/grouped_mlp.md, "The fp8 fused route on Mosaic
+GPU", has the measurements).
 """
 
 from __future__ import annotations
