@@ -200,11 +200,14 @@ PAIRED_KINDS = ("quantized_h", "d_pre")
 
 
 def _slot_transforms(dtype, cols: int) -> tuple:
-    """Swizzle for a [rows, cols] SMEM slot stored by TMA row boxes (tiles of one row):
-    128 bytes, or the row's width where it is narrower (64 e4m3 values)."""
-    itemsize = jnp.dtype(dtype).itemsize
-    swizzle = min(128, cols * itemsize)
-    return (plgpu.TilingTransform((1, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+    """Transforms of a [rows, cols] SMEM slot stored by TMA row boxes that start at any
+    row: a 128-byte swizzle over tiles of one row where a row is 128 bytes or more
+    (64 bf16 values), else none. A swizzled TMA box must start on 128 bytes,
+    which a row of 64 e4m3 values leaves to every second row (seen on an H100 as
+    CUDA_ERROR_MISALIGNED_ADDRESS); unswizzled, 16 bytes suffice."""
+    if cols * jnp.dtype(dtype).itemsize < 128:
+        return ()
+    return bf16._swizzle_transforms(dtype, rows=1)
 
 
 def _promote_pair(totals, a, b_tiles, scales, live):
