@@ -199,17 +199,6 @@ _HALF = BLOCK // 2  # each consumer's columns of h's 128-column tile
 PAIRED_KINDS = ("quantized_h", "d_pre")
 
 
-def _slot_transforms(dtype, cols: int) -> tuple:
-    """Transforms of a [rows, cols] SMEM slot stored by TMA row boxes that start at any
-    row: a 128-byte swizzle over tiles of one row where a row is 128 bytes or more
-    (64 bf16 values), else none. A swizzled TMA box must start on 128 bytes,
-    which a row of 64 e4m3 values leaves to every second row (seen on an H100 as
-    CUDA_ERROR_MISALIGNED_ADDRESS); unswizzled, 16 bytes suffice."""
-    if cols * jnp.dtype(dtype).itemsize < 128:
-        return ()
-    return bf16._swizzle_transforms(dtype, rows=1)
-
-
 def _promote_pair(totals, a, b_tiles, scales, live):
     """base._promote of the gate and the up product at once: both issued into fresh
     accumulators, then waited for and promoted, each with its scale() ([64, 64], zero
@@ -232,14 +221,23 @@ def _promote_pair(totals, a, b_tiles, scales, live):
     return pl.run_scoped(gate_scope, plgpu.ACC(shape, jnp.float32))
 
 
-def _paired_stages(bs, out_dtype, kind: str, dh_dtype) -> int:
+def _meet(barrier):
+    """Both consumers arrive, then wait: what each wrote to shared memory before is seen
+    by the other after."""
+    plgpu.barrier_arrive(barrier)
+    plgpu.barrier_wait(barrier)
+
+
+def _paired_stages(bs, out_dtype, kind: str) -> int:
     """bs.stages cut to what shared memory holds: a stage is the 64 x 128 A tile, its 64
-    row scales and the gate and up 128 x 128 B tiles; each consumer has a 64 x 64 output
-    slot, and "quantized_h" its amax slots and the scale row, "d_pre" a dh tile."""
+    row scales and the gate and up 128 x 128 B tiles; "quantized_h" adds the shared
+    64 x 128 e4m3 slot of h, the two consumers' amax rows and the scale row, "d_pre" each
+    consumer's 64 x 64 output slot and dh tile (both in out_dtype)."""
     per_stage = _ROWS * BLOCK + 2 * BLOCK * BLOCK + _ROWS * 4
-    scratch = 2 * _ROWS * _HALF * jnp.dtype(out_dtype).itemsize
-    scratch += (2 * 2 * _ROWS * 4 + _ROWS * 4 if kind == "quantized_h"
-                else 2 * _ROWS * _HALF * jnp.dtype(dh_dtype).itemsize)
+    if kind == "quantized_h":
+        scratch = _ROWS * BLOCK + 3 * _ROWS * 4
+    else:
+        scratch = 2 * 2 * _ROWS * _HALF * jnp.dtype(out_dtype).itemsize
     return int(min(bs.stages, (bf16._SMEM_BYTES - scratch) // per_stage))
 
 
@@ -249,9 +247,17 @@ def _paired_kernel(k: int, f: int, g: int, bs, stages: int, kind: str, activatio
     up's 128 x 128 B tiles; consumer c computes h's columns [64 c, 64 c + 64) of the tile
     from the rows [64 c, 64 c + 64) of both B tiles. Its totals, gate and up, hold 64 x 64
     fp32 each, and its two fresh accumulators as many: the 64 x 128 tile of the plain
-    gmm in registers. For "quantized_h" the two consumers exchange their rows' amax
-    through shared memory (one barrier, slots alternating per tile) so that each row's
-    scale covers its whole 1 x 128 block of h."""
+    gmm in registers.
+
+    "quantized_h": each row's scale covers its whole 1 x 128 block of h, and a TMA box
+    must start on 128 bytes in shared memory (a box from a row of 64 e4m3 values, 64
+    bytes, misaligned every second row on an H100: CUDA_ERROR_MISALIGNED_ADDRESS). So
+    the two consumers share one 64 x 128 e4m3 slot, 128 bytes a row: each writes its
+    rows' amax, meets the other at a barrier, forms the scale from both, writes its 64
+    columns of values into the slot and meets the other again; then consumer 0 stores
+    the slot's valid rows and the scales. Consumer 0 waits for its previous stores to
+    read the slot before it meets the other at the first barrier of the next tile, so
+    neither writes the slot while a store still reads it."""
     grid_n = f // BLOCK
     k_steps = k // BLOCK
     index = lambda kk: (0, kk)  # noqa: E731 - A and B blocks of pipeline step kk
@@ -276,19 +282,21 @@ def _paired_kernel(k: int, f: int, g: int, bs, stages: int, kind: str, activatio
         allocs = base._pipeline(ignore, ignore, specs, stages, stages).get_allocations(
             lhs_gmem.at[pl.ds(0, _ROWS)], lhs_scales_gmem.at[:, pl.ds(0, _ROWS)],
             b_block, b_block)
-        scratch = dict(o_smem=plgpu.SMEM((2, _ROWS, _HALF), out_gmem.dtype,
-                                         transforms=_slot_transforms(out_gmem.dtype, _HALF)))
         if kind == "quantized_h":
-            scratch.update(amax_smem=plgpu.SMEM((2, 2, _ROWS), jnp.float32),
-                           amax_ready=plgpu.Barrier(num_arrivals=2),
-                           s_smem=plgpu.SMEM((_ROWS,), jnp.float32))
+            scratch = dict(h_smem=plgpu.SMEM((_ROWS, BLOCK), FP8),
+                           amax_smem=plgpu.SMEM((2, _ROWS), jnp.float32),
+                           s_smem=plgpu.SMEM((_ROWS,), jnp.float32),
+                           met=plgpu.Barrier(num_arrivals=2, num_barriers=2))
         else:
-            scratch.update(dh_smem=plgpu.SMEM((2, _ROWS, _HALF), dh_gmem.dtype,
+            scratch = dict(o_smem=plgpu.SMEM((2, _ROWS, _HALF), out_gmem.dtype,
+                                             transforms=bf16._swizzle_transforms(out_gmem.dtype,
+                                                                                 rows=1)),
+                           dh_smem=plgpu.SMEM((2, _ROWS, _HALF), dh_gmem.dtype,
                                               transforms=bf16._swizzle_transforms(dh_gmem.dtype)),
                            dh_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2))
 
         @functools.partial(pl.run_scoped, allocations=allocs, collective_axes="wg", **scratch)
-        def _(allocations, o_smem, amax_smem=None, amax_ready=None, s_smem=None,
+        def _(allocations, h_smem=None, amax_smem=None, s_smem=None, met=None, o_smem=None,
               dh_smem=None, dh_ready=None):
             @plgpu.nd_loop((num_tiles * grid_n,), collective_axes="sm")
             def _(info):
@@ -314,36 +322,42 @@ def _paired_kernel(k: int, f: int, g: int, bs, stages: int, kind: str, activatio
                         plgpu.copy_gmem_to_smem(dh_gmem.at[pl.ds(load0, _ROWS), pl.ds(col, _HALF)],
                                                 dh_smem.at[wg], dh_ready.at[wg])
                     gate, up = run_pipeline((_zeros(), _zeros()))
-                    if kind == "quantized_h":
-                        h = epilogue.gated(gate, up, activation)
-                        slots = amax_smem.at[info.local_index % 2]
-                        slots.at[wg][...] = ref.amax(h, axis=1)
-                        plgpu.barrier_arrive(amax_ready)
-                        plgpu.barrier_wait(amax_ready)
-                        amax = jnp.maximum(plgpu.load(slots.at[0], layout=row_layout),
-                                           plgpu.load(slots.at[1], layout=row_layout))
-                        scale, inverse = ref.scale_and_inverse(amax, FP8)
-                        outs = [(ref.to_fp8(h, lax.broadcast_in_dim(inverse, h.shape, [0]), FP8),
-                                 col)]
-                    else:
-                        plgpu.barrier_wait(dh_ready.at[wg])
-                        d_gate, d_up = epilogue.d_pre(
-                            gate, up, dh_smem.at[wg][...].astype(jnp.float32), activation)
-                        outs = [(d_gate, col), (d_up, f + col)]
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slots free again
                     lo = jnp.maximum(row0 - load0, 0)  # the tile's rows that are the group's
                     hi = jnp.minimum(row0 - load0 + rows, _ROWS)
-                    for i, (out, at) in enumerate(outs):
+                    if kind == "quantized_h":
+                        h = epilogue.gated(gate, up, activation)
+
+                        @pl.when(wg == 0)
+                        def _():
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slot free
+
+                        amax_smem.at[wg][...] = ref.amax(h, axis=1)
+                        _meet(met.at[0])
+                        amax = jnp.maximum(plgpu.load(amax_smem.at[0], layout=row_layout),
+                                           plgpu.load(amax_smem.at[1], layout=row_layout))
+                        scale, inverse = ref.scale_and_inverse(amax, FP8)
+                        h_smem.at[:, mine][...] = ref.to_fp8(
+                            h, lax.broadcast_in_dim(inverse, h.shape, [0]), FP8)
+                        plgpu.commit_smem()
+                        _meet(met.at[1])
+
+                        @pl.when(wg == 0)
+                        def _():
+                            bf16.store_row_boxes(h_smem, out_gmem, load0 + lo,
+                                                 jnp.maximum(hi - lo, 0), lo, ni * BLOCK, _ROWS)
+                            s_smem[...] = scale
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(s_smem, scales_gmem.at[mi, ni])
+                        return
+                    plgpu.barrier_wait(dh_ready.at[wg])
+                    d_gate, d_up = epilogue.d_pre(
+                        gate, up, dh_smem.at[wg][...].astype(jnp.float32), activation)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slot free again
+                    for i, (out, at) in enumerate([(d_gate, col), (d_up, f + col)]):
                         if i:
                             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         bf16._store_rows_from(out, o_smem.at[wg], out_gmem, load0 + lo,
                                               jnp.maximum(hi - lo, 0), lo, at, _ROWS)
-                    if kind == "quantized_h":  # the tile's row scales, into its slot
-                        @pl.when(wg == 0)
-                        def _():
-                            s_smem[...] = scale
-                            plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(s_smem, scales_gmem.at[mi, ni])
 
                 weights = rhs_gmem.at[gi]
                 base._pipeline(mma, compute_context, specs, stages,
@@ -391,7 +405,7 @@ def paired_call(lhs, lhs_scales_t, rhs, rhs_scales, group_sizes, *, kind: str,
                      sharding.out_struct((table.shape[1], f // BLOCK, _ROWS), jnp.float32,
                                          like=lhs))
         inputs = (table, count, lhs_p, scales_p, rhs_p, rhs_scales)
-    stages = _paired_stages(bs, out_types[0].dtype, kind, out_dtype)
+    stages = _paired_stages(bs, out_dtype, kind)
     if stages < 2:
         raise ValueError(f"{name}: {bs} leaves fewer than two stages in shared memory")
     call = pl.kernel(

@@ -477,19 +477,28 @@ def _store_rows_from(acc, o_smem, out_gmem, row0, rows, smem_off, col0, block_m:
     strip = o_smem.shape[-1]
     for j in range(acc.shape[-1] // strip):
         _fill_slot(acc, o_smem, j)
-        done = jnp.int32(0)
-        box = 1 << (block_m.bit_length() - 1)
-        while box:
+        store_row_boxes(o_smem, out_gmem, row0, rows, smem_off, col0 + j * strip, block_m)
 
-            @pl.when(rows & box != 0)
-            def _(box=box, done=done, col=col0 + j * strip):
-                plgpu.copy_smem_to_gmem(
-                    o_smem.at[pl.ds(smem_off + done, box)],
-                    out_gmem.at[pl.ds(row0 + done, box), pl.ds(col, strip)],
-                )
 
-            done = done + (rows & box)
-            box //= 2
+def store_row_boxes(o_smem, out_gmem, row0, rows, smem_off, col0, block_m: int):
+    """Issue (not wait for) TMA boxes storing `rows` (dynamic, <= block_m) rows of the
+    SMEM slot o_smem, from its row smem_off on, to out_gmem rows [row0, row0 + rows) and
+    columns [col0, col0 + the slot's width). TMA boxes are static, so the count is
+    written as a sum of power-of-two row boxes."""
+    strip = o_smem.shape[-1]
+    done = jnp.int32(0)
+    box = 1 << (block_m.bit_length() - 1)
+    while box:
+
+        @pl.when(rows & box != 0)
+        def _(box=box, done=done):
+            plgpu.copy_smem_to_gmem(
+                o_smem.at[pl.ds(smem_off + done, box)],
+                out_gmem.at[pl.ds(row0 + done, box), pl.ds(col0, strip)],
+            )
+
+        done = done + (rows & box)
+        box //= 2
 
 
 def _fill_slot(acc, o_smem, j: int):
