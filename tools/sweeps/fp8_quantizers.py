@@ -34,6 +34,7 @@ the paired kernel quantizing h in its epilogue ("quantized_h"), and its backward
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import json
@@ -235,7 +236,6 @@ def token_variants(out, smoke: bool):
     shapes = ([("tiny", 256, 256, 4)] if smoke else
               [("mixtral_x", 32768, 4096, 8), ("dsv3_x", 65536, 7168, 256)])
     grid = [(64, 4)] if smoke else [(c, w) for c in (32, 64, 128) for w in (2, 4, 8)]
-    default = (pallas_triton.COLUMNS, pallas_triton.TOKEN_NUM_WARPS)
     for name, m, c, g in shapes:
         xs = _sets(lambda s: jax.random.normal(jax.random.key(s), (m, c), jnp.bfloat16),
                    2 if smoke else 3)
@@ -245,20 +245,13 @@ def token_variants(out, smoke: bool):
             return pallas_triton.token_blocks(x, table.start, table.rows, F8,
                                               interpret=interpret)
         want = jax.jit(run)(xs[0])
+        used = int((table.rows > 0).sum())  # unused blocks are never written
         for columns, warps in grid:
-            pallas_triton.COLUMNS, pallas_triton.TOKEN_NUM_WARPS = columns, warps
-            try:
-                fn = lambda x: run(x)  # noqa: E731  (a new function: traced again)
-                got = jax.jit(fn)(xs[0])
-                same = _same_used_blocks(got, want, table.rows)
-                t = _time(fn, xs)
-                used = int((table.rows > 0).sum())  # unused blocks are never written
-                moved = _nbytes(xs[0]) + used * 128 * c * got[0].dtype.itemsize + _nbytes(got[1])
-                rec = {"ms": t * 1e3, "tbps": moved / t / 1e12, "same_as_default": same}
-            except Exception as e:  # noqa: BLE001 - a variant that fails is a result
-                rec = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-            finally:
-                pallas_triton.COLUMNS, pallas_triton.TOKEN_NUM_WARPS = default
+            with _knobs(pallas_triton, COLUMNS=columns, TOKEN_NUM_WARPS=warps):
+                got, rec = _variant(run, xs, lambda got: _nbytes(xs[0]) + _nbytes(got[1])
+                                    + used * 128 * c * got[0].dtype.itemsize)
+            if got is not None:
+                rec["same_as_default"] = _same_used_blocks(got, want, table.rows)
             _write(out, {"what": "token_variant", "shape": name, "columns": columns,
                          "warps": warps, **rec})
 
@@ -270,7 +263,6 @@ def cast_variants(out, smoke: bool):
     shapes = ([("tiny", 256, 256, 4, 128)] if smoke else
               [("mixtral_x", 32768, 4096, 8, 14336), ("mixtral_dy", 32768, 14336, 8, 4096),
                ("dsv3_x", 65536, 7168, 256, 2048)])
-    default = pallas_triton.SATURATING_CAST
     only = os.environ.get("CAST_VARIANTS")  # e.g. "token_blocks": that quantizer alone
     for name, m, c, g, n in shapes:
         xs = _sets(lambda s: jax.random.normal(jax.random.key(s), (m, c), jnp.bfloat16),
@@ -289,17 +281,11 @@ def cast_variants(out, smoke: bool):
                 continue
             results = {}
             for saturating in (False, True):
-                pallas_triton.SATURATING_CAST = saturating
-                try:
-                    fn = lambda a: run(a)  # noqa: E731  (a new function: traced again)
-                    results[saturating] = jax.jit(fn)(sets[0])
-                    t = _time(fn, sets)
-                    moved = _nbytes(sets[0]) + _nbytes(results[saturating])
-                    rec = {"ms": t * 1e3, "tbps": moved / t / 1e12}
-                except Exception as e:  # noqa: BLE001 - a variant that fails is a result
-                    rec = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-                finally:
-                    pallas_triton.SATURATING_CAST = default
+                with _knobs(pallas_triton, SATURATING_CAST=saturating):
+                    got, rec = _variant(run, sets,
+                                        lambda got: _nbytes(sets[0]) + _nbytes(got))
+                if got is not None:
+                    results[saturating] = got
                 if saturating and len(results) == 2:
                     if impl == "token_blocks":  # unused blocks are never written
                         same = _same_used_blocks(results[True], results[False], table.rows)
@@ -310,6 +296,33 @@ def cast_variants(out, smoke: bool):
                     rec["same_as_clip"] = same
                 _write(out, {"what": "cast_variant", "shape": name, "impl": impl,
                              "saturating_cast": saturating, **rec})
+
+
+@contextlib.contextmanager
+def _knobs(module, **values):
+    """module's attributes (a kernel's knobs) set to values inside the block, restored
+    after it."""
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def _variant(run, sets, moved):
+    """(run's output on sets[0], {"ms", "tbps"}) with run traced afresh (the knobs as
+    set now) and timed over sets, `moved(output)` bytes a call; (None, {"error"}) where
+    it fails: a variant that fails is a result."""
+    try:
+        fn = lambda a: run(a)  # noqa: E731  (a new function: traced again)
+        got = jax.jit(fn)(sets[0])
+        t = _time(fn, sets)
+        return got, {"ms": t * 1e3, "tbps": moved(got) / t / 1e12}
+    except Exception as e:  # noqa: BLE001
+        return None, {"error": f"{type(e).__name__}: {str(e)[:200]}"}
 
 
 def _write(out, rec):
