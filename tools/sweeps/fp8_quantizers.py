@@ -27,7 +27,8 @@ Paired gate-up (`--paired-gate-up`): grouped_mlp's fp8 gate-up on Mosaic GPU fro
 pre-quantized operands, at mixtral's, qwen3's and dsv3's (32 local experts) dims: the
 plain fp8 gmm writing the [m, 2f] pre-activation in bf16 (the composition's product),
 the paired kernel quantizing h in its epilogue ("quantized_h"), and its backward half
-("d_pre"), each at 2 m k 2f flops: what the pairing costs against the plain loop.
+("d_pre") on both its row tiles (D_PRE_TILE_ROWS 64 and 128), each at 2 m k 2f flops:
+what the pairing costs against the plain loop.
 --smoke: tiny shapes through the interpreters (a CPU check of the script).
 """
 
@@ -203,14 +204,18 @@ def paired_gate_up(out, smoke: bool):
         call = functools.partial(mgpu_fp8.gmm_call, group_offset=None, bs=mgpu_fp8.DEFAULT,
                                  interpret=interpret)
         paired = functools.partial(fused.paired_call, activation="swiglu", interpret=interpret)
-        runs = {
-            "plain_pre_bf16": lambda a: call(*a, sizes, 2 * f, out_dtype=jnp.bfloat16),
-            "quantized_h": lambda a: paired(*a, sizes, kind="quantized_h"),
-            "d_pre": lambda a: paired(*a[:4], sizes, kind="d_pre", dh=a[4],
-                                      out_dtype=jnp.bfloat16),
+        d_pre = lambda a: paired(*a[:4], sizes, kind="d_pre", dh=a[4],  # noqa: E731
+                                 out_dtype=jnp.bfloat16)
+        runs = {  # name: (function, the kernel module's knobs while it is traced)
+            "plain_pre_bf16": (lambda a: call(*a, sizes, 2 * f, out_dtype=jnp.bfloat16), {}),
+            "quantized_h": (lambda a: paired(*a, sizes, kind="quantized_h"), {}),
+            "d_pre": (d_pre, {"D_PRE_TILE_ROWS": 64}),
+            "d_pre_128_rows": (d_pre, {"D_PRE_TILE_ROWS": 128}),
         }
-        for kernel, fn in runs.items():
-            t = _time(fn, [args + (dh,) if kernel == "d_pre" else args])
+        for kernel, (fn, knobs) in runs.items():
+            with _knobs(fused, **knobs):
+                fn = functools.partial(lambda a, fn: fn(a), fn=fn)  # traced afresh
+                t = _time(fn, [args + (dh,) if kernel.startswith("d_pre") else args])
             _write(out, {"what": "paired_gate_up", "shape": name, "kernel": kernel,
                          "m": m, "k": k, "f": f, "g": g, "ms": t * 1e3,
                          "tflops": 2 * m * k * 2 * f / t / 1e12})

@@ -189,6 +189,14 @@ def test_interpret_gate_up_grad_quantized_matches_the_oracle(activation, backend
     assert err < 1e-5, f"d(pre) relative L2 {err:.2e}"
 
 
+
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+def test_interpret_mosaic_gpu_d_pre_on_128_row_tiles(activation, monkeypatch):
+    """The Mosaic GPU d(pre) kernel on its other tile (D_PRE_TILE_ROWS 128: 128 rows and
+    64 columns of h a tile, a consumer's 64 rows each), held to the same oracle."""
+    monkeypatch.setattr(mgpu_fp8, "D_PRE_TILE_ROWS", 128)
+    test_interpret_gate_up_grad_quantized_matches_the_oracle(activation, "pallas_mosaic_gpu")
+
 @pytest.mark.parametrize("backend", list(KERNELS))
 def test_interpret_down_weighted_quantized_matches_the_oracle(backend):
     """y = (dequant(h) Q(W_down)) * row_weights, the weights on the fp32 sums in the
@@ -628,17 +636,20 @@ def test_grouped_mlp_fp8_fused_fwd_bwd_lowers_for_cuda_from_cpu(gpu, plain, monk
         assert name not in text, name
 
 
+@pytest.mark.parametrize("d_pre_tile_rows", [64, 128])
 @pytest.mark.parametrize("shape", [(32768, 4096, 14336, 4096, 8), (65536, 7168, 2048, 7168, 32),
                                    (65536, 2048, 768, 2048, 128)],
                          ids=["mixtral", "dsv3_local", "qwen3"])
-def test_mosaic_gpu_fp8_mlp_kernels_lower_at_model_shapes(shape, monkeypatch):
-    """The Mosaic GPU fp8 gate-up (three 128 x 128 fp8 tiles a stage, h's e4m3 slots), its
-    backward half (dh tiles in, d(pre) out in bf16), the weighted down product and its
-    backward (fp32 h tiles in) lower for an H200 at the models' dims, through Mosaic
-    GPU's layout inference and shared-memory check."""
+def test_mosaic_gpu_fp8_mlp_kernels_lower_at_model_shapes(shape, d_pre_tile_rows, monkeypatch):
+    """The Mosaic GPU fp8 gate-up (a 64 x 128 x tile and the gate and up 128 x 128 tiles a
+    stage, h's shared e4m3 slot), its backward half (dh tiles in, d(pre) out in bf16; on
+    both its row tiles), the weighted down product and its backward (fp32 h tiles in)
+    lower for an H200 at the models' dims, through Mosaic GPU's layout inference and
+    shared-memory check."""
     from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu as mgpu
 
     monkeypatch.setattr(mgpu, "_num_programs", lambda interpret: 132)
+    monkeypatch.setattr(mgpu_fp8, "D_PRE_TILE_ROWS", d_pre_tile_rows)
     m, k, f, n, g = shape
     s = jax.ShapeDtypeStruct
     fns = [(lambda a, b, c: mgpu_fp8.gate_up_quantized(a, b, c),

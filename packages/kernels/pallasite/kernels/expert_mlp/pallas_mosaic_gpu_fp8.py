@@ -194,16 +194,21 @@ def down_weighted_grad_quantized(
 
 # ------------------------------------------------------------- the paired gate-up
 
-_ROWS = base._CONSUMER_ROWS  # a row tile: 64 rows, read by both consumers
-_HALF = BLOCK // 2  # each consumer's columns of h's 128-column tile
+_PART = base._CONSUMER_ROWS  # a consumer's rows and columns of h: 64 x 64
 PAIRED_KINDS = ("quantized_h", "d_pre")
+# d(pre)'s row tile: 64 rows x 128 columns of h, as "quantized_h" (which needs a row's
+# whole 1 x 128 block in one tile), or 128 rows x 64 columns (a consumer's 64 rows
+# each): a 32 KB step like the plain gmm's, against 40 KB. 64 is what the GPU tests and
+# the timings of 2026-12-05 ran; 128 is interpreter-checked and lowered, not yet timed
+# (tools/sweeps/fp8_quantizers.py --paired-gate-up times both).
+D_PRE_TILE_ROWS = 64
 
 
 def _promote_pair(totals, a, b_tiles, scales, live):
     """base._promote of the gate and the up product at once: both issued into fresh
     accumulators, then waited for and promoted, each with its scale() ([64, 64], zero
     where not `live`)."""
-    shape = (_ROWS, _HALF)
+    shape = (_PART, _PART)
 
     def gate_scope(gate_acc):
         def up_scope(up_acc):
@@ -228,26 +233,31 @@ def _meet(barrier):
     plgpu.barrier_wait(barrier)
 
 
-def _paired_stages(bs, out_dtype, kind: str) -> int:
-    """bs.stages cut to what shared memory holds: a stage is the 64 x 128 A tile, its 64
-    row scales and the gate and up 128 x 128 B tiles; "quantized_h" adds the shared
-    64 x 128 e4m3 slot of h, the two consumers' amax rows and the scale row, "d_pre" each
-    consumer's 64 x 64 output slot and dh tile (both in out_dtype)."""
-    per_stage = _ROWS * BLOCK + 2 * BLOCK * BLOCK + _ROWS * 4
+def _paired_stages(bs, out_dtype, kind: str, tile_m: int) -> int:
+    """bs.stages cut to what shared memory holds: a stage is the tile_m x 128 A tile,
+    its row scales and the gate and up B tiles (tile_n x 128 each, tile_n = 8192 /
+    tile_m); "quantized_h" adds the shared 64 x 128 e4m3 slot of h, the two consumers'
+    amax rows and the scale row, "d_pre" each consumer's 64 x 64 output slot and dh tile
+    (both in out_dtype)."""
+    tile_n = _PART * _PART * 2 // tile_m
+    per_stage = tile_m * BLOCK + 2 * tile_n * BLOCK + tile_m * 4
     if kind == "quantized_h":
-        scratch = _ROWS * BLOCK + 3 * _ROWS * 4
+        scratch = _PART * BLOCK + 3 * _PART * 4
     else:
-        scratch = 2 * 2 * _ROWS * _HALF * jnp.dtype(out_dtype).itemsize
+        scratch = 2 * 2 * _PART * _PART * jnp.dtype(out_dtype).itemsize
     return int(min(bs.stages, (bf16._SMEM_BYTES - scratch) // per_stage))
 
 
-def _paired_kernel(k: int, f: int, g: int, bs, stages: int, kind: str, activation: str):
-    """The paired gate-up on a persistent grid of 64-row tiles: a tile is 64 rows of x
-    and one 128-column tile of h; the producer streams the A tile and the gate's and the
-    up's 128 x 128 B tiles; consumer c computes h's columns [64 c, 64 c + 64) of the tile
-    from the rows [64 c, 64 c + 64) of both B tiles. Its totals, gate and up, hold 64 x 64
-    fp32 each, and its two fresh accumulators as many: the 64 x 128 tile of the plain
-    gmm in registers.
+def _paired_kernel(k: int, f: int, g: int, bs, stages: int, kind: str, activation: str,
+                   tile_m: int = _PART):
+    """The paired gate-up on a persistent grid of tiles of h, each 64 x 64 a consumer:
+    tile_m 64, a tile is 64 rows of x and 128 columns of h, and consumer c computes the
+    columns [64 c, 64 c + 64) from the rows [64 c, 64 c + 64) of the gate's and the up's
+    128 x 128 B tiles; tile_m 128 (d_pre only), a tile is 128 rows and 64 columns
+    (B tiles 64 x 128), and consumer c computes the rows [64 c, 64 c + 64). The
+    producer streams the A tile and both B tiles. A consumer's totals, gate and up, hold
+    64 x 64 fp32 each, and its two fresh accumulators as many: the 64 x 128 tile of the
+    plain gmm in registers.
 
     "quantized_h": each row's scale covers its whole 1 x 128 block of h, and a TMA box
     must start on 128 bytes in shared memory (a box from a row of 64 e4m3 values, 64
@@ -258,14 +268,16 @@ def _paired_kernel(k: int, f: int, g: int, bs, stages: int, kind: str, activatio
     the slot's valid rows and the scales. Consumer 0 waits for its previous stores to
     read the slot before it meets the other at the first barrier of the next tile, so
     neither writes the slot while a store still reads it."""
-    grid_n = f // BLOCK
+    assert tile_m in (_PART, 2 * _PART) and (kind == "d_pre" or tile_m == _PART)
+    tile_n = _PART * _PART * 2 // tile_m  # columns of h a tile
+    grid_n = f // tile_n
     k_steps = k // BLOCK
     index = lambda kk: (0, kk)  # noqa: E731 - A and B blocks of pipeline step kk
     spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
-    specs = [spec((_ROWS, BLOCK), index, transforms=base._transforms(FP8)),
-             spec((1, _ROWS), lambda kk: (kk, 0)),
-             spec((BLOCK, BLOCK), index, transforms=base._transforms(FP8)),
-             spec((BLOCK, BLOCK), index, transforms=base._transforms(FP8))]
+    specs = [spec((tile_m, BLOCK), index, transforms=base._transforms(FP8)),
+             spec((1, tile_m), lambda kk: (kk, 0)),
+             spec((tile_n, BLOCK), index, transforms=base._transforms(FP8)),
+             spec((tile_n, BLOCK), index, transforms=base._transforms(FP8))]
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def body(table_gmem, count_gmem, lhs_gmem, lhs_scales_gmem, rhs_gmem, rhs_scales_gmem,
@@ -276,22 +288,25 @@ def _paired_kernel(k: int, f: int, g: int, bs, stages: int, kind: str, activatio
             out_gmem, scales_gmem = refs
         num_tiles = count_gmem[0]
         wg = lax.axis_index("wg")
-        mine = pl.ds(wg * _HALF, _HALF)
+        # This consumer's rows of the A tile and of each B tile (h's columns).
+        row_off = wg * _PART if tile_m > _PART else 0
+        col_off = wg * _PART if tile_m == _PART else 0
+        my_rows, my_cols = pl.ds(row_off, _PART), pl.ds(col_off, _PART)
         ignore = lambda *_, **__: None  # noqa: E731 - allocations do not depend on the body
-        b_block = rhs_gmem.at[0, pl.ds(0, BLOCK)]
+        b_block = rhs_gmem.at[0, pl.ds(0, tile_n)]
         allocs = base._pipeline(ignore, ignore, specs, stages, stages).get_allocations(
-            lhs_gmem.at[pl.ds(0, _ROWS)], lhs_scales_gmem.at[:, pl.ds(0, _ROWS)],
+            lhs_gmem.at[pl.ds(0, tile_m)], lhs_scales_gmem.at[:, pl.ds(0, tile_m)],
             b_block, b_block)
         if kind == "quantized_h":
-            scratch = dict(h_smem=plgpu.SMEM((_ROWS, BLOCK), FP8),
-                           amax_smem=plgpu.SMEM((2, _ROWS), jnp.float32),
-                           s_smem=plgpu.SMEM((_ROWS,), jnp.float32),
+            scratch = dict(h_smem=plgpu.SMEM((_PART, BLOCK), FP8),
+                           amax_smem=plgpu.SMEM((2, _PART), jnp.float32),
+                           s_smem=plgpu.SMEM((_PART,), jnp.float32),
                            met=plgpu.Barrier(num_arrivals=2, num_barriers=2))
         else:
-            scratch = dict(o_smem=plgpu.SMEM((2, _ROWS, _HALF), out_gmem.dtype,
+            scratch = dict(o_smem=plgpu.SMEM((2, _PART, _PART), out_gmem.dtype,
                                              transforms=bf16._swizzle_transforms(out_gmem.dtype,
                                                                                  rows=1)),
-                           dh_smem=plgpu.SMEM((2, _ROWS, _HALF), dh_gmem.dtype,
+                           dh_smem=plgpu.SMEM((2, _PART, _PART), dh_gmem.dtype,
                                               transforms=bf16._swizzle_transforms(dh_gmem.dtype)),
                            dh_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2))
 
@@ -303,27 +318,32 @@ def _paired_kernel(k: int, f: int, g: int, bs, stages: int, kind: str, activatio
                 mi, ni, seg, load0, row0, rows, live = bf16._row_tile(
                     table_gmem, info.index[0], num_tiles, grid_n, bs, g)
                 gi = jnp.minimum(seg, g - 1)
-                col = ni * BLOCK + wg * _HALF  # this consumer's first column of h
+                col = ni * tile_n + col_off  # this consumer's first column of h
+                block = ni * tile_n // BLOCK  # the weight-scale block column of the gate's
 
                 def mma(idx, a_smem, a_scales_smem, gate_smem, up_smem, totals):
                     def scale_of(col_block):
                         def scale():
-                            row_scales = (plgpu.load(a_scales_smem.at[0], layout=row_layout)
+                            row_scales = (plgpu.load(a_scales_smem.at[0, my_rows],
+                                                     layout=row_layout)
                                           * rhs_scales_gmem[gi, col_block, idx[0]])
                             return lax.broadcast_in_dim(base._where(live, row_scales),
-                                                        (_ROWS, _HALF), [0])
+                                                        (_PART, _PART), [0])
                         return scale
 
-                    return _promote_pair(totals, a_smem, (gate_smem.at[mine], up_smem.at[mine]),
-                                         (scale_of(ni), scale_of(grid_n + ni)), live)
+                    return _promote_pair(
+                        totals, a_smem.at[my_rows], (gate_smem.at[my_cols], up_smem.at[my_cols]),
+                        (scale_of(block), scale_of(f // BLOCK + block)), live)
 
                 def compute_context(run_pipeline):
                     if kind == "d_pre":  # the dh tile arrives during the k loop
-                        plgpu.copy_gmem_to_smem(dh_gmem.at[pl.ds(load0, _ROWS), pl.ds(col, _HALF)],
-                                                dh_smem.at[wg], dh_ready.at[wg])
+                        plgpu.copy_gmem_to_smem(
+                            dh_gmem.at[pl.ds(load0 + row_off, _PART), pl.ds(col, _PART)],
+                            dh_smem.at[wg], dh_ready.at[wg])
                     gate, up = run_pipeline((_zeros(), _zeros()))
-                    lo = jnp.maximum(row0 - load0, 0)  # the tile's rows that are the group's
-                    hi = jnp.minimum(row0 - load0 + rows, _ROWS)
+                    # This consumer's rows of the tile that are the group's.
+                    lo = jnp.maximum(row0 - load0, row_off)
+                    hi = jnp.minimum(row0 - load0 + rows, row_off + _PART)
                     if kind == "quantized_h":
                         h = epilogue.gated(gate, up, activation)
 
@@ -336,7 +356,7 @@ def _paired_kernel(k: int, f: int, g: int, bs, stages: int, kind: str, activatio
                         amax = jnp.maximum(plgpu.load(amax_smem.at[0], layout=row_layout),
                                            plgpu.load(amax_smem.at[1], layout=row_layout))
                         scale, inverse = ref.scale_and_inverse(amax, FP8)
-                        h_smem.at[:, mine][...] = ref.to_fp8(
+                        h_smem.at[:, my_cols][...] = ref.to_fp8(
                             h, lax.broadcast_in_dim(inverse, h.shape, [0]), FP8)
                         plgpu.commit_smem()
                         _meet(met.at[1])
@@ -344,7 +364,7 @@ def _paired_kernel(k: int, f: int, g: int, bs, stages: int, kind: str, activatio
                         @pl.when(wg == 0)
                         def _():
                             bf16.store_row_boxes(h_smem, out_gmem, load0 + lo,
-                                                 jnp.maximum(hi - lo, 0), lo, ni * BLOCK, _ROWS)
+                                                 jnp.maximum(hi - lo, 0), lo, ni * BLOCK, _PART)
                             s_smem[...] = scale
                             plgpu.commit_smem()
                             plgpu.copy_smem_to_gmem(s_smem, scales_gmem.at[mi, ni])
@@ -357,14 +377,15 @@ def _paired_kernel(k: int, f: int, g: int, bs, stages: int, kind: str, activatio
                         if i:
                             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         bf16._store_rows_from(out, o_smem.at[wg], out_gmem, load0 + lo,
-                                              jnp.maximum(hi - lo, 0), lo, at, _ROWS)
+                                              jnp.maximum(hi - lo, 0), lo - row_off, at, _PART)
 
                 weights = rhs_gmem.at[gi]
                 base._pipeline(mma, compute_context, specs, stages,
                                bf16._k_steps(live, k_steps, 0))(
-                    lhs_gmem.at[pl.ds(load0, _ROWS)], lhs_scales_gmem.at[:, pl.ds(load0, _ROWS)],
-                    weights.at[pl.ds(ni * BLOCK, BLOCK)],
-                    weights.at[pl.ds(f + ni * BLOCK, BLOCK)], allocations=allocations)
+                    lhs_gmem.at[pl.ds(load0, tile_m)],
+                    lhs_scales_gmem.at[:, pl.ds(load0, tile_m)],
+                    weights.at[pl.ds(ni * tile_n, tile_n)],
+                    weights.at[pl.ds(f + ni * tile_n, tile_n)], allocations=allocations)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -372,7 +393,7 @@ def _paired_kernel(k: int, f: int, g: int, bs, stages: int, kind: str, activatio
 
 
 def _zeros():
-    return plgpu.layout_cast(jnp.zeros((_ROWS, _HALF), jnp.float32), plgpu.Layout.WGMMA)
+    return plgpu.layout_cast(jnp.zeros((_PART, _PART), jnp.float32), plgpu.Layout.WGMMA)
 
 
 def paired_call(lhs, lhs_scales_t, rhs, rhs_scales, group_sizes, *, kind: str,
@@ -395,21 +416,22 @@ def paired_call(lhs, lhs_scales_t, rhs, rhs_scales, group_sizes, *, kind: str,
     rhs_p = base._pad_to(rhs, 2, BLOCK)
     mp = lhs_p.shape[0]
     sizes, row_start = local_groups(group_sizes, group_offset, g)
-    table, count = bf16._row_tile_table(sizes, mp, _ROWS, row_start)
+    tile_m = D_PRE_TILE_ROWS if kind == "d_pre" else _PART
+    table, count = bf16._row_tile_table(sizes, mp, tile_m, row_start)
     if kind == "d_pre":
         dh = base._pad_to(dh.astype(out_dtype), 0, 8, BLOCK)
         out_types = (sharding.out_struct((mp, 2 * f), out_dtype, like=lhs),)
         inputs = (table, count, lhs_p, scales_p, rhs_p, rhs_scales, dh)
     else:
         out_types = (sharding.out_struct((mp, f), FP8, like=lhs),
-                     sharding.out_struct((table.shape[1], f // BLOCK, _ROWS), jnp.float32,
+                     sharding.out_struct((table.shape[1], f // BLOCK, _PART), jnp.float32,
                                          like=lhs))
         inputs = (table, count, lhs_p, scales_p, rhs_p, rhs_scales)
-    stages = _paired_stages(bs, out_dtype, kind)
+    stages = _paired_stages(bs, out_dtype, kind, tile_m)
     if stages < 2:
         raise ValueError(f"{name}: {bs} leaves fewer than two stages in shared memory")
     call = pl.kernel(
-        _paired_kernel(kp, f, g, bs, min(stages, kp // BLOCK), kind, activation),
+        _paired_kernel(kp, f, g, bs, min(stages, kp // BLOCK), kind, activation, tile_m),
         out_type=out_types if len(out_types) > 1 else out_types[0],
         mesh=base._mesh(interpret),
         compiler_params=bf16._compiler_params(),
