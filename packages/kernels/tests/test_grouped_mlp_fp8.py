@@ -189,13 +189,13 @@ def test_interpret_gate_up_grad_quantized_matches_the_oracle(activation, backend
     assert err < 1e-5, f"d(pre) relative L2 {err:.2e}"
 
 
-
 @pytest.mark.parametrize("activation", ["swiglu", "geglu"])
 def test_interpret_mosaic_gpu_d_pre_on_128_row_tiles(activation, monkeypatch):
     """The Mosaic GPU d(pre) kernel on its other tile (D_PRE_TILE_ROWS 128: 128 rows and
     64 columns of h a tile, a consumer's 64 rows each), held to the same oracle."""
     monkeypatch.setattr(mgpu_fp8, "D_PRE_TILE_ROWS", 128)
     test_interpret_gate_up_grad_quantized_matches_the_oracle(activation, "pallas_mosaic_gpu")
+
 
 @pytest.mark.parametrize("backend", list(KERNELS))
 def test_interpret_down_weighted_quantized_matches_the_oracle(backend):

@@ -143,10 +143,9 @@ def _stages(bs: MosaicGpuFp8BlockSizes, out_bytes: int, depth: int = 1, strips: 
             extra_bytes: int = 0) -> tuple[int, int]:
     """(stages, epilogue strip): bs.stages cut to what shared memory holds. A stage holds
     `depth` steps of A and B (fp8, 128 x 128 each) and two [128] fp32 scale vectors;
-    each consumer has one 64 x strip
-    output slot, and an epilogue `extra_bytes` more. The strip is 128 columns, or 64 (the
-    tile stored in two strips, gmm's ragged stores only: `strips`) where that lets one
-    more stage fit."""
+    each consumer has one 64 x strip output slot, and an epilogue `extra_bytes` more.
+    The strip is 128 columns, or 64 (the tile stored in two strips, gmm's ragged stores
+    only: `strips`) where that lets one more stage fit."""
     per_stage = depth * (2 * BLOCK * BLOCK + 2 * BLOCK * 4)
 
     def fit(strip):
@@ -265,11 +264,12 @@ _EPILOGUE_OPERANDS = {None: 0, "weighted": 1, "weighted_grad": 2}
 
 
 def _epilogue_scratch_bytes(epilogue: str | None) -> int:
-    """Shared memory `epilogue`'s scratch takes for both consumers: a 64-row fp32 slot
-    for the row weights, and for "weighted_grad" one for its row sums and a 64 x 128
-    fp32 h tile."""
-    slots = {None: 0, "weighted": 1, "weighted_grad": 2}[epilogue]
-    tile = BLOCK * 4 if epilogue == "weighted_grad" else 0
+    """Shared memory `epilogue`'s scratch takes for both consumers (_gmm_kernel's): a
+    64-row fp32 slot for the row weights, and for "weighted_grad" one for its row sums
+    and a 64 x 128 fp32 h tile."""
+    grad = epilogue == "weighted_grad"
+    slots = (epilogue is not None) + grad
+    tile = BLOCK * 4 if grad else 0
     return 2 * _CONSUMER_ROWS * (4 * slots + tile)
 
 
