@@ -671,11 +671,14 @@ def test_mosaic_gpu_fp8_mlp_kernels_lower_at_model_shapes(shape, d_pre_tile_rows
 
 
 @pytest.mark.gpu
-def test_gpu_grouped_mlp_fp8_fused_against_the_composition():
+@pytest.mark.parametrize("d_pre_tile_rows", [64, 128])
+def test_gpu_grouped_mlp_fp8_fused_against_the_composition(d_pre_tile_rows, monkeypatch):
     """On an fp8 GPU: the fused route and the fp8 composition (its default backends),
-    each against the unquantized definition, as the interpreted test above."""
+    each against the unquantized definition, as the interpreted test above; on Hopper
+    with the Mosaic GPU d(pre) kernel on either of its row tiles."""
     if not platform.fp8_runs():
         pytest.skip("needs a CUDA GPU from sm89")
+    monkeypatch.setattr(mgpu_fp8, "D_PRE_TILE_ROWS", d_pre_tile_rows)
     sizes = [700, 0, 1500, 1000, 896]
     m, k, f, n = 4096, 1024, 768, 512
     x, w, down = _operands(11, m, k, f, 5, n)
