@@ -9,7 +9,8 @@ Stages (bf16, chunk 64, no cu_seqlens): the XLA prologue (layout and the cumulat
 pair), prep (the WY solve: U, W), the state pass at each block_v, the output at each
 output_block_v, the whole forward, the reverse state pass, the chunk gradients at each
 grads_block_v and the whole forward+backward; each kernel also at other warp counts
-(`warps` in the records; "default" is the module's own; the first shape only). fla (when importable): its
+(`warps` in the records; "default" is the module's own; the first shape only), and the
+state pass's loop at other pipeline depths (`num_stages`; first shape only). fla (when importable): its
 cumsum, intra-chunk (kkt + solve + w/u), state pass (fwd_h) and output (fwd_o), and its
 whole forward. Every time is the bench harness's queued method (calls back to back, one
 synchronisation per sample, median). JSON lines to $OUT/gated_delta_stages.jsonl.
@@ -39,13 +40,15 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 SHAPES = {"qwen3_next": (1, 32768, 16, 32, 128, 128), "delta_b8_t4k": (8, 4096, 32, 32, 128, 128)}
 SMOKE = {"tiny": (1, 128, 2, 4, 16, 32)}
 WARPS = {"value": None}  # None: each kernel's own num_warps
+STAGES = {"value": None}  # None: each kernel's own num_stages (only the passes loop)
 
 
 def _params(num_warps=4, num_stages=1):
-    return plgpu.CompilerParams(num_warps=WARPS["value"] or num_warps, num_stages=num_stages)
+    return plgpu.CompilerParams(num_warps=WARPS["value"] or num_warps,
+                                num_stages=STAGES["value"] or num_stages)
 
 
-pt._params = ptb._params = _params  # the sweep's warp override (None keeps the module's)
+pt._params = ptb._params = _params  # the sweep's overrides (None keeps the module's)
 
 
 def emit(rec):
@@ -115,6 +118,16 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
             states, u, _ = state(w, big_u, lk, hi, lo, entering, leaving, init)
             rec("state_pass", ms(state, w, big_u, lk, hi, lo, entering, leaving, init),
                 warps=tag, block_v=bv)
+        if sweep_warps and warps is None:  # the pass's loop pipelined deeper or not at all
+            bs = pt._resolve(None, batch=b, length=t, hv=hv, dk=dk, dv=dv, chunk=chunk,
+                             dtype=BF16)
+            for stages in (1, 3, 4):
+                STAGES["value"] = stages  # read when traced: a new function per value
+                state = jax.jit(functools.partial(pt._state_pass, bs=bs, l2norm=False,
+                                                  interpret=interpret))
+                rec("state_pass", ms(state, w, big_u, lk, hi, lo, entering, leaving, init),
+                    warps=tag, block_v=bs.block_v, num_stages=stages)
+            STAGES["value"] = None
         for bv in (32, 64, 128):
             if bv > dv:
                 continue
