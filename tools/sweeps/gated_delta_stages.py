@@ -10,7 +10,8 @@ pair), prep (the WY solve: U, W), the state pass at each block_v, the output at 
 output_block_v, the whole forward, the reverse state pass, the chunk gradients at each
 grads_block_v and the whole forward+backward; each kernel also at other warp counts
 (`warps` in the records; "default" is the module's own; the first shape only), and the
-state pass's loop at other pipeline depths (`num_stages`; first shape only). fla (when importable): its
+state pass's loop at other pipeline depths (`num_stages`) and in its other forms
+(`io_in_branches`, `decay_on_values`: pallas_triton.py's flags), first shape only. fla (when importable): its
 cumsum, intra-chunk (kkt + solve + w/u), state pass (fwd_h) and output (fwd_o), and its
 whole forward. Every time is the bench harness's queued method (calls back to back, one
 synchronisation per sample, median). JSON lines to $OUT/gated_delta_stages.jsonl.
@@ -128,6 +129,14 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
                 rec("state_pass", ms(state, w, big_u, lk, hi, lo, entering, leaving, init),
                     warps=tag, block_v=bs.block_v, num_stages=stages)
             STAGES["value"] = None
+            for io, on_values in ((True, False), (False, True), (True, True)):
+                pt.STATE_IO_IN_BRANCHES, pt.DECAY_ON_VALUES = io, on_values
+                state = jax.jit(functools.partial(pt._state_pass, bs=bs, l2norm=False,
+                                                  interpret=interpret))
+                rec("state_pass", ms(state, w, big_u, lk, hi, lo, entering, leaving, init),
+                    warps=tag, block_v=bs.block_v, io_in_branches=io,
+                    decay_on_values=on_values)
+            pt.STATE_IO_IN_BRANCHES = pt.DECAY_ON_VALUES = False
         for bv in (32, 64, 128):
             if bv > dv:
                 continue

@@ -78,6 +78,32 @@ def test_packed_sequences_with_traced_cu_seqlens():
     testlib.check_packed(KERNEL, a, cu)
 
 
+STATE_FORMS = {"io_in_branches": ("STATE_IO_IN_BRANCHES",),
+               "decay_on_values": ("DECAY_ON_VALUES",),
+               "both": ("STATE_IO_IN_BRANCHES", "DECAY_ON_VALUES")}
+
+
+@pytest.mark.parametrize("form", list(STATE_FORMS))
+def test_the_state_pass_forms_against_the_definition(form, monkeypatch):
+    """The state pass's other forms (pallas_triton.STATE_IO_IN_BRANCHES, DECAY_ON_VALUES)
+    under packed sequences, which load initial and store final states mid-row, and
+    lowered for CUDA from the CPU (a branch inside the chunk loop)."""
+    for flag in STATE_FORMS[form]:
+        monkeypatch.setattr(pallas_triton, flag, True)
+    a = _inputs(12, t=184, n=5)
+    testlib.check_packed(KERNEL, a, jnp.asarray([0, 10, 10, 64, 164, 184], jnp.int32))
+    s = jax.ShapeDtypeStruct
+    args = (s((1, 256, 2, 128), jnp.bfloat16), s((1, 256, 2, 128), jnp.bfloat16),
+            s((1, 256, 4, 128), jnp.bfloat16), s((1, 256, 4), jnp.float32),
+            s((1, 256, 4), jnp.float32), s((3, 4, 128, 128), jnp.float32),
+            s((4,), jnp.int32))
+    with jax.enable_x64(False):
+        text = _lowered(lambda *x: pallas_triton.forward(
+            *x[:5], scale=0.1, initial_state=x[5], cu_seqlens=x[6], chunk_size=64,
+            use_qk_l2norm_in_kernel=False), *args)
+    assert text.count("__gpu$xla.gpu.triton") == 3
+
+
 def test_bf16_inputs_within_the_bf16_tolerance():
     a = _inputs(6, b=2, dtype=jnp.bfloat16)
     testlib.check_bf16(KERNEL, a)

@@ -358,8 +358,18 @@ def _prep(k, v, hi, lo, beta, hv, cd, l2norm, interpret, store_inverse=False):
 # ------------------------------------------------------------------------ state pass
 
 
+# Two forms of the state pass's step, timed against the masked forms by
+# tools/sweeps/gated_delta_stages.py: the entering state loaded and the final state
+# stored under a branch (most chunks do neither) rather than by a masked [K, block_v]
+# load and store every chunk; the decay to the chunk's end applied to u's [C, block_v]
+# rather than to the keys' [C, K].
+STATE_IO_IN_BRANCHES = False
+DECAY_ON_VALUES = False
+
+
 def _state_kernel(w_ref, big_u_ref, k_ref, hi_ref, lo_ref, enter_ref, leave_ref, finals_ref,
-                  states_ref, u_ref, finals_out_ref, *, l2norm: bool):
+                  states_ref, u_ref, finals_out_ref, *, l2norm: bool, io_in_branches: bool,
+                  decay_on_values: bool):
     """One (value column block, value head, row) walks its chunks in order."""
     del finals_out_ref  # the same buffer as finals_ref (aliased)
     nc, chunk, dk = w_ref.shape
@@ -368,20 +378,32 @@ def _state_kernel(w_ref, big_u_ref, k_ref, hi_ref, lo_ref, enter_ref, leave_ref,
 
     def step(c, state):
         enter = enter_ref[c]
-        fresh = plgpu.load(finals_ref.at[_slot(enter)],
-                           mask=jnp.full((dk, bv), enter >= 0), other=0.0)
-        state = jnp.where(enter >= 0, fresh.astype(F32), state)
+        if io_in_branches:
+            state = jax.lax.cond(enter >= 0,
+                                 lambda: finals_ref[_slot(enter)].astype(F32), lambda: state)
+        else:
+            fresh = plgpu.load(finals_ref.at[_slot(enter)],
+                               mask=jnp.full((dk, bv), enter >= 0), other=0.0)
+            state = jnp.where(enter >= 0, fresh.astype(F32), state)
         states_ref[c] = state.astype(states_ref.dtype)
-        u = (big_u_ref[c].astype(F32) - _dot(w_ref[c], state.astype(cd))).astype(cd)
-        u_ref[c] = u
+        u = big_u_ref[c].astype(F32) - _dot(w_ref[c], state.astype(cd))
+        u_ref[c] = u.astype(cd)
         hi, lo = hi_ref[c], lo_ref[c]
         hi_last, lo_last = hi_ref[c, chunk - 1], lo_ref[c, chunk - 1]
-        to_end = jnp.exp(_segment(hi_last, lo_last, hi, lo))
-        keys = (_normed(k_ref[c], l2norm) * to_end[:, None]).astype(cd)
-        state = jnp.exp(hi_last + lo_last) * state + _dot(keys, u, trans_a=True)
+        to_end = jnp.exp(_segment(hi_last, lo_last, hi, lo))[:, None]
+        if decay_on_values:
+            keys, values = _normed(k_ref[c], l2norm).astype(cd), (to_end * u).astype(cd)
+        else:
+            keys, values = (_normed(k_ref[c], l2norm) * to_end).astype(cd), u.astype(cd)
+        state = jnp.exp(hi_last + lo_last) * state + _dot(keys, values, trans_a=True)
         leave = leave_ref[c]
-        plgpu.store(finals_ref.at[_slot(leave)], state.astype(finals_ref.dtype),
-                    mask=jnp.full((dk, bv), leave >= 0))
+        if io_in_branches:
+            @pl.when(leave >= 0)
+            def _():
+                finals_ref[_slot(leave)] = state.astype(finals_ref.dtype)
+        else:
+            plgpu.store(finals_ref.at[_slot(leave)], state.astype(finals_ref.dtype),
+                        mask=jnp.full((dk, bv), leave >= 0))
         return state
 
     jax.lax.fori_loop(0, nc, step, jnp.zeros((dk, bv), F32))
@@ -423,7 +445,9 @@ def _state_pass(w, big_u, k, hi, lo, entering, leaving, init, bs: BlockSizes, l2
     finals = pl.BlockSpec((n, None, dk, bv), lambda vb, h, i: (0, h, 0, vb))
     columns = pl.BlockSpec((None, nc, chunk, None, bv), lambda vb, h, i: (i, 0, 0, h, vb))
     states, u, finals_out = pl.pallas_call(
-        functools.partial(_state_kernel, l2norm=l2norm),
+        functools.partial(_state_kernel, l2norm=l2norm,
+                          io_in_branches=STATE_IO_IN_BRANCHES,
+                          decay_on_values=DECAY_ON_VALUES),
         out_shape=shapes,
         grid=(dv // bv, hv, b),
         in_specs=[
