@@ -174,6 +174,14 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
             d_exit, du, _ = rev(lq, lk, saved["w"], hi, lo, ldo, entering, leaving, dfinal)
             rec("reverse_pass", ms(rev, lq, lk, saved["w"], hi, lo, ldo, entering, leaving,
                                    dfinal), warps=tag, block_v=bv)
+        if sweep_warps and warps is None:  # the branch form (pt.STATE_IO_IN_BRANCHES)
+            bv = pt._resolve(None, batch=b, length=t, hv=hv, dk=dk, dv=dv, chunk=chunk,
+                             dtype=BF16).block_v
+            pt.STATE_IO_IN_BRANCHES = True
+            rev = jax.jit(lambda *a: ptb._reverse_pass(*a, hv, scale, bv, interpret))
+            rec("reverse_pass", ms(rev, lq, lk, saved["w"], hi, lo, ldo, entering, leaving,
+                                   dfinal), warps=tag, block_v=bv, io_in_branches=True)
+            pt.STATE_IO_IN_BRANCHES = False
         for bv in (b for b in (32, 64, 128) if b <= dv):
             grads = jax.jit(lambda *a, bv=bv: ptb._chunk_grads(*a, scale, bv, interpret))
             args = (lq, lk, lv, hi, lo, lbeta, saved["inv"], saved["states"], saved["u"], du,

@@ -85,9 +85,10 @@ STATE_FORMS = {"io_in_branches": ("STATE_IO_IN_BRANCHES",),
 
 @pytest.mark.parametrize("form", list(STATE_FORMS))
 def test_the_state_pass_forms_against_the_definition(form, monkeypatch):
-    """The state pass's other forms (pallas_triton.STATE_IO_IN_BRANCHES, DECAY_ON_VALUES)
-    under packed sequences, which load initial and store final states mid-row, and
-    lowered for CUDA from the CPU (a branch inside the chunk loop)."""
+    """The state pass's other forms (pallas_triton.STATE_IO_IN_BRANCHES, which the
+    backward's reverse pass follows too, and DECAY_ON_VALUES), values and gradients under
+    packed sequences, which load initial and store final states mid-row, and lowered for
+    CUDA from the CPU, differentiated (a branch inside each pass's chunk loop)."""
     for flag in STATE_FORMS[form]:
         monkeypatch.setattr(pallas_triton, flag, True)
     a = _inputs(12, t=184, n=5)
@@ -97,11 +98,16 @@ def test_the_state_pass_forms_against_the_definition(form, monkeypatch):
             s((1, 256, 4, 128), jnp.bfloat16), s((1, 256, 4), jnp.float32),
             s((1, 256, 4), jnp.float32), s((3, 4, 128, 128), jnp.float32),
             s((4,), jnp.int32))
+
+    def loss(*x):
+        o, final = pallas_triton.forward(*x[:5], scale=0.1, initial_state=x[5],
+                                         cu_seqlens=x[6], chunk_size=64,
+                                         use_qk_l2norm_in_kernel=False)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(final)
+
     with jax.enable_x64(False):
-        text = _lowered(lambda *x: pallas_triton.forward(
-            *x[:5], scale=0.1, initial_state=x[5], cu_seqlens=x[6], chunk_size=64,
-            use_qk_l2norm_in_kernel=False), *args)
-    assert text.count("__gpu$xla.gpu.triton") == 3
+        text = _lowered(jax.grad(loss, argnums=tuple(range(6))), *args)
+    assert text.count("__gpu$xla.gpu.triton") == 6
 
 
 def test_bf16_inputs_within_the_bf16_tolerance():

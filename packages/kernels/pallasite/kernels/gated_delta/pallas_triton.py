@@ -361,8 +361,8 @@ def _prep(k, v, hi, lo, beta, hv, cd, l2norm, interpret, store_inverse=False):
 # Two forms of the state pass's step, timed against the masked forms by
 # tools/sweeps/gated_delta_stages.py: the entering state loaded and the final state
 # stored under a branch (most chunks do neither) rather than by a masked [K, block_v]
-# load and store every chunk; the decay to the chunk's end applied to u's [C, block_v]
-# rather than to the keys' [C, K].
+# load and store every chunk (the backward's reverse pass follows the same flag); the
+# decay to the chunk's end applied to u's [C, block_v] rather than to the keys' [C, K].
 STATE_IO_IN_BRANCHES = False
 DECAY_ON_VALUES = False
 

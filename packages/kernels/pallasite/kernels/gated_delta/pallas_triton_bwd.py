@@ -45,6 +45,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallasite.kernels import cost, sharding
 from pallasite.kernels.gated_delta import packing
+from pallasite.kernels.gated_delta import pallas_triton as forward_kernels
 from pallasite.kernels.gated_delta.pallas_triton import (
     F32, _dot, _iota, _masked_decay, _params, _segment, _slot)
 from pallasite.reference.gated_delta_rule import L2NORM_EPS
@@ -59,8 +60,11 @@ def _cast_dot(cd):
 
 
 def _reverse_kernel(q_ref, k_ref, w_ref, hi_ref, lo_ref, do_ref, enter_ref, leave_ref,
-                    dfinal_ref, dexit_ref, du_ref, dinit_out_ref, *, scale: float):
-    """One (value column block, value head, row) walks its chunks backwards."""
+                    dfinal_ref, dexit_ref, du_ref, dinit_out_ref, *, scale: float,
+                    io_in_branches: bool):
+    """One (value column block, value head, row) walks its chunks backwards; with
+    io_in_branches the final states' cotangents are loaded and the initial states' stored
+    under a branch (pallas_triton.STATE_IO_IN_BRANCHES)."""
     del dinit_out_ref  # the same buffer as dfinal_ref (aliased)
     nc, chunk, dk = q_ref.shape
     bv = do_ref.shape[2]
@@ -71,9 +75,14 @@ def _reverse_kernel(q_ref, k_ref, w_ref, hi_ref, lo_ref, do_ref, enter_ref, leav
     def step(i, carry):
         c = nc - 1 - i
         leave = leave_ref[c]
-        final = plgpu.load(dfinal_ref.at[_slot(leave)],
-                           mask=jnp.full((dk, bv), leave >= 0), other=0.0)
-        d_exit = carry + jnp.where(leave >= 0, final.astype(F32), 0.0)
+        if io_in_branches:
+            d_exit = jax.lax.cond(
+                leave >= 0, lambda: carry + dfinal_ref[_slot(leave)].astype(F32),
+                lambda: carry)
+        else:
+            final = plgpu.load(dfinal_ref.at[_slot(leave)],
+                               mask=jnp.full((dk, bv), leave >= 0), other=0.0)
+            d_exit = carry + jnp.where(leave >= 0, final.astype(F32), 0.0)
         dexit_ref[c] = d_exit.astype(dexit_ref.dtype)
         hi, lo = hi_ref[c], lo_ref[c]
         hi_last, lo_last = hi_ref[c, chunk - 1], lo_ref[c, chunk - 1]
@@ -88,8 +97,13 @@ def _reverse_kernel(q_ref, k_ref, w_ref, hi_ref, lo_ref, do_ref, enter_ref, leav
         d_enter = (jnp.exp(hi_last + lo_last) * d_exit + scale * mm(eq, do, trans_a=True)
                    - mm(w_ref[c], du, trans_a=True))
         enter = enter_ref[c]
-        plgpu.store(dfinal_ref.at[_slot(enter)], d_enter.astype(dfinal_ref.dtype),
-                    mask=jnp.full((dk, bv), enter >= 0))
+        if io_in_branches:
+            @pl.when(enter >= 0)
+            def _():
+                dfinal_ref[_slot(enter)] = d_enter.astype(dfinal_ref.dtype)
+        else:
+            plgpu.store(dfinal_ref.at[_slot(enter)], d_enter.astype(dfinal_ref.dtype),
+                        mask=jnp.full((dk, bv), enter >= 0))
         return jnp.where(enter >= 0, 0.0, d_enter)
 
     jax.lax.fori_loop(0, nc, step, jnp.zeros((dk, bv), F32))
@@ -141,7 +155,8 @@ def _reverse_pass(q, k, w, hi, lo, do, entering, leaving, dfinal, hv, scale, blo
     finals = pl.BlockSpec((n, None, dk, bv), lambda vb, h, i: (0, h, 0, vb))
     columns = pl.BlockSpec((None, nc, chunk, None, bv), lambda vb, h, i: (i, 0, 0, h, vb))
     return pl.pallas_call(
-        functools.partial(_reverse_kernel, scale=float(scale)),
+        functools.partial(_reverse_kernel, scale=float(scale),
+                          io_in_branches=forward_kernels.STATE_IO_IN_BRANCHES),
         out_shape=shapes,
         grid=(dv // bv, hv, b),
         in_specs=[
