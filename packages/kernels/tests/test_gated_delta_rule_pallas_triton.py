@@ -107,7 +107,9 @@ def test_the_state_pass_forms_against_the_definition(form, monkeypatch):
 
     with jax.enable_x64(False):
         text = _lowered(jax.grad(loss, argnums=tuple(range(6))), *args)
-    assert text.count("__gpu$xla.gpu.triton") == 6
+    # prep and the state pass, then the reverse pass and the two chunk-gradient kernels
+    # (the gradient alone leaves the output kernel out)
+    assert text.count("__gpu$xla.gpu.triton") == 5
 
 
 def test_bf16_inputs_within_the_bf16_tolerance():
