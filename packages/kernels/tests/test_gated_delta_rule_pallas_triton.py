@@ -363,3 +363,16 @@ def test_compiled_kernels_against_the_definition(dtype):
         for i, (g, w) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))):
             parity.assert_close(np.asarray(g, np.float32), np.asarray(w, np.float32),
                                 dtype=jnp.bfloat16, what=f"output {i}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", list(STATE_FORMS))
+def test_compiled_state_pass_forms_against_the_definition(form, monkeypatch):
+    """The state pass's other forms compiled (fp32, packed sequences, values and
+    gradients), so that either can become the default on a measurement."""
+    if not platform.triton_runs():
+        pytest.skip(f"needs a CUDA GPU from sm80; the device is {platform.device_generation()}")
+    for flag in STATE_FORMS[form]:
+        monkeypatch.setattr(pallas_triton, flag, True)
+    a = _inputs(13, t=300, hk=2, hv=4, dk=128, dv=64, n=5)
+    testlib.check_packed(KERNEL, a, jnp.asarray([0, 10, 10, 64, 230, 300], jnp.int32))
