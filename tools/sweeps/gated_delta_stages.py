@@ -143,6 +143,14 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
             bs = pt.BlockSizes(output_block_v=bv)
             out = jax.jit(lambda *a, bs=bs: pt._output(*a, BF16, scale, bs, False, interpret))
             rec("output", ms(out, lq, lk, hi, lo, states, u), warps=tag, output_block_v=bv)
+    for warps in (1, 4) if sweep_warps and "forward" in only else ():
+        WARPS["value"] = warps  # the prep alone at one and four warps as well
+        prep = jax.jit(lambda lk, lv, hi, lo, lb: pt._prep(lk, lv, hi, lo, lb, hv, BF16, False,
+                                                            interpret))
+        try:
+            rec("prep", ms(prep, lk, lv, hi, lo, lbeta), warps=warps)
+        except Exception as err:  # noqa: BLE001 - a config that does not compile is a record
+            emit(dict(base, stage="prep", warps=warps, error=f"{type(err).__name__}: {err}"[:300]))
     WARPS["value"] = None
 
     def fwd(q, k, v, g, beta, init):
