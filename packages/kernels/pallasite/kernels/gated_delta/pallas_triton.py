@@ -197,6 +197,28 @@ def _masked_decay(hi_t, lo_t, hi_j, lo_j, keep):
     return jnp.exp(jnp.where(keep, seg, -jnp.inf))
 
 
+def _load_where(ref, index, otherwise, in_branch: bool):
+    """ref[index] in fp32 where the table entry `index` is >= 0, else `otherwise`: under a
+    branch, or by a masked load (the state passes' forms, STATE_IO_IN_BRANCHES)."""
+    if in_branch:
+        return jax.lax.cond(index >= 0, lambda: ref[_slot(index)].astype(F32),
+                            lambda: otherwise)
+    loaded = plgpu.load(ref.at[_slot(index)], mask=jnp.full(otherwise.shape, index >= 0),
+                        other=0.0)
+    return jnp.where(index >= 0, loaded.astype(F32), otherwise)
+
+
+def _store_where(ref, index, value, in_branch: bool):
+    """ref[index] = value where the table entry `index` is >= 0, as _load_where."""
+    value = value.astype(ref.dtype)
+    if in_branch:
+        @pl.when(index >= 0)
+        def _():
+            ref[_slot(index)] = value
+    else:
+        plgpu.store(ref.at[_slot(index)], value, mask=jnp.full(value.shape, index >= 0))
+
+
 def _params(num_warps=4, num_stages=1):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
@@ -377,14 +399,7 @@ def _state_kernel(w_ref, big_u_ref, k_ref, hi_ref, lo_ref, enter_ref, leave_ref,
     cd = w_ref.dtype
 
     def step(c, state):
-        enter = enter_ref[c]
-        if io_in_branches:
-            state = jax.lax.cond(enter >= 0,
-                                 lambda: finals_ref[_slot(enter)].astype(F32), lambda: state)
-        else:
-            fresh = plgpu.load(finals_ref.at[_slot(enter)],
-                               mask=jnp.full((dk, bv), enter >= 0), other=0.0)
-            state = jnp.where(enter >= 0, fresh.astype(F32), state)
+        state = _load_where(finals_ref, enter_ref[c], state, io_in_branches)
         states_ref[c] = state.astype(states_ref.dtype)
         u = big_u_ref[c].astype(F32) - _dot(w_ref[c], state.astype(cd))
         u_ref[c] = u.astype(cd)
@@ -396,14 +411,7 @@ def _state_kernel(w_ref, big_u_ref, k_ref, hi_ref, lo_ref, enter_ref, leave_ref,
         else:
             keys, values = (_normed(k_ref[c], l2norm) * to_end).astype(cd), u.astype(cd)
         state = jnp.exp(hi_last + lo_last) * state + _dot(keys, values, trans_a=True)
-        leave = leave_ref[c]
-        if io_in_branches:
-            @pl.when(leave >= 0)
-            def _():
-                finals_ref[_slot(leave)] = state.astype(finals_ref.dtype)
-        else:
-            plgpu.store(finals_ref.at[_slot(leave)], state.astype(finals_ref.dtype),
-                        mask=jnp.full((dk, bv), leave >= 0))
+        _store_where(finals_ref, leave_ref[c], state, io_in_branches)
         return state
 
     jax.lax.fori_loop(0, nc, step, jnp.zeros((dk, bv), F32))

@@ -41,13 +41,12 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallasite.kernels import cost, sharding
 from pallasite.kernels.gated_delta import packing
 from pallasite.kernels.gated_delta import pallas_triton as forward_kernels
 from pallasite.kernels.gated_delta.pallas_triton import (
-    F32, _dot, _iota, _masked_decay, _params, _segment, _slot)
+    F32, _dot, _iota, _load_where, _masked_decay, _params, _segment, _store_where)
 from pallasite.reference.gated_delta_rule import L2NORM_EPS
 
 
@@ -74,15 +73,8 @@ def _reverse_kernel(q_ref, k_ref, w_ref, hi_ref, lo_ref, do_ref, enter_ref, leav
 
     def step(i, carry):
         c = nc - 1 - i
-        leave = leave_ref[c]
-        if io_in_branches:
-            d_exit = jax.lax.cond(
-                leave >= 0, lambda: carry + dfinal_ref[_slot(leave)].astype(F32),
-                lambda: carry)
-        else:
-            final = plgpu.load(dfinal_ref.at[_slot(leave)],
-                               mask=jnp.full((dk, bv), leave >= 0), other=0.0)
-            d_exit = carry + jnp.where(leave >= 0, final.astype(F32), 0.0)
+        d_exit = carry + _load_where(dfinal_ref, leave_ref[c], jnp.zeros_like(carry),
+                                     io_in_branches)
         dexit_ref[c] = d_exit.astype(dexit_ref.dtype)
         hi, lo = hi_ref[c], lo_ref[c]
         hi_last, lo_last = hi_ref[c, chunk - 1], lo_ref[c, chunk - 1]
@@ -97,13 +89,7 @@ def _reverse_kernel(q_ref, k_ref, w_ref, hi_ref, lo_ref, do_ref, enter_ref, leav
         d_enter = (jnp.exp(hi_last + lo_last) * d_exit + scale * mm(eq, do, trans_a=True)
                    - mm(w_ref[c], du, trans_a=True))
         enter = enter_ref[c]
-        if io_in_branches:
-            @pl.when(enter >= 0)
-            def _():
-                dfinal_ref[_slot(enter)] = d_enter.astype(dfinal_ref.dtype)
-        else:
-            plgpu.store(dfinal_ref.at[_slot(enter)], d_enter.astype(dfinal_ref.dtype),
-                        mask=jnp.full((dk, bv), enter >= 0))
+        _store_where(dfinal_ref, enter, d_enter, io_in_branches)
         return jnp.where(enter >= 0, 0.0, d_enter)
 
     jax.lax.fori_loop(0, nc, step, jnp.zeros((dk, bv), F32))
