@@ -75,7 +75,6 @@ def forward(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, chunk_size: i
     """(o [B, T, Hv, V] in v's dtype, final states [N, Hv, K, V] fp32). Inputs as the
     public function's, validated; initial_state [N, Hv, K, V] (zeros when none)."""
     b, length, hv, dv = v.shape
-    dk = q.shape[3]
     f = jnp.result_type(jnp.float32, q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
     qf, kf = (expand_heads(t.astype(f), hv) for t in (q, k))
     if use_qk_l2norm_in_kernel:
