@@ -35,7 +35,6 @@ what the pairing costs against the plain loop.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import gc
 import json
@@ -45,6 +44,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from knobs import knobs  # tools/sweeps/knobs.py, beside this script
 from pallasite.bench import harness
 from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu_fp8 as mgpu_fp8
 from pallasite.kernels.grouped_matmul.token_blocks import token_blocks
@@ -212,8 +212,8 @@ def paired_gate_up(out, smoke: bool):
             "d_pre": (d_pre, {"D_PRE_TILE_ROWS": 64}),
             "d_pre_128_rows": (d_pre, {"D_PRE_TILE_ROWS": 128}),
         }
-        for kernel, (fn, knobs) in runs.items():
-            with _knobs(fused, **knobs):
+        for kernel, (fn, settings) in runs.items():
+            with knobs(fused, **settings):
                 fn = functools.partial(lambda a, fn: fn(a), fn=fn)  # traced afresh
                 t = _time(fn, [args + (dh,) if kernel.startswith("d_pre") else args])
             _write(out, {"what": "paired_gate_up", "shape": name, "kernel": kernel,
@@ -252,7 +252,7 @@ def token_variants(out, smoke: bool):
         want = jax.jit(run)(xs[0])
         used = int((table.rows > 0).sum())  # unused blocks are never written
         for columns, warps in grid:
-            with _knobs(pallas_triton, COLUMNS=columns, TOKEN_NUM_WARPS=warps):
+            with knobs(pallas_triton, COLUMNS=columns, TOKEN_NUM_WARPS=warps):
                 got, rec = _variant(run, xs, lambda got: _nbytes(xs[0]) + _nbytes(got[1])
                                     + used * 128 * c * got[0].dtype.itemsize)
             if got is not None:
@@ -286,7 +286,7 @@ def cast_variants(out, smoke: bool):
                 continue
             results = {}
             for saturating in (False, True):
-                with _knobs(pallas_triton, SATURATING_CAST=saturating):
+                with knobs(pallas_triton, SATURATING_CAST=saturating):
                     got, rec = _variant(run, sets,
                                         lambda got: _nbytes(sets[0]) + _nbytes(got))
                 if got is not None:
@@ -301,20 +301,6 @@ def cast_variants(out, smoke: bool):
                     rec["same_as_clip"] = same
                 _write(out, {"what": "cast_variant", "shape": name, "impl": impl,
                              "saturating_cast": saturating, **rec})
-
-
-@contextlib.contextmanager
-def _knobs(module, **values):
-    """module's attributes (a kernel's knobs) set to values inside the block, restored
-    after it."""
-    saved = {name: getattr(module, name) for name in values}
-    for name, value in values.items():
-        setattr(module, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(module, name, value)
 
 
 def _variant(run, sets, moved):

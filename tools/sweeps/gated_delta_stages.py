@@ -30,6 +30,7 @@ os.environ.setdefault("PALLASITE_AUTOTUNE", "0")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.experimental.pallas import triton as plgpu  # noqa: E402
+from knobs import knobs  # noqa: E402 - tools/sweeps/knobs.py, beside this script
 
 from pallasite.bench import harness, peers  # noqa: E402
 from pallasite.kernels.gated_delta import packing  # noqa: E402
@@ -98,6 +99,9 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
     lq, lk, lv, hi, lo, lbeta = prologue(q, k, v, g, beta)
     entering, leaving = packing.chunk_tables(b, lq.shape[1], None, None)
     base = dict(op="gated_delta_rule", shape=name, impl="pallasite.pallas_triton")
+    # the kernels' own block sizes at this shape: the state passes' other forms run at them
+    default_bs = pt._resolve(None, batch=b, length=t, hv=hv, dk=dk, dv=dv, chunk=chunk,
+                             dtype=BF16)
 
     def rec(stage, value, **kw):
         emit(dict(base, stage=stage, ms=round(value, 4), **kw))
@@ -120,23 +124,19 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
             rec("state_pass", ms(state, w, big_u, lk, hi, lo, entering, leaving, init),
                 warps=tag, block_v=bv)
         if sweep_warps and warps is None:  # the pass's loop pipelined deeper or not at all
-            bs = pt._resolve(None, batch=b, length=t, hv=hv, dk=dk, dv=dv, chunk=chunk,
-                             dtype=BF16)
-            for stages in (1, 3, 4):
-                STAGES["value"] = stages  # read when traced: a new function per value
-                state = jax.jit(functools.partial(pt._state_pass, bs=bs, l2norm=False,
-                                                  interpret=interpret))
+            def state_pass_ms(**kw):  # traced afresh: the knobs are read when traced
+                state = jax.jit(functools.partial(pt._state_pass, bs=default_bs,
+                                                  l2norm=False, interpret=interpret))
                 rec("state_pass", ms(state, w, big_u, lk, hi, lo, entering, leaving, init),
-                    warps=tag, block_v=bs.block_v, num_stages=stages)
+                    warps=tag, block_v=default_bs.block_v, **kw)
+
+            for stages in (1, 3, 4):
+                STAGES["value"] = stages
+                state_pass_ms(num_stages=stages)
             STAGES["value"] = None
             for io, on_values in ((True, False), (False, True), (True, True)):
-                pt.STATE_IO_IN_BRANCHES, pt.DECAY_ON_VALUES = io, on_values
-                state = jax.jit(functools.partial(pt._state_pass, bs=bs, l2norm=False,
-                                                  interpret=interpret))
-                rec("state_pass", ms(state, w, big_u, lk, hi, lo, entering, leaving, init),
-                    warps=tag, block_v=bs.block_v, io_in_branches=io,
-                    decay_on_values=on_values)
-            pt.STATE_IO_IN_BRANCHES = pt.DECAY_ON_VALUES = False
+                with knobs(pt, STATE_IO_IN_BRANCHES=io, DECAY_ON_VALUES=on_values):
+                    state_pass_ms(io_in_branches=io, decay_on_values=on_values)
         for bv in (32, 64, 128):
             if bv > dv:
                 continue
@@ -183,13 +183,12 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
             rec("reverse_pass", ms(rev, lq, lk, saved["w"], hi, lo, ldo, entering, leaving,
                                    dfinal), warps=tag, block_v=bv)
         if sweep_warps and warps is None:  # the branch form (pt.STATE_IO_IN_BRANCHES)
-            bv = pt._resolve(None, batch=b, length=t, hv=hv, dk=dk, dv=dv, chunk=chunk,
-                             dtype=BF16).block_v
-            pt.STATE_IO_IN_BRANCHES = True
-            rev = jax.jit(lambda *a: ptb._reverse_pass(*a, hv, scale, bv, interpret))
-            rec("reverse_pass", ms(rev, lq, lk, saved["w"], hi, lo, ldo, entering, leaving,
-                                   dfinal), warps=tag, block_v=bv, io_in_branches=True)
-            pt.STATE_IO_IN_BRANCHES = False
+            bv = default_bs.block_v
+            with knobs(pt, STATE_IO_IN_BRANCHES=True):
+                rev = jax.jit(lambda *a: ptb._reverse_pass(*a, hv, scale, bv, interpret))
+                rec("reverse_pass", ms(rev, lq, lk, saved["w"], hi, lo, ldo, entering,
+                                       leaving, dfinal),
+                    warps=tag, block_v=bv, io_in_branches=True)
         for bv in (b for b in (32, 64, 128) if b <= dv):
             grads = jax.jit(lambda *a, bv=bv: ptb._chunk_grads(*a, scale, bv, interpret))
             args = (lq, lk, lv, hi, lo, lbeta, saved["inv"], saved["states"], saved["u"], du,
