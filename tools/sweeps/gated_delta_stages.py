@@ -11,7 +11,9 @@ output_block_v, the whole forward, the reverse state pass, the chunk gradients a
 grads_block_v and the whole forward+backward; each kernel also at other warp counts
 (`warps` in the records; "default" is the module's own; the first shape only), and the
 state pass's loop at other pipeline depths (`num_stages`) and in its other forms
-(`io_in_branches`, `decay_on_values`: pallas_triton.py's flags), first shape only. fla (when importable): its
+(`io_in_branches`, `decay_on_values`: pallas_triton.py's flags), first shape only; the
+prep in two kernels (`prep_in_two_kernels`, its solve at 2, 4 and 8 warps on the first
+shape) and the forward with it. fla (when importable): its
 cumsum, intra-chunk (kkt + solve + w/u), state pass (fwd_h) and output (fwd_o), and its
 whole forward. Every time is the bench harness's queued method (calls back to back, one
 synchronisation per sample, median). JSON lines to $OUT/gated_delta_stages.jsonl.
@@ -152,6 +154,14 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
         except Exception as err:  # noqa: BLE001 - a config that does not compile is a record
             emit(dict(base, stage="prep", warps=warps, error=f"{type(err).__name__}: {err}"[:300]))
     WARPS["value"] = None
+    # the prep in two kernels (pt.PREP_IN_TWO_KERNELS), its solve at other warp counts
+    for solve_warps in ((2, 4, 8) if sweep_warps else (pt.SOLVE_WARPS,)) if "forward" in only \
+            else ():
+        with knobs(pt, PREP_IN_TWO_KERNELS=True, SOLVE_WARPS=solve_warps):
+            prep = jax.jit(lambda lk, lv, hi, lo, lb: pt._prep(lk, lv, hi, lo, lb, hv, BF16,
+                                                                False, interpret))
+            rec("prep", ms(prep, lk, lv, hi, lo, lbeta), prep_in_two_kernels=True,
+                solve_warps=solve_warps)
 
     def fwd(q, k, v, g, beta, init):
         return pt.forward(q, k, v, g, beta, scale=scale, initial_state=init, cu_seqlens=None,
@@ -159,6 +169,9 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
 
     if "forward" in only:
         rec("forward", ms(jax.jit(fwd), q, k, v, g, beta, init))
+        with knobs(pt, PREP_IN_TWO_KERNELS=True):  # a new function: traced afresh
+            rec("forward", ms(jax.jit(lambda *a: fwd(*a)), q, k, v, g, beta, init),
+                prep_in_two_kernels=True)
     if "backward" not in only:
         return
     do = jax.random.normal(jax.random.key(9), v.shape, BF16)

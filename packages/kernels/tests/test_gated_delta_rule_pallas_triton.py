@@ -24,6 +24,7 @@ from jax.sharding import AbstractDevice, AbstractMesh
 import gated_delta_testlib as testlib
 from pallasite.kernels import chunk_gated_delta_rule, platform, sharding
 from pallasite.kernels.gated_delta import pallas_triton, pallas_triton_bwd, predicates
+from pallasite.kernels.ssd import decay
 from pallasite.reference import parity
 from pallasite.reference.gated_delta_rule import gated_delta_rule_sequential
 
@@ -78,18 +79,21 @@ def test_packed_sequences_with_traced_cu_seqlens():
     testlib.check_packed(KERNEL, a, cu)
 
 
-STATE_FORMS = {"io_in_branches": ("STATE_IO_IN_BRANCHES",),
-               "decay_on_values": ("DECAY_ON_VALUES",),
-               "both": ("STATE_IO_IN_BRANCHES", "DECAY_ON_VALUES")}
+KERNEL_FORMS = {"io_in_branches": ("STATE_IO_IN_BRANCHES",),
+                "decay_on_values": ("DECAY_ON_VALUES",),
+                "both": ("STATE_IO_IN_BRANCHES", "DECAY_ON_VALUES"),
+                "prep_in_two_kernels": ("PREP_IN_TWO_KERNELS",)}
 
 
-@pytest.mark.parametrize("form", list(STATE_FORMS))
-def test_the_state_pass_forms_against_the_definition(form, monkeypatch):
-    """The state pass's other forms (pallas_triton.STATE_IO_IN_BRANCHES, which the
-    backward's reverse pass follows too, and DECAY_ON_VALUES), values and gradients under
-    packed sequences, which load initial and store final states mid-row, and lowered for
-    CUDA from the CPU, differentiated (a branch inside each pass's chunk loop)."""
-    for flag in STATE_FORMS[form]:
+@pytest.mark.parametrize("form", list(KERNEL_FORMS))
+def test_the_kernel_forms_against_the_definition(form, monkeypatch):
+    """The kernels' other forms (pallas_triton's flags: the state pass's
+    STATE_IO_IN_BRANCHES, which the backward's reverse pass follows too, and
+    DECAY_ON_VALUES; the prep in two kernels, PREP_IN_TWO_KERNELS), values and gradients
+    under packed sequences, which load initial and store final states mid-row, and
+    lowered for CUDA from the CPU, differentiated (a branch inside each pass's chunk loop;
+    the solve's barriers)."""
+    for flag in KERNEL_FORMS[form]:
         monkeypatch.setattr(pallas_triton, flag, True)
     a = _inputs(12, t=184, n=5)
     testlib.check_packed(KERNEL, a, jnp.asarray([0, 10, 10, 64, 164, 184], jnp.int32))
@@ -107,9 +111,36 @@ def test_the_state_pass_forms_against_the_definition(form, monkeypatch):
 
     with jax.enable_x64(False):
         text = _lowered(jax.grad(loss, argnums=tuple(range(6))), *args)
-    # prep and the state pass, then the reverse pass and the two chunk-gradient kernels
-    # (the gradient alone leaves the output kernel out)
-    assert text.count("__gpu$xla.gpu.triton") == 5
+    # prep (one kernel or two) and the state pass, then the reverse pass and the two
+    # chunk-gradient kernels (the gradient alone leaves the output kernel out)
+    assert text.count("__gpu$xla.gpu.triton") == 5 + pallas_triton.PREP_IN_TWO_KERNELS
+
+
+@pytest.mark.parametrize("chunk", pallas_triton.CHUNK_SIZES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_two_kernel_prep_matches_the_one_kernel_prep(chunk, dtype, monkeypatch):
+    """U, W and T of the two prep forms (the solve's whole-chunk K K^T and the apply's
+    whole-chunk products against 16-row blocks) at every chunk size, L2-normalised keys,
+    strong decay, grouped heads: equal up to the sums' order (fp32) and one rounding of
+    U and W (bf16)."""
+    rng = np.random.default_rng(21)
+    b, nc, hk, hv, dk, dv = 2, 3, 2, 4, 32, 16
+    k = jnp.asarray(rng.standard_normal((b, nc, chunk, hk, dk)), dtype)
+    v = jnp.asarray(rng.standard_normal((b, nc, chunk, hv, dv)), dtype)
+    g = jnp.asarray(rng.uniform(-4.0, 0.0, (b, nc, chunk, hv)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.0, 1.0, (b, nc, chunk, hv)), jnp.float32)
+    hi, lo = decay.cumsum_pair(g, axis=2)
+
+    def prep(two):
+        monkeypatch.setattr(pallas_triton, "PREP_IN_TWO_KERNELS", two)
+        return pallas_triton._prep(k, v, hi, lo, beta, hv, dtype, True, True,
+                                   store_inverse=True)
+
+    one, two = prep(False), prep(True)
+    tolerance = 1e-5 if dtype == jnp.float32 else 1e-2
+    for name, got, want in zip(("U", "W", "T"), two, one):
+        assert bool(jnp.all(jnp.isfinite(got))), name
+        assert _rel(got, want) <= tolerance, (name, _rel(got, want))
 
 
 def test_bf16_inputs_within_the_bf16_tolerance():
@@ -366,13 +397,13 @@ def test_compiled_kernels_against_the_definition(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", list(STATE_FORMS))
-def test_compiled_state_pass_forms_against_the_definition(form, monkeypatch):
-    """The state pass's other forms compiled (fp32, packed sequences, values and
-    gradients), so that either can become the default on a measurement."""
+@pytest.mark.parametrize("form", list(KERNEL_FORMS))
+def test_compiled_kernel_forms_against_the_definition(form, monkeypatch):
+    """The kernels' other forms compiled (fp32, packed sequences, values and gradients),
+    so that any can become the default on a measurement."""
     if not platform.triton_runs():
         pytest.skip(f"needs a CUDA GPU from sm80; the device is {platform.device_generation()}")
-    for flag in STATE_FORMS[form]:
+    for flag in KERNEL_FORMS[form]:
         monkeypatch.setattr(pallas_triton, flag, True)
     a = _inputs(13, t=300, hk=2, hv=4, dk=128, dv=64, n=5)
     testlib.check_packed(KERNEL, a, jnp.asarray([0, 10, 10, 64, 230, 300], jnp.int32))

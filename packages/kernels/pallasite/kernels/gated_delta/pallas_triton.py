@@ -15,7 +15,9 @@ precision, not TF32. Decays, the triangular solve and the carried state are fp32
      exp(G_t - G_j) k_t.k_j) in 16 x 16 blocks (the exponent masked before exp above the
      diagonal, so no exp of a positive sum); (I + A)^-1 from its diagonal blocks
      (forward substitution, 16 rows) merged block row by block row; then U = (I +
-     A)^-1 (beta V) and W = (I + A)^-1 (beta exp(G) K), stored in the compute dtype.
+     A)^-1 (beta V) and W = (I + A)^-1 (beta exp(G) K), stored in the compute dtype. With
+     PREP_IN_TWO_KERNELS, two kernels instead: the solve (K K^T as one [C, C] product, T
+     stored in fp32) and the apply (W and U as whole-chunk products).
   2. state pass, one program per (block of value columns, value head, row), walking the
      chunks in order with the fp32 state [K, block_v]: it stores the state each chunk
      enters with, u = U - W S (stored) and S <- exp(G_last) S + (exp(G_last - G) K)^T u.
@@ -226,92 +228,166 @@ def _params(num_warps=4, num_stages=1):
 # ------------------------------------------------------------------------------ prep
 
 
-def _unit_lower_inverse(a):
-    """(I + a)^-1 for a strictly lower [n, n] fp32 a: forward substitution, one row at a
-    time (row r of the inverse is e_r - sum_{j<r} a_rj row_j). Rows are picked out with
-    masked sums: Triton cannot index registers dynamically."""
-    n = a.shape[0]
+def _unit_lower_inverse(a_t):
+    """(I + a)^-1 for a strictly lower [n, n] fp32 a, given its transpose a_t: forward
+    substitution, one row at a time (row r of the inverse is e_r - sum_{j<r} a_rj row_j).
+    Row r of a is column r of a_t, picked out with a masked sum along the columns: Triton
+    cannot index registers dynamically, and a sum along the rows of a would leave a_r in
+    the other layout of the two, a trip through shared memory at every row."""
+    n = a_t.shape[0]
     rows, cols = _iota(n, n, 0), _iota(n, n, 1)
     eye = jnp.where(rows == cols, 1.0, 0.0).astype(F32)
     inv = eye
     for r in range(1, n):
-        a_r = jnp.sum(jnp.where(rows == r, a, 0.0), axis=0)  # a[r, :], zero from r on
+        a_r = jnp.sum(jnp.where(cols == r, a_t, 0.0), axis=1)  # a[r, :], zero from r on
         row = eye - jnp.sum(a_r[:, None] * inv, axis=0)[None, :]
         inv = jnp.where(rows == r, row, inv)
     return inv
 
 
-def _prep_kernel(k_ref, v_ref, hi_ref, lo_ref, beta_ref, w_ref, u_ref, *inv_ref,
-                 l2norm: bool):
-    """U and W of one (value head, chunk, row), the solve in SUB x SUB blocks; with
-    inv_ref (the backward's residual), T = (I + A)^-1 [C, C] in fp32 too."""
-    chunk = k_ref.shape[0]
-    cd = w_ref.dtype
-    nb = chunk // SUB
-    rows = [pl.ds(i * SUB, SUB) for i in range(nb)]
-    keys = [_normed(k_ref[r, :], l2norm) for r in rows]
-    hi = [hi_ref[r] for r in rows]
-    lo = [lo_ref[r] for r in rows]
-    beta = [beta_ref[r] for r in rows]
-    strict = _iota(SUB, SUB, 0) > _iota(SUB, SUB, 1)
-
-    def a_block(i, j):  # rows of block i against columns of block j <= i
-        kk = _dot(keys[i].astype(cd), keys[j].astype(cd), trans_b=True)
-        if i == j:
-            return jnp.where(strict, beta[i][:, None] * _masked_decay(
-                hi[i], lo[i], hi[j], lo[j], strict) * kk, 0.0)
-        return beta[i][:, None] * jnp.exp(_segment(hi[i][:, None], lo[i][:, None],
-                                                   hi[j][None, :], lo[j][None, :])) * kk
-
-    # Block forward substitution: T_ii = (I + A_ii)^-1, and for j < i
-    # T_ij = -T_ii sum_{j<=m<i} A_im T_mj.
+def _block_inverse(diagonal_t, below, nb: int):
+    """T = (I + A)^-1 as its lower SUB x SUB blocks {(i, j): [SUB, SUB] fp32}, by block
+    forward substitution: T_ii = (I + A_ii)^-1, and for j < i T_ij = -T_ii sum_{j<=m<i}
+    A_im T_mj. diagonal_t(i) gives A_ii's transpose (strictly upper), below(i, j) A_ij
+    for j < i."""
     inv = {}
     for i in range(nb):
-        inv[i, i] = _unit_lower_inverse(a_block(i, i))
-        a_row = [a_block(i, m) for m in range(i)]
+        inv[i, i] = _unit_lower_inverse(diagonal_t(i))
+        a_row = [below(i, m) for m in range(i)]
         for j in range(i):
             acc = _dot(a_row[j], inv[j, j])
             for m in range(j + 1, i):
                 acc = acc + _dot(a_row[m], inv[m, j])
             inv[i, j] = -_dot(inv[i, i], acc)
-    if inv_ref:
-        (out,) = inv_ref
-        for i, r in enumerate(rows):
-            for j, col in enumerate(rows):
-                out[r, col] = inv[i, j] if j <= i else jnp.zeros((SUB, SUB), F32)
+    return inv
 
-    values = [(beta[j][:, None] * v_ref[r, :].astype(F32)).astype(cd)
-              for j, r in enumerate(rows)]
-    scaled_keys = [(beta[j] * jnp.exp(hi[j] + lo[j]))[:, None] * keys[j] for j in range(nb)]
-    scaled_keys = [x.astype(cd) for x in scaled_keys]
+
+def _inverse_blocks(k_ref, hi_ref, lo_ref, beta_ref, cd, l2norm: bool):
+    """T's lower blocks (_block_inverse) of one (value head, chunk, row), A =
+    strictly-lower(beta_t exp(G_t - G_j) k_t.k_j) formed block by block from 16-row key
+    products. Key blocks are loaded where used, not held: held (with the apply's
+    operands), they spilled registers."""
+    nb = k_ref.shape[0] // SUB
+    rows = [pl.ds(i * SUB, SUB) for i in range(nb)]
+    keys = lambda j: _normed(k_ref[rows[j], :], l2norm).astype(cd)  # noqa: E731
+    hi = [hi_ref[r] for r in rows]
+    lo = [lo_ref[r] for r in rows]
+    beta = [beta_ref[r] for r in rows]
+    upper = _iota(SUB, SUB, 0) < _iota(SUB, SUB, 1)
+
+    def diagonal_t(i):  # [j, t] = A[t, j] for t > j, built as such
+        kk = _dot(keys(i), keys(i), trans_b=True)  # symmetric
+        seg = _segment(hi[i][None, :], lo[i][None, :], hi[i][:, None], lo[i][:, None])
+        decay = jnp.exp(jnp.where(upper, seg, -jnp.inf))
+        return jnp.where(upper, beta[i][None, :] * decay * kk, 0.0)
+
+    def below(i, j):
+        kk = _dot(keys(i), keys(j), trans_b=True)
+        return beta[i][:, None] * jnp.exp(_segment(hi[i][:, None], lo[i][:, None],
+                                                   hi[j][None, :], lo[j][None, :])) * kk
+
+    return _block_inverse(diagonal_t, below, nb)
+
+
+def _store_blocks(out_ref, inv):
+    """The [C, C] T from its lower blocks, zeros above them, in out_ref's dtype."""
+    nb = out_ref.shape[0] // SUB
+    for i in range(nb):
+        for j in range(nb):
+            block = inv[i, j] if j <= i else jnp.zeros((SUB, SUB), F32)
+            out_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = block.astype(out_ref.dtype)
+
+
+def _scaled_rhs(k, v, hi, lo, beta, l2norm: bool, cd):
+    """The solve's right-hand sides: (beta V, beta exp(G) K) in the compute dtype, for
+    rows k [n, K], v [n, V], hi, lo, beta [n]."""
+    values = (beta[:, None] * v.astype(F32)).astype(cd)
+    keys = ((beta * jnp.exp(hi + lo))[:, None] * _normed(k, l2norm)).astype(cd)
+    return values, keys
+
+
+def _prep_kernel(k_ref, v_ref, hi_ref, lo_ref, beta_ref, w_ref, u_ref, *inv_ref,
+                 l2norm: bool):
+    """U and W of one (value head, chunk, row) in one kernel: the solve in SUB x SUB
+    blocks, applied block by block (16-row products); with inv_ref (the backward's
+    residual), T = (I + A)^-1 [C, C] in fp32 too."""
+    cd = w_ref.dtype
+    inv = _inverse_blocks(k_ref, hi_ref, lo_ref, beta_ref, cd, l2norm)
+    if inv_ref:
+        _store_blocks(inv_ref[0], inv)
+    rows = [pl.ds(i * SUB, SUB) for i in range(k_ref.shape[0] // SUB)]
+
+    def rhs(j):  # loaded where used, as the keys
+        r = rows[j]
+        return _scaled_rhs(k_ref[r, :], v_ref[r, :], hi_ref[r], lo_ref[r], beta_ref[r],
+                           l2norm, cd)
+
     for i, r in enumerate(rows):
-        u = _dot(inv[i, 0].astype(cd), values[0])
-        w = _dot(inv[i, 0].astype(cd), scaled_keys[0])
-        for j in range(1, i + 1):
-            u = u + _dot(inv[i, j].astype(cd), values[j])
-            w = w + _dot(inv[i, j].astype(cd), scaled_keys[j])
+        u = w = 0.0
+        for j in range(i + 1):
+            values, keys = rhs(j)
+            u = u + _dot(inv[i, j].astype(cd), values)
+            w = w + _dot(inv[i, j].astype(cd), keys)
         u_ref[r, :] = u.astype(u_ref.dtype)
         w_ref[r, :] = w.astype(w_ref.dtype)
 
 
-def _prep_body(k, v, hi, lo, beta, *, nb):
-    """The prep kernel's arithmetic vectorised over its programs (for pl.estimate_cost;
+def _solve_kernel(k_ref, hi_ref, lo_ref, beta_ref, t_ref, *, l2norm: bool, cd,
+                  interpret: bool):
+    """T = (I + A)^-1 [C, C] fp32 of one (value head, chunk, row): the two-kernel prep's
+    first. K K^T is one [C, K] x [K, C] product; A's blocks reach the substitution
+    through t_ref, which holds M = A + A^T first (its upper blocks' transposes are the
+    diagonal's, in the layout the row picks want), then T. The barriers order the
+    program's threads' stores and loads of t_ref; the interpreter runs them in order."""
+    chunk = k_ref.shape[0]
+    nb = chunk // SUB
+    keys = _normed(k_ref[...], l2norm).astype(cd)
+    hi, lo, beta = hi_ref[...], lo_ref[...], beta_ref[...]
+    rows, cols = _iota(chunk, chunk, 0), _iota(chunk, chunk, 1)
+    lower = rows > cols
+    seg = _segment(hi[:, None], lo[:, None], hi[None, :], lo[None, :])
+    seg = jnp.where(lower, seg, jnp.where(rows == cols, -jnp.inf, -seg))  # <= 0: G falls
+    weight = jnp.where(lower, beta[:, None], beta[None, :])
+    t_ref[...] = weight * jnp.exp(seg) * _dot(keys, keys, trans_b=True)
+    if not interpret:
+        plgpu.debug_barrier()
+    block = lambda i, j: t_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)]  # noqa: E731
+    upper = _iota(SUB, SUB, 0) < _iota(SUB, SUB, 1)
+    diagonal_t = [jnp.where(upper, block(i, i), 0.0) for i in range(nb)]
+    below = {(i, j): block(i, j) for i in range(nb) for j in range(i)}
+    if not interpret:
+        plgpu.debug_barrier()
+    _store_blocks(t_ref, _block_inverse(diagonal_t.__getitem__,
+                                        lambda i, j: below[i, j], nb))
+
+
+def _apply_kernel(k_ref, v_ref, hi_ref, lo_ref, beta_ref, t_ref, w_ref, u_ref, *,
+                  l2norm: bool):
+    """W = T (beta exp(G) K) and U = T (beta V) of one (value head, chunk, row) as whole
+    [C, C] x [C, K | V] products (the two-kernel prep's second)."""
+    cd = w_ref.dtype
+    t = t_ref[...].astype(cd)
+    values, keys = _scaled_rhs(k_ref[...], v_ref[...], hi_ref[...], lo_ref[...],
+                               beta_ref[...], l2norm, cd)
+    u_ref[...] = _dot(t, values).astype(u_ref.dtype)
+    w_ref[...] = _dot(t, keys).astype(w_ref.dtype)
+
+
+def _solve_body(k, hi, lo, beta, *, nb):
+    """The solve's arithmetic vectorised over its programs (for pl.estimate_cost;
     stand-in blocks of the right shapes where the kernel's are many small ones): k
-    [Z, C, K], v [Z, C, V], hi, lo and beta [Z, C]. The P = nb (nb + 1) / 2 lower blocks
-    of A (a dot, a 3-flop segment, an exp and two products per entry); the diagonal
-    blocks' substitution (S - 1 rows of a product and a subtraction per entry); the
-    merges (M1 = nb (nb - 1) (nb + 1) / 6 products A_im T_mj and M2 = nb (nb - 1) / 2
-    closing ones, S^3 each, M1 - M2 block sums and M2 negations); the scalings of V and K;
-    the P block products into U and into W and their P - nb block sums."""
+    [Z, C, K], hi, lo and beta [Z, C]. The P = nb (nb + 1) / 2 lower blocks of A (a dot,
+    a 3-flop segment, an exp and two products per entry); the diagonal blocks'
+    substitution (S - 1 rows of a product and a subtraction per entry); the merges (M1 =
+    nb (nb - 1) (nb + 1) / 6 products A_im T_mj and M2 = nb (nb - 1) / 2 closing ones, S^3
+    each, M1 - M2 block sums and M2 negations)."""
     z = k.shape[0]
     lower = [(i, j) for i in range(nb) for j in range(i + 1)]
-    blocks = lambda t: t.reshape(z, nb, SUB, *t.shape[2:])  # noqa: E731
-    pick = lambda t, idx: jnp.stack([blocks(t)[:, i] for i in idx], 1)  # noqa: E731
     rows, cols = [i for i, _ in lower], [j for _, j in lower]
-    kk = jnp.einsum("zpsk,zptk->zpst", pick(k, rows), pick(k, cols))
-    seg = ((pick(hi, rows)[..., :, None] - pick(hi, cols)[..., None, :])
-           + (pick(lo, rows)[..., :, None] - pick(lo, cols)[..., None, :]))
-    a = pick(beta, rows)[..., None] * jnp.exp(seg) * kk
+    kk = jnp.einsum("zpsk,zptk->zpst", _pick_blocks(k, rows, nb), _pick_blocks(k, cols, nb))
+    seg = ((_pick_blocks(hi, rows, nb)[..., :, None] - _pick_blocks(hi, cols, nb)[..., None, :])
+           + (_pick_blocks(lo, rows, nb)[..., :, None] - _pick_blocks(lo, cols, nb)[..., None, :]))
+    a = _pick_blocks(beta, rows, nb)[..., None] * jnp.exp(seg) * kk
     inv = a[:, :nb]
     for _ in range(SUB - 1):
         inv = inv - a[:, :nb] * inv
@@ -319,16 +395,47 @@ def _prep_body(k, v, hi, lo, beta, *, nb):
     m2 = nb * (nb - 1) // 2
     square = jnp.broadcast_to(inv[:, :1], (z, m1 + m2, SUB, SUB))
     merged = jnp.einsum("zpst,zptu->zpsu", square, square)
-    sums = merged[:, :m1 - m2] + merged[:, m2:m1]
-    negated = -merged[:, m1:]
+    return inv, merged[:, :m1 - m2] + merged[:, m2:m1], -merged[:, m1:]
+
+
+def _pick_blocks(t, idx, nb):
+    """Row blocks idx of t [Z, C, ...] stacked: [Z, len(idx), SUB, ...]."""
+    blocks = t.reshape(t.shape[0], nb, SUB, *t.shape[2:])
+    return jnp.stack([blocks[:, i] for i in idx], 1)
+
+
+def _prep_body(k, v, hi, lo, beta, *, nb):
+    """The one-kernel prep's arithmetic (as _solve_body): the solve, the scalings of V and
+    K, the P block products into U and into W and their P - nb block sums."""
+    z = k.shape[0]
+    inv = _solve_body(k, hi, lo, beta, nb=nb)
+    lower = [(i, j) for i in range(nb) for j in range(i + 1)]
+    cols = [j for _, j in lower]
     values = beta[..., None] * v
     keys = (beta * jnp.exp(hi + lo))[..., None] * k
-    t = jnp.broadcast_to(inv[:, :1], (z, len(lower), SUB, SUB))
+    t = jnp.broadcast_to(inv[0][:, :1], (z, len(lower), SUB, SUB))
     out = []
     for rhs in (values, keys):
-        prods = jnp.einsum("zpst,zptn->zpsn", t, pick(rhs, cols))
+        prods = jnp.einsum("zpst,zptn->zpsn", t, _pick_blocks(rhs, cols, nb))
         out.append(prods[:, nb:] + prods[:, :len(lower) - nb])
-    return inv, sums, negated, out
+    return inv, out
+
+
+def _apply_body(t, k, v, hi, lo, beta):
+    """The two-kernel prep's second kernel vectorised: t [Z, C, C], k [Z, C, K], v [Z, C,
+    V], hi, lo and beta [Z, C]."""
+    values = beta[..., None] * v
+    keys = (beta * jnp.exp(hi + lo))[..., None] * k
+    return jnp.einsum("zst,ztn->zsn", t, values), jnp.einsum("zst,ztn->zsn", t, keys)
+
+
+# Two forms of the prep, timed against each other by tools/sweeps/gated_delta_stages.py:
+# one kernel (the solve's blocks applied block by block, 16-row products), or two (the
+# solve storing T, then W and U as whole [C, C] x [C, K | V] products).
+PREP_IN_TWO_KERNELS = False
+# Warps of the two-kernel form's solve: at 4 ptxas (sm_90) gives it 168 registers and no
+# spills; at 1 and 2 it spills (its [C, C] products), at 8 it replicates more small work.
+SOLVE_WARPS = 4
 
 
 def _prep(k, v, hi, lo, beta, hv, cd, l2norm, interpret, store_inverse=False):
@@ -338,40 +445,61 @@ def _prep(k, v, hi, lo, beta, hv, cd, l2norm, interpret, store_inverse=False):
     dv = v.shape[4]
     per_key_head = hv // hk
     gate = pl.BlockSpec((None, None, chunk, None), lambda h, c, i: (i, c, 0, h))
+    key_spec = pl.BlockSpec((None, None, chunk, None, dk),
+                            lambda h, c, i: (i, c, 0, h // per_key_head, 0))
+    value_spec = pl.BlockSpec((None, None, chunk, None, dv), lambda h, c, i: (i, c, 0, h, 0))
+    inverse_spec = pl.BlockSpec((None, None, None, chunk, chunk), lambda h, c, i: (i, c, h, 0, 0))
     shapes = (sharding.out_struct((b, nc, chunk, hv, dk), cd, like=v),
               sharding.out_struct((b, nc, chunk, hv, dv), cd, like=v))
     out_specs = [
         pl.BlockSpec((None, None, chunk, None, dk), lambda h, c, i: (i, c, 0, h, 0)),
-        pl.BlockSpec((None, None, chunk, None, dv), lambda h, c, i: (i, c, 0, h, 0)),
+        value_spec,
     ]
-    if store_inverse:
-        shapes += (sharding.out_struct((b, nc, hv, chunk, chunk), F32, like=v),)
-        out_specs.append(pl.BlockSpec((None, None, None, chunk, chunk),
-                                      lambda h, c, i: (i, c, h, 0, 0)))
+    inverse_shape = sharding.out_struct((b, nc, hv, chunk, chunk), F32, like=v)
     nb = chunk // SUB
     z = b * nc * hv
     row = cost.struct((z, chunk), F32)
-    estimate = cost.estimate(
-        functools.partial(_prep_body, nb=nb), cost.struct((z, chunk, dk), F32),
-        cost.struct((z, chunk, dv), F32), row, row, row,
-        inputs=(k, v, hi, lo, beta), outputs=shapes)
+    keys_z, values_z = cost.struct((z, chunk, dk), F32), cost.struct((z, chunk, dv), F32)
+    call = functools.partial(pl.pallas_call, grid=(hv, nc, b), interpret=interpret)
+    if PREP_IN_TWO_KERNELS:
+        inv = call(
+            functools.partial(_solve_kernel, l2norm=l2norm, cd=cd, interpret=bool(interpret)),
+            out_shape=inverse_shape,
+            in_specs=[key_spec, gate, gate, gate],
+            out_specs=inverse_spec,
+            compiler_params=_params(num_warps=SOLVE_WARPS),
+            cost_estimate=cost.estimate(functools.partial(_solve_body, nb=nb), keys_z, row,
+                                        row, row, inputs=(k, hi, lo, beta),
+                                        outputs=(inverse_shape,)),
+            name="gated_delta_rule_solve",
+        )(k, hi, lo, beta)
+        w, big_u = call(
+            functools.partial(_apply_kernel, l2norm=l2norm),
+            out_shape=shapes,
+            in_specs=[key_spec, value_spec, gate, gate, gate, inverse_spec],
+            out_specs=out_specs,
+            compiler_params=_params(num_warps=4),
+            cost_estimate=cost.estimate(_apply_body, cost.struct((z, chunk, chunk), F32),
+                                        keys_z, values_z, row, row, row,
+                                        inputs=(k, v, hi, lo, beta, inv), outputs=shapes),
+            name="gated_delta_rule_apply",
+        )(k, v, hi, lo, beta, inv)
+        return big_u, w, (inv if store_inverse else None)
+    if store_inverse:
+        shapes += (inverse_shape,)
+        out_specs.append(inverse_spec)
     # Two warps for K, V <= 128: 1.63 against 1.90 ms at four and 3.42 at eight (H200,
     # B 1, T 32768, Hv 32, 2026-12-03).
     warps = 8 if max(dk, dv) > 128 else 2
-    w, big_u, *inv = pl.pallas_call(
+    w, big_u, *inv = call(
         functools.partial(_prep_kernel, l2norm=l2norm),
         out_shape=shapes,
-        grid=(hv, nc, b),
-        in_specs=[
-            pl.BlockSpec((None, None, chunk, None, dk),
-                         lambda h, c, i: (i, c, 0, h // per_key_head, 0)),
-            pl.BlockSpec((None, None, chunk, None, dv), lambda h, c, i: (i, c, 0, h, 0)),
-            gate, gate, gate,
-        ],
+        in_specs=[key_spec, value_spec, gate, gate, gate],
         out_specs=out_specs,
         compiler_params=_params(num_warps=warps),
-        interpret=interpret,
-        cost_estimate=estimate,
+        cost_estimate=cost.estimate(functools.partial(_prep_body, nb=nb), keys_z, values_z,
+                                    row, row, row, inputs=(k, v, hi, lo, beta),
+                                    outputs=shapes),
         name="gated_delta_rule_prep",
     )(k, v, hi, lo, beta)
     return big_u, w, (inv[0] if inv else None)

@@ -1,0 +1,145 @@
+"""Registers, spills, shared memory and barriers of pallasite's Pallas Triton kernels as
+compiled for an H100/H200 (sm_90), on a machine with no GPU.
+
+The kernels are lowered for CUDA from the CPU (as the tests do), each Triton module that
+Pallas emits is caught on its way into the custom call, and the `triton` package (3.6,
+the GPU machines' version; its wheel carries ptxas and cuobjdump) compiles it with the
+call's num_warps and num_stages. ptxas's register count and the spill traffic (STL/LDL in
+the SASS) are the same as on the device; XLA compiles the same module there with its own
+Triton, so the figures are a close guide, not the device's own reading.
+
+    python -m pip install --target /tmp/triton-3.6 triton==3.6.0
+    PYTHONPATH=/tmp/triton-3.6:<the four package roots> python3 tools/sweeps/triton_resources.py \\
+        gated_delta [--grad] [--set PREP_IN_TWO_KERNELS=1] [--set SOLVE_WARPS=8]
+
+--set NAME=VALUE sets a module flag of the op's Pallas Triton module (integers; 0/1 for
+booleans) before lowering. One JSON line per kernel: name, warps, stages, registers,
+stack bytes, shared bytes, and counts of SASS instructions (STL/LDL spills, BAR, SHFL,
+HMMA/HGMMA tensor-core ops).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+from jax import export
+from jax._src.pallas.triton import lowering
+from jax.sharding import AbstractDevice, AbstractMesh
+
+SASS_OPS = ("STL", "LDL", "BAR", "SHFL", "HMMA", "HGMMA")
+_modules: list[str] = []
+_lower = lowering.lower_jaxpr_to_triton_module
+
+
+def _catching(*args, **kwargs):
+    result = _lower(*args, **kwargs)
+    _modules.append(result.module.operation.get_asm(enable_debug_info=False))
+    return result
+
+
+lowering.lower_jaxpr_to_triton_module = _catching  # the registration looks it up per call
+
+
+def lowered_kernels(fn, *args) -> list[tuple[str, int, int]]:
+    """(Triton module text, num_warps, num_stages) of every Pallas Triton call in fn, in
+    the order they were lowered (calls of one kernel name are taken to be one kernel)."""
+    _modules.clear()
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None,
+                                                                     "cuda"))
+    with jax.enable_x64(False), jax.sharding.use_abstract_mesh(mesh):
+        text = export.export(
+            jax.jit(fn), platforms=["cuda"],
+            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+        )(*args).mlir_module()
+    calls = {name: (int(warps), int(stages)) for name, stages, warps in re.findall(
+        r'name = "(\w+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', text)}
+    kernels = {}
+    for module in _modules:  # a kernel the program does not use (dead code) is left out
+        name = re.search(r"tt.func (?:public )?@(\w+)", module).group(1)
+        if name in calls:
+            kernels[name] = (module, *calls[name])
+    if len(kernels) != len(calls):
+        raise RuntimeError(f"caught {sorted(kernels)} for the Triton calls {sorted(calls)}")
+    return list(kernels.values())
+
+
+def resources(module: str, num_warps: int, num_stages: int, folder: str) -> dict:
+    """Compile one module for sm_90 and read its resources off the cubin."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    path = os.path.join(folder, f"kernel{len(os.listdir(folder))}.ttir")
+    with open(path, "w") as f:
+        f.write(module)
+    kernel = triton.compile(path, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": num_warps, "num_stages": num_stages})
+    cubin = path.replace(".ttir", ".cubin")
+    with open(cubin, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    usage = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True,
+                           check=True).stdout
+    sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True,
+                          check=True).stdout
+    field = lambda name: int(re.search(name + r":(\d+)", usage).group(1))  # noqa: E731
+    return dict(name=re.search(r"\.entry (\w+)", kernel.asm["ptx"]).group(1),
+                warps=num_warps, stages=num_stages, registers=field("REG"),
+                stack=field("STACK"), shared=kernel.metadata.shared,
+                sass={op: len(re.findall(r"\b" + op + r"\b", sass)) for op in SASS_OPS})
+
+
+def gated_delta(grad: bool):
+    """chunk_gated_delta_rule's kernels at Qwen3-Next's heads (16 q/k, 32 v, K = V = 128,
+    bf16, chunk 64), a short sequence: the forward, or the forward and backward."""
+    from pallasite.kernels.gated_delta import pallas_triton
+
+    s = jax.ShapeDtypeStruct
+    t, hk, hv, d = 1024, 16, 32, 128
+    args = (s((1, t, hk, d), jnp.bfloat16), s((1, t, hk, d), jnp.bfloat16),
+            s((1, t, hv, d), jnp.bfloat16), s((1, t, hv), jnp.float32),
+            s((1, t, hv), jnp.float32), s((1, hv, d, d), jnp.float32))
+
+    def forward(*a):
+        return pallas_triton.forward(*a[:5], scale=d ** -0.5, initial_state=a[5],
+                                     cu_seqlens=None, chunk_size=64,
+                                     use_qk_l2norm_in_kernel=False)
+
+    def loss(*a):
+        o, final = forward(*a)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(final)
+
+    return pallas_triton, (jax.grad(loss, argnums=tuple(range(6))) if grad else forward), args
+
+
+OPS = {"gated_delta": gated_delta}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("op", choices=sorted(OPS))
+    parser.add_argument("--grad", action="store_true", help="the backward's kernels too")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="a module flag of the op's Pallas Triton module")
+    args = parser.parse_args(argv)
+    module, fn, operands = OPS[args.op](args.grad)
+    for item in args.set:
+        name, _, value = item.partition("=")
+        if not hasattr(module, name):
+            parser.error(f"--set: {module.__name__} has no flag {name!r}")
+        setattr(module, name, type(getattr(module, name))(int(value)))
+    with tempfile.TemporaryDirectory() as folder:
+        for kernel in lowered_kernels(fn, *operands):
+            print(json.dumps(resources(*kernel, folder)), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
