@@ -204,8 +204,8 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
                     warps=tag, block_v=bv, io_in_branches=True)
         for bv in (b for b in (32, 64, 128) if b <= dv):
             grads = jax.jit(lambda *a, bv=bv: ptb._chunk_grads(*a, scale, bv, interpret))
-            args = (lq, lk, lv, hi, lo, lbeta, saved["inv"], saved["states"], saved["u"], du,
-                    ldo, d_exit)
+            args = (lq, lk, lv, hi, lo, lbeta, saved["inv"], saved["w"], saved["states"],
+                    saved["u"], du, ldo, d_exit)
             rec("chunk_grads", ms(grads, *args), warps=tag, grads_block_v=bv)
     WARPS["value"] = None
 

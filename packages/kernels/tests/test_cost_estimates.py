@@ -475,24 +475,53 @@ def test_chunked_gated_delta_rule_triton():
            _bytes(keys, keys, gates, gates, states, values, values))
 
 
+def test_chunked_gated_delta_rule_triton_prep_in_two_kernels(monkeypatch):
+    """Per (row, chunk, value head), C = 64 in nb = 4 blocks of S = 16 rows, the prep as
+    two kernels (PREP_IN_TWO_KERNELS). Solve: K K^T whole (2 C^2 K), per entry of C x C a
+    3-flop segment, an exp and two products; the substitution and merges as the one-kernel
+    prep's. Apply: beta V and beta exp(G) K (an exp, an add and two products per step, a
+    product per element), then T times each (2 C^2 (V + K)). Bytes: operands and results
+    once (T, fp32, out of the solve and into the apply)."""
+    monkeypatch.setattr(delta_triton, "PREP_IN_TWO_KERNELS", True)
+    b, nc, c, hk, hv, k, v, n = 1, 2, 64, 1, 2, 32, 64, 1
+    z, s, nb = b * nc * hv, 16, 4
+    m1, m2 = 10, 6
+    t = nc * c
+    x, y, gate = S((b, t, hk, k), BF16), S((b, t, hv, v), BF16), S((b, t, hv), F32)
+    calls = _calls(lambda *a: delta_triton._kernels(
+        *a, None, scale=0.1, chunk_size=c, l2norm=False, interpret=False,
+        block_sizes=None), x, x, y, gate, gate, S((n, hv, k, v), F32))
+    assert "gated_delta_rule_prep" not in calls
+    (solve,), (apply,) = (calls["gated_delta_rule_" + name] for name in ("solve", "apply"))
+    keys, values = ((b, nc, c, hk, k), BF16), ((b, nc, c, hv, v), BF16)
+    gates, w, inv = ((b, nc, c, hv), F32), ((b, nc, c, hv, k), BF16), ((b, nc, hv, c, c), F32)
+    _check(solve, z * (2 * c * c * k + 5 * c * c + nb * (s - 1) * 2 * s * s
+                       + (m1 + m2) * 2 * s ** 3 + m1 * s * s),
+           z * c * c, _bytes(keys, gates, gates, gates, inv))
+    _check(apply, z * (c * (v + k + 2) + 2 * c * c * (v + k)), z * c,
+           _bytes(keys, values, gates, gates, gates, inv, w, values))
+
+
 def test_chunked_gated_delta_rule_triton_backward():
     """Per (row, chunk, value head), C = 64, through jax.vjp of the kernels' forward:
     reverse state pass: per block of 32 value columns P (Q K^T; a 3-flop segment, an exp
     and a product per entry); du = scale P^T do + Kd dS' (the decays to the chunk's end:
-    a 3-flop segment and an exp per step; their product with K; two dots, the scale and
-    an add); exp(G) Q (an add and an exp per step, a product per element); dS =
-    exp(G_last) dS' + scale (exp(G) Q)^T do - W^T du (an add and an exp; three dots; the
-    decay's product, the scale, the subtraction and the add per element);
+    a 3-flop segment and an exp per step; their product with K dS' (per C x V); two
+    dots, the scale and an add); exp(G) do (an add and an exp per step, a product per
+    C x V element); dS = exp(G_last) dS' + scale Q^T (exp(G) do) - W^T du (an add and an
+    exp; three dots; the decay's product, the scale, the subtraction and the add per
+    element);
     chunk gradients, two kernels per block of 32 value columns. Through the output and
     the exit state: 3 dots over K of C x C (dP K, dP^T Q, Q K^T), one over V (do u^T), 2
     of C K V (do S^T, u dS'^T) and one of C x C x C (dg's spans: a triangle of ones
     times the pair terms); 6 elementwise ops per C x C entry (the segment 3, dP's scale
     and decay, through P), 6 per C x K, one per K x V (dS' o S), 8 per step and 2 per
     program (exp(G_last) dS' . S); exps: exp(G), exp(G_last - G), the C x C decays and
-    exp(G_last). Through the solve: 6 dots over K of C x C (T^T dW, W, dRk W^T, K K^T,
-    dA K, dA^T K), 3 over V (T^T du, U, dRv U^T), one of C K V (du S^T) and the spans
-    again; 9 per C x C entry (the segment 3, dA's sum, negation and decay, through A,
-    beta twice), 9 per C x K, 3 per C x V and 7 per step; exps: exp(G) and the decays.
+    exp(G_last). Through the solve: 5 dots over K of C x C (T^T dW, dRk W^T with the
+    forward's W, K K^T, dA K, dA^T K), 3 over V (T^T du, U, dRv U^T), one of C K V (du
+    S^T) and the spans again; 9 per C x C entry (the segment 3, dA's sum, negation and
+    decay, through A, beta twice), 8 per C x K, 3 per C x V and 8 per step; exps:
+    exp(G) and the decays.
     Bytes: operands and results once (the final states' cotangents, aliased to the
     initial states', read and written; dk's and dg's shares, aliased from the first
     chunk-gradient kernel to the second, likewise; dq, dk, dbeta and dg one share per
@@ -517,7 +546,7 @@ def test_chunked_gated_delta_rule_triton_backward():
     states, tables, init = ((b, nc, hv, k, v), BF16), ((b, nc), I32), ((n, hv, k, v), F32)
     d_exit, du = ((b, nc, hv, k, v), BF16), ((b, nc, c, hv, v), BF16)
     blocks = v // bv
-    _check(rev, z * (blocks * (2 * c * c * k + 4 * c * c) + 4 * c + 2 * c * c * v + 2 * c * k
+    _check(rev, z * (blocks * (2 * c * c * k + 4 * c * c) + 4 * c + 2 * c * c * v + 2 * c * v
                      + 6 * c * k * v + 2 * c * v + 4 * k * v + 1),
            z * (blocks * c * c + 2 * c + 1),
            _bytes(keys, keys, w, gates, gates, values, tables, tables, init, d_exit, du, init))
@@ -528,10 +557,10 @@ def test_chunked_gated_delta_rule_triton_backward():
            zb * (c * c + 2 * c + 1),
            _bytes(keys, keys, gates, gates, states, values, values, d_exit,
                   key_shares, key_shares, gate_shares))
-    _check(solve, zb * (12 * c * c * k + 6 * c * c * bv + 2 * c * k * bv + 2 * c ** 3
-                        + 9 * c * c + 9 * c * k + 3 * c * bv + 7 * c),
+    _check(solve, zb * (10 * c * c * k + 6 * c * c * bv + 2 * c * k * bv + 2 * c ** 3
+                        + 9 * c * c + 8 * c * k + 3 * c * bv + 8 * c),
            zb * (c * c + c),
-           _bytes(keys, values, gates, gates, gates, ((b, nc, hv, c, c), F32), states, du,
+           _bytes(keys, values, gates, gates, gates, ((b, nc, hv, c, c), F32), w, states, du,
                   key_shares, gate_shares, ((b, nc, c, hv, v), F32), gate_shares, key_shares,
                   gate_shares))
 

@@ -373,24 +373,21 @@ def _apply_kernel(k_ref, v_ref, hi_ref, lo_ref, beta_ref, t_ref, w_ref, u_ref, *
     w_ref[...] = _dot(t, keys).astype(w_ref.dtype)
 
 
-def _solve_body(k, hi, lo, beta, *, nb):
-    """The solve's arithmetic vectorised over its programs (for pl.estimate_cost;
-    stand-in blocks of the right shapes where the kernel's are many small ones): k
-    [Z, C, K], hi, lo and beta [Z, C]. The P = nb (nb + 1) / 2 lower blocks of A (a dot,
-    a 3-flop segment, an exp and two products per entry); the diagonal blocks'
-    substitution (S - 1 rows of a product and a subtraction per entry); the merges (M1 =
-    nb (nb - 1) (nb + 1) / 6 products A_im T_mj and M2 = nb (nb - 1) / 2 closing ones, S^3
-    each, M1 - M2 block sums and M2 negations)."""
-    z = k.shape[0]
-    lower = [(i, j) for i in range(nb) for j in range(i + 1)]
-    rows, cols = [i for i, _ in lower], [j for _, j in lower]
-    kk = jnp.einsum("zpsk,zptk->zpst", _pick_blocks(k, rows, nb), _pick_blocks(k, cols, nb))
-    seg = ((_pick_blocks(hi, rows, nb)[..., :, None] - _pick_blocks(hi, cols, nb)[..., None, :])
-           + (_pick_blocks(lo, rows, nb)[..., :, None] - _pick_blocks(lo, cols, nb)[..., None, :]))
-    a = _pick_blocks(beta, rows, nb)[..., None] * jnp.exp(seg) * kk
-    inv = a[:, :nb]
+def _pick_blocks(t, idx, nb):
+    """Row blocks idx of t [Z, C, ...] stacked: [Z, len(idx), SUB, ...]."""
+    blocks = t.reshape(t.shape[0], nb, SUB, *t.shape[2:])
+    return jnp.stack([blocks[:, i] for i in idx], 1)
+
+
+def _block_inverse_body(diagonal, nb):
+    """_block_inverse's arithmetic over [Z, nb, SUB, SUB] diagonal blocks (stand-ins of
+    the right shapes): the substitution (S - 1 rows of a product and a subtraction per
+    entry); the merges (M1 = nb (nb - 1) (nb + 1) / 6 products A_im T_mj and M2 = nb (nb
+    - 1) / 2 closing ones, S^3 each, M1 - M2 block sums and M2 negations)."""
+    z = diagonal.shape[0]
+    inv = diagonal
     for _ in range(SUB - 1):
-        inv = inv - a[:, :nb] * inv
+        inv = inv - diagonal * inv
     m1 = nb * (nb - 1) * (nb + 1) // 6
     m2 = nb * (nb - 1) // 2
     square = jnp.broadcast_to(inv[:, :1], (z, m1 + m2, SUB, SUB))
@@ -398,19 +395,21 @@ def _solve_body(k, hi, lo, beta, *, nb):
     return inv, merged[:, :m1 - m2] + merged[:, m2:m1], -merged[:, m1:]
 
 
-def _pick_blocks(t, idx, nb):
-    """Row blocks idx of t [Z, C, ...] stacked: [Z, len(idx), SUB, ...]."""
-    blocks = t.reshape(t.shape[0], nb, SUB, *t.shape[2:])
-    return jnp.stack([blocks[:, i] for i in idx], 1)
-
-
 def _prep_body(k, v, hi, lo, beta, *, nb):
-    """The one-kernel prep's arithmetic (as _solve_body): the solve, the scalings of V and
-    K, the P block products into U and into W and their P - nb block sums."""
+    """The one-kernel prep's arithmetic vectorised over its programs (for
+    pl.estimate_cost; stand-in blocks of the right shapes where the kernel's are many
+    small ones): k [Z, C, K], v [Z, C, V], hi, lo and beta [Z, C]. The P = nb (nb + 1) /
+    2 lower blocks of A (a dot, a 3-flop segment, an exp and two products per entry);
+    _block_inverse_body; the scalings of V and K; the P block products into U and into W
+    and their P - nb block sums."""
     z = k.shape[0]
-    inv = _solve_body(k, hi, lo, beta, nb=nb)
     lower = [(i, j) for i in range(nb) for j in range(i + 1)]
-    cols = [j for _, j in lower]
+    rows, cols = [i for i, _ in lower], [j for _, j in lower]
+    kk = jnp.einsum("zpsk,zptk->zpst", _pick_blocks(k, rows, nb), _pick_blocks(k, cols, nb))
+    seg = ((_pick_blocks(hi, rows, nb)[..., :, None] - _pick_blocks(hi, cols, nb)[..., None, :])
+           + (_pick_blocks(lo, rows, nb)[..., :, None] - _pick_blocks(lo, cols, nb)[..., None, :]))
+    a = _pick_blocks(beta, rows, nb)[..., None] * jnp.exp(seg) * kk
+    inv = _block_inverse_body(a[:, :nb], nb)
     values = beta[..., None] * v
     keys = (beta * jnp.exp(hi + lo))[..., None] * k
     t = jnp.broadcast_to(inv[0][:, :1], (z, len(lower), SUB, SUB))
@@ -421,9 +420,19 @@ def _prep_body(k, v, hi, lo, beta, *, nb):
     return inv, out
 
 
+def _solve_body(k, hi, lo, beta, *, nb):
+    """The two-kernel prep's solve vectorised (as _prep_body): K K^T whole [C, C], its
+    segment (3 flops), exp and two products per entry; _block_inverse_body."""
+    z = k.shape[0]
+    seg = (hi[..., :, None] - hi[..., None, :]) + (lo[..., :, None] - lo[..., None, :])
+    a = beta[..., None] * jnp.exp(seg) * jnp.einsum("zsk,ztk->zst", k, k)
+    diagonal = a[:, :nb * SUB, :SUB].reshape(z, nb, SUB, SUB)
+    return a, _block_inverse_body(diagonal, nb)
+
+
 def _apply_body(t, k, v, hi, lo, beta):
-    """The two-kernel prep's second kernel vectorised: t [Z, C, C], k [Z, C, K], v [Z, C,
-    V], hi, lo and beta [Z, C]."""
+    """The two-kernel prep's apply vectorised: t [Z, C, C], k [Z, C, K], v [Z, C, V],
+    hi, lo and beta [Z, C]; beta V and beta exp(G) K, then their products with T."""
     values = beta[..., None] * v
     keys = (beta * jnp.exp(hi + lo))[..., None] * k
     return jnp.einsum("zst,ztn->zsn", t, values), jnp.einsum("zst,ztn->zsn", t, keys)
@@ -460,25 +469,29 @@ def _prep(k, v, hi, lo, beta, hv, cd, l2norm, interpret, store_inverse=False):
     z = b * nc * hv
     row = cost.struct((z, chunk), F32)
     keys_z, values_z = cost.struct((z, chunk, dk), F32), cost.struct((z, chunk, dv), F32)
-    call = functools.partial(pl.pallas_call, grid=(hv, nc, b), interpret=interpret)
+    grid = (hv, nc, b)
     if PREP_IN_TWO_KERNELS:
-        inv = call(
+        inv = pl.pallas_call(
             functools.partial(_solve_kernel, l2norm=l2norm, cd=cd, interpret=bool(interpret)),
             out_shape=inverse_shape,
             in_specs=[key_spec, gate, gate, gate],
             out_specs=inverse_spec,
+            grid=grid,
             compiler_params=_params(num_warps=SOLVE_WARPS),
+            interpret=interpret,
             cost_estimate=cost.estimate(functools.partial(_solve_body, nb=nb), keys_z, row,
                                         row, row, inputs=(k, hi, lo, beta),
                                         outputs=(inverse_shape,)),
             name="gated_delta_rule_solve",
         )(k, hi, lo, beta)
-        w, big_u = call(
+        w, big_u = pl.pallas_call(
             functools.partial(_apply_kernel, l2norm=l2norm),
             out_shape=shapes,
             in_specs=[key_spec, value_spec, gate, gate, gate, inverse_spec],
             out_specs=out_specs,
+            grid=grid,
             compiler_params=_params(num_warps=4),
+            interpret=interpret,
             cost_estimate=cost.estimate(_apply_body, cost.struct((z, chunk, chunk), F32),
                                         keys_z, values_z, row, row, row,
                                         inputs=(k, v, hi, lo, beta, inv), outputs=shapes),
@@ -491,12 +504,14 @@ def _prep(k, v, hi, lo, beta, hv, cd, l2norm, interpret, store_inverse=False):
     # Two warps for K, V <= 128: 1.63 against 1.90 ms at four and 3.42 at eight (H200,
     # B 1, T 32768, Hv 32, 2026-12-03).
     warps = 8 if max(dk, dv) > 128 else 2
-    w, big_u, *inv = call(
+    w, big_u, *inv = pl.pallas_call(
         functools.partial(_prep_kernel, l2norm=l2norm),
         out_shape=shapes,
         in_specs=[key_spec, value_spec, gate, gate, gate],
         out_specs=out_specs,
+        grid=grid,
         compiler_params=_params(num_warps=warps),
+        interpret=interpret,
         cost_estimate=cost.estimate(functools.partial(_prep_body, nb=nb), keys_z, values_z,
                                     row, row, row, inputs=(k, v, hi, lo, beta),
                                     outputs=shapes),

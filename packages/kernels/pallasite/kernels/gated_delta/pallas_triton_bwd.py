@@ -82,11 +82,10 @@ def _reverse_kernel(q_ref, k_ref, w_ref, hi_ref, lo_ref, do_ref, enter_ref, leav
         p = jnp.where(causal, _dot(q, k, trans_b=True)
                       * _masked_decay(hi, lo, hi, lo, causal), 0.0)
         to_end = jnp.exp(_segment(hi_last, lo_last, hi, lo))
-        du = (scale * mm(p, do, trans_a=True)
-              + mm(k.astype(F32) * to_end[:, None], d_exit))
+        du = scale * mm(p, do, trans_a=True) + to_end[:, None] * mm(k, d_exit)
         du_ref[c] = du.astype(du_ref.dtype)
-        eq = q.astype(F32) * jnp.exp(hi + lo)[:, None]
-        d_enter = (jnp.exp(hi_last + lo_last) * d_exit + scale * mm(eq, do, trans_a=True)
+        grown_do = jnp.exp(hi + lo)[:, None] * do.astype(F32)  # exp(G) on do's rows
+        d_enter = (jnp.exp(hi_last + lo_last) * d_exit + scale * mm(q, grown_do, trans_a=True)
                    - mm(w_ref[c], du, trans_a=True))
         enter = enter_ref[c]
         _store_where(dfinal_ref, enter, d_enter, io_in_branches)
@@ -106,10 +105,10 @@ def _reverse_body(q, k, w, hi, lo, do, d_exit, *, columns):
     p = (jnp.einsum("zbck,zbjk->zbcj", rep(q), rep(k)) * jnp.exp(seg))[:, 0]
     to_end = jnp.exp((hi[:, -1:] - hi) + (lo[:, -1:] - lo))
     du = (2.0 * jnp.einsum("zcj,zcv->zjv", p, do)
-          + jnp.einsum("zck,zkv->zcv", k * to_end[..., None], d_exit))
-    eq = q * jnp.exp(hi + lo)[..., None]
+          + to_end[..., None] * jnp.einsum("zck,zkv->zcv", k, d_exit))
+    grown_do = jnp.exp(hi + lo)[..., None] * do
     across = jnp.exp(hi[:, -1] + lo[:, -1])
-    return (across[:, None, None] * d_exit + 2.0 * jnp.einsum("zck,zcv->zkv", eq, do)
+    return (across[:, None, None] * d_exit + 2.0 * jnp.einsum("zck,zcv->zkv", q, grown_do)
             - jnp.einsum("zck,zcv->zkv", w, du))
 
 
@@ -216,34 +215,37 @@ def _grads_state_kernel(q_ref, k_ref, hi_ref, lo_ref, s_ref, u_ref, do_ref, dexi
     dg_ref[...] = _dg_of(at_step, through_kd, through_end, through_p)
 
 
-def _grads_solve_kernel(k_ref, v_ref, hi_ref, lo_ref, beta_ref, t_ref, s_ref, du_ref,
+def _grads_solve_kernel(k_ref, v_ref, hi_ref, lo_ref, beta_ref, t_ref, w_ref, s_ref, du_ref,
                         dk_in_ref, dg_in_ref, dv_ref, dbeta_ref, dk_ref, dg_ref):
     """The gradients through the solve: u = U - W S, U = T (beta V), W = T (beta exp(G) K),
     T = (I + A)^-1, A_tj = beta_t D_tj k_t . k_j (strictly lower). dv, dbeta (this
-    block's share), and dk and dg added to the first kernel's shares (aliased)."""
+    block's share), and dk and dg added to the first kernel's shares (aliased). W is the
+    forward's (a residual), not formed again; K and V are loaded where used and dv is
+    stored as soon as it is whole: held, the [C, K] and [C, block_v] fp32 tiles spilled
+    registers."""
     del dk_in_ref, dg_in_ref  # the same buffers as dk_ref, dg_ref
     chunk = k_ref.shape[0]
     cd = du_ref.dtype
     mm = _cast_dot(cd)
     strict = _iota(chunk, chunk, 0) > _iota(chunk, chunk, 1)
     hi, lo, beta = hi_ref[...], lo_ref[...], beta_ref[...]
-    k, v = k_ref[...].astype(F32), v_ref[...].astype(F32)
+    keys = lambda: k_ref[...].astype(F32)  # noqa: E731
+    values = lambda: v_ref[...].astype(F32)  # noqa: E731
     inv, du = t_ref[...], du_ref[...]
     grow = jnp.exp(hi + lo)
-    scaled_keys = (beta * grow)[:, None] * k
     d_rv = mm(inv, du, trans_a=True)  # the cotangents of beta V and of beta exp(G) K
-    d_rk = -mm(inv, mm(du, s_ref[...], trans_b=True), trans_a=True)
     dv_ref[...] = beta[:, None] * d_rv
-    dbeta = jnp.sum(d_rv * v, axis=1) + jnp.sum(d_rk * grow[:, None] * k, axis=1)
-    at_step = jnp.sum(d_rk * scaled_keys, axis=1)
-    da = -(mm(d_rv, mm(inv, beta[:, None] * v), trans_b=True)
-           + mm(d_rk, mm(inv, scaled_keys), trans_b=True))  # d(I + A)^-1 = -T dA T
+    d_rk = -mm(inv, mm(du, s_ref[...], trans_b=True), trans_a=True)
+    dbeta = jnp.sum(d_rv * values(), axis=1) + jnp.sum(d_rk * grow[:, None] * keys(), axis=1)
+    at_step = (beta * grow) * jnp.sum(d_rk * keys(), axis=1)
+    da = -(mm(d_rv, mm(inv, beta[:, None] * values()), trans_b=True)
+           + mm(d_rk, w_ref[...], trans_b=True))  # d(I + A)^-1 = -T dA T
     da = jnp.where(strict, da * _masked_decay(hi, lo, hi, lo, strict), 0.0)
-    through_a = da * mm(k, k, trans_b=True)  # dA_tj D_tj k_t . k_j
+    through_a = da * mm(keys(), keys(), trans_b=True)  # dA_tj D_tj k_t . k_j
     dbeta_ref[...] = dbeta + jnp.sum(through_a, axis=1)
-    da = beta[:, None] * da
-    dk_ref[...] += (beta * grow)[:, None] * d_rk + mm(da, k) + mm(da, k, trans_a=True)
     dg_ref[...] += _dg_of(at_step, None, None, beta[:, None] * through_a)
+    da = beta[:, None] * da
+    dk_ref[...] += (beta * grow)[:, None] * d_rk + mm(da, keys()) + mm(da, keys(), trans_a=True)
 
 
 def _dg_body(at_step, spanned, end_terms, pairs):
@@ -273,22 +275,21 @@ def _grads_state_body(q, k, hi, lo, state, u, do, d_exit):
     return dq, dk, _dg_body(at_step, through_kd, through_end[:, None], through_p)
 
 
-def _grads_solve_body(k, v, hi, lo, beta, inv, state, du, dk_in, dg_in):
+def _grads_solve_body(k, v, hi, lo, beta, inv, w, state, du, dk_in, dg_in):
     """The second chunk-gradient kernel's arithmetic over every (row, chunk, head)
     (pl.estimate_cost): k [Z, C, K], v, du [Z, C, V], hi, lo, beta [Z, C], inv [Z, C, C],
-    state [Z, K, V]; dk_in [Z, C, K] and dg_in [Z, C], the first kernel's shares."""
+    w [Z, C, K], state [Z, K, V]; dk_in [Z, C, K] and dg_in [Z, C], the first kernel's
+    shares."""
     mat = lambda a, b: jnp.einsum("zij,zjk->zik", a, b)  # noqa: E731
     tr = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731
     seg = (hi[..., :, None] - hi[..., None, :]) + (lo[..., :, None] - lo[..., None, :])
     grow = jnp.exp(hi + lo)
-    scaled_keys = (beta * grow)[..., None] * k
     d_rv = mat(tr(inv), du)
     d_rk = -mat(tr(inv), mat(du, tr(state)))
     dv = beta[..., None] * d_rv
     dbeta = (d_rv * v).sum(2) + (d_rk * grow[..., None] * k).sum(2)
-    at_step = (d_rk * scaled_keys).sum(2)
-    da = -(mat(d_rv, tr(mat(inv, beta[..., None] * v)))
-           + mat(d_rk, tr(mat(inv, scaled_keys)))) * jnp.exp(seg)
+    at_step = (beta * grow) * (d_rk * k).sum(2)
+    da = -(mat(d_rv, tr(mat(inv, beta[..., None] * v))) + mat(d_rk, tr(w))) * jnp.exp(seg)
     through_a = da * mat(k, tr(k))
     dbeta = dbeta + through_a.sum(2)
     da = beta[..., None] * da
@@ -296,7 +297,7 @@ def _grads_solve_body(k, v, hi, lo, beta, inv, state, du, dk_in, dg_in):
     return dv, dbeta, dk, dg_in + _dg_body(at_step, None, None, beta[..., None] * through_a)
 
 
-def _chunk_grads(q, k, v, hi, lo, beta, inv, states, u, du, do, d_exit, scale, block_v,
+def _chunk_grads(q, k, v, hi, lo, beta, inv, w, states, u, du, do, d_exit, scale, block_v,
                  interpret):
     """(dq, dk [B, NC, C, Hv, K], dv [B, NC, C, Hv, V], dbeta, dg [B, NC, C, Hv]), fp32;
     the value-column blocks' shares summed here."""
@@ -344,17 +345,19 @@ def _chunk_grads(q, k, v, hi, lo, beta, inv, states, u, du, do, d_exit, scale, b
         in_specs=[key, value, gate, gate, gate,
                   pl.BlockSpec((None, None, None, chunk, chunk),
                                lambda vb, h, c, i: (i, c, h, 0, 0)),
+                  pl.BlockSpec((None, None, chunk, None, dk),
+                               lambda vb, h, c, i: (i, c, 0, h, 0)),
                   square_spec, value, key_out, gate_out],
         out_specs=[value, gate_out, key_out, gate_out],
-        input_output_aliases={8: 2, 9: 3},
+        input_output_aliases={9: 2, 10: 3},
         compiler_params=_params(num_warps=warps),
         interpret=interpret,
         cost_estimate=cost.estimate(
             _grads_solve_body, keys, values, row, row, row, cost.struct((z, chunk, chunk), F32),
-            square, values, keys, row,
-            inputs=(k, v, hi, lo, beta, inv, states, du, dk_, dg), outputs=shapes),
+            keys, square, values, keys, row,
+            inputs=(k, v, hi, lo, beta, inv, w, states, du, dk_, dg), outputs=shapes),
         name="gated_delta_rule_chunk_grads_solve",
-    )(k, v, hi, lo, beta, inv, states, du, dk_, dg)
+    )(k, v, hi, lo, beta, inv, w, states, du, dk_, dg)
     return dq.sum(0), dk_.sum(0), dv_, dbeta.sum(0), dg.sum(0)
 
 
@@ -387,7 +390,7 @@ def backward(residuals, do, dfinal, *, scale, length: int, l2norm: bool, block_v
                                       r["leaving"], dfinal.astype(F32), hv, scale, block_v,
                                       interpret)
     dq, dk, dv_, dbeta, dg = _chunk_grads(q, k, v, r["hi"], r["lo"], r["beta"], r["inv"],
-                                          r["states"], r["u"], du, do, d_exit, scale,
+                                          r["w"], r["states"], r["u"], du, do, d_exit, scale,
                                           grads_block_v, interpret)
     group = lambda t: t.reshape(*t.shape[:3], hk, hv // hk, t.shape[4]).sum(4)  # noqa: E731
     dq, dk = group(dq), group(dk)
