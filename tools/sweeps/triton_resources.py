@@ -11,6 +11,7 @@ Triton, so the figures are a close guide, not the device's own reading.
     python -m pip install --target /tmp/triton-3.6 triton==3.6.0
     PYTHONPATH=/tmp/triton-3.6:<the four package roots> python3 tools/sweeps/triton_resources.py \\
         gated_delta [--grad] [--set PREP_IN_TWO_KERNELS=1] [--set SOLVE_WARPS=8]
+    ... tools/sweeps/triton_resources.py ssd [--grad]
 
 --set NAME=VALUE sets a module flag of the op's Pallas Triton module (integers; 0/1 for
 booleans) before lowering. One JSON line per kernel: name, warps, stages, registers,
@@ -120,7 +121,23 @@ def gated_delta(grad: bool):
     return pallas_triton, (jax.grad(loss, argnums=tuple(range(6))) if grad else forward), args
 
 
-OPS = {"gated_delta": gated_delta}
+def ssd(grad: bool):
+    """chunk_ssd's kernels at the first SSD target row's head geometry (p 64, n 128, g 1,
+    bf16, chunk 256), two chunks of 32 heads: the forward (state scan, output), or the
+    backward's three (reverse scan, the two row kernels) on the forward's chunk states."""
+    from pallasite.kernels.ssd import pallas_triton
+
+    s = jax.ShapeDtypeStruct
+    bc, nc, c, h, p, g, n = 1, 2, 256, 32, 64, 1, 128
+    x, a = s((bc, nc, c, h, p), jnp.bfloat16), s((bc, nc, c, h), jnp.float32)
+    b, init = s((bc, nc, c, g, n), jnp.bfloat16), s((bc, h, p, n), jnp.float32)
+    if grad:
+        states = s((bc, nc, h, p, n), jnp.bfloat16)
+        return pallas_triton, pallas_triton.backward, (x, a, b, b, states, x, init)
+    return pallas_triton, pallas_triton.forward, (x, a, b, b, init)
+
+
+OPS = {"gated_delta": gated_delta, "ssd": ssd}
 
 
 def main(argv=None):
