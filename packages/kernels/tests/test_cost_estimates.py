@@ -520,8 +520,8 @@ def test_chunked_gated_delta_rule_triton_backward():
     exp(G_last). Through the solve: 5 dots over K of C x C (T^T dW, dRk W^T with the
     forward's W, K K^T, dA K, dA^T K), 3 over V (T^T du, U, dRv U^T), one of C K V (du
     S^T) and the spans again; 9 per C x C entry (the segment 3, dA's sum, negation and
-    decay, through A, beta twice), 6 per C x K (dRk . k once for dbeta and dg), 3 per
-    C x V and 8 per step; exps: exp(G) and the decays.
+    decay, through A, beta twice), 8 per C x K, 3 per C x V and 8 per step; exps:
+    exp(G) and the decays.
     Bytes: operands and results once (the final states' cotangents, aliased to the
     initial states', read and written; dk's and dg's shares, aliased from the first
     chunk-gradient kernel to the second, likewise; dq, dk, dbeta and dg one share per
@@ -558,7 +558,7 @@ def test_chunked_gated_delta_rule_triton_backward():
            _bytes(keys, keys, gates, gates, states, values, values, d_exit,
                   key_shares, key_shares, gate_shares))
     _check(solve, zb * (10 * c * c * k + 6 * c * c * bv + 2 * c * k * bv + 2 * c ** 3
-                        + 9 * c * c + 6 * c * k + 3 * c * bv + 8 * c),
+                        + 9 * c * c + 8 * c * k + 3 * c * bv + 8 * c),
            zb * (c * c + c),
            _bytes(keys, values, gates, gates, gates, ((b, nc, hv, c, c), F32), w, states, du,
                   key_shares, gate_shares, ((b, nc, c, hv, v), F32), gate_shares, key_shares,

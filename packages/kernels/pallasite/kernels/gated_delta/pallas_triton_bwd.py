@@ -236,9 +236,8 @@ def _grads_solve_kernel(k_ref, v_ref, hi_ref, lo_ref, beta_ref, t_ref, w_ref, s_
     d_rv = mm(inv, du, trans_a=True)  # the cotangents of beta V and of beta exp(G) K
     dv_ref[...] = beta[:, None] * d_rv
     d_rk = -mm(inv, mm(du, s_ref[...], trans_b=True), trans_a=True)
-    along_keys = grow * jnp.sum(d_rk * keys(), axis=1)  # dRk . exp(G) k, per step
-    dbeta = jnp.sum(d_rv * values(), axis=1) + along_keys
-    at_step = beta * along_keys
+    dbeta = jnp.sum(d_rv * values(), axis=1) + jnp.sum(d_rk * grow[:, None] * keys(), axis=1)
+    at_step = (beta * grow) * jnp.sum(d_rk * keys(), axis=1)
     da = -(mm(d_rv, mm(inv, beta[:, None] * values()), trans_b=True)
            + mm(d_rk, w_ref[...], trans_b=True))  # d(I + A)^-1 = -T dA T
     da = jnp.where(strict, da * _masked_decay(hi, lo, hi, lo, strict), 0.0)
@@ -288,9 +287,8 @@ def _grads_solve_body(k, v, hi, lo, beta, inv, w, state, du, dk_in, dg_in):
     d_rv = mat(tr(inv), du)
     d_rk = -mat(tr(inv), mat(du, tr(state)))
     dv = beta[..., None] * d_rv
-    along_keys = grow * (d_rk * k).sum(2)
-    dbeta = (d_rv * v).sum(2) + along_keys
-    at_step = beta * along_keys
+    dbeta = (d_rv * v).sum(2) + (d_rk * grow[..., None] * k).sum(2)
+    at_step = (beta * grow) * (d_rk * k).sum(2)
     da = -(mat(d_rv, tr(mat(inv, beta[..., None] * v))) + mat(d_rk, tr(w))) * jnp.exp(seg)
     through_a = da * mat(k, tr(k))
     dbeta = dbeta + through_a.sum(2)
