@@ -236,6 +236,8 @@ def _grads_solve_kernel(k_ref, v_ref, hi_ref, lo_ref, beta_ref, t_ref, w_ref, s_
     d_rv = mm(inv, du, trans_a=True)  # the cotangents of beta V and of beta exp(G) K
     dv_ref[...] = beta[:, None] * d_rv
     d_rk = -mm(inv, mm(du, s_ref[...], trans_b=True), trans_a=True)
+    # dRk . exp(G) k and dRk . k are one row sum up to exp(G); shared, it spilled more at
+    # sm_90 (1048 against 672 stack bytes), so it is formed twice.
     dbeta = jnp.sum(d_rv * values(), axis=1) + jnp.sum(d_rk * grow[:, None] * keys(), axis=1)
     at_step = (beta * grow) * jnp.sum(d_rk * keys(), axis=1)
     da = -(mm(d_rv, mm(inv, beta[:, None] * values()), trans_b=True)
