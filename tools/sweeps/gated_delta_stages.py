@@ -108,12 +108,15 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
     def rec(stage, value, **kw):
         emit(dict(base, stage=stage, ms=round(value, 4), **kw))
 
+    def traced_prep():  # a new function, so the knobs and warps set now are read
+        return jax.jit(lambda lk, lv, hi, lo, lb: pt._prep(lk, lv, hi, lo, lb, hv, BF16,
+                                                            False, interpret))
+
     rec("prologue_xla", ms(prologue, q, k, v, g, beta))
     for warps in ((None, 2, 8) if sweep_warps else (None,)) if "forward" in only else ():
         WARPS["value"] = warps
         tag = warps or "default"
-        prep = jax.jit(lambda lk, lv, hi, lo, lb: pt._prep(lk, lv, hi, lo, lb, hv, BF16, False,
-                                                            interpret))
+        prep = traced_prep()
         big_u, w, _ = prep(lk, lv, hi, lo, lbeta)
         rec("prep", ms(prep, lk, lv, hi, lo, lbeta), warps=tag)
         for bv in (16, 32, 64):
@@ -147,8 +150,7 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
             rec("output", ms(out, lq, lk, hi, lo, states, u), warps=tag, output_block_v=bv)
     for warps in (1, 4) if sweep_warps and "forward" in only else ():
         WARPS["value"] = warps  # the prep alone at one and four warps as well
-        prep = jax.jit(lambda lk, lv, hi, lo, lb: pt._prep(lk, lv, hi, lo, lb, hv, BF16, False,
-                                                            interpret))
+        prep = traced_prep()
         try:
             rec("prep", ms(prep, lk, lv, hi, lo, lbeta), warps=warps)
         except Exception as err:  # noqa: BLE001 - a config that does not compile is a record
@@ -158,8 +160,7 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
     for solve_warps in ((2, 4, 8) if sweep_warps else (pt.SOLVE_WARPS,)) if "forward" in only \
             else ():
         with knobs(pt, PREP_IN_TWO_KERNELS=True, SOLVE_WARPS=solve_warps):
-            prep = jax.jit(lambda lk, lv, hi, lo, lb: pt._prep(lk, lv, hi, lo, lb, hv, BF16,
-                                                                False, interpret))
+            prep = traced_prep()
             rec("prep", ms(prep, lk, lv, hi, lo, lbeta), prep_in_two_kernels=True,
                 solve_warps=solve_warps)
 

@@ -332,8 +332,7 @@ def _prep_kernel(k_ref, v_ref, hi_ref, lo_ref, beta_ref, w_ref, u_ref, *inv_ref,
         w_ref[r, :] = w.astype(w_ref.dtype)
 
 
-def _solve_kernel(k_ref, hi_ref, lo_ref, beta_ref, t_ref, *, l2norm: bool, cd,
-                  interpret: bool):
+def _solve_kernel(k_ref, hi_ref, lo_ref, beta_ref, t_ref, *, l2norm: bool, interpret: bool):
     """T = (I + A)^-1 [C, C] fp32 of one (value head, chunk, row): the two-kernel prep's
     first. K K^T is one [C, K] x [K, C] product; A's blocks reach the substitution
     through t_ref, which holds M = A + A^T first (its upper blocks' transposes are the
@@ -341,7 +340,7 @@ def _solve_kernel(k_ref, hi_ref, lo_ref, beta_ref, t_ref, *, l2norm: bool, cd,
     program's threads' stores and loads of t_ref; the interpreter runs them in order."""
     chunk = k_ref.shape[0]
     nb = chunk // SUB
-    keys = _normed(k_ref[...], l2norm).astype(cd)
+    keys = _normed(k_ref[...], l2norm).astype(k_ref.dtype)  # k is in the compute dtype
     hi, lo, beta = hi_ref[...], lo_ref[...], beta_ref[...]
     rows, cols = _iota(chunk, chunk, 0), _iota(chunk, chunk, 1)
     lower = rows > cols
@@ -472,7 +471,7 @@ def _prep(k, v, hi, lo, beta, hv, cd, l2norm, interpret, store_inverse=False):
     grid = (hv, nc, b)
     if PREP_IN_TWO_KERNELS:
         inv = pl.pallas_call(
-            functools.partial(_solve_kernel, l2norm=l2norm, cd=cd, interpret=bool(interpret)),
+            functools.partial(_solve_kernel, l2norm=l2norm, interpret=bool(interpret)),
             out_shape=inverse_shape,
             in_specs=[key_spec, gate, gate, gate],
             out_specs=inverse_spec,
