@@ -10,12 +10,12 @@ pair), prep (the WY solve: U, W), the state pass at each block_v, the output at 
 output_block_v, the whole forward, the reverse state pass, the chunk gradients at each
 grads_block_v and the whole forward+backward; each kernel also at other warp counts
 (`warps` in the records; "default" is the module's own; the first shape only), and the
-state pass's loop at other pipeline depths (`num_stages`) and in its other forms
+state passes' loops at other pipeline depths (`num_stages`) and in their other forms
 (`io_in_branches`, `decay_on_values`: pallas_triton.py's flags), first shape only; the
-prep in two kernels (`prep_in_two_kernels`, its solve at 2, 4 and 8 warps on the first
-shape) and the forward with it. fla (when importable): its
-cumsum, intra-chunk (kkt + solve + w/u), state pass (fwd_h) and output (fwd_o), and its
-whole forward. Every time is the bench harness's queued method (calls back to back, one
+prep in one and in two kernels (`prep_in_two_kernels`, the solve at 2, 4 and 8 warps on
+the first shape) and the forward with the prep the default is not. fla (when
+importable): its cumsum, intra-chunk (kkt + solve + w/u), state pass (fwd_h) and output
+(fwd_o), its whole forward and its forward+backward. Every time is the bench harness's queued method (calls back to back, one
 synchronisation per sample, median). JSON lines to $OUT/gated_delta_stages.jsonl.
 """
 
@@ -44,12 +44,10 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 SHAPES = {"qwen3_next": (1, 32768, 16, 32, 128, 128), "delta_b8_t4k": (8, 4096, 32, 32, 128, 128)}
 SMOKE = {"tiny": (1, 128, 2, 4, 16, 32)}
 WARPS = {"value": None}  # None: each kernel's own num_warps
-STAGES = {"value": None}  # None: each kernel's own num_stages (only the passes loop)
 
 
 def _params(num_warps=4, num_stages=1):
-    return plgpu.CompilerParams(num_warps=WARPS["value"] or num_warps,
-                                num_stages=STAGES["value"] or num_stages)
+    return plgpu.CompilerParams(num_warps=WARPS["value"] or num_warps, num_stages=num_stages)
 
 
 pt._params = ptb._params = _params  # the sweep's overrides (None keeps the module's)
@@ -135,11 +133,12 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
                 rec("state_pass", ms(state, w, big_u, lk, hi, lo, entering, leaving, init),
                     warps=tag, block_v=default_bs.block_v, **kw)
 
-            for stages in (1, 3, 4):
-                STAGES["value"] = stages
-                state_pass_ms(num_stages=stages)
-            STAGES["value"] = None
-            for io, on_values in ((True, False), (False, True), (True, True)):
+            for stages in (s for s in (1, 2, 3, 4) if s != pt.STATE_PASS_STAGES):
+                with knobs(pt, STATE_PASS_STAGES=stages):
+                    state_pass_ms(num_stages=stages)
+            for io, on_values in ((True, False), (False, False), (False, True), (True, True)):
+                if (io, on_values) == (pt.STATE_IO_IN_BRANCHES, pt.DECAY_ON_VALUES):
+                    continue  # the default form: timed above
                 with knobs(pt, STATE_IO_IN_BRANCHES=io, DECAY_ON_VALUES=on_values):
                     state_pass_ms(io_in_branches=io, decay_on_values=on_values)
         for bv in (32, 64, 128):
@@ -156,13 +155,18 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
         except Exception as err:  # noqa: BLE001 - a config that does not compile is a record
             emit(dict(base, stage="prep", warps=warps, error=f"{type(err).__name__}: {err}"[:300]))
     WARPS["value"] = None
-    # the prep in two kernels (pt.PREP_IN_TWO_KERNELS), its solve at other warp counts
+    # the prep in two kernels (pt.PREP_IN_TWO_KERNELS), its solve at other warp counts;
+    # the one-kernel prep's rows above are under pt.PREP_IN_TWO_KERNELS as set
     for solve_warps in ((2, 4, 8) if sweep_warps else (pt.SOLVE_WARPS,)) if "forward" in only \
             else ():
         with knobs(pt, PREP_IN_TWO_KERNELS=True, SOLVE_WARPS=solve_warps):
             prep = traced_prep()
             rec("prep", ms(prep, lk, lv, hi, lo, lbeta), prep_in_two_kernels=True,
                 solve_warps=solve_warps)
+    with knobs(pt, PREP_IN_TWO_KERNELS=False):
+        prep = traced_prep() if "forward" in only else None
+        if prep is not None:
+            rec("prep", ms(prep, lk, lv, hi, lo, lbeta), prep_in_two_kernels=False)
 
     def fwd(q, k, v, g, beta, init):
         return pt.forward(q, k, v, g, beta, scale=scale, initial_state=init, cu_seqlens=None,
@@ -170,9 +174,10 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
 
     if "forward" in only:
         rec("forward", ms(jax.jit(fwd), q, k, v, g, beta, init))
-        with knobs(pt, PREP_IN_TWO_KERNELS=True):  # a new function: traced afresh
+        other = not pt.PREP_IN_TWO_KERNELS  # the other prep; a new function, traced afresh
+        with knobs(pt, PREP_IN_TWO_KERNELS=other):
             rec("forward", ms(jax.jit(lambda *a: fwd(*a)), q, k, v, g, beta, init),
-                prep_in_two_kernels=True)
+                prep_in_two_kernels=other)
     if "backward" not in only:
         return
     do = jax.random.normal(jax.random.key(9), v.shape, BF16)
@@ -196,13 +201,18 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
             d_exit, du, _ = rev(lq, lk, saved["w"], hi, lo, ldo, entering, leaving, dfinal)
             rec("reverse_pass", ms(rev, lq, lk, saved["w"], hi, lo, ldo, entering, leaving,
                                    dfinal), warps=tag, block_v=bv)
-        if sweep_warps and warps is None:  # the branch form (pt.STATE_IO_IN_BRANCHES)
+        if sweep_warps and warps is None:  # the other IO form, other pipeline depths
             bv = default_bs.block_v
-            with knobs(pt, STATE_IO_IN_BRANCHES=True):
-                rev = jax.jit(lambda *a: ptb._reverse_pass(*a, hv, scale, bv, interpret))
-                rec("reverse_pass", ms(rev, lq, lk, saved["w"], hi, lo, ldo, entering,
-                                       leaving, dfinal),
-                    warps=tag, block_v=bv, io_in_branches=True)
+            io = not pt.STATE_IO_IN_BRANCHES
+            forms = [dict(STATE_IO_IN_BRANCHES=io)] + [
+                dict(STATE_PASS_STAGES=s) for s in (2, 3, 4) if s != pt.STATE_PASS_STAGES]
+            for form in forms:
+                with knobs(pt, **form):
+                    rev = jax.jit(lambda *a: ptb._reverse_pass(*a, hv, scale, bv, interpret))
+                    rec("reverse_pass", ms(rev, lq, lk, saved["w"], hi, lo, ldo, entering,
+                                           leaving, dfinal),
+                        warps=tag, block_v=bv, io_in_branches=pt.STATE_IO_IN_BRANCHES,
+                        num_stages=pt.STATE_PASS_STAGES)
         for bv in (b for b in (32, 64, 128) if b <= dv):
             grads = jax.jit(lambda *a, bv=bv: ptb._chunk_grads(*a, scale, bv, interpret))
             args = (lq, lk, lv, hi, lo, lbeta, saved["inv"], saved["w"], saved["states"],
@@ -251,6 +261,16 @@ def fla_stages(name, shape):
                                                   scale=dk ** -0.5, chunk_size=64))
         rec("forward", lambda: chunk_gated_delta_rule(q, k, v, g, beta, initial_state=init,
                                                       output_final_state=True))
+    inputs = [a.detach().requires_grad_() for a in (q, k, v, g, beta, init)]
+    do = torch.randn(b, t, hv, dv, device=dev).bfloat16()
+    dfinal = torch.randn(b, hv, dk, dv, device=dev)
+
+    def forward_backward():
+        o, final = chunk_gated_delta_rule(*inputs[:5], initial_state=inputs[5],
+                                          output_final_state=True)
+        torch.autograd.backward((o, final), (do, dfinal))
+
+    rec("forward_backward", forward_backward)
 
 
 def main(argv=None):

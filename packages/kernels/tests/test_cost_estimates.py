@@ -435,8 +435,9 @@ def test_gated_delta_rule_step():
 # ------------------------------------------------------------- chunked gated delta rule
 
 
-def test_chunked_gated_delta_rule_triton():
-    """Per (row, chunk, value head), C = 64 in nb = 4 blocks of S = 16 rows:
+def test_chunked_gated_delta_rule_triton(monkeypatch):
+    """Per (row, chunk, value head), C = 64 in nb = 4 blocks of S = 16 rows, the prep as
+    one kernel (PREP_IN_TWO_KERNELS off):
     prep: the P = 10 lower blocks of A (2 S^2 K per k k^T block; a 3-flop segment, an exp
     and two products per entry), the diagonal blocks' substitution (S - 1 rows, a product
     and a subtraction per entry), the merges (M1 = 10 products A_im T_mj and M2 = 6
@@ -449,6 +450,7 @@ def test_chunked_gated_delta_rule_triton():
     with S, per block of 32 value columns Q K^T with its decay (segment, exp, product),
     the product with u, the sum and the scale. Bytes: operands and results once (the
     final states, aliased to the initial ones, read and written)."""
+    monkeypatch.setattr(delta_triton, "PREP_IN_TWO_KERNELS", False)
     b, nc, c, hk, hv, k, v, n = 1, 2, 64, 1, 2, 32, 64, 1
     z, s, nb = b * nc * hv, 16, 4
     p, m1, m2 = 10, 10, 6

@@ -79,22 +79,28 @@ def test_packed_sequences_with_traced_cu_seqlens():
     testlib.check_packed(KERNEL, a, cu)
 
 
-KERNEL_FORMS = {"io_in_branches": ("STATE_IO_IN_BRANCHES",),
-                "decay_on_values": ("DECAY_ON_VALUES",),
-                "both": ("STATE_IO_IN_BRANCHES", "DECAY_ON_VALUES"),
-                "prep_in_two_kernels": ("PREP_IN_TWO_KERNELS",)}
+# pallas_triton's form flags, each test run with the named flags flipped from their
+# defaults: every form stays correct, so any can become the default on a measurement.
+KERNEL_FORMS = {"state_io": ("STATE_IO_IN_BRANCHES",),
+                "decay": ("DECAY_ON_VALUES",),
+                "state_io_and_decay": ("STATE_IO_IN_BRANCHES", "DECAY_ON_VALUES"),
+                "prep": ("PREP_IN_TWO_KERNELS",)}
+
+
+def _flip_forms(form, monkeypatch):
+    for flag in KERNEL_FORMS[form]:
+        monkeypatch.setattr(pallas_triton, flag, not getattr(pallas_triton, flag))
 
 
 @pytest.mark.parametrize("form", list(KERNEL_FORMS))
 def test_the_kernel_forms_against_the_definition(form, monkeypatch):
-    """The kernels' other forms (pallas_triton's flags: the state pass's
+    """The kernels' other forms (pallas_triton's flags flipped: the state pass's
     STATE_IO_IN_BRANCHES, which the backward's reverse pass follows too, and
-    DECAY_ON_VALUES; the prep in two kernels, PREP_IN_TWO_KERNELS), values and gradients
+    DECAY_ON_VALUES; the prep in one or two kernels, PREP_IN_TWO_KERNELS), values and gradients
     under packed sequences, which load initial and store final states mid-row, and
     lowered for CUDA from the CPU, differentiated (a branch inside each pass's chunk loop;
     the solve's barriers)."""
-    for flag in KERNEL_FORMS[form]:
-        monkeypatch.setattr(pallas_triton, flag, True)
+    _flip_forms(form, monkeypatch)
     a = _inputs(12, t=184, n=5)
     testlib.check_packed(KERNEL, a, jnp.asarray([0, 10, 10, 64, 164, 184], jnp.int32))
     s = jax.ShapeDtypeStruct
@@ -194,12 +200,19 @@ def test_every_kernel_output_is_written():
         assert bool(jnp.all(jnp.isfinite(leaf.astype(f32))))
 
 
+def _traces_the_kernels(jaxpr_text):
+    """Whether a jaxpr holds the forward's prep (one kernel or the solve of two) and
+    output kernels."""
+    prep = "solve" if pallas_triton.PREP_IN_TWO_KERNELS else "prep"
+    return all(f"gated_delta_rule_{name}" in jaxpr_text for name in (prep, "output"))
+
+
 def test_the_default_on_a_cpu_is_xla_and_refusals_name_the_argument():
     a = _inputs(8, t=20)
     text = str(jax.make_jaxpr(lambda **kw: chunk_gated_delta_rule(**kw))(**a))
     assert "pallas_call" not in text
     text = str(jax.make_jaxpr(lambda **kw: KERNEL(**kw))(**a))
-    assert "gated_delta_rule_prep" in text and "gated_delta_rule_output" in text
+    assert _traces_the_kernels(text)
     with pytest.raises(ValueError, match="chunk_size=48"):
         KERNEL(**a, chunk_size=48)
     with pytest.raises(ValueError, match=r"V \(v's last dim\) = 24"):
@@ -225,7 +238,7 @@ def test_the_default_on_a_gpu_from_sm80_is_the_kernels(monkeypatch):
     monkeypatch.setattr(predicates.platform, "triton_runs", lambda device=None: True)
     a = _inputs(8, t=20)
     text = str(jax.make_jaxpr(lambda **kw: chunk_gated_delta_rule(**kw))(**a))
-    assert "gated_delta_rule_prep" in text and "gated_delta_rule_output" in text
+    assert _traces_the_kernels(text)
     text = str(jax.make_jaxpr(lambda **kw: chunk_gated_delta_rule(**kw, chunk_size=48))(**a))
     assert "pallas_call" not in text
 
@@ -360,11 +373,12 @@ def test_the_kernels_lower_for_cuda_from_cpu(packed):
 
     with jax.enable_x64(False):
         text = _lowered(forward, *args, *cu)
-        assert text.count("__gpu$xla.gpu.triton") == 3
-        # The forward's three (value_and_grad keeps its output kernel) and the
-        # backward's three: the reverse state pass and the two chunk-gradient kernels.
+        prep_kernels = 1 + pallas_triton.PREP_IN_TWO_KERNELS
+        assert text.count("__gpu$xla.gpu.triton") == prep_kernels + 2
+        # The forward's (value_and_grad keeps its output kernel) and the backward's three:
+        # the reverse state pass and the two chunk-gradient kernels.
         grads = _lowered(jax.value_and_grad(loss, argnums=tuple(range(6))), *args, *cu)
-        assert grads.count("__gpu$xla.gpu.triton") == 6
+        assert grads.count("__gpu$xla.gpu.triton") == prep_kernels + 5
 
 
 @pytest.mark.gpu
@@ -403,7 +417,6 @@ def test_compiled_kernel_forms_against_the_definition(form, monkeypatch):
     so that any can become the default on a measurement."""
     if not platform.triton_runs():
         pytest.skip(f"needs a CUDA GPU from sm80; the device is {platform.device_generation()}")
-    for flag in KERNEL_FORMS[form]:
-        monkeypatch.setattr(pallas_triton, flag, True)
+    _flip_forms(form, monkeypatch)
     a = _inputs(13, t=300, hk=2, hv=4, dk=128, dv=64, n=5)
     testlib.check_packed(KERNEL, a, jnp.asarray([0, 10, 10, 64, 230, 300], jnp.int32))

@@ -439,8 +439,9 @@ def _apply_body(t, k, v, hi, lo, beta):
 
 # Two forms of the prep, timed against each other by tools/sweeps/gated_delta_stages.py:
 # one kernel (the solve's blocks applied block by block, 16-row products), or two (the
-# solve storing T, then W and U as whole [C, C] x [C, K | V] products).
-PREP_IN_TWO_KERNELS = False
+# solve storing T, then W and U as whole [C, C] x [C, K | V] products). Two: on an H200
+# (2026-12-06, B 1, T 32768, Hv 32) the prep takes 1.13 ms against one kernel's 1.96.
+PREP_IN_TWO_KERNELS = True
 # Warps of the two-kernel form's solve: at 4 ptxas (sm_90) gives it 168 registers and no
 # spills; at 1 and 2 it spills (its [C, C] products), at 8 it replicates more small work.
 SOLVE_WARPS = 4
@@ -527,8 +528,14 @@ def _prep(k, v, hi, lo, beta, hv, cd, l2norm, interpret, store_inverse=False):
 # stored under a branch (most chunks do neither) rather than by a masked [K, block_v]
 # load and store every chunk (the backward's reverse pass follows the same flag); the
 # decay to the chunk's end applied to u's [C, block_v] rather than to the keys' [C, K].
-STATE_IO_IN_BRANCHES = False
+# On an H200 (2026-12-06, B 1, T 32768, Hv 32, two pipeline stages) the branches take the
+# state pass from 1.35 to 1.14 ms and the reverse pass from 2.15 to 1.73; the decay on the
+# values is slower (1.52 ms).
+STATE_IO_IN_BRANCHES = True
 DECAY_ON_VALUES = False
+# Software-pipeline depth of the state passes' chunk loops (forward and reverse): at the
+# same shape the masked state pass takes 2.34, 1.35, 1.00 and 1.06 ms at 1 to 4 stages.
+STATE_PASS_STAGES = 3
 
 
 def _state_kernel(w_ref, big_u_ref, k_ref, hi_ref, lo_ref, enter_ref, leave_ref, finals_ref,
@@ -613,7 +620,7 @@ def _state_pass(w, big_u, k, hi, lo, entering, leaving, init, bs: BlockSizes, l2
             finals,
         ],
         input_output_aliases={7: 2},
-        compiler_params=_params(num_warps=4, num_stages=2),
+        compiler_params=_params(num_warps=4, num_stages=STATE_PASS_STAGES),
         interpret=interpret,
         cost_estimate=estimate,
         name="gated_delta_rule_state_pass",

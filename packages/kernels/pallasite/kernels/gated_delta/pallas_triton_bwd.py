@@ -155,7 +155,7 @@ def _reverse_pass(q, k, w, hi, lo, do, entering, leaving, dfinal, hv, scale, blo
             finals,
         ],
         input_output_aliases={8: 2},
-        compiler_params=_params(num_warps=4, num_stages=2),
+        compiler_params=_params(num_warps=4, num_stages=forward_kernels.STATE_PASS_STAGES),
         interpret=interpret,
         cost_estimate=estimate,
         name="gated_delta_rule_reverse_state_pass",
