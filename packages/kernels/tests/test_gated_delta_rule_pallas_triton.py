@@ -254,6 +254,38 @@ def test_block_v_follows_the_program_count():
     assert pallas_triton._resolve(None, **dims).block_v == 16  # no table entry on a CPU
 
 
+# Shared memory (bytes) of state-pass kernels compiled for sm_90 by triton 3.6
+# (tools/sweeps/triton_resources.py, 2026-12-06, branch form, chunk 64):
+# (K, block_v, itemsize, key operands (2 forward, 3 reverse), stages) -> bytes.
+COMPILED_SHARED_BYTES = {
+    (128, 32, 2, 2, 3): 111656, (128, 32, 2, 3, 3): 176168, (128, 64, 2, 3, 3): 191528,
+    (128, 128, 2, 3, 2): 157732, (256, 128, 2, 2, 2): 180772, (64, 16, 2, 3, 4): 120876,
+    (128, 16, 4, 2, 3): 177192, (128, 16, 4, 3, 3): 233512, (128, 32, 4, 3, 3): 249896,
+    (256, 16, 4, 3, 2): 235556, (64, 64, 4, 2, 4): 181804,
+}
+
+
+@pytest.mark.parametrize("budget", [232448, 166912, 101376])  # sm90, sm80, sm86 per block
+def test_the_state_passes_pipeline_only_as_deep_as_shared_memory_holds(budget, monkeypatch):
+    """pass_stages never picks a depth at or past a recorded compile that overflowed the
+    budget; the measured default (3) holds at Qwen3-Next's heads on Hopper
+    (bf16, K 128, block_v 32 and 64), and fp32 falls back (its 3 stages asked for more
+    than Hopper has: the failure this rule prevents)."""
+    monkeypatch.setattr(platform, "triton_shared_memory_budget", lambda device=None: budget)
+    for (dk, bv, itemsize, operands, stages), used in COMPILED_SHARED_BYTES.items():
+        picked = pallas_triton.pass_stages(64, dk, bv, itemsize, operands)
+        assert 1 <= picked <= pallas_triton.STATE_PASS_STAGES
+        # a depth at or past one that overflowed the budget would overflow too
+        assert picked < stages or used <= budget, (dk, bv, itemsize, operands, stages)
+    if budget == 232448:
+        for bv in (32, 64):
+            for operands in (2, 3):
+                assert pallas_triton.pass_stages(64, 128, bv, 2, operands) == 3
+        assert pallas_triton.pass_stages(64, 128, 16, 4, 3) == 2
+    monkeypatch.setattr(pallas_triton, "STATE_PASS_STAGES", 1)
+    assert pallas_triton.pass_stages(64, 16, 16, 2, 2) == 1
+
+
 def _table_with(tmp_path, config, device_kind="NVIDIA H200"):
     """The checked-in gated_delta_rule table plus one entry for the small shapes below."""
     import json

@@ -49,7 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallasite import tuning
-from pallasite.kernels import cost, sharding
+from pallasite.kernels import cost, platform, sharding
 from pallasite.kernels.gated_delta import packing
 from pallasite.kernels.ssd import decay
 from pallasite.reference.gated_delta_rule import L2NORM_EPS
@@ -533,9 +533,34 @@ def _prep(k, v, hi, lo, beta, hv, cd, l2norm, interpret, store_inverse=False):
 # values is slower (1.52 ms).
 STATE_IO_IN_BRANCHES = True
 DECAY_ON_VALUES = False
-# Software-pipeline depth of the state passes' chunk loops (forward and reverse): at the
-# same shape the masked state pass takes 2.34, 1.35, 1.00 and 1.06 ms at 1 to 4 stages.
+# Software-pipeline depth of the state passes' chunk loops (forward and reverse), the
+# most pass_stages gives: at the same shape the masked state pass takes 2.34, 1.35, 1.00
+# and 1.06 ms at 1 to 4 stages; with the branches, 0.90 ms at 3 and the reverse pass
+# 1.42 (an H100, 2026-12-06).
 STATE_PASS_STAGES = 3
+
+
+def pass_stages(chunk: int, dk: int, bv: int, itemsize: int, key_operands: int) -> int:
+    """The state passes' pipeline depth: STATE_PASS_STAGES, or fewer where the buffers
+    would not fit the device's shared memory (platform.triton_shared_memory_budget).
+
+    Each stage buffers one chunk's loads: `key_operands` [C, K] blocks (w and k forward;
+    q, k and w in reverse), a [C, block_v] one and the fp32 decay pair. Triton holds
+    about `stages` such buffers in 16-bit dtypes and one fewer (plus a [C, K + block_v]
+    fp32 scratch) in fp32, and the reverse pass another [C, K + block_v] fp32 scratch.
+    The model is an upper bound on all 102 (dtype, K, block_v, pass, stages) kernels
+    compiled for sm_90 with triton 3.6 (tools/sweeps/triton_resources.py, 2026-12-06):
+    at 3 stages the fp32 passes asked for up to 250 KB of the H100's 227 KiB."""
+    stage = chunk * ((key_operands * dk + bv) * itemsize + 2 * 4)
+    scratch = chunk * (dk + bv) * 4 if key_operands == 3 else chunk * bv * 2
+    if itemsize >= 4:
+        scratch += chunk * (dk + bv) * 4
+    budget = platform.triton_shared_memory_budget()
+    for stages in range(STATE_PASS_STAGES, 1, -1):
+        held = stages if itemsize < 4 else stages - 1
+        if held * stage + scratch <= budget:
+            return stages
+    return 1
 
 
 def _state_kernel(w_ref, big_u_ref, k_ref, hi_ref, lo_ref, enter_ref, leave_ref, finals_ref,
@@ -620,7 +645,8 @@ def _state_pass(w, big_u, k, hi, lo, entering, leaving, init, bs: BlockSizes, l2
             finals,
         ],
         input_output_aliases={7: 2},
-        compiler_params=_params(num_warps=4, num_stages=STATE_PASS_STAGES),
+        compiler_params=_params(num_warps=4, num_stages=pass_stages(
+            chunk, dk, bv, max(w.dtype.itemsize, k.dtype.itemsize), key_operands=2)),
         interpret=interpret,
         cost_estimate=estimate,
         name="gated_delta_rule_state_pass",

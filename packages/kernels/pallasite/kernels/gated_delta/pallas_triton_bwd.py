@@ -155,7 +155,8 @@ def _reverse_pass(q, k, w, hi, lo, do, entering, leaving, dfinal, hv, scale, blo
             finals,
         ],
         input_output_aliases={8: 2},
-        compiler_params=_params(num_warps=4, num_stages=forward_kernels.STATE_PASS_STAGES),
+        compiler_params=_params(num_warps=4, num_stages=forward_kernels.pass_stages(
+            chunk, dk, bv, max(a.dtype.itemsize for a in (q, k, w, do)), key_operands=3)),
         interpret=interpret,
         cost_estimate=estimate,
         name="gated_delta_rule_reverse_state_pass",
