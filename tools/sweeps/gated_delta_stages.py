@@ -134,8 +134,9 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
                     warps=tag, block_v=default_bs.block_v, **kw)
 
             for stages in (s for s in (1, 2, 3, 4) if s != pt.STATE_PASS_STAGES):
-                with knobs(pt, STATE_PASS_STAGES=stages):
-                    state_pass_ms(num_stages=stages)
+                with knobs(pt, STATE_PASS_STAGES=stages):  # the depth shared memory allows
+                    state_pass_ms(num_stages=pt.pass_stages(chunk, dk, default_bs.block_v,
+                                                            2, key_operands=2))
             for io, on_values in ((True, False), (False, False), (False, True), (True, True)):
                 if (io, on_values) == (pt.STATE_IO_IN_BRANCHES, pt.DECAY_ON_VALUES):
                     continue  # the default form: timed above
@@ -212,7 +213,7 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
                     rec("reverse_pass", ms(rev, lq, lk, saved["w"], hi, lo, ldo, entering,
                                            leaving, dfinal),
                         warps=tag, block_v=bv, io_in_branches=pt.STATE_IO_IN_BRANCHES,
-                        num_stages=pt.STATE_PASS_STAGES)
+                        num_stages=pt.pass_stages(chunk, dk, bv, 2, key_operands=3))
         for bv in (b for b in (32, 64, 128) if b <= dv):
             grads = jax.jit(lambda *a, bv=bv: ptb._chunk_grads(*a, scale, bv, interpret))
             args = (lq, lk, lv, hi, lo, lbeta, saved["inv"], saved["w"], saved["states"],
