@@ -13,7 +13,9 @@ grads_block_v and the whole forward+backward; each kernel also at other warp cou
 state passes' loops at other pipeline depths (`num_stages`) and in their other forms
 (`io_in_branches`, `decay_on_values`: pallas_triton.py's flags), first shape only; the
 prep in one and in two kernels (`prep_in_two_kernels`, the solve at 2, 4 and 8 warps on
-the first shape) and the forward with the prep the default is not. fla (when
+the first shape, and with its diagonal blocks inverted in its other form,
+`solve_diagonal_at_once`) and the forward with the prep and the solve the defaults are
+not. fla (when
 importable): its cumsum, intra-chunk (kkt + solve + w/u), state pass (fwd_h) and output
 (fwd_o), its whole forward and its forward+backward. Every time is the bench harness's queued method (calls back to back, one
 synchronisation per sample, median). JSON lines to $OUT/gated_delta_stages.jsonl.
@@ -164,10 +166,13 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
             prep = traced_prep()
             rec("prep", ms(prep, lk, lv, hi, lo, lbeta), prep_in_two_kernels=True,
                 solve_warps=solve_warps)
-    with knobs(pt, PREP_IN_TWO_KERNELS=False):
-        prep = traced_prep() if "forward" in only else None
-        if prep is not None:
-            rec("prep", ms(prep, lk, lv, hi, lo, lbeta), prep_in_two_kernels=False)
+    if "forward" in only:
+        with knobs(pt, PREP_IN_TWO_KERNELS=False):
+            rec("prep", ms(traced_prep(), lk, lv, hi, lo, lbeta), prep_in_two_kernels=False)
+        at_once = not pt.SOLVE_DIAGONAL_AT_ONCE  # the solve's other form
+        with knobs(pt, PREP_IN_TWO_KERNELS=True, SOLVE_DIAGONAL_AT_ONCE=at_once):
+            rec("prep", ms(traced_prep(), lk, lv, hi, lo, lbeta), prep_in_two_kernels=True,
+                solve_diagonal_at_once=at_once)
 
     def fwd(q, k, v, g, beta, init):
         return pt.forward(q, k, v, g, beta, scale=scale, initial_state=init, cu_seqlens=None,
@@ -179,6 +184,10 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
         with knobs(pt, PREP_IN_TWO_KERNELS=other):
             rec("forward", ms(jax.jit(lambda *a: fwd(*a)), q, k, v, g, beta, init),
                 prep_in_two_kernels=other)
+        at_once = not pt.SOLVE_DIAGONAL_AT_ONCE
+        with knobs(pt, PREP_IN_TWO_KERNELS=True, SOLVE_DIAGONAL_AT_ONCE=at_once):
+            rec("forward", ms(jax.jit(lambda *a: fwd(*a)), q, k, v, g, beta, init),
+                solve_diagonal_at_once=at_once)
     if "backward" not in only:
         return
     do = jax.random.normal(jax.random.key(9), v.shape, BF16)

@@ -84,7 +84,8 @@ def test_packed_sequences_with_traced_cu_seqlens():
 KERNEL_FORMS = {"state_io": ("STATE_IO_IN_BRANCHES",),
                 "decay": ("DECAY_ON_VALUES",),
                 "state_io_and_decay": ("STATE_IO_IN_BRANCHES", "DECAY_ON_VALUES"),
-                "prep": ("PREP_IN_TWO_KERNELS",)}
+                "prep": ("PREP_IN_TWO_KERNELS",),
+                "solve_diagonal": ("SOLVE_DIAGONAL_AT_ONCE",)}
 
 
 def _flip_forms(form, monkeypatch):
@@ -96,7 +97,8 @@ def _flip_forms(form, monkeypatch):
 def test_the_kernel_forms_against_the_definition(form, monkeypatch):
     """The kernels' other forms (pallas_triton's flags flipped: the state pass's
     STATE_IO_IN_BRANCHES, which the backward's reverse pass follows too, and
-    DECAY_ON_VALUES; the prep in one or two kernels, PREP_IN_TWO_KERNELS), values and gradients
+    DECAY_ON_VALUES; the prep in one or two kernels, PREP_IN_TWO_KERNELS; the solve's
+    diagonal blocks inverted together or one by one, SOLVE_DIAGONAL_AT_ONCE), values and gradients
     under packed sequences, which load initial and store final states mid-row, and
     lowered for CUDA from the CPU, differentiated (a branch inside each pass's chunk loop;
     the solve's barriers)."""
@@ -147,6 +149,30 @@ def test_the_two_kernel_prep_matches_the_one_kernel_prep(chunk, dtype, monkeypat
     for name, got, want in zip(("U", "W", "T"), two, one):
         assert bool(jnp.all(jnp.isfinite(got))), name
         assert _rel(got, want) <= tolerance, (name, _rel(got, want))
+
+
+@pytest.mark.parametrize("chunk", pallas_triton.CHUNK_SIZES)
+def test_the_solve_inverts_its_diagonal_blocks_together(chunk, monkeypatch):
+    """SOLVE_DIAGONAL_AT_ONCE runs the same arithmetic per element as the block-by-block
+    substitution, batched over the blocks: U, W and T agree in fp32 up to the compiler's
+    order of operations (1e-18 absolute at chunk 16 in the interpreter, else equal)."""
+    rng = np.random.default_rng(22)
+    b, nc, hk, hv, dk, dv = 1, 2, 1, 2, 32, 16
+    k = jnp.asarray(rng.standard_normal((b, nc, chunk, hk, dk)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b, nc, chunk, hv, dv)), jnp.float32)
+    g = jnp.asarray(rng.uniform(-4.0, 0.0, (b, nc, chunk, hv)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.0, 1.0, (b, nc, chunk, hv)), jnp.float32)
+    hi, lo = decay.cumsum_pair(g, axis=2)
+    monkeypatch.setattr(pallas_triton, "PREP_IN_TWO_KERNELS", True)
+
+    def prep(at_once):
+        monkeypatch.setattr(pallas_triton, "SOLVE_DIAGONAL_AT_ONCE", at_once)
+        return pallas_triton._prep(k, v, hi, lo, beta, hv, jnp.float32, True, True,
+                                   store_inverse=True)
+
+    for name, got, want in zip(("U", "W", "T"), prep(True), prep(False)):
+        assert bool(jnp.all(jnp.isfinite(want))), name
+        assert _rel(got, want) <= 1e-6, (name, _rel(got, want))
 
 
 def test_bf16_inputs_within_the_bf16_tolerance():

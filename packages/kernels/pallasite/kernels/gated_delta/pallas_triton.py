@@ -229,30 +229,31 @@ def _params(num_warps=4, num_stages=1):
 
 
 def _unit_lower_inverse(a_t):
-    """(I + a)^-1 for a strictly lower [n, n] fp32 a, given its transpose a_t: forward
+    """(I + a)^-1 for strictly lower [..., n, n] fp32 a, given its transpose a_t (a batch
+    of them at once where a_t has leading axes: one row step serves all): forward
     substitution, one row at a time (row r of the inverse is e_r - sum_{j<r} a_rj row_j).
     Row r of a is column r of a_t, picked out with a masked sum along the columns: Triton
     cannot index registers dynamically, and a sum along the rows of a would leave a_r in
     the other layout of the two, a trip through shared memory at every row."""
-    n = a_t.shape[0]
-    rows, cols = _iota(n, n, 0), _iota(n, n, 1)
+    n, last = a_t.shape[-1], a_t.ndim - 1
+    rows = jax.lax.broadcasted_iota(jnp.int32, a_t.shape, last - 1)
+    cols = jax.lax.broadcasted_iota(jnp.int32, a_t.shape, last)
     eye = jnp.where(rows == cols, 1.0, 0.0).astype(F32)
     inv = eye
     for r in range(1, n):
-        a_r = jnp.sum(jnp.where(cols == r, a_t, 0.0), axis=1)  # a[r, :], zero from r on
-        row = eye - jnp.sum(a_r[:, None] * inv, axis=0)[None, :]
+        a_r = jnp.sum(jnp.where(cols == r, a_t, 0.0), axis=last)  # a[..., r, :], 0 from r
+        row = eye - jnp.expand_dims(jnp.sum(a_r[..., None] * inv, axis=last - 1), last - 1)
         inv = jnp.where(rows == r, row, inv)
     return inv
 
 
-def _block_inverse(diagonal_t, below, nb: int):
+def _block_inverse(diagonal_inverse, below, nb: int):
     """T = (I + A)^-1 as its lower SUB x SUB blocks {(i, j): [SUB, SUB] fp32}, by block
-    forward substitution: T_ii = (I + A_ii)^-1, and for j < i T_ij = -T_ii sum_{j<=m<i}
-    A_im T_mj. diagonal_t(i) gives A_ii's transpose (strictly upper), below(i, j) A_ij
-    for j < i."""
+    forward substitution: T_ii = (I + A_ii)^-1 (diagonal_inverse(i)), and for j < i
+    T_ij = -T_ii sum_{j<=m<i} A_im T_mj, with below(i, j) = A_ij for j < i."""
     inv = {}
     for i in range(nb):
-        inv[i, i] = _unit_lower_inverse(diagonal_t(i))
+        inv[i, i] = diagonal_inverse(i)
         a_row = [below(i, m) for m in range(i)]
         for j in range(i):
             acc = _dot(a_row[j], inv[j, j])
@@ -286,7 +287,7 @@ def _inverse_blocks(k_ref, hi_ref, lo_ref, beta_ref, cd, l2norm: bool):
         return beta[i][:, None] * jnp.exp(_segment(hi[i][:, None], lo[i][:, None],
                                                    hi[j][None, :], lo[j][None, :])) * kk
 
-    return _block_inverse(diagonal_t, below, nb)
+    return _block_inverse(lambda i: _unit_lower_inverse(diagonal_t(i)), below, nb)
 
 
 def _store_blocks(out_ref, inv):
@@ -351,15 +352,36 @@ def _solve_kernel(k_ref, hi_ref, lo_ref, beta_ref, t_ref, *, l2norm: bool, inter
     if not interpret:
         plgpu.debug_barrier()
     block = lambda i, j: t_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)]  # noqa: E731
-    upper = _iota(SUB, SUB, 0) < _iota(SUB, SUB, 1)
-    diagonal_t = [jnp.where(upper, block(i, i), 0.0) for i in range(nb)]
-    below = {(i, j): block(i, j) for i in range(nb) for j in range(i)}
-    if not interpret:
-        plgpu.debug_barrier()
-    _store_blocks(t_ref, _block_inverse(diagonal_t.__getitem__,
-                                        lambda i, j: below[i, j], nb))
+    below = lambda: {(i, j): block(i, j) for i in range(nb) for j in range(i)}  # noqa
+    if SOLVE_DIAGONAL_AT_ONCE:
+        a_below = below()
+        # The nb diagonal blocks as one [nb, SUB, SUB] gather of M's, inverted together
+        # (SUB - 1 row steps in all, not per block), the inverses stored over them.
+        at = lambda axis: jax.lax.broadcasted_iota(jnp.int32, (nb, SUB, SUB), axis)  # noqa
+        first, row, col = at(0) * SUB, at(1), at(2)
+        diagonal = (first + row, first + col)
+        diagonal_t = jnp.where(row < col, t_ref[diagonal], 0.0)
+        if not interpret:
+            plgpu.debug_barrier()
+        t_ref[diagonal] = _unit_lower_inverse(diagonal_t)
+        if not interpret:
+            plgpu.debug_barrier()
+        diagonal_inverse = lambda i: block(i, i)  # noqa: E731
+    else:
+        upper = _iota(SUB, SUB, 0) < _iota(SUB, SUB, 1)
+        diagonal_t = [jnp.where(upper, block(i, i), 0.0) for i in range(nb)]
+        a_below = below()
+        if not interpret:
+            plgpu.debug_barrier()
+        diagonal_inverse = lambda i: _unit_lower_inverse(diagonal_t[i])  # noqa: E731
+    _store_blocks(t_ref, _block_inverse(diagonal_inverse, lambda i, j: a_below[i, j], nb))
 
 
+# Two forms of the prep, timed against each other by tools/sweeps/gated_delta_stages.py:
+# one kernel (the solve's blocks applied block by block, 16-row products), or two (the
+# solve storing T, then W and U as whole [C, C] x [C, K | V] products). Two: on an H200
+# (2026-12-06, B 1, T 32768, Hv 32) the prep takes 1.13 ms against one kernel's 1.96.
+PREP_IN_TWO_KERNELS = True
 def _apply_kernel(k_ref, v_ref, hi_ref, lo_ref, beta_ref, t_ref, w_ref, u_ref, *,
                   l2norm: bool):
     """W = T (beta exp(G) K) and U = T (beta V) of one (value head, chunk, row) as whole
@@ -437,11 +459,13 @@ def _apply_body(t, k, v, hi, lo, beta):
     return jnp.einsum("zst,ztn->zsn", t, values), jnp.einsum("zst,ztn->zsn", t, keys)
 
 
-# Two forms of the prep, timed against each other by tools/sweeps/gated_delta_stages.py:
-# one kernel (the solve's blocks applied block by block, 16-row products), or two (the
-# solve storing T, then W and U as whole [C, C] x [C, K | V] products). Two: on an H200
-# (2026-12-06, B 1, T 32768, Hv 32) the prep takes 1.13 ms against one kernel's 1.96.
-PREP_IN_TWO_KERNELS = True
+# The solve's diagonal blocks inverted together, one [nb, SUB, SUB] substitution (SUB - 1
+# serial row steps in all), rather than block by block (nb (SUB - 1) steps, each a pair of
+# cross-thread sums); the same arithmetic per element (equal to rounding in the interpreter).
+# Compiled for sm_90 (triton 3.6, 2026-12-06) it takes the solve from 210 barriers, 540
+# shuffles and 168 registers to 77, 172 and 146, no spills. Off until a GPU times it and
+# runs its compiled test (tools/sweeps/gated_delta_stages.py times both).
+SOLVE_DIAGONAL_AT_ONCE = False
 # Warps of the two-kernel form's solve: at 4 ptxas (sm_90) gives it 168 registers and no
 # spills; at 1 and 2 it spills (its [C, C] products), at 8 it replicates more small work.
 SOLVE_WARPS = 4
