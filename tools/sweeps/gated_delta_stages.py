@@ -15,10 +15,10 @@ state passes' loops at other pipeline depths (`num_stages`) and in their other f
 prep in one and in two kernels (`prep_in_two_kernels`, the solve at 2, 4 and 8 warps on
 the first shape, and with its diagonal blocks inverted in its other form,
 `solve_diagonal_at_once`) and the forward with the prep and the solve the defaults are
-not. fla (when
-importable): its cumsum, intra-chunk (kkt + solve + w/u), state pass (fwd_h) and output
-(fwd_o), its whole forward and its forward+backward. Every time is the bench harness's queued method (calls back to back, one
-synchronisation per sample, median). JSON lines to $OUT/gated_delta_stages.jsonl.
+not. fla (when importable): its cumsum, intra-chunk (kkt + solve + w/u), state pass
+(fwd_h) and output (fwd_o), its whole forward and its forward+backward. Every time is
+the bench harness's queued method (calls back to back, one synchronisation per sample,
+median). JSON lines to $OUT/gated_delta_stages.jsonl.
 """
 
 from __future__ import annotations

@@ -98,8 +98,8 @@ def test_the_kernel_forms_against_the_definition(form, monkeypatch):
     """The kernels' other forms (pallas_triton's flags flipped: the state pass's
     STATE_IO_IN_BRANCHES, which the backward's reverse pass follows too, and
     DECAY_ON_VALUES; the prep in one or two kernels, PREP_IN_TWO_KERNELS; the solve's
-    diagonal blocks inverted together or one by one, SOLVE_DIAGONAL_AT_ONCE), values and gradients
-    under packed sequences, which load initial and store final states mid-row, and
+    diagonal blocks inverted together or one by one, SOLVE_DIAGONAL_AT_ONCE), values and
+    gradients under packed sequences, which load initial and store final states mid-row, and
     lowered for CUDA from the CPU, differentiated (a branch inside each pass's chunk loop;
     the solve's barriers)."""
     _flip_forms(form, monkeypatch)

@@ -352,6 +352,8 @@ def _solve_kernel(k_ref, hi_ref, lo_ref, beta_ref, t_ref, *, l2norm: bool, inter
     if not interpret:
         plgpu.debug_barrier()
     block = lambda i, j: t_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)]  # noqa: E731
+    # A's blocks below the diagonal, loaded where each form has loaded them (the
+    # block-by-block form after its diagonal blocks: the order its GPU tests ran in)
     below = lambda: {(i, j): block(i, j) for i in range(nb) for j in range(i)}  # noqa
     if SOLVE_DIAGONAL_AT_ONCE:
         a_below = below()
@@ -377,11 +379,6 @@ def _solve_kernel(k_ref, hi_ref, lo_ref, beta_ref, t_ref, *, l2norm: bool, inter
     _store_blocks(t_ref, _block_inverse(diagonal_inverse, lambda i, j: a_below[i, j], nb))
 
 
-# Two forms of the prep, timed against each other by tools/sweeps/gated_delta_stages.py:
-# one kernel (the solve's blocks applied block by block, 16-row products), or two (the
-# solve storing T, then W and U as whole [C, C] x [C, K | V] products). Two: on an H200
-# (2026-12-06, B 1, T 32768, Hv 32) the prep takes 1.13 ms against one kernel's 1.96.
-PREP_IN_TWO_KERNELS = True
 def _apply_kernel(k_ref, v_ref, hi_ref, lo_ref, beta_ref, t_ref, w_ref, u_ref, *,
                   l2norm: bool):
     """W = T (beta exp(G) K) and U = T (beta V) of one (value head, chunk, row) as whole
@@ -459,6 +456,11 @@ def _apply_body(t, k, v, hi, lo, beta):
     return jnp.einsum("zst,ztn->zsn", t, values), jnp.einsum("zst,ztn->zsn", t, keys)
 
 
+# Two forms of the prep, timed against each other by tools/sweeps/gated_delta_stages.py:
+# one kernel (the solve's blocks applied block by block, 16-row products), or two (the
+# solve storing T, then W and U as whole [C, C] x [C, K | V] products). Two: on an H200
+# (2026-12-06, B 1, T 32768, Hv 32) the prep takes 1.13 ms against one kernel's 1.96.
+PREP_IN_TWO_KERNELS = True
 # The solve's diagonal blocks inverted together, one [nb, SUB, SUB] substitution (SUB - 1
 # serial row steps in all), rather than block by block (nb (SUB - 1) steps, each a pair of
 # cross-thread sums); the same arithmetic per element (equal to rounding in the interpreter).
