@@ -11,7 +11,9 @@ output_block_v, the whole forward, the reverse state pass, the chunk gradients a
 grads_block_v and the whole forward+backward; each kernel also at other warp counts
 (`warps` in the records; "default" is the module's own; the first shape only), and the
 state passes' loops at other pipeline depths (`num_stages`) and in their other forms
-(`io_in_branches`, `decay_on_values`: pallas_triton.py's flags), first shape only; the
+(`decay_on_values`, a pallas_triton.py flag; `packed_loop`: the loop packed sequences
+take, the states loaded and stored at every chunk, masked or under a branch as
+`io_in_branches` says), first shape only; the
 prep in one and in two kernels (`prep_in_two_kernels`, the solve at 2, 4 and 8 warps on
 the first shape, and with its diagonal blocks inverted in its other form,
 `solve_diagonal_at_once`) and the forward with the prep and the solve the defaults are
@@ -124,26 +126,28 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
                 continue
             bs = pt.BlockSizes(block_v=bv)
             state = jax.jit(functools.partial(pt._state_pass, bs=bs, l2norm=False,
-                                              interpret=interpret))
+                                              interpret=interpret, packed=False))
             states, u, _ = state(w, big_u, lk, hi, lo, entering, leaving, init)
             rec("state_pass", ms(state, w, big_u, lk, hi, lo, entering, leaving, init),
                 warps=tag, block_v=bv)
         if sweep_warps and warps is None:  # the pass's loop pipelined deeper or not at all
-            def state_pass_ms(**kw):  # traced afresh: the knobs are read when traced
+            def state_pass_ms(packed=False, **kw):  # traced afresh: knobs read when traced
                 state = jax.jit(functools.partial(pt._state_pass, bs=default_bs,
-                                                  l2norm=False, interpret=interpret))
+                                                  l2norm=False, interpret=interpret,
+                                                  packed=packed))
                 rec("state_pass", ms(state, w, big_u, lk, hi, lo, entering, leaving, init),
-                    warps=tag, block_v=default_bs.block_v, **kw)
+                    warps=tag, block_v=default_bs.block_v, **kw,
+                    **(dict(packed_loop=True) if packed else {}))
 
             for stages in (s for s in (1, 2, 3, 4) if s != pt.STATE_PASS_STAGES):
                 with knobs(pt, STATE_PASS_STAGES=stages):  # the depth shared memory allows
                     state_pass_ms(num_stages=pt.pass_stages(chunk, dk, default_bs.block_v,
                                                             2, key_operands=2))
-            for io, on_values in ((True, False), (False, False), (False, True), (True, True)):
-                if (io, on_values) == (pt.STATE_IO_IN_BRANCHES, pt.DECAY_ON_VALUES):
-                    continue  # the default form: timed above
-                with knobs(pt, STATE_IO_IN_BRANCHES=io, DECAY_ON_VALUES=on_values):
-                    state_pass_ms(io_in_branches=io, decay_on_values=on_values)
+            with knobs(pt, DECAY_ON_VALUES=not pt.DECAY_ON_VALUES):
+                state_pass_ms(decay_on_values=pt.DECAY_ON_VALUES)
+            for io in (True, False):  # the loop packed sequences take: IO at every chunk
+                with knobs(pt, STATE_IO_IN_BRANCHES=io):
+                    state_pass_ms(packed=True, io_in_branches=io)
         for bv in (32, 64, 128):
             if bv > dv:
                 continue
@@ -207,22 +211,26 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
         WARPS["value"] = warps
         tag = warps or "default"
         for bv in (b for b in (16, 32, 64) if b <= dv):
-            rev = jax.jit(lambda *a, bv=bv: ptb._reverse_pass(*a, hv, scale, bv, interpret))
+            rev = jax.jit(lambda *a, bv=bv: ptb._reverse_pass(*a, hv, scale, bv, interpret,
+                                                               packed=False))
             d_exit, du, _ = rev(lq, lk, saved["w"], hi, lo, ldo, entering, leaving, dfinal)
             rec("reverse_pass", ms(rev, lq, lk, saved["w"], hi, lo, ldo, entering, leaving,
                                    dfinal), warps=tag, block_v=bv)
         if sweep_warps and warps is None:  # the other IO form, other pipeline depths
             bv = default_bs.block_v
-            io = not pt.STATE_IO_IN_BRANCHES
-            forms = [dict(STATE_IO_IN_BRANCHES=io)] + [
-                dict(STATE_PASS_STAGES=s) for s in (2, 3, 4) if s != pt.STATE_PASS_STAGES]
+            forms = [dict(packed=True, io=io) for io in (True, False)] + [
+                dict(packed=False, io=pt.STATE_IO_IN_BRANCHES, STATE_PASS_STAGES=s)
+                for s in (2, 3, 4) if s != pt.STATE_PASS_STAGES]
             for form in forms:
-                with knobs(pt, **form):
-                    rev = jax.jit(lambda *a: ptb._reverse_pass(*a, hv, scale, bv, interpret))
+                packed, io = form.pop("packed"), form.pop("io")
+                with knobs(pt, STATE_IO_IN_BRANCHES=io, **form):
+                    rev = jax.jit(lambda *a: ptb._reverse_pass(*a, hv, scale, bv, interpret,
+                                                               packed=packed))
                     rec("reverse_pass", ms(rev, lq, lk, saved["w"], hi, lo, ldo, entering,
                                            leaving, dfinal),
-                        warps=tag, block_v=bv, io_in_branches=pt.STATE_IO_IN_BRANCHES,
-                        num_stages=pt.pass_stages(chunk, dk, bv, 2, key_operands=3))
+                        warps=tag, block_v=bv, num_stages=pt.pass_stages(
+                            chunk, dk, bv, 2, key_operands=3),
+                        **(dict(packed_loop=True, io_in_branches=io) if packed else {}))
         for bv in (b for b in (32, 64, 128) if b <= dv):
             grads = jax.jit(lambda *a, bv=bv: ptb._chunk_grads(*a, scale, bv, interpret))
             args = (lq, lk, lv, hi, lo, lbeta, saved["inv"], saved["w"], saved["states"],

@@ -21,9 +21,11 @@ precision, not TF32. Decays, the triangular solve and the carried state are fp32
   2. state pass, one program per (block of value columns, value head, row), walking the
      chunks in order with the fp32 state [K, block_v]: it stores the state each chunk
      enters with, u = U - W S (stored) and S <- exp(G_last) S + (exp(G_last - G) K)^T u.
-     Per-chunk tables (packing.chunk_owners) say where a sequence's initial state is
-     loaded and where its final state is stored; the finals buffer is the initial states'
-     (aliased), so a sequence that owns no chunk (empty) returns its initial state.
+     Without cu_seqlens each row's initial state is loaded before the chunk loop and its
+     final state stored after it; with them, per-chunk tables (packing.chunk_owners) say
+     where in the loop a sequence's initial state is loaded and its final state stored.
+     The finals buffer is the initial states' (aliased), so a sequence that owns no
+     chunk (empty) returns its initial state.
   3. output, one program per (block of value columns, value head, chunk, row):
      o = scale (exp(G) Q S_enter + (D o Q K^T) u), D the masked decay with its diagonal.
 
@@ -464,10 +466,10 @@ PREP_IN_TWO_KERNELS = True
 # The solve's diagonal blocks inverted together, one [nb, SUB, SUB] substitution (SUB - 1
 # serial row steps in all), rather than block by block (nb (SUB - 1) steps, each a pair of
 # cross-thread sums); the same arithmetic per element (equal to rounding in the interpreter).
-# Compiled for sm_90 (triton 3.6, 2026-12-06) it takes the solve from 210 barriers, 540
-# shuffles and 168 registers to 77, 172 and 146, no spills. Off until a GPU times it and
-# runs its compiled test (tools/sweeps/gated_delta_stages.py times both).
-SOLVE_DIAGONAL_AT_ONCE = False
+# Compiled for sm_90 (triton 3.6) it takes the solve from 210 barriers, 540 shuffles and
+# 168 registers to 77, 172 and 146, no spills; on an H100 (2026-12-06, B 1, T 32768, Hv
+# 32) the prep from 1.23 to 1.11 ms and the forward from 2.79 to 2.65.
+SOLVE_DIAGONAL_AT_ONCE = True
 # Warps of the two-kernel form's solve: at 4 ptxas (sm_90) gives it 168 registers and no
 # spills; at 1 and 2 it spills (its [C, C] products), at 8 it replicates more small work.
 SOLVE_WARPS = 4
@@ -590,16 +592,21 @@ def pass_stages(chunk: int, dk: int, bv: int, itemsize: int, key_operands: int) 
 
 
 def _state_kernel(w_ref, big_u_ref, k_ref, hi_ref, lo_ref, enter_ref, leave_ref, finals_ref,
-                  states_ref, u_ref, finals_out_ref, *, l2norm: bool, io_in_branches: bool,
-                  decay_on_values: bool):
-    """One (value column block, value head, row) walks its chunks in order."""
+                  states_ref, u_ref, finals_out_ref, *, l2norm: bool, packed: bool,
+                  io_in_branches: bool, decay_on_values: bool):
+    """One (value column block, value head, row) walks its chunks in order. Unpacked, the
+    row is one sequence: its initial state is loaded before the chunk loop and its final
+    state stored after it, so the loop carries the state in the tensor cores' layout
+    alone (an initial state loaded inside the loop yields it in the load's layout, and
+    Triton converts it through shared memory both ways every chunk)."""
     del finals_out_ref  # the same buffer as finals_ref (aliased)
     nc, chunk, dk = w_ref.shape
     bv = big_u_ref.shape[2]
     cd = w_ref.dtype
 
     def step(c, state):
-        state = _load_where(finals_ref, enter_ref[c], state, io_in_branches)
+        if packed:
+            state = _load_where(finals_ref, enter_ref[c], state, io_in_branches)
         states_ref[c] = state.astype(states_ref.dtype)
         u = big_u_ref[c].astype(F32) - _dot(w_ref[c], state.astype(cd))
         u_ref[c] = u.astype(cd)
@@ -611,10 +618,15 @@ def _state_kernel(w_ref, big_u_ref, k_ref, hi_ref, lo_ref, enter_ref, leave_ref,
         else:
             keys, values = (_normed(k_ref[c], l2norm) * to_end).astype(cd), u.astype(cd)
         state = jnp.exp(hi_last + lo_last) * state + _dot(keys, values, trans_a=True)
-        _store_where(finals_ref, leave_ref[c], state, io_in_branches)
+        if packed:
+            _store_where(finals_ref, leave_ref[c], state, io_in_branches)
         return state
 
-    jax.lax.fori_loop(0, nc, step, jnp.zeros((dk, bv), F32))
+    if packed:
+        jax.lax.fori_loop(0, nc, step, jnp.zeros((dk, bv), F32))
+    else:
+        init = finals_ref[_slot(enter_ref[0])].astype(F32)
+        finals_ref[_slot(leave_ref[nc - 1])] = jax.lax.fori_loop(0, nc, step, init)
 
 
 def _state_body(w, big_u, k, hi, lo, state):
@@ -629,9 +641,11 @@ def _state_body(w, big_u, k, hi, lo, state):
 
 
 def _state_pass(w, big_u, k, hi, lo, entering, leaving, init, bs: BlockSizes, l2norm,
-                interpret):
+                interpret, *, packed: bool):
     """(states [B, NC, Hv, K, V] entering each chunk in the compute dtype, u [B, NC, C,
-    Hv, V] in the compute dtype, finals [N, Hv, K, V] fp32)."""
+    Hv, V] in the compute dtype, finals [N, Hv, K, V] fp32). packed False: each row is
+    one sequence, entering at its first chunk and leaving at its last (chunk_tables
+    without cu_seqlens)."""
     b, nc, chunk, hv, dk = w.shape
     hk = k.shape[3]
     dv = big_u.shape[4]
@@ -653,7 +667,7 @@ def _state_pass(w, big_u, k, hi, lo, entering, leaving, init, bs: BlockSizes, l2
     finals = pl.BlockSpec((n, None, dk, bv), lambda vb, h, i: (0, h, 0, vb))
     columns = pl.BlockSpec((None, nc, chunk, None, bv), lambda vb, h, i: (i, 0, 0, h, vb))
     states, u, finals_out = pl.pallas_call(
-        functools.partial(_state_kernel, l2norm=l2norm,
+        functools.partial(_state_kernel, l2norm=l2norm, packed=packed,
                           io_in_branches=STATE_IO_IN_BRANCHES,
                           decay_on_values=DECAY_ON_VALUES),
         out_shape=shapes,
@@ -770,7 +784,8 @@ def _kernels(q, k, v, g, beta, init, cu_seqlens, *, scale, chunk_size, l2norm, i
     big_u, w, inv = _prep(k, v, hi, lo, beta, hv, cd, l2norm, interpret,
                           store_inverse=residuals)
     states, u, finals = _state_pass(w, big_u, k, hi, lo, entering, leaving,
-                                    init.astype(F32), bs, l2norm, interpret)
+                                    init.astype(F32), bs, l2norm, interpret,
+                                    packed=cu_seqlens is not None)
     o = _output(q, k, hi, lo, states, u, v.dtype, scale, bs, l2norm, interpret)
     o = o.reshape(b, padded, hv, dv)
     o = packing.steps_of(o, length, positions)

@@ -46,7 +46,7 @@ from pallasite.kernels import cost, sharding
 from pallasite.kernels.gated_delta import packing
 from pallasite.kernels.gated_delta import pallas_triton as forward_kernels
 from pallasite.kernels.gated_delta.pallas_triton import (
-    F32, _dot, _iota, _load_where, _masked_decay, _params, _segment, _store_where)
+    F32, _dot, _iota, _load_where, _masked_decay, _params, _segment, _slot, _store_where)
 from pallasite.reference.gated_delta_rule import L2NORM_EPS
 
 
@@ -60,10 +60,11 @@ def _cast_dot(cd):
 
 def _reverse_kernel(q_ref, k_ref, w_ref, hi_ref, lo_ref, do_ref, enter_ref, leave_ref,
                     dfinal_ref, dexit_ref, du_ref, dinit_out_ref, *, scale: float,
-                    io_in_branches: bool):
-    """One (value column block, value head, row) walks its chunks backwards; with
-    io_in_branches the final states' cotangents are loaded and the initial states' stored
-    under a branch (pallas_triton.STATE_IO_IN_BRANCHES)."""
+                    packed: bool, io_in_branches: bool):
+    """One (value column block, value head, row) walks its chunks backwards; packed, the
+    final states' cotangents are loaded and the initial states' stored inside the chunk
+    loop (under a branch with io_in_branches: pallas_triton.STATE_IO_IN_BRANCHES), else
+    before and after it, as the forward state pass does."""
     del dinit_out_ref  # the same buffer as dfinal_ref (aliased)
     nc, chunk, dk = q_ref.shape
     bv = do_ref.shape[2]
@@ -73,8 +74,10 @@ def _reverse_kernel(q_ref, k_ref, w_ref, hi_ref, lo_ref, do_ref, enter_ref, leav
 
     def step(i, carry):
         c = nc - 1 - i
-        d_exit = carry + _load_where(dfinal_ref, leave_ref[c], jnp.zeros_like(carry),
-                                     io_in_branches)
+        d_exit = carry
+        if packed:
+            d_exit += _load_where(dfinal_ref, leave_ref[c], jnp.zeros_like(carry),
+                                  io_in_branches)
         dexit_ref[c] = d_exit.astype(dexit_ref.dtype)
         hi, lo = hi_ref[c], lo_ref[c]
         hi_last, lo_last = hi_ref[c, chunk - 1], lo_ref[c, chunk - 1]
@@ -87,11 +90,17 @@ def _reverse_kernel(q_ref, k_ref, w_ref, hi_ref, lo_ref, do_ref, enter_ref, leav
         grown_do = jnp.exp(hi + lo)[:, None] * do.astype(F32)  # exp(G) on do's rows
         d_enter = (jnp.exp(hi_last + lo_last) * d_exit + scale * mm(q, grown_do, trans_a=True)
                    - mm(w_ref[c], du, trans_a=True))
+        if not packed:
+            return d_enter
         enter = enter_ref[c]
         _store_where(dfinal_ref, enter, d_enter, io_in_branches)
         return jnp.where(enter >= 0, 0.0, d_enter)
 
-    jax.lax.fori_loop(0, nc, step, jnp.zeros((dk, bv), F32))
+    if packed:
+        jax.lax.fori_loop(0, nc, step, jnp.zeros((dk, bv), F32))
+    else:
+        d_final = dfinal_ref[_slot(leave_ref[nc - 1])].astype(F32)
+        dfinal_ref[_slot(enter_ref[0])] = jax.lax.fori_loop(0, nc, step, d_final)
 
 
 def _reverse_body(q, k, w, hi, lo, do, d_exit, *, columns):
@@ -113,10 +122,10 @@ def _reverse_body(q, k, w, hi, lo, do, d_exit, *, columns):
 
 
 def _reverse_pass(q, k, w, hi, lo, do, entering, leaving, dfinal, hv, scale, block_v,
-                  interpret):
+                  interpret, *, packed: bool):
     """(dS' [B, NC, Hv, K, V] leaving each chunk and du [B, NC, C, Hv, V], both in the
     compute dtype (the chunk-gradient kernel's dots take them so), the initial states'
-    cotangents [N, Hv, K, V] fp32)."""
+    cotangents [N, Hv, K, V] fp32). packed as pallas_triton._state_pass's."""
     b, nc, chunk, hk, dk = q.shape
     dv = do.shape[4]
     per_key_head = hv // hk
@@ -140,7 +149,7 @@ def _reverse_pass(q, k, w, hi, lo, do, entering, leaving, dfinal, hv, scale, blo
     finals = pl.BlockSpec((n, None, dk, bv), lambda vb, h, i: (0, h, 0, vb))
     columns = pl.BlockSpec((None, nc, chunk, None, bv), lambda vb, h, i: (i, 0, 0, h, vb))
     return pl.pallas_call(
-        functools.partial(_reverse_kernel, scale=float(scale),
+        functools.partial(_reverse_kernel, scale=float(scale), packed=packed,
                           io_in_branches=forward_kernels.STATE_IO_IN_BRANCHES),
         out_shape=shapes,
         grid=(dv // bv, hv, b),
@@ -391,7 +400,7 @@ def backward(residuals, do, dfinal, *, scale, length: int, l2norm: bool, block_v
     do = do.reshape(b, nc, chunk, hv, dv)
     d_exit, du, dinit = _reverse_pass(q, k, r["w"], r["hi"], r["lo"], do, r["entering"],
                                       r["leaving"], dfinal.astype(F32), hv, scale, block_v,
-                                      interpret)
+                                      interpret, packed=positions is not None)
     dq, dk, dv_, dbeta, dg = _chunk_grads(q, k, v, r["hi"], r["lo"], r["beta"], r["inv"],
                                           r["w"], r["states"], r["u"], du, do, d_exit, scale,
                                           grads_block_v, interpret)
