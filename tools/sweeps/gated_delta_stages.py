@@ -11,9 +11,10 @@ output_block_v, the whole forward, the reverse state pass, the chunk gradients a
 grads_block_v and the whole forward+backward; each kernel also at other warp counts
 (`warps` in the records; "default" is the module's own; the first shape only), and the
 state passes' loops at other pipeline depths (`num_stages`) and in their other forms
-(`decay_on_values`, a pallas_triton.py flag; `packed_loop`: the loop packed sequences
-take, the states loaded and stored at every chunk, masked or under a branch as
-`io_in_branches` says), first shape only; the
+(`decay_on_values`, a pallas_triton.py flag; `packed_loop`: the loops packed sequences
+take, one run of chunks per sequence with bounds read from tables, here one run per
+row; the states loaded and stored masked or under a branch as `io_in_branches` says),
+first shape only; the
 prep in one and in two kernels (`prep_in_two_kernels`, the solve at 2, 4 and 8 warps on
 the first shape, and with its diagonal blocks inverted in its other form,
 `solve_diagonal_at_once`) and the forward with the prep and the solve the defaults are
@@ -145,7 +146,7 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
                                                             2, key_operands=2))
             with knobs(pt, DECAY_ON_VALUES=not pt.DECAY_ON_VALUES):
                 state_pass_ms(decay_on_values=pt.DECAY_ON_VALUES)
-            for io in (True, False):  # the loop packed sequences take: IO at every chunk
+            for io in (True, False):  # the loops packed sequences take (runs from tables)
                 with knobs(pt, STATE_IO_IN_BRANCHES=io):
                     state_pass_ms(packed=True, io_in_branches=io)
         for bv in (32, 64, 128):

@@ -463,13 +463,13 @@ def test_chunked_gated_delta_rule_triton(monkeypatch):
                                  for name in ("prep", "state_pass", "output"))
     keys, values = ((b, nc, c, hk, k), BF16), ((b, nc, c, hv, v), BF16)
     gates, w = ((b, nc, c, hv), F32), ((b, nc, c, hv, k), BF16)
-    states, tables, init = ((b, nc, hv, k, v), BF16), ((b, nc), I32), ((n, hv, k, v), F32)
+    states, runs, init = ((b, nc, hv, k, v), BF16), ((b, 1), I32), ((n, hv, k, v), F32)
     _check(prep, z * (p * (2 * s * s * k + 5 * s * s) + nb * (s - 1) * 2 * s * s
                       + (m1 + m2) * 2 * s ** 3 + m1 * s * s + c * (v + k + 2)
                       + p * 2 * s * s * (v + k) + (p - nb) * s * (v + k)),
            z * (p * s * s + c), _bytes(keys, values, gates, gates, gates, w, values))
     _check(state, z * (4 * c * k * v + c * v + 3 * c + c * k + 1 + 2 * k * v), z * (c + 1),
-           _bytes(w, values, keys, gates, gates, tables, tables, init, states, values, init))
+           _bytes(w, values, keys, gates, gates, runs, runs, runs, init, states, values, init))
     column_blocks = v // 32
     _check(out, z * (c + c * k + 2 * c * k * v + column_blocks * (2 * c * c * k + 4 * c * c)
                      + 2 * c * c * v + 2 * c * v),
@@ -545,13 +545,13 @@ def test_chunked_gated_delta_rule_triton_backward():
         "reverse_state_pass", "chunk_grads_state", "chunk_grads_solve"))
     keys, values = ((b, nc, c, hk, k), BF16), ((b, nc, c, hv, v), BF16)
     gates, w = ((b, nc, c, hv), F32), ((b, nc, c, hv, k), BF16)
-    states, tables, init = ((b, nc, hv, k, v), BF16), ((b, nc), I32), ((n, hv, k, v), F32)
+    states, runs, init = ((b, nc, hv, k, v), BF16), ((b, 1), I32), ((n, hv, k, v), F32)
     d_exit, du = ((b, nc, hv, k, v), BF16), ((b, nc, c, hv, v), BF16)
     blocks = v // bv
     _check(rev, z * (blocks * (2 * c * c * k + 4 * c * c) + 4 * c + 2 * c * c * v + 2 * c * v
                      + 6 * c * k * v + 2 * c * v + 4 * k * v + 1),
            z * (blocks * c * c + 2 * c + 1),
-           _bytes(keys, keys, w, gates, gates, values, tables, tables, init, d_exit, du, init))
+           _bytes(keys, keys, w, gates, gates, values, runs, runs, runs, init, d_exit, du, init))
     zb = z * blocks
     key_shares, gate_shares = ((blocks, b, nc, c, hv, k), F32), ((blocks, b, nc, c, hv), F32)
     _check(state, zb * (6 * c * c * k + 2 * c * c * bv + 4 * c * k * bv + 2 * c ** 3

@@ -23,7 +23,7 @@ from jax.sharding import AbstractDevice, AbstractMesh
 
 import gated_delta_testlib as testlib
 from pallasite.kernels import chunk_gated_delta_rule, platform, sharding
-from pallasite.kernels.gated_delta import pallas_triton, pallas_triton_bwd, predicates
+from pallasite.kernels.gated_delta import packing, pallas_triton, pallas_triton_bwd, predicates
 from pallasite.kernels.ssd import decay
 from pallasite.reference import parity
 from pallasite.reference.gated_delta_rule import gated_delta_rule_sequential
@@ -99,10 +99,13 @@ def test_the_kernel_forms_against_the_definition(form, monkeypatch):
     STATE_IO_IN_BRANCHES, which the backward's reverse pass follows too, and
     DECAY_ON_VALUES; the prep in one or two kernels, PREP_IN_TWO_KERNELS; the solve's
     diagonal blocks inverted together or one by one, SOLVE_DIAGONAL_AT_ONCE), values and
-    gradients under packed sequences, which load initial and store final states mid-row, and
-    lowered for CUDA from the CPU, differentiated (a branch inside each pass's chunk loop;
-    the solve's barriers)."""
+    gradients on rows of one sequence each (the states loaded and stored around the
+    passes' chunk loops) and under packed sequences (inside them, mid-row), and lowered
+    for CUDA from the CPU, differentiated (a branch inside each pass's chunk loop; the
+    solve's barriers)."""
     _flip_forms(form, monkeypatch)
+    errors = _errors(_inputs(15, b=2, t=150))
+    assert max(errors.values()) <= REL_L2, errors
     a = _inputs(12, t=184, n=5)
     testlib.check_packed(KERNEL, a, jnp.asarray([0, 10, 10, 64, 164, 184], jnp.int32))
     s = jax.ShapeDtypeStruct
@@ -224,6 +227,28 @@ def test_every_kernel_output_is_written():
     assert len(leaves) == 23
     for leaf in leaves:
         assert bool(jnp.all(jnp.isfinite(leaf.astype(f32))))
+
+
+def test_the_state_passes_runs_cover_every_chunk_once():
+    """packing.sequence_runs: packed, one run per sequence over its own chunks (none for
+    an empty one, which loads and stores nothing), then the padding chunks from zero;
+    unpacked, one run per row over all of them."""
+    cu = jnp.asarray([0, 5, 5, 70, 75, 200], jnp.int32)
+    _, padded, first, counts = packing.packed_positions(cu, 200, 32)
+    nc = padded // 32
+    entering, leaving = packing.chunk_tables(1, nc, first, counts)
+    start, count, seq = (np.asarray(t[0]) for t in packing.sequence_runs(
+        entering, leaving, 5, packed=True))
+    np.testing.assert_array_equal(seq, [0, -1, 2, 3, 4, -1])
+    np.testing.assert_array_equal(count[:5], np.asarray(counts))
+    np.testing.assert_array_equal(start[[0, 2, 3, 4]], np.asarray(first)[[0, 2, 3, 4]])
+    covered = np.concatenate([np.arange(a, a + c) for a, c in zip(start, count)])
+    np.testing.assert_array_equal(covered, np.arange(nc))  # each chunk once, in order
+    assert count[5] == nc - int(np.sum(counts)) > 0
+    entering, leaving = packing.chunk_tables(3, 4, None, None)
+    runs = packing.sequence_runs(entering, leaving, 3, packed=False)
+    np.testing.assert_array_equal(np.stack([np.asarray(t) for t in runs]),
+                                  [[[0]] * 3, [[4]] * 3, [[0], [1], [2]]])
 
 
 def _traces_the_kernels(jaxpr_text):
@@ -471,10 +496,13 @@ def test_compiled_kernels_against_the_definition(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", list(KERNEL_FORMS))
 def test_compiled_kernel_forms_against_the_definition(form, monkeypatch):
-    """The kernels' other forms compiled (fp32, packed sequences, values and gradients),
-    so that any can become the default on a measurement."""
+    """The kernels' other forms compiled (fp32, rows of one sequence each and packed
+    sequences, values and gradients), so that any can become the default on a
+    measurement."""
     if not platform.triton_runs():
         pytest.skip(f"needs a CUDA GPU from sm80; the device is {platform.device_generation()}")
     _flip_forms(form, monkeypatch)
+    errors = _errors(_inputs(16, b=2, t=300, hk=2, hv=4, dk=128, dv=64))
+    assert max(errors.values()) <= REL_L2, errors
     a = _inputs(13, t=300, hk=2, hv=4, dk=128, dv=64, n=5)
     testlib.check_packed(KERNEL, a, jnp.asarray([0, 10, 10, 64, 230, 300], jnp.int32))

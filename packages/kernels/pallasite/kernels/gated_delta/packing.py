@@ -85,3 +85,30 @@ def chunk_owners(first, counts, num_chunks: int):
         return jnp.where(hit.any(1), jnp.argmax(hit, axis=1), -1).astype(jnp.int32)
 
     return owner(first), owner(first + counts - 1)
+
+
+def sequence_runs(entering, leaving, num_sequences: int, packed: bool):
+    """(start, count, sequence) [B, S] int32 from chunk_tables' (entering, leaving): the
+    runs of chunks the Pallas Triton state passes walk, each from one sequence's initial
+    state, loaded before its chunk loop, to its final state, stored after it (sequence -1:
+    from zero, nothing loaded or stored). Unpacked, S = 1: each row is the sequence
+    `entering[:, 0]`, chunk 0 to its last. Packed (B = 1, the layout packed_positions
+    gives: sequence s owns the consecutive chunks first[s] .. first[s] + counts[s] - 1,
+    in order, from chunk 0), S = N + 1: sequence s over its chunks (count 0 where it owns
+    none: its final state is its initial state), then the chunks after the last sequence
+    (zero steps) from zero."""
+    b, num_chunks = entering.shape
+    if not packed:
+        return (jnp.zeros((b, 1), jnp.int32), jnp.full((b, 1), num_chunks, jnp.int32),
+                entering[:, :1].astype(jnp.int32))
+    seqs = jnp.arange(num_sequences, dtype=jnp.int32)
+    enters = entering[:, None, :] == seqs[None, :, None]  # [B, N, NC]
+    leaves = leaving[:, None, :] == seqs[None, :, None]
+    owns = enters.any(-1)
+    start = jnp.argmax(enters, axis=-1).astype(jnp.int32)
+    count = jnp.where(owns, jnp.argmax(leaves, axis=-1).astype(jnp.int32) + 1 - start, 0)
+    end = jnp.max(jnp.where(owns, start + count, 0), axis=1, keepdims=True)
+    return (jnp.concatenate([start, end], axis=1),
+            jnp.concatenate([count, num_chunks - end], axis=1),
+            jnp.concatenate([jnp.where(owns, seqs[None, :], -1),
+                             jnp.full((b, 1), -1, jnp.int32)], axis=1))

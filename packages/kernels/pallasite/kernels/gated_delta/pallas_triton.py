@@ -21,11 +21,11 @@ precision, not TF32. Decays, the triangular solve and the carried state are fp32
   2. state pass, one program per (block of value columns, value head, row), walking the
      chunks in order with the fp32 state [K, block_v]: it stores the state each chunk
      enters with, u = U - W S (stored) and S <- exp(G_last) S + (exp(G_last - G) K)^T u.
-     Without cu_seqlens each row's initial state is loaded before the chunk loop and its
-     final state stored after it; with them, per-chunk tables (packing.chunk_owners) say
-     where in the loop a sequence's initial state is loaded and its final state stored.
-     The finals buffer is the initial states' (aliased), so a sequence that owns no
-     chunk (empty) returns its initial state.
+     It walks one run of chunks per sequence (packing.sequence_runs: a row without
+     cu_seqlens is one run; with them, each packed sequence's chunks, then the padding
+     chunks from zero), loading the run's initial state before its chunk loop and
+     storing its final state after it. The finals buffer is the initial states'
+     (aliased), so a sequence that owns no chunk (empty) returns its initial state.
   3. output, one program per (block of value columns, value head, chunk, row):
      o = scale (exp(G) Q S_enter + (D o Q K^T) u), D the masked decay with its diagonal.
 
@@ -551,14 +551,19 @@ def _prep(k, v, hi, lo, beta, hv, cd, l2norm, interpret, store_inverse=False):
 # ------------------------------------------------------------------------ state pass
 
 
-# Two forms of the state pass's step, timed against the masked forms by
-# tools/sweeps/gated_delta_stages.py: the entering state loaded and the final state
-# stored under a branch (most chunks do neither) rather than by a masked [K, block_v]
-# load and store every chunk (the backward's reverse pass follows the same flag); the
-# decay to the chunk's end applied to u's [C, block_v] rather than to the keys' [C, K].
-# On an H200 (2026-12-06, B 1, T 32768, Hv 32, two pipeline stages) the branches take the
-# state pass from 1.35 to 1.14 ms and the reverse pass from 2.15 to 1.73; the decay on the
-# values is slower (1.52 ms).
+# Two forms of the state passes, timed against each other by
+# tools/sweeps/gated_delta_stages.py. STATE_IO_IN_BRANCHES: a packed run's initial state
+# loaded and final state stored under a branch (the padding chunks' run does neither),
+# not by a masked [K, block_v] load and store (the reverse pass follows the same flag).
+# While that IO sat inside the chunk loop, at every chunk, the branches took the state
+# pass from 1.35 to 1.14 ms and the reverse pass from 2.15 to 1.73 (an H200, 2026-12-06,
+# B 1, T 32768, Hv 32, two pipeline stages); once per run it is not timed apart.
+# DECAY_ON_VALUES: the decay to the chunk's end applied to u's [C, block_v] rather than
+# to the keys' [C, K]. Slower at the same shape (1.52 ms then; 0.90 against 0.77 on an
+# H100 with the IO outside the loop), although its loop is 416 instructions against 729
+# (the keys go to the tensor cores straight from shared memory): it puts a multiply on
+# the chunk-to-chunk dependency chain (u -> decayed u -> the state's product), where
+# the keys' decay is off it.
 STATE_IO_IN_BRANCHES = True
 DECAY_ON_VALUES = False
 # Software-pipeline depth of the state passes' chunk loops (forward and reverse), the
@@ -591,22 +596,21 @@ def pass_stages(chunk: int, dk: int, bv: int, itemsize: int, key_operands: int) 
     return 1
 
 
-def _state_kernel(w_ref, big_u_ref, k_ref, hi_ref, lo_ref, enter_ref, leave_ref, finals_ref,
-                  states_ref, u_ref, finals_out_ref, *, l2norm: bool, packed: bool,
+def _state_kernel(w_ref, big_u_ref, k_ref, hi_ref, lo_ref, start_ref, count_ref, seq_ref,
+                  finals_ref, states_ref, u_ref, finals_out_ref, *, l2norm: bool, packed: bool,
                   io_in_branches: bool, decay_on_values: bool):
-    """One (value column block, value head, row) walks its chunks in order. Unpacked, the
-    row is one sequence: its initial state is loaded before the chunk loop and its final
-    state stored after it, so the loop carries the state in the tensor cores' layout
-    alone (an initial state loaded inside the loop yields it in the load's layout, and
-    Triton converts it through shared memory both ways every chunk)."""
+    """One (value column block, value head, row) walks its chunks in order, one run of
+    chunks per sequence (packing.sequence_runs): the run's initial state is loaded before
+    its chunk loop and its final state stored after it, so the loop carries the state in
+    the tensor cores' layout alone (a state loaded inside the loop yields it in the load's
+    layout, and Triton converts it through shared memory both ways every chunk).
+    Unpacked, the row is one run over every chunk, a loop of static bounds."""
     del finals_out_ref  # the same buffer as finals_ref (aliased)
     nc, chunk, dk = w_ref.shape
     bv = big_u_ref.shape[2]
     cd = w_ref.dtype
 
     def step(c, state):
-        if packed:
-            state = _load_where(finals_ref, enter_ref[c], state, io_in_branches)
         states_ref[c] = state.astype(states_ref.dtype)
         u = big_u_ref[c].astype(F32) - _dot(w_ref[c], state.astype(cd))
         u_ref[c] = u.astype(cd)
@@ -617,16 +621,21 @@ def _state_kernel(w_ref, big_u_ref, k_ref, hi_ref, lo_ref, enter_ref, leave_ref,
             keys, values = _normed(k_ref[c], l2norm).astype(cd), (to_end * u).astype(cd)
         else:
             keys, values = (_normed(k_ref[c], l2norm) * to_end).astype(cd), u.astype(cd)
-        state = jnp.exp(hi_last + lo_last) * state + _dot(keys, values, trans_a=True)
-        if packed:
-            _store_where(finals_ref, leave_ref[c], state, io_in_branches)
-        return state
+        return jnp.exp(hi_last + lo_last) * state + _dot(keys, values, trans_a=True)
 
-    if packed:
-        jax.lax.fori_loop(0, nc, step, jnp.zeros((dk, bv), F32))
-    else:
-        init = finals_ref[_slot(enter_ref[0])].astype(F32)
-        finals_ref[_slot(leave_ref[nc - 1])] = jax.lax.fori_loop(0, nc, step, init)
+    if not packed:
+        seq = seq_ref[0]
+        finals_ref[_slot(seq)] = jax.lax.fori_loop(
+            0, nc, step, finals_ref[_slot(seq)].astype(F32))
+        return
+
+    def run(r, _):
+        seq, start = seq_ref[r], start_ref[r]
+        init = _load_where(finals_ref, seq, jnp.zeros((dk, bv), F32), io_in_branches)
+        final = jax.lax.fori_loop(start, start + count_ref[r], step, init)
+        _store_where(finals_ref, seq, final, io_in_branches)
+
+    jax.lax.fori_loop(0, seq_ref.shape[0], run, None)
 
 
 def _state_body(w, big_u, k, hi, lo, state):
@@ -643,9 +652,9 @@ def _state_body(w, big_u, k, hi, lo, state):
 def _state_pass(w, big_u, k, hi, lo, entering, leaving, init, bs: BlockSizes, l2norm,
                 interpret, *, packed: bool):
     """(states [B, NC, Hv, K, V] entering each chunk in the compute dtype, u [B, NC, C,
-    Hv, V] in the compute dtype, finals [N, Hv, K, V] fp32). packed False: each row is
-    one sequence, entering at its first chunk and leaving at its last (chunk_tables
-    without cu_seqlens)."""
+    Hv, V] in the compute dtype, finals [N, Hv, K, V] fp32). packed: the chunk tables
+    come from cu_seqlens (else each row is one sequence); packing.sequence_runs turns
+    them into the kernel's runs."""
     b, nc, chunk, hv, dk = w.shape
     hk = k.shape[3]
     dv = big_u.shape[4]
@@ -653,6 +662,7 @@ def _state_pass(w, big_u, k, hi, lo, entering, leaving, init, bs: BlockSizes, l2
     bv = bs.block_v
     cd = w.dtype
     n = init.shape[0]
+    runs = packing.sequence_runs(entering, leaving, n, packed)
     shapes = (sharding.out_struct((b, nc, hv, dk, dv), cd, like=big_u),
               sharding.out_struct(big_u.shape, cd, like=big_u),
               sharding.out_struct(init.shape, F32, like=init))
@@ -661,9 +671,9 @@ def _state_pass(w, big_u, k, hi, lo, entering, leaving, init, bs: BlockSizes, l2
         _state_body, cost.struct((z, chunk, dk), F32), cost.struct((z, chunk, dv), F32),
         cost.struct((z, chunk, dk), F32), cost.struct((z, chunk), F32),
         cost.struct((z, chunk), F32), cost.struct((z, dk, dv), F32),
-        inputs=(w, big_u, k, hi, lo, entering, leaving, init), outputs=shapes)
+        inputs=(w, big_u, k, hi, lo, *runs, init), outputs=shapes)
     per_head = pl.BlockSpec((None, nc, chunk, None), lambda vb, h, i: (i, 0, 0, h))
-    table = pl.BlockSpec((None, nc), lambda vb, h, i: (i, 0))
+    table = pl.BlockSpec((None, runs[0].shape[1]), lambda vb, h, i: (i, 0))
     finals = pl.BlockSpec((n, None, dk, bv), lambda vb, h, i: (0, h, 0, vb))
     columns = pl.BlockSpec((None, nc, chunk, None, bv), lambda vb, h, i: (i, 0, 0, h, vb))
     states, u, finals_out = pl.pallas_call(
@@ -677,20 +687,20 @@ def _state_pass(w, big_u, k, hi, lo, entering, leaving, init, bs: BlockSizes, l2
             columns,
             pl.BlockSpec((None, nc, chunk, None, dk),
                          lambda vb, h, i: (i, 0, 0, h // per_key_head, 0)),
-            per_head, per_head, table, table, finals,
+            per_head, per_head, table, table, table, finals,
         ],
         out_specs=[
             pl.BlockSpec((None, nc, None, dk, bv), lambda vb, h, i: (i, 0, h, 0, vb)),
             columns,
             finals,
         ],
-        input_output_aliases={7: 2},
+        input_output_aliases={8: 2},
         compiler_params=_params(num_warps=4, num_stages=pass_stages(
             chunk, dk, bv, max(w.dtype.itemsize, k.dtype.itemsize), key_operands=2)),
         interpret=interpret,
         cost_estimate=estimate,
         name="gated_delta_rule_state_pass",
-    )(w, big_u, k, hi, lo, entering, leaving, init)
+    )(w, big_u, k, hi, lo, *runs, init)
     return states, u, finals_out
 
 

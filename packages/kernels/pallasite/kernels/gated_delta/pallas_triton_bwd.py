@@ -58,13 +58,13 @@ def _cast_dot(cd):
 # ---------------------------------------------------------------- reverse state pass
 
 
-def _reverse_kernel(q_ref, k_ref, w_ref, hi_ref, lo_ref, do_ref, enter_ref, leave_ref,
-                    dfinal_ref, dexit_ref, du_ref, dinit_out_ref, *, scale: float,
+def _reverse_kernel(q_ref, k_ref, w_ref, hi_ref, lo_ref, do_ref, start_ref, count_ref,
+                    seq_ref, dfinal_ref, dexit_ref, du_ref, dinit_out_ref, *, scale: float,
                     packed: bool, io_in_branches: bool):
-    """One (value column block, value head, row) walks its chunks backwards; packed, the
-    final states' cotangents are loaded and the initial states' stored inside the chunk
-    loop (under a branch with io_in_branches: pallas_triton.STATE_IO_IN_BRANCHES), else
-    before and after it, as the forward state pass does."""
+    """One (value column block, value head, row) walks its chunks backwards, one run of
+    chunks per sequence as the forward state pass does: the run's final-state cotangent
+    is loaded before its chunk loop and its initial state's stored after it (under a
+    branch with io_in_branches: pallas_triton.STATE_IO_IN_BRANCHES, else masked)."""
     del dinit_out_ref  # the same buffer as dfinal_ref (aliased)
     nc, chunk, dk = q_ref.shape
     bv = do_ref.shape[2]
@@ -72,12 +72,7 @@ def _reverse_kernel(q_ref, k_ref, w_ref, hi_ref, lo_ref, do_ref, enter_ref, leav
     mm = _cast_dot(cd)
     causal = _iota(chunk, chunk, 0) >= _iota(chunk, chunk, 1)
 
-    def step(i, carry):
-        c = nc - 1 - i
-        d_exit = carry
-        if packed:
-            d_exit += _load_where(dfinal_ref, leave_ref[c], jnp.zeros_like(carry),
-                                  io_in_branches)
+    def chunk_step(c, d_exit):
         dexit_ref[c] = d_exit.astype(dexit_ref.dtype)
         hi, lo = hi_ref[c], lo_ref[c]
         hi_last, lo_last = hi_ref[c, chunk - 1], lo_ref[c, chunk - 1]
@@ -88,19 +83,23 @@ def _reverse_kernel(q_ref, k_ref, w_ref, hi_ref, lo_ref, do_ref, enter_ref, leav
         du = scale * mm(p, do, trans_a=True) + to_end[:, None] * mm(k, d_exit)
         du_ref[c] = du.astype(du_ref.dtype)
         grown_do = jnp.exp(hi + lo)[:, None] * do.astype(F32)  # exp(G) on do's rows
-        d_enter = (jnp.exp(hi_last + lo_last) * d_exit + scale * mm(q, grown_do, trans_a=True)
-                   - mm(w_ref[c], du, trans_a=True))
-        if not packed:
-            return d_enter
-        enter = enter_ref[c]
-        _store_where(dfinal_ref, enter, d_enter, io_in_branches)
-        return jnp.where(enter >= 0, 0.0, d_enter)
+        return (jnp.exp(hi_last + lo_last) * d_exit + scale * mm(q, grown_do, trans_a=True)
+                - mm(w_ref[c], du, trans_a=True))
 
-    if packed:
-        jax.lax.fori_loop(0, nc, step, jnp.zeros((dk, bv), F32))
-    else:
-        d_final = dfinal_ref[_slot(leave_ref[nc - 1])].astype(F32)
-        dfinal_ref[_slot(enter_ref[0])] = jax.lax.fori_loop(0, nc, step, d_final)
+    if not packed:
+        seq = seq_ref[0]
+        dfinal_ref[_slot(seq)] = jax.lax.fori_loop(
+            0, nc, lambda i, d: chunk_step(nc - 1 - i, d), dfinal_ref[_slot(seq)].astype(F32))
+        return
+
+    def run(r, _):
+        seq, last = seq_ref[r], start_ref[r] + count_ref[r] - 1
+        d_final = _load_where(dfinal_ref, seq, jnp.zeros((dk, bv), F32), io_in_branches)
+        d_init = jax.lax.fori_loop(0, count_ref[r], lambda i, d: chunk_step(last - i, d),
+                                   d_final)
+        _store_where(dfinal_ref, seq, d_init, io_in_branches)
+
+    jax.lax.fori_loop(0, seq_ref.shape[0], run, None)
 
 
 def _reverse_body(q, k, w, hi, lo, do, d_exit, *, columns):
@@ -131,6 +130,7 @@ def _reverse_pass(q, k, w, hi, lo, do, entering, leaving, dfinal, hv, scale, blo
     per_key_head = hv // hk
     bv = block_v
     n = dfinal.shape[0]
+    runs = packing.sequence_runs(entering, leaving, n, packed)
     cd = w.dtype
     shapes = (sharding.out_struct((b, nc, hv, dk, dv), cd, like=do),
               sharding.out_struct(do.shape, cd, like=do),
@@ -141,11 +141,11 @@ def _reverse_pass(q, k, w, hi, lo, do, entering, leaving, dfinal, hv, scale, blo
     estimate = cost.estimate(
         functools.partial(_reverse_body, columns=dv // bv), keys, keys, keys, row, row,
         cost.struct((z, chunk, dv), F32), cost.struct((z, dk, dv), F32),
-        inputs=(q, k, w, hi, lo, do, entering, leaving, dfinal), outputs=shapes)
+        inputs=(q, k, w, hi, lo, do, *runs, dfinal), outputs=shapes)
     key = pl.BlockSpec((None, nc, chunk, None, dk),
                        lambda vb, h, i: (i, 0, 0, h // per_key_head, 0))
     per_head = pl.BlockSpec((None, nc, chunk, None), lambda vb, h, i: (i, 0, 0, h))
-    table = pl.BlockSpec((None, nc), lambda vb, h, i: (i, 0))
+    table = pl.BlockSpec((None, runs[0].shape[1]), lambda vb, h, i: (i, 0))
     finals = pl.BlockSpec((n, None, dk, bv), lambda vb, h, i: (0, h, 0, vb))
     columns = pl.BlockSpec((None, nc, chunk, None, bv), lambda vb, h, i: (i, 0, 0, h, vb))
     return pl.pallas_call(
@@ -156,20 +156,20 @@ def _reverse_pass(q, k, w, hi, lo, do, entering, leaving, dfinal, hv, scale, blo
         in_specs=[
             key, key,
             pl.BlockSpec((None, nc, chunk, None, dk), lambda vb, h, i: (i, 0, 0, h, 0)),
-            per_head, per_head, columns, table, table, finals,
+            per_head, per_head, columns, table, table, table, finals,
         ],
         out_specs=[
             pl.BlockSpec((None, nc, None, dk, bv), lambda vb, h, i: (i, 0, h, 0, vb)),
             columns,
             finals,
         ],
-        input_output_aliases={8: 2},
+        input_output_aliases={9: 2},
         compiler_params=_params(num_warps=4, num_stages=forward_kernels.pass_stages(
             chunk, dk, bv, max(a.dtype.itemsize for a in (q, k, w, do)), key_operands=3)),
         interpret=interpret,
         cost_estimate=estimate,
         name="gated_delta_rule_reverse_state_pass",
-    )(q, k, w, hi, lo, do, entering, leaving, dfinal)
+    )(q, k, w, hi, lo, do, *runs, dfinal)
 
 
 # ------------------------------------------------------------------ chunk gradients
