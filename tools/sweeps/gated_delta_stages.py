@@ -16,9 +16,9 @@ take, one run of chunks per sequence with bounds read from tables, here one run 
 row; the states loaded and stored masked or under a branch as `io_in_branches` says),
 first shape only; the
 prep in one and in two kernels (`prep_in_two_kernels`, the solve at 2, 4 and 8 warps on
-the first shape, and with its diagonal blocks inverted in its other form,
-`solve_diagonal_at_once`) and the forward with the prep and the solve the defaults are
-not. fla (when importable): its cumsum, intra-chunk (kkt + solve + w/u), state pass
+the first shape, with its diagonal blocks inverted in its other form,
+`solve_diagonal_at_once`, and with the apply in the solve's kernel or not,
+`apply_in_solve_kernel`) and the forward with each prep form the defaults do not take. fla (when importable): its cumsum, intra-chunk (kkt + solve + w/u), state pass
 (fwd_h) and output (fwd_o), its whole forward and its forward+backward. Every time is
 the bench harness's queued method (calls back to back, one synchronisation per sample,
 median). JSON lines to $OUT/gated_delta_stages.jsonl.
@@ -178,6 +178,10 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
         with knobs(pt, PREP_IN_TWO_KERNELS=True, SOLVE_DIAGONAL_AT_ONCE=at_once):
             rec("prep", ms(traced_prep(), lk, lv, hi, lo, lbeta), prep_in_two_kernels=True,
                 solve_diagonal_at_once=at_once)
+        fused = not pt.APPLY_IN_SOLVE_KERNEL  # the two kernels' bodies in one, or not
+        with knobs(pt, PREP_IN_TWO_KERNELS=True, APPLY_IN_SOLVE_KERNEL=fused):
+            rec("prep", ms(traced_prep(), lk, lv, hi, lo, lbeta), prep_in_two_kernels=True,
+                apply_in_solve_kernel=fused)
 
     def fwd(q, k, v, g, beta, init):
         return pt.forward(q, k, v, g, beta, scale=scale, initial_state=init, cu_seqlens=None,
@@ -193,6 +197,10 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
         with knobs(pt, PREP_IN_TWO_KERNELS=True, SOLVE_DIAGONAL_AT_ONCE=at_once):
             rec("forward", ms(jax.jit(lambda *a: fwd(*a)), q, k, v, g, beta, init),
                 solve_diagonal_at_once=at_once)
+        fused = not pt.APPLY_IN_SOLVE_KERNEL
+        with knobs(pt, PREP_IN_TWO_KERNELS=True, APPLY_IN_SOLVE_KERNEL=fused):
+            rec("forward", ms(jax.jit(lambda *a: fwd(*a)), q, k, v, g, beta, init),
+                apply_in_solve_kernel=fused)
     if "backward" not in only:
         return
     do = jax.random.normal(jax.random.key(9), v.shape, BF16)

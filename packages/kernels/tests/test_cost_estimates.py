@@ -502,6 +502,16 @@ def test_chunked_gated_delta_rule_triton_prep_in_two_kernels(monkeypatch):
            z * c * c, _bytes(keys, gates, gates, gates, inv))
     _check(apply, z * (c * (v + k + 2) + 2 * c * c * (v + k)), z * c,
            _bytes(keys, values, gates, gates, gates, inv, w, values))
+    # the two bodies in one kernel (APPLY_IN_SOLVE_KERNEL): their flops, the operands and
+    # results once (T is stored, not read back from HBM)
+    monkeypatch.setattr(delta_triton, "APPLY_IN_SOLVE_KERNEL", True)
+    calls = _calls(lambda *a: delta_triton._kernels(
+        *a, None, scale=0.1, chunk_size=c, l2norm=False, interpret=False,
+        block_sizes=None), x, x, y, gate, gate, S((n, hv, k, v), F32))
+    assert "gated_delta_rule_solve" not in calls and "gated_delta_rule_apply" not in calls
+    (fused,) = calls["gated_delta_rule_solve_apply"]
+    _check(fused, solve.flops + apply.flops, solve.transcendentals + apply.transcendentals,
+           _bytes(keys, values, gates, gates, gates, inv, w, values))
 
 
 def test_chunked_gated_delta_rule_triton_backward():

@@ -85,6 +85,7 @@ KERNEL_FORMS = {"state_io": ("STATE_IO_IN_BRANCHES",),
                 "decay": ("DECAY_ON_VALUES",),
                 "state_io_and_decay": ("STATE_IO_IN_BRANCHES", "DECAY_ON_VALUES"),
                 "prep": ("PREP_IN_TWO_KERNELS",),
+                "apply_in_solve": ("APPLY_IN_SOLVE_KERNEL",),
                 "solve_diagonal": ("SOLVE_DIAGONAL_AT_ONCE",)}
 
 
@@ -97,7 +98,8 @@ def _flip_forms(form, monkeypatch):
 def test_the_kernel_forms_against_the_definition(form, monkeypatch):
     """The kernels' other forms (pallas_triton's flags flipped: the state pass's
     STATE_IO_IN_BRANCHES, which the backward's reverse pass follows too, and
-    DECAY_ON_VALUES; the prep in one or two kernels, PREP_IN_TWO_KERNELS; the solve's
+    DECAY_ON_VALUES; the prep in one or two kernels, PREP_IN_TWO_KERNELS, or the two's
+    bodies in one, APPLY_IN_SOLVE_KERNEL; the solve's
     diagonal blocks inverted together or one by one, SOLVE_DIAGONAL_AT_ONCE), values and
     gradients on rows of one sequence each (the states loaded and stored around the
     passes' chunk loops) and under packed sequences (inside them, mid-row), and lowered
@@ -124,7 +126,7 @@ def test_the_kernel_forms_against_the_definition(form, monkeypatch):
         text = _lowered(jax.grad(loss, argnums=tuple(range(6))), *args)
     # prep (one kernel or two) and the state pass, then the reverse pass and the two
     # chunk-gradient kernels (the gradient alone leaves the output kernel out)
-    assert text.count("__gpu$xla.gpu.triton") == 5 + pallas_triton.PREP_IN_TWO_KERNELS
+    assert text.count("__gpu$xla.gpu.triton") == 4 + pallas_triton.prep_kernel_count()
 
 
 @pytest.mark.parametrize("chunk", pallas_triton.CHUNK_SIZES)
@@ -152,6 +154,29 @@ def test_the_two_kernel_prep_matches_the_one_kernel_prep(chunk, dtype, monkeypat
     for name, got, want in zip(("U", "W", "T"), two, one):
         assert bool(jnp.all(jnp.isfinite(got))), name
         assert _rel(got, want) <= tolerance, (name, _rel(got, want))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_apply_in_the_solve_kernel_matches_the_two_kernels(dtype, monkeypatch):
+    """APPLY_IN_SOLVE_KERNEL runs the two kernels' bodies in one program, T read back
+    from where the solve stored it: U, W and T equal the two kernels' exactly."""
+    rng = np.random.default_rng(23)
+    b, nc, chunk, hk, hv, dk, dv = 1, 2, 64, 1, 2, 32, 16
+    k = jnp.asarray(rng.standard_normal((b, nc, chunk, hk, dk)), dtype)
+    v = jnp.asarray(rng.standard_normal((b, nc, chunk, hv, dv)), dtype)
+    g = jnp.asarray(rng.uniform(-4.0, 0.0, (b, nc, chunk, hv)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.0, 1.0, (b, nc, chunk, hv)), jnp.float32)
+    hi, lo = decay.cumsum_pair(g, axis=2)
+    monkeypatch.setattr(pallas_triton, "PREP_IN_TWO_KERNELS", True)
+
+    def prep(fused):
+        monkeypatch.setattr(pallas_triton, "APPLY_IN_SOLVE_KERNEL", fused)
+        return pallas_triton._prep(k, v, hi, lo, beta, hv, dtype, False, True,
+                                   store_inverse=True)
+
+    for name, got, want in zip(("U", "W", "T"), prep(True), prep(False)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                      np.asarray(want, np.float32), err_msg=name)
 
 
 @pytest.mark.parametrize("chunk", pallas_triton.CHUNK_SIZES)
@@ -456,7 +481,7 @@ def test_the_kernels_lower_for_cuda_from_cpu(packed):
 
     with jax.enable_x64(False):
         text = _lowered(forward, *args, *cu)
-        prep_kernels = 1 + pallas_triton.PREP_IN_TWO_KERNELS
+        prep_kernels = pallas_triton.prep_kernel_count()
         assert text.count("__gpu$xla.gpu.triton") == prep_kernels + 2
         # The forward's (value_and_grad keeps its output kernel) and the backward's three:
         # the reverse state pass and the two chunk-gradient kernels.

@@ -393,6 +393,17 @@ def _apply_kernel(k_ref, v_ref, hi_ref, lo_ref, beta_ref, t_ref, w_ref, u_ref, *
     w_ref[...] = _dot(t, keys).astype(w_ref.dtype)
 
 
+def _solve_apply_kernel(k_ref, v_ref, hi_ref, lo_ref, beta_ref, t_ref, w_ref, u_ref, *,
+                        l2norm: bool, interpret: bool):
+    """The two-kernel prep's solve and apply in one program (APPLY_IN_SOLVE_KERNEL): T
+    stored as the solve stores it, then read back, from the cache, for the apply's
+    whole-chunk products; one launch, and k and the gates loaded by one program."""
+    _solve_kernel(k_ref, hi_ref, lo_ref, beta_ref, t_ref, l2norm=l2norm, interpret=interpret)
+    if not interpret:
+        plgpu.debug_barrier()  # every thread's stores of T before any thread's loads
+    _apply_kernel(k_ref, v_ref, hi_ref, lo_ref, beta_ref, t_ref, w_ref, u_ref, l2norm=l2norm)
+
+
 def _pick_blocks(t, idx, nb):
     """Row blocks idx of t [Z, C, ...] stacked: [Z, len(idx), SUB, ...]."""
     blocks = t.reshape(t.shape[0], nb, SUB, *t.shape[2:])
@@ -458,6 +469,12 @@ def _apply_body(t, k, v, hi, lo, beta):
     return jnp.einsum("zst,ztn->zsn", t, values), jnp.einsum("zst,ztn->zsn", t, keys)
 
 
+def _solve_apply_body(k, v, hi, lo, beta, *, nb):
+    """_solve_body then _apply_body on its T (the fused form's arithmetic)."""
+    t, inverse = _solve_body(k, hi, lo, beta, nb=nb)
+    return t, inverse, _apply_body(t, k, v, hi, lo, beta)
+
+
 # Two forms of the prep, timed against each other by tools/sweeps/gated_delta_stages.py:
 # one kernel (the solve's blocks applied block by block, 16-row products), or two (the
 # solve storing T, then W and U as whole [C, C] x [C, K | V] products). Two: on an H200
@@ -473,6 +490,18 @@ SOLVE_DIAGONAL_AT_ONCE = True
 # Warps of the two-kernel form's solve: at 4 ptxas (sm_90) gives it 168 registers and no
 # spills; at 1 and 2 it spills (its [C, C] products), at 8 it replicates more small work.
 SOLVE_WARPS = 4
+# The two-kernel form's apply run inside the solve's program, on the T it has just stored
+# (read back from the cache, not from HBM by a second kernel): the apply's reads of T and
+# k and one launch saved, the two bodies' registers not live at once. Compiled for sm_90
+# (triton 3.6, 2026-12-06, Qwen3-Next's heads, bf16, chunk 64) it takes 250 registers,
+# no spills, 96 barriers (the two kernels 146 and 134 registers, 77 and 11 barriers). Off
+# until a GPU times it (tools/sweeps/gated_delta_stages.py).
+APPLY_IN_SOLVE_KERNEL = False
+
+
+def prep_kernel_count() -> int:
+    """How many kernels the prep launches under the flags above: 1 or 2."""
+    return 2 if PREP_IN_TWO_KERNELS and not APPLY_IN_SOLVE_KERNEL else 1
 
 
 def _prep(k, v, hi, lo, beta, hv, cd, l2norm, interpret, store_inverse=False):
@@ -498,6 +527,21 @@ def _prep(k, v, hi, lo, beta, hv, cd, l2norm, interpret, store_inverse=False):
     row = cost.struct((z, chunk), F32)
     keys_z, values_z = cost.struct((z, chunk, dk), F32), cost.struct((z, chunk, dv), F32)
     grid = (hv, nc, b)
+    if PREP_IN_TWO_KERNELS and APPLY_IN_SOLVE_KERNEL:
+        inv, w, big_u = pl.pallas_call(
+            functools.partial(_solve_apply_kernel, l2norm=l2norm, interpret=bool(interpret)),
+            out_shape=(inverse_shape,) + shapes,
+            in_specs=[key_spec, value_spec, gate, gate, gate],
+            out_specs=[inverse_spec] + out_specs,
+            grid=grid,
+            compiler_params=_params(num_warps=SOLVE_WARPS),
+            interpret=interpret,
+            cost_estimate=cost.estimate(functools.partial(_solve_apply_body, nb=nb), keys_z,
+                                        values_z, row, row, row, inputs=(k, v, hi, lo, beta),
+                                        outputs=(inverse_shape,) + shapes),
+            name="gated_delta_rule_solve_apply",
+        )(k, v, hi, lo, beta)
+        return big_u, w, (inv if store_inverse else None)
     if PREP_IN_TWO_KERNELS:
         inv = pl.pallas_call(
             functools.partial(_solve_kernel, l2norm=l2norm, interpret=bool(interpret)),
