@@ -129,6 +129,24 @@ def test_the_kernel_forms_against_the_definition(form, monkeypatch):
     assert text.count("__gpu$xla.gpu.triton") == 4 + pallas_triton.prep_kernel_count()
 
 
+def _prep_forms(monkeypatch, seed, chunk, dtype, l2norm, forms, b=1, hk=1, hv=2):
+    """The prep's (U, W, T) on fresh inputs (strong decay, beta in [0, 1], K 32, V 16,
+    two chunks a row) under each of `forms` (dicts of pallas_triton's flags), in order."""
+    rng = np.random.default_rng(seed)
+    k = jnp.asarray(rng.standard_normal((b, 2, chunk, hk, 32)), dtype)
+    v = jnp.asarray(rng.standard_normal((b, 2, chunk, hv, 16)), dtype)
+    g = jnp.asarray(rng.uniform(-4.0, 0.0, (b, 2, chunk, hv)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.0, 1.0, (b, 2, chunk, hv)), jnp.float32)
+    hi, lo = decay.cumsum_pair(g, axis=2)
+    outs = []
+    for form in forms:
+        for flag, value in form.items():
+            monkeypatch.setattr(pallas_triton, flag, value)
+        outs.append(pallas_triton._prep(k, v, hi, lo, beta, hv, dtype, l2norm, True,
+                                        store_inverse=True))
+    return outs
+
+
 @pytest.mark.parametrize("chunk", pallas_triton.CHUNK_SIZES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_the_two_kernel_prep_matches_the_one_kernel_prep(chunk, dtype, monkeypatch):
@@ -136,20 +154,9 @@ def test_the_two_kernel_prep_matches_the_one_kernel_prep(chunk, dtype, monkeypat
     whole-chunk products against 16-row blocks) at every chunk size, L2-normalised keys,
     strong decay, grouped heads: equal up to the sums' order (fp32) and one rounding of
     U and W (bf16)."""
-    rng = np.random.default_rng(21)
-    b, nc, hk, hv, dk, dv = 2, 3, 2, 4, 32, 16
-    k = jnp.asarray(rng.standard_normal((b, nc, chunk, hk, dk)), dtype)
-    v = jnp.asarray(rng.standard_normal((b, nc, chunk, hv, dv)), dtype)
-    g = jnp.asarray(rng.uniform(-4.0, 0.0, (b, nc, chunk, hv)), jnp.float32)
-    beta = jnp.asarray(rng.uniform(0.0, 1.0, (b, nc, chunk, hv)), jnp.float32)
-    hi, lo = decay.cumsum_pair(g, axis=2)
-
-    def prep(two):
-        monkeypatch.setattr(pallas_triton, "PREP_IN_TWO_KERNELS", two)
-        return pallas_triton._prep(k, v, hi, lo, beta, hv, dtype, True, True,
-                                   store_inverse=True)
-
-    one, two = prep(False), prep(True)
+    two, one = _prep_forms(monkeypatch, 21, chunk, dtype, True,
+                           [dict(PREP_IN_TWO_KERNELS=True), dict(PREP_IN_TWO_KERNELS=False)],
+                           b=2, hk=2, hv=4)
     tolerance = 1e-5 if dtype == jnp.float32 else 1e-2
     for name, got, want in zip(("U", "W", "T"), two, one):
         assert bool(jnp.all(jnp.isfinite(got))), name
@@ -160,21 +167,10 @@ def test_the_two_kernel_prep_matches_the_one_kernel_prep(chunk, dtype, monkeypat
 def test_the_apply_in_the_solve_kernel_matches_the_two_kernels(dtype, monkeypatch):
     """APPLY_IN_SOLVE_KERNEL runs the two kernels' bodies in one program, T read back
     from where the solve stored it: U, W and T equal the two kernels' exactly."""
-    rng = np.random.default_rng(23)
-    b, nc, chunk, hk, hv, dk, dv = 1, 2, 64, 1, 2, 32, 16
-    k = jnp.asarray(rng.standard_normal((b, nc, chunk, hk, dk)), dtype)
-    v = jnp.asarray(rng.standard_normal((b, nc, chunk, hv, dv)), dtype)
-    g = jnp.asarray(rng.uniform(-4.0, 0.0, (b, nc, chunk, hv)), jnp.float32)
-    beta = jnp.asarray(rng.uniform(0.0, 1.0, (b, nc, chunk, hv)), jnp.float32)
-    hi, lo = decay.cumsum_pair(g, axis=2)
-    monkeypatch.setattr(pallas_triton, "PREP_IN_TWO_KERNELS", True)
-
-    def prep(fused):
-        monkeypatch.setattr(pallas_triton, "APPLY_IN_SOLVE_KERNEL", fused)
-        return pallas_triton._prep(k, v, hi, lo, beta, hv, dtype, False, True,
-                                   store_inverse=True)
-
-    for name, got, want in zip(("U", "W", "T"), prep(True), prep(False)):
+    fused, two = _prep_forms(monkeypatch, 23, 64, dtype, False, [
+        dict(PREP_IN_TWO_KERNELS=True, APPLY_IN_SOLVE_KERNEL=True),
+        dict(APPLY_IN_SOLVE_KERNEL=False)])
+    for name, got, want in zip(("U", "W", "T"), fused, two):
         np.testing.assert_array_equal(np.asarray(got, np.float32),
                                       np.asarray(want, np.float32), err_msg=name)
 
@@ -184,21 +180,10 @@ def test_the_solve_inverts_its_diagonal_blocks_together(chunk, monkeypatch):
     """SOLVE_DIAGONAL_AT_ONCE runs the same arithmetic per element as the block-by-block
     substitution, batched over the blocks: U, W and T agree in fp32 up to the compiler's
     order of operations (1e-18 absolute at chunk 16 in the interpreter, else equal)."""
-    rng = np.random.default_rng(22)
-    b, nc, hk, hv, dk, dv = 1, 2, 1, 2, 32, 16
-    k = jnp.asarray(rng.standard_normal((b, nc, chunk, hk, dk)), jnp.float32)
-    v = jnp.asarray(rng.standard_normal((b, nc, chunk, hv, dv)), jnp.float32)
-    g = jnp.asarray(rng.uniform(-4.0, 0.0, (b, nc, chunk, hv)), jnp.float32)
-    beta = jnp.asarray(rng.uniform(0.0, 1.0, (b, nc, chunk, hv)), jnp.float32)
-    hi, lo = decay.cumsum_pair(g, axis=2)
-    monkeypatch.setattr(pallas_triton, "PREP_IN_TWO_KERNELS", True)
-
-    def prep(at_once):
-        monkeypatch.setattr(pallas_triton, "SOLVE_DIAGONAL_AT_ONCE", at_once)
-        return pallas_triton._prep(k, v, hi, lo, beta, hv, jnp.float32, True, True,
-                                   store_inverse=True)
-
-    for name, got, want in zip(("U", "W", "T"), prep(True), prep(False)):
+    at_once, by_block = _prep_forms(monkeypatch, 22, chunk, jnp.float32, True, [
+        dict(PREP_IN_TWO_KERNELS=True, SOLVE_DIAGONAL_AT_ONCE=True),
+        dict(SOLVE_DIAGONAL_AT_ONCE=False)])
+    for name, got, want in zip(("U", "W", "T"), at_once, by_block):
         assert bool(jnp.all(jnp.isfinite(want))), name
         assert _rel(got, want) <= 1e-6, (name, _rel(got, want))
 
