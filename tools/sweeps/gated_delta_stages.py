@@ -18,7 +18,10 @@ first shape only; the
 prep in one and in two kernels (`prep_in_two_kernels`, the solve at 2, 4 and 8 warps on
 the first shape, with its diagonal blocks inverted in its other form,
 `solve_diagonal_at_once`, and with the apply in the solve's kernel or not,
-`apply_in_solve_kernel`) and the forward with each prep form the defaults do not take. fla (when importable): its cumsum, intra-chunk (kkt + solve + w/u), state pass
+`apply_in_solve_kernel`) and the forward with each prep form the defaults do not take;
+the state passes on packed sequences (the first shape's heads and length in 16 random
+lengths, and in sequences of one chunk each) as runs and as one loop
+(`short_sequences_in_one_loop`). fla (when importable): its cumsum, intra-chunk (kkt + solve + w/u), state pass
 (fwd_h) and output (fwd_o), its whole forward and its forward+backward. Every time is
 the bench harness's queued method (calls back to back, one synchronisation per sample,
 median). JSON lines to $OUT/gated_delta_stages.jsonl.
@@ -36,6 +39,7 @@ os.environ.setdefault("PALLASITE_AUTOTUNE", "0")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from jax.experimental.pallas import triton as plgpu  # noqa: E402
 from knobs import knobs  # noqa: E402 - tools/sweeps/knobs.py, beside this script
 
@@ -300,6 +304,47 @@ def fla_stages(name, shape):
     rec("forward_backward", forward_backward)
 
 
+def packed_state_passes(shape, interpret):
+    """The state passes on packed sequences (cu_seqlens) of the first shape's heads and
+    length: 16 random lengths and sequences of one chunk each, walked as one run per
+    sequence or, SHORT_SEQUENCES_IN_ONE_LOOP, as one loop over the row."""
+    b, t, hk, hv, dk, dv = shape
+    chunk = 16 if interpret else 64
+    cuts = np.sort(np.random.default_rng(0).choice(np.arange(1, t), 15, replace=False))
+    cases = {"packed16": np.diff(np.concatenate([[0], cuts, [t]])),
+             "packed_one_chunk": np.full(t // chunk, chunk)}
+    q, k, v, g, beta, _ = inputs(1, t, hk, hv, dk, dv)
+    scale = dk ** -0.5
+    bs = pt._resolve(None, batch=1, length=t, hv=hv, dk=dk, dv=dv, chunk=chunk, dtype=BF16)
+    for name, lengths in cases.items():
+        cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+        n = len(lengths)
+        (lq, lk, lv, lg, lbeta), padded, _, first, counts = packing.lay_out(
+            (q, k, v, g, beta), cu, t, chunk)
+        nc = padded // chunk
+        lq, lk, lv, lg, lbeta = (a.reshape(1, nc, chunk, *a.shape[2:])
+                                 for a in (lq, lk, lv, lg, lbeta))
+        hi, lo = decay.cumsum_pair(lg, axis=2)
+        entering, leaving = packing.chunk_tables(1, nc, first, counts)
+        big_u, w, _ = jax.jit(lambda *a: pt._prep(*a, hv, BF16, False, interpret))(
+            lk, lv, hi, lo, lbeta)
+        init = jax.random.normal(jax.random.key(3), (n, hv, dk, dv), F32) * 0.1
+        do = jax.random.normal(jax.random.key(9), lv.shape, BF16)
+        for one_loop in (False, True):
+            with knobs(pt, SHORT_SEQUENCES_IN_ONE_LOOP=one_loop, SHORT_SEQUENCE_CHUNKS=nc + 1):
+                state = jax.jit(functools.partial(pt._state_pass, bs=bs, l2norm=False,
+                                                  interpret=interpret, packed=True))
+                rev = jax.jit(lambda *a: ptb._reverse_pass(*a, hv, scale, bs.block_v,
+                                                           interpret, packed=True))
+                for stage, fn, args in (
+                        ("state_pass", state, (w, big_u, lk, hi, lo, entering, leaving, init)),
+                        ("reverse_pass", rev, (lq, lk, w, hi, lo, do, entering, leaving,
+                                               init))):
+                    emit(dict(op="gated_delta_rule", shape=name, sequences=n, stage=stage,
+                              impl="pallasite.pallas_triton", ms=round(ms(fn, *args), 4),
+                              block_v=bs.block_v, short_sequences_in_one_loop=one_loop))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
@@ -311,6 +356,8 @@ def main(argv=None):
     for i, (name, shape) in enumerate(shapes.items()):
         pallasite_stages(name, shape, interpret=args.smoke, sweep_warps=i == 0,
                          only=tuple(args.only or ("forward", "backward")))
+        if i == 0:
+            packed_state_passes(shape, interpret=args.smoke)
         if not (args.smoke or args.no_fla):
             why = peers.fla_missing()
             if why is None:

@@ -86,6 +86,7 @@ KERNEL_FORMS = {"state_io": ("STATE_IO_IN_BRANCHES",),
                 "state_io_and_decay": ("STATE_IO_IN_BRANCHES", "DECAY_ON_VALUES"),
                 "prep": ("PREP_IN_TWO_KERNELS",),
                 "apply_in_solve": ("APPLY_IN_SOLVE_KERNEL",),
+                "short_sequences": ("SHORT_SEQUENCES_IN_ONE_LOOP",),
                 "solve_diagonal": ("SOLVE_DIAGONAL_AT_ONCE",)}
 
 
@@ -99,7 +100,8 @@ def test_the_kernel_forms_against_the_definition(form, monkeypatch):
     """The kernels' other forms (pallas_triton's flags flipped: the state pass's
     STATE_IO_IN_BRANCHES, which the backward's reverse pass follows too, and
     DECAY_ON_VALUES; the prep in one or two kernels, PREP_IN_TWO_KERNELS, or the two's
-    bodies in one, APPLY_IN_SOLVE_KERNEL; the solve's
+    bodies in one, APPLY_IN_SOLVE_KERNEL; short packed sequences in one loop over the row,
+    SHORT_SEQUENCES_IN_ONE_LOOP (the packed inputs here are short); the solve's
     diagonal blocks inverted together or one by one, SOLVE_DIAGONAL_AT_ONCE), values and
     gradients on rows of one sequence each (the states loaded and stored around the
     passes' chunk loops) and under packed sequences (inside them, mid-row), and lowered
@@ -259,6 +261,26 @@ def test_the_state_passes_runs_cover_every_chunk_once():
     runs = packing.sequence_runs(entering, leaving, 3, packed=False)
     np.testing.assert_array_equal(np.stack([np.asarray(t) for t in runs]),
                                   [[[0]] * 3, [[4]] * 3, [[0], [1], [2]]])
+
+
+def test_short_packed_sequences_take_one_loop_where_asked(monkeypatch):
+    """pallas_triton.pass_runs: with SHORT_SEQUENCES_IN_ONE_LOOP, packed sequences of
+    fewer than SHORT_SEQUENCE_CHUNKS chunks on average are one run over the row (nothing
+    loaded or stored around it) with the per-chunk tables; longer ones, or rows without
+    cu_seqlens, keep their runs and no tables."""
+    entering, leaving = packing.chunk_tables(1, 12, jnp.asarray([0, 1, 1, 4, 5]),
+                                             jnp.asarray([1, 0, 3, 1, 4]))
+    monkeypatch.setattr(pallas_triton, "SHORT_SEQUENCES_IN_ONE_LOOP", True)
+    monkeypatch.setattr(pallas_triton, "SHORT_SEQUENCE_CHUNKS", 3)  # 12 chunks < 3 x 5
+    runs, tables = pallas_triton.pass_runs(entering, leaving, 5, packed=True)
+    np.testing.assert_array_equal(np.stack([np.asarray(t) for t in runs]), [[[0]], [[12]],
+                                                                           [[-1]]])
+    assert tables == (entering, leaving)
+    monkeypatch.setattr(pallas_triton, "SHORT_SEQUENCE_CHUNKS", 2)  # 12 chunks >= 2 x 5
+    runs, tables = pallas_triton.pass_runs(entering, leaving, 5, packed=True)
+    assert runs[0].shape == (1, 6) and tables == ()
+    assert pallas_triton.pass_runs(*packing.chunk_tables(2, 12, None, None), 2,
+                                   packed=False)[1] == ()
 
 
 def _traces_the_kernels(jaxpr_text):

@@ -615,6 +615,29 @@ DECAY_ON_VALUES = False
 # and 1.06 ms at 1 to 4 stages; with the branches, 0.90 ms at 3 and the reverse pass
 # 1.42 (an H100, 2026-12-06).
 STATE_PASS_STAGES = 3
+# Packed sequences walked as one loop over the row with the states loaded and stored at
+# each chunk (the tables' form before the runs), where they are short: fewer than
+# SHORT_SEQUENCE_CHUNKS chunks each on average. Each run pays a pipeline fill and two
+# conversions of the state (about 0.9 us on an H100) where the one loop pays about 0.125
+# us a chunk for converting its state: at 512 sequences of one chunk the runs took 3.93
+# ms against the loop's 3.47, at 16 of about 32 chunks 0.89 against 0.96 (B 1, T 32768,
+# Hv 32, 2026-12-06), a crossover near 7. Off until a GPU times the choice.
+SHORT_SEQUENCES_IN_ONE_LOOP = False
+SHORT_SEQUENCE_CHUNKS = 7
+
+
+def pass_runs(entering, leaving, num_sequences: int, packed: bool):
+    """The state passes' runs (packing.sequence_runs) and the per-chunk tables their chunk
+    loops read: () for runs that load and store states around their loops, (entering,
+    leaving) where short packed sequences take one loop over the row instead
+    (SHORT_SEQUENCES_IN_ONE_LOOP), the states loaded and stored inside it."""
+    b, num_chunks = entering.shape
+    if (packed and SHORT_SEQUENCES_IN_ONE_LOOP
+            and num_chunks < SHORT_SEQUENCE_CHUNKS * num_sequences):
+        whole_row = (jnp.zeros((b, 1), jnp.int32), jnp.full((b, 1), num_chunks, jnp.int32),
+                     jnp.full((b, 1), -1, jnp.int32))
+        return whole_row, (entering, leaving)
+    return packing.sequence_runs(entering, leaving, num_sequences, packed), ()
 
 
 def pass_stages(chunk: int, dk: int, bv: int, itemsize: int, key_operands: int) -> int:
@@ -641,20 +664,25 @@ def pass_stages(chunk: int, dk: int, bv: int, itemsize: int, key_operands: int) 
 
 
 def _state_kernel(w_ref, big_u_ref, k_ref, hi_ref, lo_ref, start_ref, count_ref, seq_ref,
-                  finals_ref, states_ref, u_ref, finals_out_ref, *, l2norm: bool, packed: bool,
-                  io_in_branches: bool, decay_on_values: bool):
+                  *refs, l2norm: bool, packed: bool, per_chunk_io: bool, io_in_branches: bool,
+                  decay_on_values: bool):
     """One (value column block, value head, row) walks its chunks in order, one run of
     chunks per sequence (packing.sequence_runs): the run's initial state is loaded before
     its chunk loop and its final state stored after it, so the loop carries the state in
     the tensor cores' layout alone (a state loaded inside the loop yields it in the load's
     layout, and Triton converts it through shared memory both ways every chunk).
-    Unpacked, the row is one run over every chunk, a loop of static bounds."""
-    del finals_out_ref  # the same buffer as finals_ref (aliased)
+    Unpacked, the row is one run over every chunk, a loop of static bounds. per_chunk_io
+    (pass_runs): one run over the row, the per-chunk tables (refs' first two) saying
+    where in the loop a sequence's initial state is loaded and its final state stored."""
+    enter_ref, leave_ref = refs[:2] if per_chunk_io else (None, None)
+    finals_ref, states_ref, u_ref, _ = refs[-4:]  # the last: finals_ref's buffer (aliased)
     nc, chunk, dk = w_ref.shape
     bv = big_u_ref.shape[2]
     cd = w_ref.dtype
 
     def step(c, state):
+        if per_chunk_io:
+            state = _load_where(finals_ref, enter_ref[c], state, io_in_branches)
         states_ref[c] = state.astype(states_ref.dtype)
         u = big_u_ref[c].astype(F32) - _dot(w_ref[c], state.astype(cd))
         u_ref[c] = u.astype(cd)
@@ -665,7 +693,10 @@ def _state_kernel(w_ref, big_u_ref, k_ref, hi_ref, lo_ref, start_ref, count_ref,
             keys, values = _normed(k_ref[c], l2norm).astype(cd), (to_end * u).astype(cd)
         else:
             keys, values = (_normed(k_ref[c], l2norm) * to_end).astype(cd), u.astype(cd)
-        return jnp.exp(hi_last + lo_last) * state + _dot(keys, values, trans_a=True)
+        state = jnp.exp(hi_last + lo_last) * state + _dot(keys, values, trans_a=True)
+        if per_chunk_io:
+            _store_where(finals_ref, leave_ref[c], state, io_in_branches)
+        return state
 
     if not packed:
         seq = seq_ref[0]
@@ -706,7 +737,7 @@ def _state_pass(w, big_u, k, hi, lo, entering, leaving, init, bs: BlockSizes, l2
     bv = bs.block_v
     cd = w.dtype
     n = init.shape[0]
-    runs = packing.sequence_runs(entering, leaving, n, packed)
+    runs, tables = pass_runs(entering, leaving, n, packed)
     shapes = (sharding.out_struct((b, nc, hv, dk, dv), cd, like=big_u),
               sharding.out_struct(big_u.shape, cd, like=big_u),
               sharding.out_struct(init.shape, F32, like=init))
@@ -715,13 +746,15 @@ def _state_pass(w, big_u, k, hi, lo, entering, leaving, init, bs: BlockSizes, l2
         _state_body, cost.struct((z, chunk, dk), F32), cost.struct((z, chunk, dv), F32),
         cost.struct((z, chunk, dk), F32), cost.struct((z, chunk), F32),
         cost.struct((z, chunk), F32), cost.struct((z, dk, dv), F32),
-        inputs=(w, big_u, k, hi, lo, *runs, init), outputs=shapes)
+        inputs=(w, big_u, k, hi, lo, *runs, *tables, init), outputs=shapes)
     per_head = pl.BlockSpec((None, nc, chunk, None), lambda vb, h, i: (i, 0, 0, h))
     table = pl.BlockSpec((None, runs[0].shape[1]), lambda vb, h, i: (i, 0))
+    per_chunk = pl.BlockSpec((None, nc), lambda vb, h, i: (i, 0))
     finals = pl.BlockSpec((n, None, dk, bv), lambda vb, h, i: (0, h, 0, vb))
     columns = pl.BlockSpec((None, nc, chunk, None, bv), lambda vb, h, i: (i, 0, 0, h, vb))
     states, u, finals_out = pl.pallas_call(
         functools.partial(_state_kernel, l2norm=l2norm, packed=packed,
+                          per_chunk_io=bool(tables),
                           io_in_branches=STATE_IO_IN_BRANCHES,
                           decay_on_values=DECAY_ON_VALUES),
         out_shape=shapes,
@@ -731,20 +764,20 @@ def _state_pass(w, big_u, k, hi, lo, entering, leaving, init, bs: BlockSizes, l2
             columns,
             pl.BlockSpec((None, nc, chunk, None, dk),
                          lambda vb, h, i: (i, 0, 0, h // per_key_head, 0)),
-            per_head, per_head, table, table, table, finals,
+            per_head, per_head, table, table, table, *[per_chunk] * len(tables), finals,
         ],
         out_specs=[
             pl.BlockSpec((None, nc, None, dk, bv), lambda vb, h, i: (i, 0, h, 0, vb)),
             columns,
             finals,
         ],
-        input_output_aliases={8: 2},
+        input_output_aliases={8 + len(tables): 2},
         compiler_params=_params(num_warps=4, num_stages=pass_stages(
             chunk, dk, bv, max(w.dtype.itemsize, k.dtype.itemsize), key_operands=2)),
         interpret=interpret,
         cost_estimate=estimate,
         name="gated_delta_rule_state_pass",
-    )(w, big_u, k, hi, lo, *runs, init)
+    )(w, big_u, k, hi, lo, *runs, *tables, init)
     return states, u, finals_out
 
 

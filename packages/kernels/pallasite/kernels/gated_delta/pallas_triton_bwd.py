@@ -59,13 +59,17 @@ def _cast_dot(cd):
 
 
 def _reverse_kernel(q_ref, k_ref, w_ref, hi_ref, lo_ref, do_ref, start_ref, count_ref,
-                    seq_ref, dfinal_ref, dexit_ref, du_ref, dinit_out_ref, *, scale: float,
-                    packed: bool, io_in_branches: bool):
+                    seq_ref, *refs, scale: float, packed: bool, per_chunk_io: bool,
+                    io_in_branches: bool):
     """One (value column block, value head, row) walks its chunks backwards, one run of
     chunks per sequence as the forward state pass does: the run's final-state cotangent
     is loaded before its chunk loop and its initial state's stored after it (under a
-    branch with io_in_branches: pallas_triton.STATE_IO_IN_BRANCHES, else masked)."""
-    del dinit_out_ref  # the same buffer as dfinal_ref (aliased)
+    branch with io_in_branches: pallas_triton.STATE_IO_IN_BRANCHES, else masked). With
+    per_chunk_io (pallas_triton.pass_runs), one run over the row and the per-chunk tables
+    (refs' first two) inside it: a sequence's final-state cotangent added at its last
+    chunk, its initial state's stored at its first, where the carry restarts from zero."""
+    enter_ref, leave_ref = refs[:2] if per_chunk_io else (None, None)
+    dfinal_ref, dexit_ref, du_ref, _ = refs[-4:]  # the last: dfinal_ref's buffer (aliased)
     nc, chunk, dk = q_ref.shape
     bv = do_ref.shape[2]
     cd = w_ref.dtype
@@ -73,6 +77,9 @@ def _reverse_kernel(q_ref, k_ref, w_ref, hi_ref, lo_ref, do_ref, start_ref, coun
     causal = _iota(chunk, chunk, 0) >= _iota(chunk, chunk, 1)
 
     def chunk_step(c, d_exit):
+        if per_chunk_io:
+            d_exit += _load_where(dfinal_ref, leave_ref[c], jnp.zeros_like(d_exit),
+                                  io_in_branches)
         dexit_ref[c] = d_exit.astype(dexit_ref.dtype)
         hi, lo = hi_ref[c], lo_ref[c]
         hi_last, lo_last = hi_ref[c, chunk - 1], lo_ref[c, chunk - 1]
@@ -83,8 +90,13 @@ def _reverse_kernel(q_ref, k_ref, w_ref, hi_ref, lo_ref, do_ref, start_ref, coun
         du = scale * mm(p, do, trans_a=True) + to_end[:, None] * mm(k, d_exit)
         du_ref[c] = du.astype(du_ref.dtype)
         grown_do = jnp.exp(hi + lo)[:, None] * do.astype(F32)  # exp(G) on do's rows
-        return (jnp.exp(hi_last + lo_last) * d_exit + scale * mm(q, grown_do, trans_a=True)
-                - mm(w_ref[c], du, trans_a=True))
+        d_enter = (jnp.exp(hi_last + lo_last) * d_exit + scale * mm(q, grown_do, trans_a=True)
+                   - mm(w_ref[c], du, trans_a=True))
+        if not per_chunk_io:
+            return d_enter
+        enter = enter_ref[c]
+        _store_where(dfinal_ref, enter, d_enter, io_in_branches)
+        return jnp.where(enter >= 0, 0.0, d_enter)
 
     if not packed:
         seq = seq_ref[0]
@@ -130,7 +142,7 @@ def _reverse_pass(q, k, w, hi, lo, do, entering, leaving, dfinal, hv, scale, blo
     per_key_head = hv // hk
     bv = block_v
     n = dfinal.shape[0]
-    runs = packing.sequence_runs(entering, leaving, n, packed)
+    runs, tables = forward_kernels.pass_runs(entering, leaving, n, packed)
     cd = w.dtype
     shapes = (sharding.out_struct((b, nc, hv, dk, dv), cd, like=do),
               sharding.out_struct(do.shape, cd, like=do),
@@ -141,35 +153,38 @@ def _reverse_pass(q, k, w, hi, lo, do, entering, leaving, dfinal, hv, scale, blo
     estimate = cost.estimate(
         functools.partial(_reverse_body, columns=dv // bv), keys, keys, keys, row, row,
         cost.struct((z, chunk, dv), F32), cost.struct((z, dk, dv), F32),
-        inputs=(q, k, w, hi, lo, do, *runs, dfinal), outputs=shapes)
+        inputs=(q, k, w, hi, lo, do, *runs, *tables, dfinal), outputs=shapes)
     key = pl.BlockSpec((None, nc, chunk, None, dk),
                        lambda vb, h, i: (i, 0, 0, h // per_key_head, 0))
     per_head = pl.BlockSpec((None, nc, chunk, None), lambda vb, h, i: (i, 0, 0, h))
     table = pl.BlockSpec((None, runs[0].shape[1]), lambda vb, h, i: (i, 0))
+    per_chunk = pl.BlockSpec((None, nc), lambda vb, h, i: (i, 0))
     finals = pl.BlockSpec((n, None, dk, bv), lambda vb, h, i: (0, h, 0, vb))
     columns = pl.BlockSpec((None, nc, chunk, None, bv), lambda vb, h, i: (i, 0, 0, h, vb))
     return pl.pallas_call(
         functools.partial(_reverse_kernel, scale=float(scale), packed=packed,
+                          per_chunk_io=bool(tables),
                           io_in_branches=forward_kernels.STATE_IO_IN_BRANCHES),
         out_shape=shapes,
         grid=(dv // bv, hv, b),
         in_specs=[
             key, key,
             pl.BlockSpec((None, nc, chunk, None, dk), lambda vb, h, i: (i, 0, 0, h, 0)),
-            per_head, per_head, columns, table, table, table, finals,
+            per_head, per_head, columns, table, table, table, *[per_chunk] * len(tables),
+            finals,
         ],
         out_specs=[
             pl.BlockSpec((None, nc, None, dk, bv), lambda vb, h, i: (i, 0, h, 0, vb)),
             columns,
             finals,
         ],
-        input_output_aliases={9: 2},
+        input_output_aliases={9 + len(tables): 2},
         compiler_params=_params(num_warps=4, num_stages=forward_kernels.pass_stages(
             chunk, dk, bv, max(a.dtype.itemsize for a in (q, k, w, do)), key_operands=3)),
         interpret=interpret,
         cost_estimate=estimate,
         name="gated_delta_rule_reverse_state_pass",
-    )(q, k, w, hi, lo, do, *runs, dfinal)
+    )(q, k, w, hi, lo, do, *runs, *tables, dfinal)
 
 
 # ------------------------------------------------------------------ chunk gradients
