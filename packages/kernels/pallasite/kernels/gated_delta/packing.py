@@ -101,13 +101,20 @@ def sequence_runs(entering, leaving, num_sequences: int, packed: bool):
     if not packed:
         return (jnp.zeros((b, 1), jnp.int32), jnp.full((b, 1), num_chunks, jnp.int32),
                 entering[:, :1].astype(jnp.int32))
-    seqs = jnp.arange(num_sequences, dtype=jnp.int32)
-    enters = entering[:, None, :] == seqs[None, :, None]  # [B, N, NC]
-    leaves = leaving[:, None, :] == seqs[None, :, None]
-    owns = enters.any(-1)
-    start = jnp.argmax(enters, axis=-1).astype(jnp.int32)
-    count = jnp.where(owns, jnp.argmax(leaves, axis=-1).astype(jnp.int32) + 1 - start, 0)
+    rows = jnp.arange(b)[:, None]
+    chunks = jnp.broadcast_to(jnp.arange(num_chunks, dtype=jnp.int32), (b, num_chunks))
+
+    def chunk_of(table):  # [B, N]: the chunk where the table names each sequence, else -1
+        named = jnp.where(table >= 0, table, num_sequences)  # -1 entries: dropped
+        return jnp.full((b, num_sequences), -1, jnp.int32).at[rows, named].set(
+            chunks, mode="drop")
+
+    first, last = chunk_of(entering), chunk_of(leaving)
+    owns = first >= 0
+    start = jnp.where(owns, first, 0)
+    count = jnp.where(owns, last + 1 - first, 0)
     end = jnp.max(jnp.where(owns, start + count, 0), axis=1, keepdims=True)
+    seqs = jnp.arange(num_sequences, dtype=jnp.int32)
     return (jnp.concatenate([start, end], axis=1),
             jnp.concatenate([count, num_chunks - end], axis=1),
             jnp.concatenate([jnp.where(owns, seqs[None, :], -1),
