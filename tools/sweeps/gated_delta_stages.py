@@ -89,22 +89,24 @@ def inputs(b, t, hk, hv, dk, dv, seed=0):
     return q, k, v, g, beta, init
 
 
+def chunked(q, k, v, g, beta, cu_seqlens, chunk):
+    """The kernels' operands as the forward makes them: q, k, v and beta in the chunk
+    layout [B, NC, C, ...], G's pair (hi, lo), and the chunk tables (entering, leaving)."""
+    b, t = q.shape[:2]
+    (q, k, v, g, beta), padded, _, first, counts = packing.lay_out(
+        (q, k, v, g, beta), cu_seqlens, t, chunk)
+    nc = padded // chunk
+    q, k, v, g, beta = (a.reshape(b, nc, chunk, *a.shape[2:]) for a in (q, k, v, g, beta))
+    hi, lo = decay.cumsum_pair(g, axis=2)
+    return (q, k, v, hi, lo, beta), packing.chunk_tables(b, nc, first, counts)
+
+
 def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "backward")):
     b, t, hk, hv, dk, dv = shape
     chunk = 64
     q, k, v, g, beta, init = inputs(*shape)
     scale = dk ** -0.5
-
-    @jax.jit
-    def prologue(q, k, v, g, beta):
-        (q, k, v, g, beta), padded, _, _, _ = packing.lay_out((q, k, v, g, beta), None, t,
-                                                              chunk)
-        nc = padded // chunk
-        split = lambda a: a.reshape(b, nc, chunk, *a.shape[2:])  # noqa: E731
-        q, k, v, g, beta = (split(a) for a in (q, k, v, g, beta))
-        hi, lo = decay.cumsum_pair(g, axis=2)
-        return q, k, v, hi, lo, beta
-
+    prologue = jax.jit(lambda *a: chunked(*a, None, chunk)[0])
     lq, lk, lv, hi, lo, lbeta = prologue(q, k, v, g, beta)
     entering, leaving = packing.chunk_tables(b, lq.shape[1], None, None)
     base = dict(op="gated_delta_rule", shape=name, impl="pallasite.pallas_triton")
@@ -319,13 +321,9 @@ def packed_state_passes(shape, interpret):
     for name, lengths in cases.items():
         cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
         n = len(lengths)
-        (lq, lk, lv, lg, lbeta), padded, _, first, counts = packing.lay_out(
-            (q, k, v, g, beta), cu, t, chunk)
-        nc = padded // chunk
-        lq, lk, lv, lg, lbeta = (a.reshape(1, nc, chunk, *a.shape[2:])
-                                 for a in (lq, lk, lv, lg, lbeta))
-        hi, lo = decay.cumsum_pair(lg, axis=2)
-        entering, leaving = packing.chunk_tables(1, nc, first, counts)
+        (lq, lk, lv, hi, lo, lbeta), (entering, leaving) = chunked(q, k, v, g, beta, cu,
+                                                                   chunk)
+        nc = lq.shape[1]
         big_u, w, _ = jax.jit(lambda *a: pt._prep(*a, hv, BF16, False, interpret))(
             lk, lv, hi, lo, lbeta)
         init = jax.random.normal(jax.random.key(3), (n, hv, dk, dv), F32) * 0.1
