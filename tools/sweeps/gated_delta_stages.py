@@ -11,7 +11,7 @@ output_block_v, the whole forward, the reverse state pass, the chunk gradients a
 grads_block_v and the whole forward+backward; each kernel also at other warp counts
 (`warps` in the records; "default" is the module's own; the first shape only), and the
 state passes' loops at other pipeline depths (`num_stages`) and in their other forms
-(`decay_on_values`, a pallas_triton.py flag; `packed_loop`: the loops packed sequences
+(`state_transposed` and `decay_on_values`, pallas_triton.py flags; `packed_loop`: the loops packed sequences
 take, one run of chunks per sequence with bounds read from tables, here one run per
 row; the states loaded and stored masked or under a branch as `io_in_branches` says),
 first shape only; the
@@ -150,8 +150,11 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
                 with knobs(pt, STATE_PASS_STAGES=stages):  # the depth shared memory allows
                     state_pass_ms(num_stages=pt.pass_stages(chunk, dk, default_bs.block_v,
                                                             2, key_operands=2))
-            with knobs(pt, DECAY_ON_VALUES=not pt.DECAY_ON_VALUES):
-                state_pass_ms(decay_on_values=pt.DECAY_ON_VALUES)
+            with knobs(pt, STATE_TRANSPOSED=not pt.STATE_TRANSPOSED):
+                state_pass_ms(state_transposed=pt.STATE_TRANSPOSED)
+                with knobs(pt, DECAY_ON_VALUES=not pt.DECAY_ON_VALUES):
+                    state_pass_ms(state_transposed=pt.STATE_TRANSPOSED,
+                                  decay_on_values=pt.DECAY_ON_VALUES)
             for io in (True, False):  # the loops packed sequences take (runs from tables)
                 with knobs(pt, STATE_IO_IN_BRANCHES=io):
                     state_pass_ms(packed=True, io_in_branches=io)

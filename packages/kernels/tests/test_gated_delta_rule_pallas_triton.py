@@ -82,12 +82,14 @@ def test_packed_sequences_with_traced_cu_seqlens():
 # pallas_triton's form flags, each test run with the named flags flipped from their
 # defaults: every form stays correct, so any can become the default on a measurement.
 KERNEL_FORMS = {"state_io": ("STATE_IO_IN_BRANCHES",),
-                "decay": ("DECAY_ON_VALUES",),
-                "state_io_and_decay": ("STATE_IO_IN_BRANCHES", "DECAY_ON_VALUES"),
+                "decay": ("DECAY_ON_VALUES", "STATE_TRANSPOSED"),
+                "state_io_and_decay": ("STATE_IO_IN_BRANCHES", "DECAY_ON_VALUES",
+                                       "STATE_TRANSPOSED"),
                 "prep": ("PREP_IN_TWO_KERNELS",),
                 "apply_in_solve": ("APPLY_IN_SOLVE_KERNEL",),
                 "short_sequences": ("SHORT_SEQUENCES_IN_ONE_LOOP",),
-                "solve_diagonal": ("SOLVE_DIAGONAL_AT_ONCE",)}
+                "solve_diagonal": ("SOLVE_DIAGONAL_AT_ONCE",),
+                "state_transposed": ("STATE_TRANSPOSED",)}
 
 
 def _flip_forms(form, monkeypatch):
@@ -98,8 +100,8 @@ def _flip_forms(form, monkeypatch):
 @pytest.mark.parametrize("form", list(KERNEL_FORMS))
 def test_the_kernel_forms_against_the_definition(form, monkeypatch):
     """The kernels' other forms (pallas_triton's flags flipped: the state pass's
-    STATE_IO_IN_BRANCHES, which the backward's reverse pass follows too, and
-    DECAY_ON_VALUES; the prep in one or two kernels, PREP_IN_TWO_KERNELS, or the two's
+    STATE_IO_IN_BRANCHES, which the backward's reverse pass follows too, its carry
+    transposed or not, STATE_TRANSPOSED, and DECAY_ON_VALUES with the plain carry; the prep in one or two kernels, PREP_IN_TWO_KERNELS, or the two's
     bodies in one, APPLY_IN_SOLVE_KERNEL; short packed sequences in one loop over the row,
     SHORT_SEQUENCES_IN_ONE_LOOP (the packed inputs here are short); the solve's
     diagonal blocks inverted together or one by one, SOLVE_DIAGONAL_AT_ONCE), values and

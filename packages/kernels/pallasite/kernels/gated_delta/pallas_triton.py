@@ -494,9 +494,11 @@ SOLVE_WARPS = 4
 # (read back from the cache, not from HBM by a second kernel): the apply's reads of T and
 # k and one launch saved, the two bodies' registers not live at once. Compiled for sm_90
 # (triton 3.6, 2026-12-06, Qwen3-Next's heads, bf16, chunk 64) it takes 250 registers,
-# no spills, 96 barriers (the two kernels 146 and 134 registers, 77 and 11 barriers). Off
-# until a GPU times it (tools/sweeps/gated_delta_stages.py).
-APPLY_IN_SOLVE_KERNEL = False
+# no spills, 96 barriers (the two kernels 146 and 134 registers, 77 and 11 barriers). On
+# an H100 (2026-12-06, K = V = 128, Hv 32, bf16) the prep took 1.011 ms against 1.085 at
+# B 1, T 32768 and 1.041 against 1.126 at B 8, T 4096; the forward 2.465 against 2.551
+# and 2.376 against 2.455.
+APPLY_IN_SOLVE_KERNEL = True
 
 
 def prep_kernel_count() -> int:
@@ -610,6 +612,22 @@ def _prep(k, v, hi, lo, beta, hv, cd, l2norm, interpret, store_inverse=False):
 # the keys' decay is off it.
 STATE_IO_IN_BRANCHES = True
 DECAY_ON_VALUES = False
+# The forward state pass carrying the state's transpose [block_v, K] where block_v <= 32:
+# u^T = U^T - S^T W^T and S'^T = exp(G_last) S^T + (exp(G_last - G) u)^T K take the carry
+# (and u^T) as the products' A operands from registers, and Triton runs them as mma.sync
+# (block_v rows are fewer than a warpgroup's 64). Carried as [K, block_v], the carry and
+# u are written to shared memory every chunk as wgmma's B operands, each write followed
+# by a proxy fence that (Nsight Compute, H100) waits for the loop's in-flight loads and
+# stores: the fences and the warpgroup arrives behind them held 16% of the pass's stall
+# samples, with the decay on the values 38%. Transposed, the loop has no fence (and the
+# decay sits on the values). On an H100 (2026-12-06, Hv 32, K = V = 128, bf16): B 1, T
+# 32768 0.727-0.750 ms against 0.776-0.789 at block_v 32 and 1.19 against 1.41 at 16;
+# B 8, T 4096 0.787 against 0.802 at 32, 1.02 against 1.11 at 16; at 64 (wgmma, no
+# fence, but 255 registers and spills) 1.06 against 1.01 and 0.634 against 0.634, so not
+# there. The reverse pass transposed the same way spilled (94 stores) and took 2.88 ms
+# against 1.36: it keeps its form.
+STATE_TRANSPOSED = True
+STATE_TRANSPOSED_MAX_BLOCK_V = 32
 # Software-pipeline depth of the state passes' chunk loops (forward and reverse), the
 # most pass_stages gives: at the same shape the masked state pass takes 2.34, 1.35, 1.00
 # and 1.06 ms at 1 to 4 stages; with the branches, 0.90 ms at 3 and the reverse pass
@@ -621,8 +639,11 @@ STATE_PASS_STAGES = 3
 # conversions of the state (about 0.9 us on an H100) where the one loop pays about 0.125
 # us a chunk for converting its state: at 512 sequences of one chunk the runs took 3.93
 # ms against the loop's 3.47, at 16 of about 32 chunks 0.89 against 0.96 (B 1, T 32768,
-# Hv 32, 2026-12-06), a crossover near 7. Off until a GPU times the choice.
-SHORT_SEQUENCES_IN_ONE_LOOP = False
+# Hv 32, 2026-12-06), a crossover near 7. Timed again with SHORT_SEQUENCE_CHUNKS raised to
+# take every packing (an H100, 2026-12-06): at one chunk per sequence the loop took 3.84 /
+# 4.42 ms (state / reverse pass) against the runs' 3.88 / 4.89; at 16 sequences 1.16 /
+# 1.49 against 0.88 / 1.39, which the threshold leaves to the runs.
+SHORT_SEQUENCES_IN_ONE_LOOP = True
 SHORT_SEQUENCE_CHUNKS = 7
 
 
@@ -665,7 +686,7 @@ def pass_stages(chunk: int, dk: int, bv: int, itemsize: int, key_operands: int) 
 
 def _state_kernel(w_ref, big_u_ref, k_ref, hi_ref, lo_ref, start_ref, count_ref, seq_ref,
                   *refs, l2norm: bool, packed: bool, per_chunk_io: bool, io_in_branches: bool,
-                  decay_on_values: bool):
+                  decay_on_values: bool, transposed: bool):
     """One (value column block, value head, row) walks its chunks in order, one run of
     chunks per sequence (packing.sequence_runs): the run's initial state is loaded before
     its chunk loop and its final state stored after it, so the loop carries the state in
@@ -673,7 +694,9 @@ def _state_kernel(w_ref, big_u_ref, k_ref, hi_ref, lo_ref, start_ref, count_ref,
     layout, and Triton converts it through shared memory both ways every chunk).
     Unpacked, the row is one run over every chunk, a loop of static bounds. per_chunk_io
     (pass_runs): one run over the row, the per-chunk tables (refs' first two) saying
-    where in the loop a sequence's initial state is loaded and its final state stored."""
+    where in the loop a sequence's initial state is loaded and its final state stored.
+    transposed (STATE_TRANSPOSED): the runs' loops carry the state's transpose (per-chunk
+    IO keeps the plain carry)."""
     enter_ref, leave_ref = refs[:2] if per_chunk_io else (None, None)
     finals_ref, states_ref, u_ref, _ = refs[-4:]  # the last: finals_ref's buffer (aliased)
     nc, chunk, dk = w_ref.shape
@@ -698,16 +721,32 @@ def _state_kernel(w_ref, big_u_ref, k_ref, hi_ref, lo_ref, start_ref, count_ref,
             _store_where(finals_ref, leave_ref[c], state, io_in_branches)
         return state
 
+    def step_transposed(c, state_t):
+        states_ref[c] = state_t.T.astype(states_ref.dtype)
+        u_t = big_u_ref[c].astype(F32).T - _dot(state_t.astype(cd), w_ref[c], trans_b=True)
+        u_ref[c] = u_t.T.astype(cd)
+        hi, lo = hi_ref[c], lo_ref[c]
+        hi_last, lo_last = hi_ref[c, chunk - 1], lo_ref[c, chunk - 1]
+        to_end = jnp.exp(_segment(hi_last, lo_last, hi, lo))[None, :]
+        values_t = (u_t * to_end).astype(cd)
+        keys = _normed(k_ref[c], l2norm).astype(cd)
+        return jnp.exp(hi_last + lo_last) * state_t + _dot(values_t, keys)
+
+    if transposed and not per_chunk_io:
+        loop = lambda lo_, hi_, init: jax.lax.fori_loop(  # noqa: E731
+            lo_, hi_, step_transposed, init.T).T
+    else:
+        loop = lambda lo_, hi_, init: jax.lax.fori_loop(lo_, hi_, step, init)  # noqa: E731
+
     if not packed:
         seq = seq_ref[0]
-        finals_ref[_slot(seq)] = jax.lax.fori_loop(
-            0, nc, step, finals_ref[_slot(seq)].astype(F32))
+        finals_ref[_slot(seq)] = loop(0, nc, finals_ref[_slot(seq)].astype(F32))
         return
 
     def run(r, _):
         seq, start = seq_ref[r], start_ref[r]
         init = _load_where(finals_ref, seq, jnp.zeros((dk, bv), F32), io_in_branches)
-        final = jax.lax.fori_loop(start, start + count_ref[r], step, init)
+        final = loop(start, start + count_ref[r], init)
         _store_where(finals_ref, seq, final, io_in_branches)
 
     jax.lax.fori_loop(0, seq_ref.shape[0], run, None)
@@ -756,7 +795,8 @@ def _state_pass(w, big_u, k, hi, lo, entering, leaving, init, bs: BlockSizes, l2
         functools.partial(_state_kernel, l2norm=l2norm, packed=packed,
                           per_chunk_io=bool(tables),
                           io_in_branches=STATE_IO_IN_BRANCHES,
-                          decay_on_values=DECAY_ON_VALUES),
+                          decay_on_values=DECAY_ON_VALUES,
+                          transposed=STATE_TRANSPOSED and bv <= STATE_TRANSPOSED_MAX_BLOCK_V),
         out_shape=shapes,
         grid=(dv // bv, hv, b),
         in_specs=[
