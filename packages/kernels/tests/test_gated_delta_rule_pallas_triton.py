@@ -265,6 +265,41 @@ def test_the_state_passes_runs_cover_every_chunk_once():
                                   [[[0]] * 3, [[4]] * 3, [[0], [1], [2]]])
 
 
+def test_the_chunk_layout_is_gathered_both_ways():
+    """packing.lay_out with cu_seqlens: each step at its position and zeros between (the
+    indexed update that defines it), steps_of its inverse, and the layout's cotangent the
+    update's (the cotangent read at the positions), with no scatter of the data either
+    way (only the int32 map from positions to steps)."""
+    cu = jnp.asarray([0, 5, 5, 70, 96, 200], jnp.int32)
+    x = jax.random.normal(jax.random.key(3), (1, 200, 3, 5))
+    ct = jax.random.normal(jax.random.key(4), (1, 384, 3, 5))
+
+    def layout(x):
+        (out,), padded, positions, _, _ = packing.lay_out((x,), cu, 200, 32)
+        return out, padded, positions
+
+    out, padded, positions = layout(x)
+    assert padded == 384
+    defined = jnp.zeros((1, padded, 3, 5)).at[:, positions].set(x)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(defined))
+    np.testing.assert_array_equal(np.asarray(packing.steps_of(out, 200, positions)),
+                                  np.asarray(x))
+    grad = jax.grad(lambda x: jnp.sum(layout(x)[0] * ct))(x)
+    np.testing.assert_array_equal(np.asarray(grad), np.asarray(ct[:, positions]))
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(lambda x: jnp.sum(layout(x)[0] * ct)))(x)
+
+    def scatters(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name.startswith("scatter"):
+                yield eqn.outvars[0].aval.dtype
+            for value in eqn.params.values():
+                inner = getattr(value, "jaxpr", value)
+                if hasattr(inner, "eqns"):
+                    yield from scatters(inner)
+
+    assert set(scatters(jaxpr.jaxpr)) == {jnp.dtype(jnp.int32)}
+
+
 def test_short_packed_sequences_take_one_loop_where_asked(monkeypatch):
     """pallas_triton.pass_runs: with SHORT_SEQUENCES_IN_ONE_LOOP, packed sequences of
     fewer than SHORT_SEQUENCE_CHUNKS chunks on average are one run over the row (nothing
