@@ -16,7 +16,9 @@ Triton, so the figures are a close guide, not the device's own reading.
 --set NAME=VALUE sets a module flag of the op's Pallas Triton module (integers; 0/1 for
 booleans) before lowering. One JSON line per kernel: name, warps, stages, registers,
 stack bytes, shared bytes, and counts of SASS instructions (STL/LDL spills, BAR, SHFL,
-HMMA/HGMMA tensor-core ops).
+HMMA/HGMMA tensor-core ops, and FENCE/MEMBAR: the proxy fence, behind a memory barrier,
+that follows each register-to-shared-memory write of a wgmma operand and waits for the
+thread's in-flight loads and stores).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from jax import export
 from jax._src.pallas.triton import lowering
 from jax.sharding import AbstractDevice, AbstractMesh
 
-SASS_OPS = ("STL", "LDL", "BAR", "SHFL", "HMMA", "HGMMA")
+SASS_OPS = ("STL", "LDL", "BAR", "SHFL", "HMMA", "HGMMA", "FENCE", "MEMBAR")
 _modules: list[str] = []
 _lower = lowering.lower_jaxpr_to_triton_module
 

@@ -170,6 +170,18 @@ def test_bad_input_names_argument():
         pt.forward(x3, a, b[:, :, :, :1], b[:, :, :, :1], s3, interpret=True)
 
 
+@pytest.mark.parametrize("shape,dtype,tol", [((2, 64, 4, 16, 16, 2), jnp.float32, 2e-5),
+                                             ((1, 64, 6, 16, 32, 1), jnp.bfloat16, 2e-2)])
+def test_scan_weights_on_the_left_operand(shape, dtype, tol, monkeypatch):
+    """SCAN_WEIGHTS_ON_LEFT flipped (the state scans' chunk weights on x or dy rather than
+    on B or C): values and gradients against the oracle, and the kernels still lower for
+    CUDA."""
+    monkeypatch.setattr(pt, "SCAN_WEIGHTS_ON_LEFT", not pt.SCAN_WEIGHTS_ON_LEFT)
+    _check(shape, dtype, 32, tol, interpret=True,
+           block_sizes=pt.BlockSizes(block_m=16, block_t=16))
+    test_cuda_lowering_on_cpu()
+
+
 def test_cuda_lowering_on_cpu():
     """The kernels lower to Triton for an H200 without one (C = 256, p = 64, n = 128)."""
     from jax._src.export._export import DisabledSafetyCheck  # noqa: PLC0415
@@ -215,6 +227,14 @@ _GPU_SHAPES = [
 @pytest.mark.parametrize("shape", _GPU_SHAPES)
 def test_gpu_matches_oracle(shape):
     _check(shape, jnp.bfloat16, 256, 2e-2, interpret=False)
+
+
+@pytest.mark.gpu
+def test_gpu_scan_weights_on_the_left_operand(monkeypatch):
+    """The state scans' other form (SCAN_WEIGHTS_ON_LEFT flipped) compiled, against the
+    oracle."""
+    monkeypatch.setattr(pt, "SCAN_WEIGHTS_ON_LEFT", not pt.SCAN_WEIGHTS_ON_LEFT)
+    _check(_GPU_SHAPES[1], jnp.bfloat16, 256, 2e-2, interpret=False)
 
 
 @pytest.mark.gpu

@@ -240,6 +240,14 @@ def _params(bs: BlockSizes):
 # ----------------------------------------------------------------------------- kernels
 
 
+# The state scans' per-chunk weights w applied to the left operand's rows (x, or dy in
+# reverse: the product's A, taken transposed, reaches the tensor cores from registers)
+# rather than the right one's (B or C: written back to shared memory as wgmma's B operand,
+# each write followed by a proxy fence that waits for the loop's in-flight copies, as in
+# the gated delta rule's state pass). Off until a GPU times it.
+SCAN_WEIGHTS_ON_LEFT = False
+
+
 def _local_state(u_ref, v_ref, w_ref, ci, block_t):
     """sum_t u[ci, t, :]^T (v[ci, t, :] * w[ci, t]) over chunk ci: [p, bn] fp32. The chunk is
     walked in block_t steps unrolled at trace time, so a scan program has one loop, over
@@ -248,8 +256,11 @@ def _local_state(u_ref, v_ref, w_ref, ci, block_t):
     acc = None
     for t0 in range(0, chunk, block_t):
         t = pl.ds(t0, block_t)
-        u = u_ref[ci, t, :]
-        v = (v_ref[ci, t, :].astype(F32) * w_ref[ci, t][:, None]).astype(u.dtype)
+        u, v = u_ref[ci, t, :], v_ref[ci, t, :]
+        if SCAN_WEIGHTS_ON_LEFT:
+            u = (u.astype(F32) * w_ref[ci, t][:, None]).astype(u.dtype)
+        else:
+            v = (v.astype(F32) * w_ref[ci, t][:, None]).astype(u.dtype)
         part = _dot(u, v, trans_a=True)
         acc = part if acc is None else acc + part
     return acc
