@@ -4,6 +4,7 @@ Run on a GPU machine from the repo root (mamba_ssm's public source copied into .
 carried, not vendored):
 
     PYTHONUNBUFFERED=1 python3 tools/sweeps/ssd_pallas_triton_bench.py [--sweep] [--stages] [--out FOLDER]
+    ... ssd_pallas_triton_bench.py --scan-forms [--rows 0,1,2]   # the state scans' two forms
 
 For each TARGETS row (bf16, chunk 256): forward and forward+backward of the Pallas Triton
 backend, the XLA path (pallasite.kernels.ssd.xla) and mamba_ssm's
@@ -190,11 +191,45 @@ def stages(row, bs=None):
     emit(rec)
 
 
+def scan_forms(row):
+    """The state scans alone, and the whole forward and forward+backward, with the chunk
+    weights on the right operand (the default) and on the left (SCAN_WEIGHTS_ON_LEFT),
+    each form's outputs against the default's (max abs)."""
+    x, a, b, c, s0, dy, dfin = inputs(row)
+    bs = pt.resolve_block_sizes(None, CHUNK)
+    acs, last = pt._cumsums(a)
+    w_out = jnp.exp(pt._segment(tuple(t[:, :, None, :] for t in last), acs))
+    w_in = jnp.exp(acs[0] + acs[1])
+    e = jnp.exp(last[0] + last[1])
+    first = None
+    default = pt.SCAN_WEIGHTS_ON_LEFT
+    for left in (default, not default):
+        pt.SCAN_WEIGHTS_ON_LEFT = left  # read when the kernels are traced, below
+        scan = jax.jit(lambda x, b, w, e, s0: pt._state_scan(x, b, w, e, s0, bs, False))
+        reverse = jax.jit(lambda d, c, w, e, st, f: pt._state_scan_reverse(d, c, w, e, st, f,
+                                                                          bs, False))
+        states, final = scan(x, b, w_out, e, s0)
+        outs = (states, final) + tuple(jax.tree.leaves(reverse(dy, c, w_in, e, states, dfin)))
+        first = first or outs
+        kf, kfb = jax_fns(pt)
+        emit({"row": row, "scan_weights_on_left": left,
+              "state_scan_ms": time_jax(scan, (x, b, w_out, e, s0)),
+              "state_scan_reverse_ms": time_jax(reverse, (dy, c, w_in, e, states, dfin)),
+              "pallas_fwd_ms": time_jax(kf, (x, a, b, c, s0)),
+              "pallas_fwdbwd_ms": time_jax(kfb, (x, a, b, c, s0, dy, dfin)),
+              "max_abs_to_default": [float(jnp.max(jnp.abs(u.astype(jnp.float32)
+                                                           - v.astype(jnp.float32))))
+                                     for u, v in zip(outs, first)]})
+    pt.SCAN_WEIGHTS_ON_LEFT = default
+
+
 def main():
     global OUT
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--stages", action="store_true")
+    ap.add_argument("--scan-forms", action="store_true",
+                    help="only the state scans' two forms (SCAN_WEIGHTS_ON_LEFT), each row")
     ap.add_argument("--rows", default="0,1,2")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpreter (CPU)")
     ap.add_argument("--out", default=None, help="folder for ssd_bench.jsonl")
@@ -212,6 +247,10 @@ def main():
     emit({"jax": jax.__version__, "devices": [str(d) for d in jax.devices()],
           "date": time.strftime("%Y-%m-%d %H:%M:%S")})
     rows = [ROWS[i] for i in map(int, opts.rows.split(","))]
+    if opts.scan_forms:
+        for row in rows:
+            scan_forms(row)
+        return
     for row in rows:
         bench_row(row)
     # mamba_ssm last: its autotuning compiles many configs on first use.
