@@ -70,7 +70,10 @@ def sources(positions, padded: int):
 
 
 def _take_rows(t, index):
-    """t[:, index] along axis 1, zero rows where index is -1."""
+    """t[:, index] along axis 1, zero rows where index is -1 (all of them where t has no
+    rows: a packed row of length 0)."""
+    if t.shape[1] == 0:
+        return jnp.zeros(t.shape[:1] + index.shape + t.shape[2:], t.dtype)
     rows = jnp.take(t, jnp.maximum(index, 0), axis=1, mode="clip")
     keep = (index >= 0).reshape((1, -1) + (1,) * (t.ndim - 2))
     return jnp.where(keep, rows, jnp.zeros((), t.dtype))
