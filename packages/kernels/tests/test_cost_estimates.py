@@ -485,6 +485,7 @@ def test_chunked_gated_delta_rule_triton_prep_in_two_kernels(monkeypatch):
     product per element), then T times each (2 C^2 (V + K)). Bytes: operands and results
     once (T, fp32, out of the solve and into the apply)."""
     monkeypatch.setattr(delta_triton, "PREP_IN_TWO_KERNELS", True)
+    monkeypatch.setattr(delta_triton, "APPLY_IN_SOLVE_KERNEL", False)
     b, nc, c, hk, hv, k, v, n = 1, 2, 64, 1, 2, 32, 64, 1
     z, s, nb = b * nc * hv, 16, 4
     m1, m2 = 10, 6
