@@ -158,14 +158,20 @@ def bench_row(row, bs=None, peers=True):
     return rec
 
 
+def scan_operands(a):
+    """The state scans' per-chunk operands from a [b, nc, C, h]: the cumulative decay pair
+    acs, the forward scan's weights w_out = exp(acs_last - acs), the reverse scan's w_in =
+    exp(acs) and each chunk's whole decay e = exp(acs_last)."""
+    acs, last = pt._cumsums(a)
+    w_out = jnp.exp(pt._segment(tuple(t[:, :, None, :] for t in last), acs))
+    return acs, w_out, jnp.exp(acs[0] + acs[1]), jnp.exp(last[0] + last[1])
+
+
 def stages(row, bs=None):
     """Each pallas_call of the default config alone (ms), and the XLA prologue."""
     x, a, b, c, s0, dy, dfin = inputs(row)
     bs = pt.resolve_block_sizes(bs, CHUNK)
-    acs, last = pt._cumsums(a)
-    w_out = jnp.exp(pt._segment(tuple(t[:, :, None, :] for t in last), acs))
-    w_in = jnp.exp(acs[0] + acs[1])
-    e = jnp.exp(last[0] + last[1])
+    acs, w_out, w_in, e = scan_operands(a)
     states, _ = pt._state_scan(x, b, w_out, e, s0, bs, False)
     grads, _, _ = pt._state_scan_reverse(dy, c, w_in, e, states, dfin, bs, False)
     fns = {
@@ -197,10 +203,7 @@ def scan_forms(row):
     each form's outputs against the default's (max abs)."""
     x, a, b, c, s0, dy, dfin = inputs(row)
     bs = pt.resolve_block_sizes(None, CHUNK)
-    acs, last = pt._cumsums(a)
-    w_out = jnp.exp(pt._segment(tuple(t[:, :, None, :] for t in last), acs))
-    w_in = jnp.exp(acs[0] + acs[1])
-    e = jnp.exp(last[0] + last[1])
+    _, w_out, w_in, e = scan_operands(a)
     first = None
     default = pt.SCAN_WEIGHTS_ON_LEFT
     for left in (default, not default):
