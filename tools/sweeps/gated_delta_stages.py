@@ -11,19 +11,19 @@ output_block_v, the whole forward, the reverse state pass, the chunk gradients a
 grads_block_v and the whole forward+backward; each kernel also at other warp counts
 (`warps` in the records; "default" is the module's own; the first shape only), and the
 state passes' loops at other pipeline depths (`num_stages`) and in their other forms
-(`state_transposed` and `decay_on_values`, pallas_triton.py flags; `packed_loop`: the loops packed sequences
-take, one run of chunks per sequence with bounds read from tables, here one run per
-row; the states loaded and stored masked or under a branch as `io_in_branches` says),
-first shape only; the
-prep in one and in two kernels (`prep_in_two_kernels`, the solve at 2, 4 and 8 warps on
-the first shape, with its diagonal blocks inverted in its other form,
-`solve_diagonal_at_once`, and with the apply in the solve's kernel or not,
-`apply_in_solve_kernel`) and the forward with each prep form the defaults do not take;
-the state passes on packed sequences (the first shape's heads and length in 16 random
-lengths, and in sequences of one chunk each) as runs and as one loop
-(`short_sequences_in_one_loop`). fla (when importable): its cumsum, intra-chunk (kkt + solve + w/u), state pass
-(fwd_h) and output (fwd_o), its whole forward and its forward+backward. Every time is
-the bench harness's queued method (calls back to back, one synchronisation per sample,
+(`state_transposed` and `decay_on_values`, pallas_triton.py flags; `packed_loop`: the
+loops packed sequences take, one run of chunks per sequence with bounds read from
+tables, here one run per row; the states loaded and stored masked or under a branch as
+`io_in_branches` says), first shape only; the prep in one and in two kernels
+(`prep_in_two_kernels`, the solve at 2, 4 and 8 warps on the first shape, with its
+diagonal blocks inverted in its other form, `solve_diagonal_at_once`, and with the
+apply in the solve's kernel or not, `apply_in_solve_kernel`) and the forward with each
+prep form the defaults do not take; the state passes on packed sequences (the first
+shape's heads and length in 16 random lengths, and in sequences of one chunk each) as
+runs and as one loop (`short_sequences_in_one_loop`). fla (when importable): its
+cumsum, intra-chunk (kkt + solve + w/u), state pass (fwd_h) and output (fwd_o), its
+whole forward and its forward+backward. Every time is the bench harness's queued
+method (calls back to back, one synchronisation per sample,
 median). JSON lines to $OUT/gated_delta_stages.jsonl.
 """
 

@@ -34,6 +34,7 @@ for sub in ("packages/reference", "packages/kernels", "packages/tuning", "packag
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from knobs import knobs  # noqa: E402 - tools/sweeps/knobs.py, beside this script
 
 from pallasite.bench import harness  # noqa: E402
 from pallasite.kernels.ssd import pallas_triton as pt  # noqa: E402
@@ -205,25 +206,24 @@ def scan_forms(row):
     bs = pt.resolve_block_sizes(None, CHUNK)
     _, w_out, w_in, e = scan_operands(a)
     first = None
-    default = pt.SCAN_WEIGHTS_ON_LEFT
-    for left in (default, not default):
-        pt.SCAN_WEIGHTS_ON_LEFT = left  # read when the kernels are traced, below
-        scan = jax.jit(lambda x, b, w, e, s0: pt._state_scan(x, b, w, e, s0, bs, False))
-        reverse = jax.jit(lambda d, c, w, e, st, f: pt._state_scan_reverse(d, c, w, e, st, f,
-                                                                          bs, False))
-        states, final = scan(x, b, w_out, e, s0)
-        outs = (states, final) + tuple(jax.tree.leaves(reverse(dy, c, w_in, e, states, dfin)))
-        first = first or outs
-        kf, kfb = jax_fns(pt)
-        emit({"row": row, "scan_weights_on_left": left,
-              "state_scan_ms": time_jax(scan, (x, b, w_out, e, s0)),
-              "state_scan_reverse_ms": time_jax(reverse, (dy, c, w_in, e, states, dfin)),
-              "pallas_fwd_ms": time_jax(kf, (x, a, b, c, s0)),
-              "pallas_fwdbwd_ms": time_jax(kfb, (x, a, b, c, s0, dy, dfin)),
-              "max_abs_to_default": [float(jnp.max(jnp.abs(u.astype(jnp.float32)
-                                                           - v.astype(jnp.float32))))
-                                     for u, v in zip(outs, first)]})
-    pt.SCAN_WEIGHTS_ON_LEFT = default
+    for left in (pt.SCAN_WEIGHTS_ON_LEFT, not pt.SCAN_WEIGHTS_ON_LEFT):
+        with knobs(pt, SCAN_WEIGHTS_ON_LEFT=left):  # read when the kernels are traced
+            scan = jax.jit(lambda x, b, w, e, s0: pt._state_scan(x, b, w, e, s0, bs, False))
+            reverse = jax.jit(lambda d, c, w, e, st, f: pt._state_scan_reverse(
+                d, c, w, e, st, f, bs, False))
+            states, final = scan(x, b, w_out, e, s0)
+            outs = (states, final) + tuple(jax.tree.leaves(
+                reverse(dy, c, w_in, e, states, dfin)))
+            first = first or outs
+            kf, kfb = jax_fns(pt)
+            emit({"row": row, "scan_weights_on_left": left,
+                  "state_scan_ms": time_jax(scan, (x, b, w_out, e, s0)),
+                  "state_scan_reverse_ms": time_jax(reverse, (dy, c, w_in, e, states, dfin)),
+                  "pallas_fwd_ms": time_jax(kf, (x, a, b, c, s0)),
+                  "pallas_fwdbwd_ms": time_jax(kfb, (x, a, b, c, s0, dy, dfin)),
+                  "max_abs_to_default": [float(jnp.max(jnp.abs(u.astype(jnp.float32)
+                                                               - v.astype(jnp.float32))))
+                                         for u, v in zip(outs, first)]})
 
 
 def main():

@@ -101,8 +101,9 @@ def _flip_forms(form, monkeypatch):
 def test_the_kernel_forms_against_the_definition(form, monkeypatch):
     """The kernels' other forms (pallas_triton's flags flipped: the state pass's
     STATE_IO_IN_BRANCHES, which the backward's reverse pass follows too, its carry
-    transposed or not, STATE_TRANSPOSED, and DECAY_ON_VALUES with the plain carry; the prep in one or two kernels, PREP_IN_TWO_KERNELS, or the two's
-    bodies in one, APPLY_IN_SOLVE_KERNEL; short packed sequences in one loop over the row,
+    transposed or not, STATE_TRANSPOSED, and DECAY_ON_VALUES with the plain carry; the
+    prep in one or two kernels, PREP_IN_TWO_KERNELS, or the two's bodies in one,
+    APPLY_IN_SOLVE_KERNEL; short packed sequences in one loop over the row,
     SHORT_SEQUENCES_IN_ONE_LOOP (the packed inputs here are short); the solve's
     diagonal blocks inverted together or one by one, SOLVE_DIAGONAL_AT_ONCE), values and
     gradients on rows of one sequence each (the states loaded and stored around the

@@ -93,11 +93,10 @@ def permute_rows(t, index, inverse):
 
 
 def _permute_rows_fwd(t, index, inverse):
-    return _take_rows(t, index), (index, inverse)
+    return _take_rows(t, index), inverse
 
 
-def _permute_rows_bwd(residuals, cotangent):
-    index, inverse = residuals
+def _permute_rows_bwd(inverse, cotangent):
     return _take_rows(cotangent, inverse), None, None
 
 

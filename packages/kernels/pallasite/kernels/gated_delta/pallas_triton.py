@@ -619,7 +619,7 @@ DECAY_ON_VALUES = False
 # u are written to shared memory every chunk as wgmma's B operands, each write followed
 # by a proxy fence that (Nsight Compute, H100) waits for the loop's in-flight loads and
 # stores: the fences and the warpgroup arrives behind them held 16% of the pass's stall
-# samples, with the decay on the values 38%. Transposed, the loop has no fence (and the
+# samples, with the decay on the values 39%. Transposed, the loop has no fence (and the
 # decay sits on the values). On an H100 (2026-12-06, Hv 32, K = V = 128, bf16): B 1, T
 # 32768 0.727-0.750 ms against 0.776-0.789 at block_v 32 and 1.19 against 1.41 at 16;
 # B 8, T 4096 0.787 against 0.802 at 32, 1.02 against 1.11 at 16; at 64 (wgmma, no
@@ -703,19 +703,23 @@ def _state_kernel(w_ref, big_u_ref, k_ref, hi_ref, lo_ref, start_ref, count_ref,
     bv = big_u_ref.shape[2]
     cd = w_ref.dtype
 
+    def to_end(c):  # ([C] exp(G_last - G) of chunk c's steps, G_last's pair)
+        hi, lo = hi_ref[c], lo_ref[c]
+        hi_last, lo_last = hi_ref[c, chunk - 1], lo_ref[c, chunk - 1]
+        return jnp.exp(_segment(hi_last, lo_last, hi, lo)), hi_last, lo_last
+
     def step(c, state):
         if per_chunk_io:
             state = _load_where(finals_ref, enter_ref[c], state, io_in_branches)
         states_ref[c] = state.astype(states_ref.dtype)
         u = big_u_ref[c].astype(F32) - _dot(w_ref[c], state.astype(cd))
         u_ref[c] = u.astype(cd)
-        hi, lo = hi_ref[c], lo_ref[c]
-        hi_last, lo_last = hi_ref[c, chunk - 1], lo_ref[c, chunk - 1]
-        to_end = jnp.exp(_segment(hi_last, lo_last, hi, lo))[:, None]
+        decay, hi_last, lo_last = to_end(c)
+        decay = decay[:, None]
         if decay_on_values:
-            keys, values = _normed(k_ref[c], l2norm).astype(cd), (to_end * u).astype(cd)
+            keys, values = _normed(k_ref[c], l2norm).astype(cd), (decay * u).astype(cd)
         else:
-            keys, values = (_normed(k_ref[c], l2norm) * to_end).astype(cd), u.astype(cd)
+            keys, values = (_normed(k_ref[c], l2norm) * decay).astype(cd), u.astype(cd)
         state = jnp.exp(hi_last + lo_last) * state + _dot(keys, values, trans_a=True)
         if per_chunk_io:
             _store_where(finals_ref, leave_ref[c], state, io_in_branches)
@@ -725,10 +729,8 @@ def _state_kernel(w_ref, big_u_ref, k_ref, hi_ref, lo_ref, start_ref, count_ref,
         states_ref[c] = state_t.T.astype(states_ref.dtype)
         u_t = big_u_ref[c].astype(F32).T - _dot(state_t.astype(cd), w_ref[c], trans_b=True)
         u_ref[c] = u_t.T.astype(cd)
-        hi, lo = hi_ref[c], lo_ref[c]
-        hi_last, lo_last = hi_ref[c, chunk - 1], lo_ref[c, chunk - 1]
-        to_end = jnp.exp(_segment(hi_last, lo_last, hi, lo))[None, :]
-        values_t = (u_t * to_end).astype(cd)
+        decay, hi_last, lo_last = to_end(c)
+        values_t = (u_t * decay[None, :]).astype(cd)
         keys = _normed(k_ref[c], l2norm).astype(cd)
         return jnp.exp(hi_last + lo_last) * state_t + _dot(values_t, keys)
 
