@@ -315,13 +315,10 @@ def packed_state_passes(shape, interpret):
     sequence or, SHORT_SEQUENCES_IN_ONE_LOOP, as one loop over the row."""
     b, t, hk, hv, dk, dv = shape
     chunk = 16 if interpret else 64
-    cuts = np.sort(np.random.default_rng(0).choice(np.arange(1, t), 15, replace=False))
-    cases = {"packed16": np.diff(np.concatenate([[0], cuts, [t]])),
-             "packed_one_chunk": np.full(t // chunk, chunk)}
     q, k, v, g, beta, _ = inputs(1, t, hk, hv, dk, dv)
     scale = dk ** -0.5
     bs = pt._resolve(None, batch=1, length=t, hv=hv, dk=dk, dv=dv, chunk=chunk, dtype=BF16)
-    for name, lengths in cases.items():
+    for name, lengths in _packed_cases(t, chunk).items():
         cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
         n = len(lengths)
         (lq, lk, lv, hi, lo, lbeta), (entering, leaving) = chunked(q, k, v, g, beta, cu,
@@ -346,14 +343,102 @@ def packed_state_passes(shape, interpret):
                               block_v=bs.block_v, short_sequences_in_one_loop=one_loop))
 
 
+def packed_forwards(shape, interpret, with_fla):
+    """The forward on the packed cases of packed_state_passes: whole, with q, k, v read
+    and o written in the packed row (PACKED_ROWS_IN_PLACE) or through the chunk layout's
+    gathers, its in-place stages (the XLA prologue: g and beta laid out, G's pair, the
+    chunk tables; prep, state pass, output), and fla's packed forward (cu_seqlens)."""
+    b, t, hk, hv, dk, dv = shape
+    chunk = 16 if interpret else 64
+    q, k, v, g, beta, _ = inputs(1, t, hk, hv, dk, dv)
+    scale = dk ** -0.5
+    bs = pt._resolve(None, batch=1, length=t, hv=hv, dk=dk, dv=dv, chunk=chunk, dtype=BF16)
+    for name, lengths in _packed_cases(t, chunk).items():
+        cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+        n = len(lengths)
+        init = jax.random.normal(jax.random.key(3), (n, hv, dk, dv), F32) * 0.1
+        base = dict(op="gated_delta_rule", shape=name, sequences=n,
+                    impl="pallasite.pallas_triton")
+        outs = {}
+        for in_place in (True, False):
+            with knobs(pt, PACKED_ROWS_IN_PLACE=in_place):
+                fwd = jax.jit(functools.partial(
+                    pt.forward, scale=scale, chunk_size=chunk, use_qk_l2norm_in_kernel=False,
+                    interpret=interpret))
+                run = lambda *a: fwd(*a[:5], initial_state=a[5], cu_seqlens=a[6])  # noqa
+                args = (q, k, v, g, beta, init, cu)
+                outs[in_place] = run(*args)
+                emit(dict(base, stage="forward", packed_rows_in_place=in_place,
+                          ms=round(ms(run, *args), 4)))
+        diff = [float(jnp.max(jnp.abs(a.astype(F32) - c.astype(F32))))
+                for a, c in zip(outs[True], outs[False])]
+        emit(dict(base, stage="forward", max_abs_diff_in_place_vs_laid_out=diff))
+
+        def prologue(g, beta, cu):
+            (g, beta), padded, _, first, counts = packing.lay_out((g, beta), cu, t, chunk)
+            nc = padded // chunk
+            g, beta = (a.reshape(1, nc, chunk, hv) for a in (g, beta))
+            hi, lo = decay.cumsum_pair(g, axis=2)
+            return (hi, lo, beta, packing.chunk_tables(1, nc, first, counts),
+                    packing.chunk_rows(cu, first, counts, nc, chunk))
+
+        prologue = jax.jit(prologue)
+        hi, lo, lbeta, (entering, leaving), rows = prologue(g, beta, cu)
+        prep = jax.jit(lambda *a: pt._prep(*a[:5], hv, BF16, False, interpret, rows=a[5]))
+        big_u, w, _ = prep(k, v, hi, lo, lbeta, rows)
+        state = jax.jit(lambda *a: pt._state_pass(*a[:8], bs, False, interpret, packed=True,
+                                                  rows=a[8]))
+        states, u, _ = state(w, big_u, k, hi, lo, entering, leaving, init, rows)
+        out = jax.jit(lambda *a: pt._output(*a[:6], BF16, scale, bs, False, interpret,
+                                            rows=a[6]))
+        for stage, fn, args in (
+                ("prologue", prologue, (g, beta, cu)),
+                ("prep", prep, (k, v, hi, lo, lbeta, rows)),
+                ("state_pass", state, (w, big_u, k, hi, lo, entering, leaving, init, rows)),
+                ("output", out, (q, k, hi, lo, states, u, rows))):
+            emit(dict(base, stage=stage, packed_rows_in_place=True, ms=round(ms(fn, *args), 4)))
+        if with_fla:
+            _fla_packed_forward(name, (q, k, v, g, beta, init), cu)
+
+
+def _fla_packed_forward(name, arrays, cu):
+    import torch
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    q, k, v, g, beta, init = (torch.from_dlpack(a) for a in arrays)
+    cu = torch.from_dlpack(cu).long()
+    fn = lambda: chunk_gated_delta_rule(q, k, v, g, beta, initial_state=init,  # noqa: E731
+                                        output_final_state=True, cu_seqlens=cu)
+    with torch.no_grad():
+        fn()
+        torch.cuda.synchronize()
+        emit(dict(op="gated_delta_rule", shape=name, sequences=int(cu.numel()) - 1,
+                  impl="fla.triton", stage="forward",
+                  ms=round(ms(fn, sync=lambda _: torch.cuda.synchronize()), 4)))
+
+
+def _packed_cases(t, chunk):
+    """{name: sequence lengths}: 16 random lengths summing to t, and t / chunk of one
+    chunk each."""
+    cuts = np.sort(np.random.default_rng(0).choice(np.arange(1, t), 15, replace=False))
+    return {"packed16": np.diff(np.concatenate([[0], cuts, [t]])),
+            "packed_one_chunk": np.full(t // chunk, chunk)}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--only", action="append", choices=("forward", "backward"),
                         help="these passes' stages alone (repeatable; default both)")
     parser.add_argument("--no-fla", action="store_true", help="leave fla's stages out")
+    parser.add_argument("--packed", action="store_true",
+                        help="the packed forwards alone (packed_forwards), first shape")
     args = parser.parse_args(argv)
     shapes = SMOKE if args.smoke else SHAPES
+    if args.packed:
+        with_fla = not (args.smoke or args.no_fla) and peers.fla_missing() is None
+        packed_forwards(next(iter(shapes.values())), args.smoke, with_fla)
+        return 0
     for i, (name, shape) in enumerate(shapes.items()):
         pallasite_stages(name, shape, interpret=args.smoke, sweep_warps=i == 0,
                          only=tuple(args.only or ("forward", "backward")))

@@ -90,6 +90,24 @@ def check_packed(chunked, a, cu):
     errors = [rel(g, w) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
     assert max(errors) <= REL_L2, errors
     np.testing.assert_array_equal(np.asarray(got[0][1][1]), np.asarray(a["initial_state"][1]))
+    check_packed_forward(chunked, a, cu, want[0])
+
+
+def check_packed_forward(chunked, a, cu, want):
+    """The forward alone (no residuals kept: the kernels may read the packed rows in
+    place) with traced cu_seqlens: (o, final) within REL_L2 of `want`, the definition's,
+    every step of o written and finite; the empty sequence 1's final state its initial
+    state, to the bit."""
+
+    def forward(arrays, cu):
+        return chunked(*(arrays[k] for k in NAMES[:5]), initial_state=arrays["initial_state"],
+                       output_final_state=True, cu_seqlens=cu)
+
+    o, final = jax.jit(forward)(a, cu)
+    assert bool(jnp.all(jnp.isfinite(o.astype(jnp.float32))))
+    errors = [rel(o, want[0]), rel(final, want[1])]
+    assert max(errors) <= REL_L2, errors
+    np.testing.assert_array_equal(np.asarray(final[1]), np.asarray(a["initial_state"][1]))
 
 
 def check_bf16(chunked, a):

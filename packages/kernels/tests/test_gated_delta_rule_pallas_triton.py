@@ -89,7 +89,8 @@ KERNEL_FORMS = {"state_io": ("STATE_IO_IN_BRANCHES",),
                 "apply_in_solve": ("APPLY_IN_SOLVE_KERNEL",),
                 "short_sequences": ("SHORT_SEQUENCES_IN_ONE_LOOP",),
                 "solve_diagonal": ("SOLVE_DIAGONAL_AT_ONCE",),
-                "state_transposed": ("STATE_TRANSPOSED",)}
+                "state_transposed": ("STATE_TRANSPOSED",),
+                "packed_rows_laid_out": ("PACKED_ROWS_IN_PLACE",)}
 
 
 def _flip_forms(form, monkeypatch):

@@ -103,6 +103,24 @@ def _permute_rows_bwd(inverse, cotangent):
 permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
 
 
+def chunk_rows(cu_seqlens, first, counts, num_chunks: int, chunk: int):
+    """(start, count) [1, num_chunks] int32: where each chunk of the layout lies in the
+    packed row itself (start: its first step's row) and how many of its C steps are its
+    sequence's (the rest are the layout's zero steps; 0 for the chunks past the last
+    sequence). Kernels that read q, k and v where they lie, and write o there, take
+    these rather than the layout's copies (pallas_triton.PACKED_ROWS_IN_PLACE)."""
+    ends = cu_seqlens.astype(jnp.int32)
+    lengths = ends[1:] - ends[:-1]
+    chunks = jnp.arange(num_chunks, dtype=jnp.int32)
+    seq = jnp.searchsorted(first + counts, chunks, side="right").astype(jnp.int32)
+    owned = seq < lengths.shape[0]
+    seq = jnp.minimum(seq, lengths.shape[0] - 1)
+    into = (chunks - first[seq]) * chunk  # steps of the sequence before this chunk
+    start = jnp.where(owned, ends[seq] + into, 0)
+    count = jnp.where(owned, jnp.clip(lengths[seq] - into, 0, chunk), 0)
+    return start[None], count[None]
+
+
 def chunk_tables(batch: int, num_chunks: int, first, counts):
     """(entering, leaving) [batch, num_chunks] int32 for the kernels: the sequence whose
     initial state a chunk enters with and whose final state its exit is, else -1. Without
