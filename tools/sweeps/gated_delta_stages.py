@@ -17,8 +17,9 @@ tables, here one run per row; the states loaded and stored masked or under a bra
 `io_in_branches` says), first shape only; the prep in one and in two kernels
 (`prep_in_two_kernels`, the solve at 2, 4 and 8 warps on the first shape, with its
 diagonal blocks inverted in its other form, `solve_diagonal_at_once`, and with the
-apply in the solve's kernel or not, `apply_in_solve_kernel`) and the forward with each
-prep form the defaults do not take; the state passes on packed sequences (the first
+apply in the solve's kernel or not, `apply_in_solve_kernel`), the chunk gradients with
+the solve's in their other order (`grads_solve_keys_first`, pallas_triton_bwd.py), and
+the forward with each prep form the defaults do not take; the state passes on packed sequences (the first
 shape's heads and length in 16 random lengths, and in sequences of one chunk each) as
 runs and as one loop (`short_sequences_in_one_loop`). fla (when importable): its
 cumsum, intra-chunk (kkt + solve + w/u), state pass (fwd_h) and output (fwd_o), its
@@ -253,7 +254,15 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
             grads = jax.jit(lambda *a, bv=bv: ptb._chunk_grads(*a, scale, bv, interpret))
             args = (lq, lk, lv, hi, lo, lbeta, saved["inv"], saved["w"], saved["states"],
                     saved["u"], du, ldo, d_exit)
-            rec("chunk_grads", ms(grads, *args), warps=tag, grads_block_v=bv)
+            rec("chunk_grads", ms(grads, *args), warps=tag, grads_block_v=bv,
+                grads_solve_keys_first=ptb.GRADS_SOLVE_KEYS_FIRST)
+        if sweep_warps and warps is None:  # the solve gradients in their other order
+            flipped = not ptb.GRADS_SOLVE_KEYS_FIRST
+            with knobs(ptb, GRADS_SOLVE_KEYS_FIRST=flipped):
+                bv = default_bs.grads_block_v
+                grads = jax.jit(lambda *a: ptb._chunk_grads(*a, scale, bv, interpret))
+                rec("chunk_grads", ms(grads, *args), warps=tag, grads_block_v=bv,
+                    grads_solve_keys_first=flipped)
     WARPS["value"] = None
 
 

@@ -90,12 +90,14 @@ KERNEL_FORMS = {"state_io": ("STATE_IO_IN_BRANCHES",),
                 "short_sequences": ("SHORT_SEQUENCES_IN_ONE_LOOP",),
                 "solve_diagonal": ("SOLVE_DIAGONAL_AT_ONCE",),
                 "state_transposed": ("STATE_TRANSPOSED",),
-                "packed_rows_laid_out": ("PACKED_ROWS_IN_PLACE",)}
+                "packed_rows_laid_out": ("PACKED_ROWS_IN_PLACE",),
+                "grads_solve_order": ("GRADS_SOLVE_KEYS_FIRST",)}
 
 
 def _flip_forms(form, monkeypatch):
     for flag in KERNEL_FORMS[form]:
-        monkeypatch.setattr(pallas_triton, flag, not getattr(pallas_triton, flag))
+        module = pallas_triton if hasattr(pallas_triton, flag) else pallas_triton_bwd
+        monkeypatch.setattr(module, flag, not getattr(module, flag))
 
 
 @pytest.mark.parametrize("form", list(KERNEL_FORMS))

@@ -240,6 +240,14 @@ def _grads_state_kernel(q_ref, k_ref, hi_ref, lo_ref, s_ref, u_ref, do_ref, dexi
     dg_ref[...] = _dg_of(at_step, through_kd, through_end, through_p)
 
 
+# The solve's gradients in the order that keeps the fewest [C, K] and [C, block_v] fp32
+# tiles live (GRADS_SOLVE_KEYS_FIRST): dRk first, its share of dk added at once and dA's
+# dRk W^T part formed, so dRk is dead before dRv is formed. In the former order dRv and
+# dRk were live together through dA: compiled for sm_90 (triton 3.6, Qwen3-Next's heads,
+# bf16, 8 warps) that kernel spilled 167 stores / 249 loads of registers.
+GRADS_SOLVE_KEYS_FIRST = True
+
+
 def _grads_solve_kernel(k_ref, v_ref, hi_ref, lo_ref, beta_ref, t_ref, w_ref, s_ref, du_ref,
                         dk_in_ref, dg_in_ref, dv_ref, dbeta_ref, dk_ref, dg_ref):
     """The gradients through the solve: u = U - W S, U = T (beta V), W = T (beta exp(G) K),
@@ -258,21 +266,40 @@ def _grads_solve_kernel(k_ref, v_ref, hi_ref, lo_ref, beta_ref, t_ref, w_ref, s_
     values = lambda: v_ref[...].astype(F32)  # noqa: E731
     inv, du = t_ref[...], du_ref[...]
     grow = jnp.exp(hi + lo)
-    d_rv = mm(inv, du, trans_a=True)  # the cotangents of beta V and of beta exp(G) K
-    dv_ref[...] = beta[:, None] * d_rv
-    d_rk = -mm(inv, mm(du, s_ref[...], trans_b=True), trans_a=True)
-    # dRk . exp(G) k and dRk . k are one row sum up to exp(G); shared, it spilled more at
-    # sm_90 (1048 against 672 stack bytes), so it is formed twice.
-    dbeta = jnp.sum(d_rv * values(), axis=1) + jnp.sum(d_rk * grow[:, None] * keys(), axis=1)
-    at_step = (beta * grow) * jnp.sum(d_rk * keys(), axis=1)
-    da = -(mm(d_rv, mm(inv, beta[:, None] * values()), trans_b=True)
-           + mm(d_rk, w_ref[...], trans_b=True))  # d(I + A)^-1 = -T dA T
+    # dRv and dRk: the cotangents of beta V and of beta exp(G) K.
+    d_rk_of = lambda: -mm(inv, mm(du, s_ref[...], trans_b=True), trans_a=True)  # noqa: E731
+    d_rv_of = lambda: mm(inv, du, trans_a=True)  # noqa: E731
+    if GRADS_SOLVE_KEYS_FIRST:
+        d_rk = d_rk_of()
+        along_keys = grow * jnp.sum(d_rk * keys(), axis=1)  # dRk . exp(G) k
+        at_step, dbeta = beta * along_keys, along_keys
+        dk_ref[...] += (beta * grow)[:, None] * d_rk
+        da = mm(d_rk, w_ref[...], trans_b=True)
+        d_rv = d_rv_of()
+        dv_ref[...] = beta[:, None] * d_rv
+        dbeta = dbeta + jnp.sum(d_rv * values(), axis=1)
+        da = -(da + mm(d_rv, mm(inv, beta[:, None] * values()), trans_b=True))
+    else:
+        d_rv = d_rv_of()
+        dv_ref[...] = beta[:, None] * d_rv
+        d_rk = d_rk_of()
+        # Shared, dRk . exp(G) k and dRk . k spilled more at sm_90 (1048 against 672
+        # stack bytes), so the row sum is formed twice.
+        dbeta = (jnp.sum(d_rv * values(), axis=1)
+                 + jnp.sum(d_rk * grow[:, None] * keys(), axis=1))
+        at_step = (beta * grow) * jnp.sum(d_rk * keys(), axis=1)
+        da = -(mm(d_rv, mm(inv, beta[:, None] * values()), trans_b=True)
+               + mm(d_rk, w_ref[...], trans_b=True))  # d(I + A)^-1 = -T dA T
     da = jnp.where(strict, da * _masked_decay(hi, lo, hi, lo, strict), 0.0)
     through_a = da * mm(keys(), keys(), trans_b=True)  # dA_tj D_tj k_t . k_j
     dbeta_ref[...] = dbeta + jnp.sum(through_a, axis=1)
     dg_ref[...] += _dg_of(at_step, None, None, beta[:, None] * through_a)
     da = beta[:, None] * da
-    dk_ref[...] += (beta * grow)[:, None] * d_rk + mm(da, keys()) + mm(da, keys(), trans_a=True)
+    if GRADS_SOLVE_KEYS_FIRST:
+        dk_ref[...] += mm(da, keys()) + mm(da, keys(), trans_a=True)
+    else:
+        dk_ref[...] += ((beta * grow)[:, None] * d_rk + mm(da, keys())
+                        + mm(da, keys(), trans_a=True))
 
 
 def _dg_body(at_step, spanned, end_terms, pairs):
