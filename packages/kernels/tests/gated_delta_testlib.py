@@ -65,9 +65,19 @@ def values_and_grads(fn, a, **kw):
     return out, grads
 
 
+def forward_alone(fn, a, cu_seqlens=None, **kw):
+    """(o, final) of the forward alone, jitted (cu_seqlens traced) and not differentiated
+    (a kernel may then keep no residuals and take other forms)."""
+    return jax.jit(lambda arrays, cu: fn(*(arrays[k] for k in NAMES[:5]),
+                                         initial_state=arrays["initial_state"],
+                                         output_final_state=True, cu_seqlens=cu, **kw))(
+        a, cu_seqlens)
+
+
 def errors(chunked, a, **kw):
     """Relative L2 of o, the final states and the six gradients of `chunked` (a function
-    with chunk_gated_delta_rule's arguments) against the definition, keyed by name."""
+    with chunk_gated_delta_rule's arguments) against the definition, keyed by name; and of
+    o and the final states from the forward alone ("o_alone", "final_alone")."""
     definition = functools.partial(gated_delta_rule_sequential,
                                    **{k: v for k, v in kw.items() if k != "chunk_size"})
     (o, final), grads = values_and_grads(functools.partial(chunked, **kw), a)
@@ -75,6 +85,8 @@ def errors(chunked, a, **kw):
     assert o.dtype == a["v"].dtype and final.dtype == jnp.float32
     out = {"o": rel(o, o_ref), "final": rel(final, final_ref)}
     out.update({"d" + k: rel(g, r) for k, g, r in zip(NAMES, grads, grads_ref)})
+    o_alone, final_alone = forward_alone(chunked, a, **kw)
+    out.update(o_alone=rel(o_alone, o_ref), final_alone=rel(final_alone, final_ref))
     return out
 
 
@@ -99,11 +111,7 @@ def check_packed_forward(chunked, a, cu, want):
     every step of o written and finite; the empty sequence 1's final state its initial
     state, to the bit."""
 
-    def forward(arrays, cu):
-        return chunked(*(arrays[k] for k in NAMES[:5]), initial_state=arrays["initial_state"],
-                       output_final_state=True, cu_seqlens=cu)
-
-    o, final = jax.jit(forward)(a, cu)
+    o, final = forward_alone(chunked, a, cu_seqlens=cu)
     assert bool(jnp.all(jnp.isfinite(o.astype(jnp.float32))))
     errors = [rel(o, want[0]), rel(final, want[1])]
     assert max(errors) <= REL_L2, errors

@@ -79,6 +79,21 @@ def test_packed_sequences_with_traced_cu_seqlens():
     testlib.check_packed(KERNEL, a, cu)
 
 
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_packed_long_sequences_forward_alone(chunk_size):
+    """Three sequences (the middle one empty) of many chunks each at chunk 16, fewer at 64:
+    the state pass walks runs (at 16; one loop over the row at 64), carrying S^T where
+    block_v allows, and the forward alone reads q, k, v and writes o in the packed row."""
+    a = _inputs(4, t=300, n=3)
+    cu = jnp.asarray([0, 150, 150, 300], jnp.int32)
+    kernel = functools.partial(KERNEL, chunk_size=chunk_size)
+    want = gated_delta_rule_sequential(
+        *(testlib.wide(a)[k] for k in NAMES[:5]),
+        initial_state=testlib.wide(a)["initial_state"], output_final_state=True,
+        cu_seqlens=cu)
+    testlib.check_packed_forward(kernel, a, cu, want)
+
+
 # pallas_triton's form flags, each test run with the named flags flipped from their
 # defaults: every form stays correct, so any can become the default on a measurement.
 KERNEL_FORMS = {"state_io": ("STATE_IO_IN_BRANCHES",),
