@@ -322,20 +322,14 @@ def packed_state_passes(shape, interpret):
     """The state passes on packed sequences (cu_seqlens) of the first shape's heads and
     length: 16 random lengths and sequences of one chunk each, walked as one run per
     sequence or, SHORT_SEQUENCES_IN_ONE_LOOP, as one loop over the row."""
-    b, t, hk, hv, dk, dv = shape
-    chunk = 16 if interpret else 64
-    q, k, v, g, beta, _ = inputs(1, t, hk, hv, dk, dv)
-    scale = dk ** -0.5
-    bs = pt._resolve(None, batch=1, length=t, hv=hv, dk=dk, dv=dv, chunk=chunk, dtype=BF16)
-    for name, lengths in _packed_cases(t, chunk).items():
-        cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
-        n = len(lengths)
+    (q, k, v, g, beta), chunk, scale, bs = _packed_setup(shape, interpret)
+    hv = v.shape[2]
+    for name, cu, n, init in _packed_cases(shape, chunk):
         (lq, lk, lv, hi, lo, lbeta), (entering, leaving) = chunked(q, k, v, g, beta, cu,
                                                                    chunk)
         nc = lq.shape[1]
         big_u, w, _ = jax.jit(lambda *a: pt._prep(*a, hv, BF16, False, interpret))(
             lk, lv, hi, lo, lbeta)
-        init = jax.random.normal(jax.random.key(3), (n, hv, dk, dv), F32) * 0.1
         do = jax.random.normal(jax.random.key(9), lv.shape, BF16)
         for one_loop in (False, True):
             with knobs(pt, SHORT_SEQUENCES_IN_ONE_LOOP=one_loop, SHORT_SEQUENCE_CHUNKS=nc + 1):
@@ -357,15 +351,9 @@ def packed_forwards(shape, interpret, with_fla):
     and o written in the packed row (PACKED_ROWS_IN_PLACE) or through the chunk layout's
     gathers, its in-place stages (the XLA prologue: g and beta laid out, G's pair, the
     chunk tables; prep, state pass, output), and fla's packed forward (cu_seqlens)."""
-    b, t, hk, hv, dk, dv = shape
-    chunk = 16 if interpret else 64
-    q, k, v, g, beta, _ = inputs(1, t, hk, hv, dk, dv)
-    scale = dk ** -0.5
-    bs = pt._resolve(None, batch=1, length=t, hv=hv, dk=dk, dv=dv, chunk=chunk, dtype=BF16)
-    for name, lengths in _packed_cases(t, chunk).items():
-        cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
-        n = len(lengths)
-        init = jax.random.normal(jax.random.key(3), (n, hv, dk, dv), F32) * 0.1
+    (q, k, v, g, beta), chunk, scale, bs = _packed_setup(shape, interpret)
+    t, hv = v.shape[1:3]
+    for name, cu, n, init in _packed_cases(shape, chunk):
         base = dict(op="gated_delta_rule", shape=name, sequences=n,
                     impl="pallasite.pallas_triton")
         outs = {}
@@ -426,12 +414,26 @@ def _fla_packed_forward(name, arrays, cu):
                   ms=round(ms(fn, sync=lambda _: torch.cuda.synchronize()), 4)))
 
 
-def _packed_cases(t, chunk):
-    """{name: sequence lengths}: 16 random lengths summing to t, and t / chunk of one
-    chunk each."""
+def _packed_setup(shape, interpret):
+    """The packed sweeps' one row of the shape's heads and length: ((q, k, v, g, beta),
+    chunk, scale, the kernels' block sizes)."""
+    _, t, hk, hv, dk, dv = shape
+    chunk = 16 if interpret else 64
+    bs = pt._resolve(None, batch=1, length=t, hv=hv, dk=dk, dv=dv, chunk=chunk, dtype=BF16)
+    return inputs(1, t, hk, hv, dk, dv)[:5], chunk, dk ** -0.5, bs
+
+
+def _packed_cases(shape, chunk):
+    """(name, cu_seqlens, sequences, initial states) of 16 random lengths summing to T,
+    and of T / chunk sequences of one chunk each."""
+    _, t, _, hv, dk, dv = shape
     cuts = np.sort(np.random.default_rng(0).choice(np.arange(1, t), 15, replace=False))
-    return {"packed16": np.diff(np.concatenate([[0], cuts, [t]])),
-            "packed_one_chunk": np.full(t // chunk, chunk)}
+    cases = {"packed16": np.diff(np.concatenate([[0], cuts, [t]])),
+             "packed_one_chunk": np.full(t // chunk, chunk)}
+    for name, lengths in cases.items():
+        n = len(lengths)
+        init = jax.random.normal(jax.random.key(3), (n, hv, dk, dv), F32) * 0.1
+        yield name, jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32), n, init
 
 
 def main(argv=None):
