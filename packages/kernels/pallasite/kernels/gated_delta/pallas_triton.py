@@ -763,9 +763,10 @@ def _state_kernel(w_ref, big_u_ref, k_ref, hi_ref, lo_ref, start_ref, count_ref,
         """Chunk c's keys: from the layout (span None), or in place, at the rows the
         per-chunk tables give (span "tables": the one loop over a packed row) or, in a
         run's loop, span (first row, first chunk, end row): rows affine in c, so the
-        loop's software pipeline prefetches them as it does the layout's (read from the
-        tables inside the loop, they were loaded in step: 1.32 ms against 0.88 for the
-        laid-out pass, an H100, 2026-12-06, 16 sequences in T 32768)."""
+        loop's software pipeline prefetches them as it does the layout's. Read from the
+        tables inside the loop, they were not prefetched (compiled for sm_90: 58 cp.async
+        against 78), and that pass took 1.32 ms at 16 sequences in T 32768 (an H100,
+        2026-12-06), where the laid-out one had taken 0.88-0.89 in an earlier run."""
         if not rows_in_place:
             return _normed(k_ref[c], l2norm)
         if span == "tables":
@@ -998,11 +999,13 @@ def _output(q, k, hi, lo, states, u, dtype, scale, bs: BlockSizes, l2norm, inter
 
 # Packed sequences' q, k and v read by the forward's kernels where they lie in the row,
 # and o written there (packing.chunk_rows: each chunk's first row and step count, the
-# rest masked), rather than gathered into the chunk layout and o gathered back: those
-# gathers (q, k, v and o, 4 bytes a bf16 element moved) took the packed forward to 3.30
-# ms against 2.43 unpacked (an H100, 2026-12-06, B 1, T 32768, Hv 32, 16 sequences).
-# The small g and beta are still laid out (G's in-chunk sums run there). The backward's
-# kernels read the layout, so a forward that keeps residuals lays q, k and v out.
+# rest masked), rather than gathered into the chunk layout and o gathered back. The
+# small g and beta are still laid out (G's in-chunk sums run there). The backward's
+# kernels read the layout, so a forward that keeps residuals lays q, k and v out. On an
+# H100 (2026-12-06, B 1, T 32768, Hv 32, K = V = 128, bf16) the forward took 3.29 ms
+# against the gathers' 3.42 with 16 sequences and 7.47 against 8.44 with 512 of one
+# chunk each; those runs' state pass read the keys from the tables inside its loop,
+# unpipelined (keys_of in _state_kernel has the fix, not timed yet).
 PACKED_ROWS_IN_PLACE = True
 
 
