@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from pallasite.kernels import sharding
+from pallasite.kernels.gated_delta import packing
 from pallasite.kernels.ssd.context_parallel import parts_in_order
 
 F32 = jnp.float32
@@ -98,7 +99,7 @@ def _packed_part(form, axes, q, k, v, g, beta, scale, initial_state, cu_seqlens,
     local_cu = jnp.clip(ends - start, 0, t)
 
     def sequence_at(step):  # the non-empty sequence that holds `step`
-        return jnp.clip(jnp.searchsorted(ends[1:], step, side="right"), 0, n - 1)
+        return jnp.clip(packing.sorted_index(ends[1:], step, "right"), 0, n - 1)
 
     first, last = sequence_at(start), sequence_at(start + t - 1)
     continues = ends[first] < start  # the part's first sequence began in an earlier part

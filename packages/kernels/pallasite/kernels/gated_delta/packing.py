@@ -23,7 +23,7 @@ def packed_positions(cu_seqlens, length: int, chunk: int):
     counts = (lengths + chunk - 1) // chunk
     first = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts)[:-1]])
     steps = jnp.arange(length, dtype=jnp.int32)
-    seq = jnp.searchsorted(ends[1:], steps, side="right").astype(jnp.int32)
+    seq = sorted_index(ends[1:], steps, "right")
     seq = jnp.clip(seq, 0, lengths.shape[0] - 1)
     positions = first[seq] * chunk + steps - ends[seq]
     n = lengths.shape[0]
@@ -64,9 +64,21 @@ def to_layout(t, positions, padded: int):
 
 def sources(positions, padded: int):
     """[padded] int32: the step at each position of the chunk layout, -1 at padding (the
-    inverse of `positions`, a scatter of T int32s)."""
-    steps = jnp.arange(positions.shape[0], dtype=jnp.int32)
-    return jnp.full((padded,), -1, jnp.int32).at[positions].set(steps)
+    inverse of `positions`, found by searching them: they rise with the step)."""
+    if positions.shape[0] == 0:
+        return jnp.full((padded,), -1, jnp.int32)
+    at = jnp.arange(padded, dtype=jnp.int32)
+    step = sorted_index(positions, at, "left")
+    hit = positions[jnp.minimum(step, positions.shape[0] - 1)] == at
+    return jnp.where(hit, step, -1)
+
+
+def sorted_index(rising, values, side: str):
+    """jnp.searchsorted as int32, its binary search unrolled into one XLA computation: the
+    default form is a loop whose steps the host issues one by one (the grouped
+    projection's tile table was host-bound on it, docs/performance.md)."""
+    return jnp.searchsorted(rising, values, side=side, method="scan_unrolled").astype(
+        jnp.int32)
 
 
 def _take_rows(t, index):
@@ -112,7 +124,7 @@ def chunk_rows(cu_seqlens, first, counts, num_chunks: int, chunk: int):
     ends = cu_seqlens.astype(jnp.int32)
     lengths = ends[1:] - ends[:-1]
     chunks = jnp.arange(num_chunks, dtype=jnp.int32)
-    seq = jnp.searchsorted(first + counts, chunks, side="right").astype(jnp.int32)
+    seq = sorted_index(first + counts, chunks, "right")
     owned = seq < lengths.shape[0]
     seq = jnp.minimum(seq, lengths.shape[0] - 1)
     into = (chunks - first[seq]) * chunk  # steps of the sequence before this chunk
