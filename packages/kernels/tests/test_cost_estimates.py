@@ -391,7 +391,7 @@ def test_the_docs_count_the_calls_in_the_code():
     """docs/benchmarks.md says how many calls this file checks: the count of call sites in
     the code, so a new kernel is seen to need its hand count."""
     with open(_DOC) as f:
-        said = int(re.search(r"checks all (\d+) calls", f.read()).group(1))
+        said = int(re.search(r"checks all (\d+) call sites", f.read()).group(1))
     sites = _call_sites()
     assert said == len(sites), sites
 
