@@ -10,11 +10,11 @@ Triton, so the figures are a close guide, not the device's own reading.
 
     python -m pip install --target /tmp/triton-3.6 triton==3.6.0
     PYTHONPATH=/tmp/triton-3.6:<the four package roots> python3 tools/sweeps/triton_resources.py \\
-        gated_delta [--grad] [--set PREP_IN_TWO_KERNELS=1] [--set SOLVE_WARPS=8]
+        gated_delta [--grad] [--packed 16] [--set PREP_IN_TWO_KERNELS=1] [--set SOLVE_WARPS=8]
     ... tools/sweeps/triton_resources.py ssd [--grad]
 
---set NAME=VALUE sets a module flag of the op's Pallas Triton module (integers; 0/1 for
-booleans) before lowering. One JSON line per kernel: name, warps, stages, registers,
+--set NAME=VALUE sets a module flag of the op's Pallas Triton module or of its backward's
+(integers; 0/1 for booleans) before lowering. One JSON line per kernel: name, warps, stages, registers,
 stack bytes, shared bytes, and counts of SASS instructions (STL/LDL spills, BAR, SHFL,
 HMMA/HGMMA tensor-core ops, and FENCE/MEMBAR: the proxy fence, behind a memory barrier,
 that follows each register-to-shared-memory write of a wgmma operand and waits for the
@@ -24,6 +24,8 @@ thread's in-flight loads and stores).
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import os
 import re
@@ -37,7 +39,8 @@ from jax import export
 from jax._src.pallas.triton import lowering
 from jax.sharding import AbstractDevice, AbstractMesh
 
-SASS_OPS = ("STL", "LDL", "BAR", "SHFL", "HMMA", "HGMMA", "FENCE", "MEMBAR")
+SASS_OPS = ("STL", "LDL", "BAR", "SHFL", "HMMA", "HGMMA", "FENCE", "MEMBAR", "LDG", "LDGSTS",
+            "STG")
 _modules: list[str] = []
 _lower = lowering.lower_jaxpr_to_triton_module
 
@@ -97,12 +100,24 @@ def resources(module: str, num_warps: int, num_stages: int, folder: str) -> dict
     return dict(name=re.search(r"\.entry (\w+)", kernel.asm["ptx"]).group(1),
                 warps=num_warps, stages=num_stages, registers=field("REG"),
                 stack=field("STACK"), shared=kernel.metadata.shared,
-                sass={op: len(re.findall(r"\b" + op + r"\b", sass)) for op in SASS_OPS})
+                sass={op: len(re.findall(r"\b" + op + r"\b", sass)) for op in SASS_OPS},
+                wide=wide_accesses(sass))
 
 
-def gated_delta(grad: bool):
+def wide_accesses(sass: str) -> dict:
+    """Global loads (LDG, LDGSTS) and stores (STG) by their full opcode: a .128 suffix is a
+    vectorised access, none (32 bits) or .U16 means the compiler could not prove a row's
+    alignment or contiguity."""
+    counts = {}
+    for opcode in re.findall(r"\b((?:LDGSTS|LDG|STG)(?:\.[\w]+)*)", sass):
+        counts[opcode] = counts.get(opcode, 0) + 1
+    return counts
+
+
+def gated_delta(grad: bool, packed: int = 0):
     """chunk_gated_delta_rule's kernels at Qwen3-Next's heads (16 q/k, 32 v, K = V = 128,
-    bf16, chunk 64), a short sequence: the forward, or the forward and backward."""
+    bf16, chunk 64), a short sequence: the forward, or the forward and backward; with
+    `packed` sequences, that many packed in the row (cu_seqlens)."""
     from pallasite.kernels.gated_delta import pallas_triton
 
     s = jax.ShapeDtypeStruct
@@ -111,9 +126,12 @@ def gated_delta(grad: bool):
             s((1, t, hv, d), jnp.bfloat16), s((1, t, hv), jnp.float32),
             s((1, t, hv), jnp.float32), s((1, hv, d, d), jnp.float32))
 
+    if packed:
+        args = args[:5] + (s((packed, hv, d, d), jnp.float32), s((packed + 1,), jnp.int32))
+
     def forward(*a):
         return pallas_triton.forward(*a[:5], scale=d ** -0.5, initial_state=a[5],
-                                     cu_seqlens=None, chunk_size=64,
+                                     cu_seqlens=a[6] if packed else None, chunk_size=64,
                                      use_qk_l2norm_in_kernel=False)
 
     def loss(*a):
@@ -146,15 +164,24 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("op", choices=sorted(OPS))
     parser.add_argument("--grad", action="store_true", help="the backward's kernels too")
+    parser.add_argument("--packed", type=int, default=0, metavar="N",
+                        help="gated_delta: N sequences packed in the row (cu_seqlens)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a module flag of the op's Pallas Triton module")
     args = parser.parse_args(argv)
-    module, fn, operands = OPS[args.op](args.grad)
+    extra = {"packed": args.packed} if args.packed else {}
+    module, fn, operands = OPS[args.op](args.grad, **extra)
+    # The op's Pallas Triton module, and its backward's where it has one of its own.
+    modules = [module]
+    if importlib.util.find_spec(module.__name__ + "_bwd") is not None:
+        modules.append(importlib.import_module(module.__name__ + "_bwd"))
     for item in args.set:
         name, _, value = item.partition("=")
-        if not hasattr(module, name):
-            parser.error(f"--set: {module.__name__} has no flag {name!r}")
-        setattr(module, name, type(getattr(module, name))(int(value)))
+        owner = next((m for m in modules if hasattr(m, name)), None)
+        if owner is None:
+            parser.error(f"--set: {' and '.join(m.__name__ for m in modules)} have no "
+                         f"flag {name!r}")
+        setattr(owner, name, type(getattr(owner, name))(int(value)))
     with tempfile.TemporaryDirectory() as folder:
         for kernel in lowered_kernels(fn, *operands):
             print(json.dumps(resources(*kernel, folder)), flush=True)
