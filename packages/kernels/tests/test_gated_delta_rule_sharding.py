@@ -205,11 +205,80 @@ def test_the_sequence_split_under_explicit_axes(implementation, packed):
     _state_sized(found, 8 * (len(PACKED_CU) if packed else B))
 
 
+@pytest.mark.parametrize("l2norm", [False, True], ids=["plain", "l2norm"])
+def test_the_sequence_over_auto_axes_in_whole_chunks_stays_split(l2norm, caplog):
+    """Under Auto axes a T the compiler splits in parts of whole chunks (4 parts of one
+    chunk of 16, two rows, grouped value heads) stays split through the kernels' passes:
+    each part's forward runs from the entering state one exchange gives it, the backward
+    chains the parts' final-state cotangents by hand. Values and all six gradients equal
+    the unsharded call's, nothing is gathered (no log), and every collective of the
+    compiled program moves state-sized arrays only."""
+    b, t = 2, 64
+    args = tuple(a[:b, :t] for a in _inputs(seed=12))
+    args = args[:5] + (args[5][:b],)
+    mesh = st.mesh((4,), ("x",), st.AUTO, devices=jax.devices()[:4])
+    loss = functools.partial(_loss, implementation="pallas_triton", chunk_size=16)
+    if l2norm:
+        loss = functools.partial(_l2norm_loss, chunk_size=16)
+    placed = _time_split(args, mesh)
+    with caplog.at_level(logging.INFO, logger="pallasite.gated_delta"):
+        with jax.set_mesh(mesh):
+            got = _grads(loss, placed)
+            found = st.compiled_collectives(jax.grad(loss, argnums=tuple(range(6))), *placed)
+    _assert_close(got, _grads(loss, args))
+    assert "is gathered" not in caplog.text, caplog.text
+    # Only the exchanges (forward: M and F; backward: M and G), each every part's
+    # state-sized array placed in its own row and summed: no residual is gathered.
+    moved = sorted({s for shapes in found.values() for s in st.big(shapes)})
+    assert set(found) == {"all-reduce"}, found
+    assert moved == [(4, b, HV, K, V)], found
+
+
+def test_the_sequence_over_auto_axes_with_rows_split_too():
+    """Rows over one Auto axis and T over another (2 x 2 devices, parts of two chunks of
+    16): both stay split through the kernels' passes; values, gradients and the forward
+    alone (the pass without residuals) equal the unsharded call's, and only state-sized
+    arrays move."""
+    b, t = 2, 64
+    args = tuple(a[:b, :t] for a in _inputs(seed=13))
+    args = args[:5] + (args[5][:b],)
+    mesh = st.mesh((2, 2), ("d", "x"), st.AUTO, devices=jax.devices()[:4])
+    loss = functools.partial(_loss, implementation="pallas_triton", chunk_size=16)
+    q, k, v, g, beta, s0 = args
+    placed = tuple(st.put(a, mesh, "d", "x") for a in (q, k, v, g, beta)) + (
+        st.put(s0, mesh, "d"),)
+
+    def forward(*a):
+        return chunk_gated_delta_rule(*a[:5], initial_state=a[5], output_final_state=True,
+                                      chunk_size=16, implementation="pallas_triton")
+
+    with jax.set_mesh(mesh):
+        got = _grads(loss, placed)
+        alone = jax.jit(forward)(*placed)
+        found = st.compiled_collectives(jax.grad(loss, argnums=tuple(range(6))), *placed)
+        found_alone = st.compiled_collectives(forward, *placed)
+    _assert_close(got, _grads(loss, args))
+    _assert_close(alone, forward(*args))
+    for collectives in (found, found_alone):
+        assert set(collectives) == {"all-reduce"}, collectives
+        moved = sorted({s for shapes in collectives.values() for s in st.big(shapes)})
+        assert moved == [(2, b // 2, HV, K, V)], collectives
+
+
+def _l2norm_loss(*args, chunk_size):
+    """_loss through the kernels with q and k L2-normalised in them and a scale."""
+    o, final = chunk_gated_delta_rule(*args[:5], initial_state=args[5], output_final_state=True,
+                                      chunk_size=chunk_size, implementation="pallas_triton",
+                                      use_qk_l2norm_in_kernel=True, scale=0.3)
+    weights = jnp.cos(jnp.arange(o.size, dtype=jnp.float32)).reshape(o.shape)
+    return jnp.sum(o * weights) + jnp.sum(final ** 2)
+
+
 def test_the_sequence_over_auto_axes_is_gathered_and_says_so(caplog):
     """Under Auto axes the kernels' passes see the sequence's layout only when they are
-    partitioned (after differentiation): a T split there is taken whole, the values
-    and gradients are the unsharded call's, and the log names the axes and says how to
-    keep it split."""
+    partitioned (after differentiation): a T split there in parts that are not whole
+    chunks (12 steps, chunks of 16) is taken whole, the values and gradients are the
+    unsharded call's, and the log names the axes and says how to keep it split."""
     b, t = 2, 48
     args = tuple(a[:b, :t] for a in _inputs(seed=8))
     mesh = st.mesh((4,), ("x",), st.AUTO, devices=jax.devices()[:4])

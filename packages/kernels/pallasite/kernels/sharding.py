@@ -327,12 +327,14 @@ def context_mesh(args):
 
 def run(planner: Planner, args: Sequence[jax.Array], *, rule: str,
         reduction_factors: Sequence[str] = (), partitionable: bool = True,
-        interpreted: bool = False) -> tuple:
+        interpreted: bool = False, factor_sizes: Mapping[str, int] | None = None) -> tuple:
     """The planner's local function over the shards of `args`, in whichever of the three
     ways (module docstring) the context allows; returns its outputs as a tuple.
 
     rule: the Shardy sharding rule of the op, einsum-like ("m k, g k n, G -> m n"),
-    used only where the compiler chooses the layouts (Auto axes).
+    used only where the compiler chooses the layouts (Auto axes); a dimension may be a
+    compound of factors ("b (c s) h"), with factor_sizes giving the size of each factor
+    that is never a whole dimension of its own.
     partitionable=False: under Auto axes, run on the global arrays (the partitioner
     gathers what is sharded) instead of through a custom_partitioning, for code that
     cannot lower inside one: the Mosaic interpreters' ordered host callbacks (CPU tests).
@@ -343,7 +345,7 @@ def run(planner: Planner, args: Sequence[jax.Array], *, rule: str,
     Under jax.vmap the call runs once per batch element (`_mapped`): neither a
     custom_partitioning nor ragged_dot (over any dimension but 0) has a batching rule."""
     return _mapped(lambda *a: _run(planner, a, rule, tuple(reduction_factors), partitionable,
-                                   interpreted), tuple(args))
+                                   interpreted, dict(factor_sizes or {})), tuple(args))
 
 
 def run_explicit(planner: Planner, args: Sequence[jax.Array]) -> tuple:
@@ -381,7 +383,8 @@ def _mapped(fn, args: tuple) -> tuple:
     return call(*args)
 
 
-def _run(planner, args, rule, reduction_factors, partitionable, interpreted) -> tuple:
+def _run(planner, args, rule, reduction_factors, partitionable, interpreted,
+         factor_sizes) -> tuple:
     mesh = context_mesh(args)
     axis_sizes = dict(zip(mesh.axis_names, mesh.axis_sizes)) if not mesh.empty else {}
     if not mesh.empty and mesh.explicit_axes:
@@ -391,7 +394,7 @@ def _run(planner, args, rule, reduction_factors, partitionable, interpreted) -> 
         return local_call(_unsharded(planner, args, axis_sizes).local, args, interpreted)
     if not partitionable:
         return tuple(_unsharded(planner, args, axis_sizes).local(*args))
-    return _run_auto(planner, args, rule, reduction_factors)
+    return _run_auto(planner, args, rule, reduction_factors, factor_sizes)
 
 
 def _unsharded(planner, args, axis_sizes) -> Plan:
@@ -470,7 +473,7 @@ def _named_dims(sharding, ndim) -> Dims:
     return replicated(ndim)  # a layout with no axis names: take it replicated
 
 
-def _run_auto(planner, args, rule, reduction_factors):
+def _run_auto(planner, args, rule, reduction_factors, factor_sizes):
     unsharded = _unsharded(planner, args, {})
 
     @custom_partitioning
@@ -485,5 +488,5 @@ def _run_auto(planner, args, rule, reduction_factors):
         return mesh, lambda *shards: tuple(plan.local(*shards)), out_shardings, in_shardings
 
     call.def_partition(partition=partition, sharding_rule=rule,
-                       reduction_factors=reduction_factors)
+                       reduction_factors=reduction_factors, **factor_sizes)
     return call(*args)

@@ -120,7 +120,10 @@ def chunk_gated_delta_rule(
     state's gradient are the whole sequence's on every device). Under jit with Auto
     axes, where the layout is the compiler's, `sequence_axes` may name Auto axes of the
     mesh in context (jax.set_mesh) that divide T: the call then splits T over them
-    itself (`_over_auto_axes`), and rows and heads are left to the compiler.
+    itself (`_over_auto_axes`), and rows and heads are left to the compiler. Not named,
+    a T the compiler splits over Auto axes in parts of whole chunks of unpacked rows
+    stays split through the pallas_triton kernels' passes (layouts.pass_planners); any
+    other split is gathered.
     Packed sequences (cu_seqlens) split the same way: a sequence that crosses a part's
     edge carries its state across it, and each final state comes from the part that
     holds the sequence's last step.

@@ -16,7 +16,16 @@ column being independent:
   3. o = o_zero + P S_in(this part), an fp32 product per step.
 
 The backward is JAX's, through these steps (each forward differentiates by its own
-backend's backward), so it too moves only state-sized arrays. The cost is two forwards
+backend's backward), so it too moves only state-sized arrays.
+
+The Pallas Triton kernels split a sequence the compiler laid out over Auto axes inside
+their passes (pallas_triton.py, layouts.pass_planners), with M and F from the state
+pass alone: the prep once, the state pass from zero (F) and with U = 0 from I over K
+columns (M), `entering_states`, then the state pass from the entering state and the
+output. Their backward mirrors it by hand: the reverse pass with no final-state
+cotangent gives G, the cotangent the part's outputs give its entering state, one
+exchange of (M, G) chains the parts backwards (`exiting_cotangents`), and the backward
+runs from the part's own final-state cotangent. The cost is two forwards
 (V and K columns) and their backwards, against one unsplit; the gain is that no device
 holds the whole sequence. Padded steps (g = 0, beta = 0) map the state to itself, so a
 part may have any length.
@@ -56,6 +65,21 @@ def entering_states(transitions, finals, initial_state, axes):
         entering.append(state)
         state = jnp.einsum("bhkj,bhjv->bhkv", every_m[i], state, precision=_HIGHEST) + every_f[i]
     return jnp.stack(entering)[jax.lax.axis_index(axes)], state
+
+
+def exiting_cotangents(transitions, from_outputs, dfinal, axes):
+    """(this part's final-state cotangent, the initial state's cotangent), fp32, from
+    every part's (M, G) in sequence order, G being the cotangent its own outputs give its
+    entering state: the chain backwards, dS_in(i) = M_i^T dS_out(i) + G_i and dS_out(i -
+    1) = dS_in(i), from dS_out(last) = dfinal (the backward of `entering_states`)."""
+    every_m, every_g = parts_in_order(transitions, axes), parts_in_order(from_outputs, axes)
+    cotangent = dfinal.astype(F32)
+    exiting = [None] * every_m.shape[0]
+    for i in reversed(range(every_m.shape[0])):
+        exiting[i] = cotangent
+        cotangent = jnp.einsum("bhjk,bhjv->bhkv", every_m[i], cotangent,
+                               precision=_HIGHEST) + every_g[i]
+    return jnp.stack(exiting)[jax.lax.axis_index(axes)], cotangent
 
 
 def split(form, axes):

@@ -52,7 +52,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallasite import tuning
 from pallasite.kernels import cost, platform, sharding
-from pallasite.kernels.gated_delta import packing
+from pallasite.kernels.gated_delta import context_parallel, packing
 from pallasite.kernels.ssd import decay
 from pallasite.reference.gated_delta_rule import L2NORM_EPS
 
@@ -1009,11 +1009,37 @@ def _output(q, k, hi, lo, states, u, dtype, scale, bs: BlockSizes, l2norm, inter
 PACKED_ROWS_IN_PLACE = True
 
 
+def part_transition(w, k, hi, lo, entering, leaving, block_v: int, l2norm, interpret):
+    """M [B, Hv, K, K] fp32: the linear map a part of a sequence split over devices
+    applies to its entering state (S_out = M S_in + F): the state pass with U = 0 (so u
+    = -W S) from the identity, over K value columns (context_parallel.py)."""
+    b, _, _, hv, dk = w.shape
+    eye = jnp.broadcast_to(jnp.eye(dk, dtype=F32), (b, hv, dk, dk))
+    bs = BlockSizes(block_v=min(block_v, dk))
+    return _state_pass(w, jnp.zeros(w.shape, w.dtype), k, hi, lo, entering, leaving, eye,
+                       bs, l2norm, interpret, packed=False)[2]
+
+
+def _entering_state(w, big_u, k, hi, lo, entering, leaving, init, bs, l2norm, interpret,
+                    sequence_axes):
+    """(this part's entering state, the whole sequence's final state) [B, Hv, K, V] fp32,
+    for a part of a sequence split over `sequence_axes` (context_parallel.py): its final
+    state from zero (F) and its transition (M) by the state pass, then one exchange."""
+    from_zero = _state_pass(w, big_u, k, hi, lo, entering, leaving, jnp.zeros_like(init),
+                            bs, l2norm, interpret, packed=False)[2]
+    transition = part_transition(w, k, hi, lo, entering, leaving, bs.block_v, l2norm,
+                                 interpret)
+    return context_parallel.entering_states(transition, from_zero, init, sequence_axes)
+
+
 def _kernels(q, k, v, g, beta, init, cu_seqlens, *, scale, chunk_size, l2norm, interpret,
-             block_sizes, residuals=False):
+             block_sizes, residuals=False, sequence_axes=()):
     """(o [B, T, Hv, V] in v's dtype, finals [N, Hv, K, V] fp32) through the kernels; with
     `residuals`, also the backward's (a dict: the layout's inputs, T, W, states, u, the
-    chunk tables and the layout's positions)."""
+    chunk tables and the layout's positions). sequence_axes: T is one part of the rows'
+    sequence, split over these axes in whole chunks (no cu_seqlens; the passes of a
+    sequence laid out over Auto axes, layouts.pass_planners): the part runs from the
+    entering state the exchange gives it, and finals are the whole sequence's."""
     b, length, hv, dv = v.shape
     hk, dk = q.shape[2:]
     cd = jnp.result_type(q.dtype, k.dtype, v.dtype)
@@ -1038,9 +1064,16 @@ def _kernels(q, k, v, g, beta, init, cu_seqlens, *, scale, chunk_size, l2norm, i
                   dtype=cd)
     big_u, w, inv = _prep(k, v, hi, lo, beta, hv, cd, l2norm, interpret,
                           store_inverse=residuals, rows=rows)
-    states, u, finals = _state_pass(w, big_u, k, hi, lo, entering, leaving,
-                                    init.astype(F32), bs, l2norm, interpret,
-                                    packed=cu_seqlens is not None, rows=rows)
+    init = init.astype(F32)
+    whole_final = None
+    if sequence_axes:
+        init, whole_final = _entering_state(w, big_u, k, hi, lo, entering, leaving, init,
+                                            bs, l2norm, interpret, sequence_axes)
+    states, u, finals = _state_pass(w, big_u, k, hi, lo, entering, leaving, init, bs,
+                                    l2norm, interpret, packed=cu_seqlens is not None,
+                                    rows=rows)
+    if sequence_axes:
+        finals = whole_final
     o = _output(q, k, hi, lo, states, u, v.dtype, scale, bs, l2norm, interpret, rows=rows)
     if not in_place:
         o = packing.steps_of(o.reshape(b, padded, hv, dv), length, positions)
@@ -1068,7 +1101,7 @@ def _config_kwargs(config: _Config) -> dict:
 # Each pass runs through sharding.run (layouts.pass_planners): under Auto axes a
 # custom_partitioning keeps the operands' rows and heads local; elsewhere the arrays are
 # local already and it is a plain call.
-def _passes(config: _Config, *, batch_size, key_heads, value_heads, packed: bool,
+def _passes(config: _Config, *, batch_size, length, key_heads, value_heads, packed: bool,
             residuals: bool = True):
     """(residual names, (forward, backward) planners, their rules, sharding.run's
     options) for these shapes; the forward returns the residuals when `residuals`."""
@@ -1077,33 +1110,39 @@ def _passes(config: _Config, *, batch_size, key_heads, value_heads, packed: bool
     names = layouts.residual_names(packed)
     kwargs = _config_kwargs(config)
 
-    def forward(q, k, v, g, beta, init, *cu):
+    def forward(q, k, v, g, beta, init, *cu, sequence_axes=()):
         out = _kernels(q, k, v, g, beta, init, cu[0] if cu else None, residuals=residuals,
-                       **kwargs)
+                       sequence_axes=sequence_axes, **kwargs)
         return out[:2] + (tuple(out[2][n] for n in names) if residuals else ())
 
-    def backward(*operands):
+    def backward(*operands, sequence_axes=()):
         saved, (do, dfinal) = dict(zip(names, operands)), operands[len(names):]
         bs = _resolve(dict(config.block_sizes), batch=do.shape[0], length=do.shape[1],
                       hv=do.shape[2], dk=saved["q"].shape[4], dv=do.shape[3],
                       chunk=config.chunk_size, dtype=saved["w"].dtype)
         return pallas_triton_bwd.backward(
             saved, do, dfinal, scale=config.scale, length=do.shape[1], l2norm=config.l2norm,
-            block_v=bs.block_v, grads_block_v=bs.grads_block_v, interpret=config.interpret)
+            block_v=bs.block_v, grads_block_v=bs.grads_block_v, interpret=config.interpret,
+            sequence_axes=sequence_axes)
 
     planners = layouts.pass_planners(forward, backward, batch_size=batch_size,
                                      key_heads=key_heads, value_heads=value_heads,
-                                     packed=packed, residuals=residuals)
-    rules = layouts.pass_rules(packed, residuals)
-    return names, planners, rules, sharding.backend_options("pallas_triton", config.interpret)
+                                     packed=packed, residuals=residuals, length=length,
+                                     chunk=config.chunk_size)
+    chunk = config.chunk_size
+    *rules, sizes = layouts.pass_rules(
+        packed, residuals, (length // chunk, chunk) if length % chunk == 0 else None)
+    options = dict(sharding.backend_options("pallas_triton", config.interpret),
+                   factor_sizes=sizes)
+    return names, planners, tuple(rules), options
 
 
 def _forward_pass(config, q, k, v, g, beta, init, cu_seqlens, residuals: bool):
     """(o, finals[, residuals dict]) of the kernels, over sharding.run."""
     packed = cu_seqlens is not None
     names, (plan, _), (rule, _), options = _passes(
-        config, batch_size=q.shape[0], key_heads=q.shape[2], value_heads=v.shape[2],
-        packed=packed, residuals=residuals)
+        config, batch_size=q.shape[0], length=q.shape[1], key_heads=q.shape[2],
+        value_heads=v.shape[2], packed=packed, residuals=residuals)
     args = (q, k, v, g, beta, init) + ((cu_seqlens,) if packed else ())
     o, finals, *saved = sharding.run(plan, args, rule=rule, **options)
     return (o, finals) + ((dict(zip(names, saved)),) if residuals else ())
@@ -1128,7 +1167,8 @@ def _chunked_bwd(config, residuals, cotangents):
     do, dfinal = cotangents
     (b, _, _, hk, _), hv = saved["q"].shape, saved["v"].shape[3]
     names, (_, plan), (_, rule), options = _passes(
-        config, batch_size=b, key_heads=hk, value_heads=hv, packed="positions" in saved)
+        config, batch_size=b, length=do.shape[1], key_heads=hk, value_heads=hv,
+        packed="positions" in saved)
     args = tuple(saved[n] for n in names) + (do, dfinal.astype(F32))
     grads = sharding.run(plan, args, rule=rule, **options)
     return tuple(gr.astype(d.dtype) for gr, d in zip(grads, dtypes)) + (None,)

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallasite.kernels import cost, sharding
-from pallasite.kernels.gated_delta import packing
+from pallasite.kernels.gated_delta import context_parallel, packing
 from pallasite.kernels.gated_delta import pallas_triton as forward_kernels
 from pallasite.kernels.gated_delta.pallas_triton import (
     F32, _dot, _iota, _load_where, _masked_decay, _params, _segment, _slot, _store_where)
@@ -426,10 +426,14 @@ def _l2norm(x):
 
 
 def backward(residuals, do, dfinal, *, scale, length: int, l2norm: bool, block_v: int,
-             grads_block_v: int, interpret: bool):
+             grads_block_v: int, interpret: bool, sequence_axes=()):
     """(dq, dk [B, T, Hk, K], dv [B, T, Hv, V], dg, dbeta [B, T, Hv], d initial_state
     [N, Hv, K, V]), fp32, from the forward's residuals (pallas_triton._kernels) and the
-    cotangents of o [B, T, Hv, V] and of the final states [N, Hv, K, V]."""
+    cotangents of o [B, T, Hv, V] and of the final states [N, Hv, K, V].
+    sequence_axes: the residuals are one part's of a sequence split over these axes
+    (pallas_triton._kernels'), dfinal the whole sequence's final state's cotangent: the
+    part's own final-state cotangent comes from one exchange (context_parallel.py), and
+    d initial_state is the whole sequence's."""
     r = residuals
     q, k, v = r["q"], r["k"], r["v"]
     b, nc, chunk, hk, _ = q.shape
@@ -443,9 +447,23 @@ def backward(residuals, do, dfinal, *, scale, length: int, l2norm: bool, block_v
     positions = r.get("positions")  # packed sequences only
     do = packing.in_layout(do.astype(cd), length, padded, positions)
     do = do.reshape(b, nc, chunk, hv, dv)
-    d_exit, du, dinit = _reverse_pass(q, k, r["w"], r["hi"], r["lo"], do, r["entering"],
-                                      r["leaving"], dfinal.astype(F32), hv, scale, block_v,
-                                      interpret, packed=positions is not None)
+    reverse = functools.partial(_reverse_pass, q, k, r["w"], r["hi"], r["lo"], do,
+                                r["entering"], r["leaving"], hv=hv, scale=scale,
+                                block_v=block_v, interpret=interpret,
+                                packed=positions is not None)
+    dfinal = dfinal.astype(F32)
+    if sequence_axes:
+        # G: the cotangent this part's outputs give its entering state (no final-state
+        # cotangent); M: the part's transition; then the chain backwards over the parts.
+        from_outputs = reverse(jnp.zeros_like(dfinal))[2]
+        transition = forward_kernels.part_transition(r["w"], k, r["hi"], r["lo"],
+                                                     r["entering"], r["leaving"], block_v,
+                                                     False, interpret)
+        dfinal, whole_dinit = context_parallel.exiting_cotangents(
+            transition, from_outputs, dfinal, sequence_axes)
+    d_exit, du, dinit = reverse(dfinal)
+    if sequence_axes:
+        dinit = whole_dinit
     dq, dk, dv_, dbeta, dg = _chunk_grads(q, k, v, r["hi"], r["lo"], r["beta"], r["inv"],
                                           r["w"], r["states"], r["u"], du, do, d_exit, scale,
                                           grads_block_v, interpret)
