@@ -37,7 +37,9 @@ chunk gradients) behind a jax.custom_vjp, on the forward's residuals: the layout
 inputs, G's pair, W, the entry states, u and, stored by the prep only then, T = (I +
 A)^-1 in fp32. Each pass runs through sharding.run (layouts.pass_planners): under Auto
 axes a custom_partitioning keeps the rows and heads the compiler gave the operands
-local, residuals included; elsewhere it is a plain call on the arrays as given.
+local, residuals included, and a T it split in whole chunks of unpacked rows (each
+part from the entering state an exchange gives it, context_parallel.py); elsewhere it
+is a plain call on the arrays as given.
 """
 
 from __future__ import annotations
@@ -1099,8 +1101,9 @@ def _config_kwargs(config: _Config) -> dict:
 
 
 # Each pass runs through sharding.run (layouts.pass_planners): under Auto axes a
-# custom_partitioning keeps the operands' rows and heads local; elsewhere the arrays are
-# local already and it is a plain call.
+# custom_partitioning keeps the operands' rows and heads local, and T where the compiler
+# split it in whole chunks of unpacked rows (the pass then takes sequence_axes);
+# elsewhere the arrays are local already and it is a plain call.
 def _passes(config: _Config, *, batch_size, length, key_heads, value_heads, packed: bool,
             residuals: bool = True):
     """(residual names, (forward, backward) planners, their rules, sharding.run's
