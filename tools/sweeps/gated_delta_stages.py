@@ -18,7 +18,9 @@ tables, here one run per row; the states loaded and stored masked or under a bra
 (`prep_in_two_kernels`, the solve at 2, 4 and 8 warps on the first shape, with its
 diagonal blocks inverted in its other form, `solve_diagonal_at_once`, and with the
 apply in the solve's kernel or not, `apply_in_solve_kernel`), the chunk gradients with
-the solve's in their other order (`grads_solve_keys_first`, pallas_triton_bwd.py), and
+the solve's in their other forms (through the forward's u or through W, `grads_solve_through_u`,
+and W's two orders, `grads_solve_keys_first`, pallas_triton_bwd.py; each with its relative L2
+from the default's gradients), and
 the forward with each prep form the defaults do not take; the state passes on packed sequences (the first
 shape's heads and length in 16 random lengths, and in sequences of one chunk each) as
 runs and as one loop (`short_sequences_in_one_loop`). fla (when importable): its
@@ -255,14 +257,23 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
             args = (lq, lk, lv, hi, lo, lbeta, saved["inv"], saved["w"], saved["states"],
                     saved["u"], du, ldo, d_exit)
             rec("chunk_grads", ms(grads, *args), warps=tag, grads_block_v=bv,
+                grads_solve_through_u=ptb.GRADS_SOLVE_THROUGH_U,
                 grads_solve_keys_first=ptb.GRADS_SOLVE_KEYS_FIRST)
-        if sweep_warps and warps is None:  # the solve gradients in their other order
-            flipped = not ptb.GRADS_SOLVE_KEYS_FIRST
-            with knobs(ptb, GRADS_SOLVE_KEYS_FIRST=flipped):
-                bv = default_bs.grads_block_v
-                grads = jax.jit(lambda *a: ptb._chunk_grads(*a, scale, bv, interpret))
-                rec("chunk_grads", ms(grads, *args), warps=tag, grads_block_v=bv,
-                    grads_solve_keys_first=flipped)
+        if sweep_warps and warps is None:  # the solve gradients' other forms
+            bv = default_bs.grads_block_v
+            want = jax.jit(lambda *a: ptb._chunk_grads(*a, scale, bv, interpret))(*args)
+            forms = [(u, first) for u in (True, False) for first in (True, False)
+                     if (u, first) != (ptb.GRADS_SOLVE_THROUGH_U, ptb.GRADS_SOLVE_KEYS_FIRST)
+                     and not (u and first != ptb.GRADS_SOLVE_KEYS_FIRST)]
+            for through_u, keys_first in forms:
+                with knobs(ptb, GRADS_SOLVE_THROUGH_U=through_u,
+                           GRADS_SOLVE_KEYS_FIRST=keys_first):
+                    grads = jax.jit(lambda *a: ptb._chunk_grads(*a, scale, bv, interpret))
+                    got = grads(*args)
+                    rec("chunk_grads", ms(grads, *args), warps=tag, grads_block_v=bv,
+                        grads_solve_through_u=through_u, grads_solve_keys_first=keys_first,
+                        rel_l2_vs_default=[float(jnp.linalg.norm(g - w_) / jnp.linalg.norm(w_))
+                                           for g, w_ in zip(got, want)])
     WARPS["value"] = None
 
 

@@ -530,11 +530,11 @@ def test_chunked_gated_delta_rule_triton_backward():
     times the pair terms); 6 elementwise ops per C x C entry (the segment 3, dP's scale
     and decay, through P), 6 per C x K, one per K x V (dS' o S), 8 per step and 2 per
     program (exp(G_last) dS' . S); exps: exp(G), exp(G_last - G), the C x C decays and
-    exp(G_last). Through the solve: 5 dots over K of C x C (T^T dW, dRk W^T with the
-    forward's W, K K^T, dA K, dA^T K), 3 over V (T^T du, U, dRv U^T), one of C K V (du
-    S^T) and the spans again; 9 per C x C entry (the segment 3, dA's sum, negation and
-    decay, through A, beta twice), 8 per C x K, 3 per C x V and 8 per step; exps:
-    exp(G) and the decays.
+    exp(G_last). Through the solve (through the forward's u, GRADS_SOLVE_THROUGH_U): 3
+    dots over K of C x C (K K^T, dA K, dA^T K), 2 over V (dRv = T^T du, dA = -dRv u^T),
+    one of C K V (dRk = -dRv S^T) and the spans again; 8 per C x C entry (the segment
+    3, dA's negation and decay, through A, beta twice), 8 per C x K, 2 per C x V and 8
+    per step; exps: exp(G) and the decays.
     Bytes: operands and results once (the final states' cotangents, aliased to the
     initial states', read and written; dk's and dg's shares, aliased from the first
     chunk-gradient kernel to the second, likewise; dq, dk, dbeta and dg one share per
@@ -558,6 +558,7 @@ def test_chunked_gated_delta_rule_triton_backward():
     gates, w = ((b, nc, c, hv), F32), ((b, nc, c, hv, k), BF16)
     states, runs, init = ((b, nc, hv, k, v), BF16), ((b, 1), I32), ((n, hv, k, v), F32)
     d_exit, du = ((b, nc, hv, k, v), BF16), ((b, nc, c, hv, v), BF16)
+    u = du  # the forward's u, which the solve's gradients read
     blocks = v // bv
     _check(rev, z * (blocks * (2 * c * c * k + 4 * c * c) + 4 * c + 2 * c * c * v + 2 * c * v
                      + 6 * c * k * v + 2 * c * v + 4 * k * v + 1),
@@ -570,10 +571,10 @@ def test_chunked_gated_delta_rule_triton_backward():
            zb * (c * c + 2 * c + 1),
            _bytes(keys, keys, gates, gates, states, values, values, d_exit,
                   key_shares, key_shares, gate_shares))
-    _check(solve, zb * (10 * c * c * k + 6 * c * c * bv + 2 * c * k * bv + 2 * c ** 3
-                        + 9 * c * c + 8 * c * k + 3 * c * bv + 8 * c),
+    _check(solve, zb * (6 * c * c * k + 4 * c * c * bv + 2 * c * k * bv + 2 * c ** 3
+                        + 8 * c * c + 8 * c * k + 2 * c * bv + 8 * c),
            zb * (c * c + c),
-           _bytes(keys, values, gates, gates, gates, ((b, nc, hv, c, c), F32), w, states, du,
+           _bytes(keys, values, gates, gates, gates, ((b, nc, hv, c, c), F32), u, states, du,
                   key_shares, gate_shares, ((b, nc, c, hv, v), F32), gate_shares, key_shares,
                   gate_shares))
 

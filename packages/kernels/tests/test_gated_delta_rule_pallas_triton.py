@@ -106,7 +106,9 @@ KERNEL_FORMS = {"state_io": ("STATE_IO_IN_BRANCHES",),
                 "solve_diagonal": ("SOLVE_DIAGONAL_AT_ONCE",),
                 "state_transposed": ("STATE_TRANSPOSED",),
                 "packed_rows_laid_out": ("PACKED_ROWS_IN_PLACE",),
-                "grads_solve_order": ("GRADS_SOLVE_KEYS_FIRST",)}
+                "grads_solve_through_w": ("GRADS_SOLVE_THROUGH_U",),
+                "grads_solve_through_w_values_first": ("GRADS_SOLVE_THROUGH_U",
+                                                       "GRADS_SOLVE_KEYS_FIRST")}
 
 
 def _flip_forms(form, monkeypatch):

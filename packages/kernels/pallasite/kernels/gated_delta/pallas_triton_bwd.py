@@ -18,9 +18,10 @@ state's where the chunk is its last):
   2. chunk gradients, two kernels (through the output and exit state; through the
      solve), one program per (block of value columns, value head, chunk, row):
      dQ = exp(G) scale do S^T + (D o scale do u^T) K; dK from P, from Kd (u dS'^T) and
-     from the solve: with dU = du and dW = -du S^T, dRv = T^T dU and dRk = T^T dW are
-     the cotangents of beta V and beta exp(G) K, and dA = -(dRv U^T + dRk W^T)
-     (d(I + A)^-1 = -T dA T), strictly lower, reaches k_t . k_j, beta and G through A_tj
+     from the solve: with dU = du and dW = -du S^T, dRv = T^T dU and dRk = T^T dW =
+     -dRv S^T are the cotangents of beta V and beta exp(G) K, and dA = -(dRv U^T + dRk
+     W^T) = -dRv u^T (d(I + A)^-1 = -T dA T; u = U - W S, the forward's), strictly
+     lower, reaches k_t . k_j, beta and G through A_tj
      = beta_t D_tj k_t . k_j. dV = beta dRv. The decay's cotangent dG gathers every
      exp(G) factor's (the entry-state term, the segments of P and A, exp(G) K, Kd,
      exp(G_last) S), and dg_s takes each over the g it spans (G is the in-chunk
@@ -248,17 +249,25 @@ def _grads_state_kernel(q_ref, k_ref, hi_ref, lo_ref, s_ref, u_ref, do_ref, dexi
 # 174; on an H100 (2026-12-06, B 1, T 32768, Hv 32) the chunk gradients (both kernels)
 # took 6.63 ms against 8.06, the same gradients to 4e-8.
 GRADS_SOLVE_KEYS_FIRST = True
+# The solve's gradients through the forward's u (GRADS_SOLVE_THROUGH_U, which takes
+# precedence over the orders above): dRk = T^T dW = -(T^T du) S^T = -dRv S^T, and dA =
+# -T^T dT T^T = -dRv (T (beta V) - T (beta exp(G) K) S)^T = -dRv u^T, u being the
+# forward's residual. Three products a program (dRv, dRk, dA) where the orders above
+# take six (du S^T, T^T of it, T^T du, dRk W^T, T (beta V) and dRv of it), and neither
+# W nor T (beta V) is read or formed.
+GRADS_SOLVE_THROUGH_U = True
 
 
-def _grads_solve_kernel(k_ref, v_ref, hi_ref, lo_ref, beta_ref, t_ref, w_ref, s_ref, du_ref,
-                        dk_in_ref, dg_in_ref, dv_ref, dbeta_ref, dk_ref, dg_ref, *,
-                        keys_first: bool):
-    """The gradients through the solve (keys_first: GRADS_SOLVE_KEYS_FIRST's order):
+def _grads_solve_kernel(k_ref, v_ref, hi_ref, lo_ref, beta_ref, t_ref, w_or_u_ref, s_ref,
+                        du_ref, dk_in_ref, dg_in_ref, dv_ref, dbeta_ref, dk_ref, dg_ref, *,
+                        keys_first: bool, through_u: bool = False):
+    """The gradients through the solve (through_u: GRADS_SOLVE_THROUGH_U's form, else
+    keys_first: GRADS_SOLVE_KEYS_FIRST's order):
     u = U - W S, U = T (beta V), W = T (beta exp(G) K), T = (I + A)^-1, A_tj = beta_t D_tj k_t . k_j (strictly lower). dv, dbeta (this
-    block's share), and dk and dg added to the first kernel's shares (aliased). W is the
-    forward's (a residual), not formed again; K and V are loaded where used and dv is
-    stored as soon as it is whole: held, the [C, K] and [C, block_v] fp32 tiles spilled
-    registers."""
+    block's share), and dk and dg added to the first kernel's shares (aliased).
+    w_or_u_ref: the forward's u (through_u) or W (the orders), residuals, not formed
+    again; K and V are loaded where used and dv is stored as soon as it is whole: held,
+    the [C, K] and [C, block_v] fp32 tiles spilled registers."""
     del dk_in_ref, dg_in_ref  # the same buffers as dk_ref, dg_ref
     chunk = k_ref.shape[0]
     cd = du_ref.dtype
@@ -272,12 +281,21 @@ def _grads_solve_kernel(k_ref, v_ref, hi_ref, lo_ref, beta_ref, t_ref, w_ref, s_
     # dRv and dRk: the cotangents of beta V and of beta exp(G) K.
     d_rk_of = lambda: -mm(inv, mm(du, s_ref[...], trans_b=True), trans_a=True)  # noqa: E731
     d_rv_of = lambda: mm(inv, du, trans_a=True)  # noqa: E731
-    if keys_first:
+    if through_u:
+        d_rv = d_rv_of()
+        dv_ref[...] = beta[:, None] * d_rv
+        dbeta = jnp.sum(d_rv * values(), axis=1)
+        d_rk = -mm(d_rv, s_ref[...], trans_b=True)  # T^T dW, dW = -du S^T
+        along_keys = grow * jnp.sum(d_rk * keys(), axis=1)  # dRk . exp(G) k
+        at_step, dbeta = beta * along_keys, dbeta + along_keys
+        dk_ref[...] += (beta * grow)[:, None] * d_rk
+        da = -mm(d_rv, w_or_u_ref[...], trans_b=True)  # d(I + A)^-1 = -T dA T
+    elif keys_first:
         d_rk = d_rk_of()
         along_keys = grow * jnp.sum(d_rk * keys(), axis=1)  # dRk . exp(G) k
         at_step, dbeta = beta * along_keys, along_keys
         dk_ref[...] += (beta * grow)[:, None] * d_rk
-        da = mm(d_rk, w_ref[...], trans_b=True)
+        da = mm(d_rk, w_or_u_ref[...], trans_b=True)
         d_rv = d_rv_of()
         dv_ref[...] = beta[:, None] * d_rv
         dbeta = dbeta + jnp.sum(d_rv * values(), axis=1)
@@ -292,13 +310,13 @@ def _grads_solve_kernel(k_ref, v_ref, hi_ref, lo_ref, beta_ref, t_ref, w_ref, s_
                  + jnp.sum(d_rk * grow[:, None] * keys(), axis=1))
         at_step = (beta * grow) * jnp.sum(d_rk * keys(), axis=1)
         da = -(mm(d_rv, mm(inv, beta[:, None] * values()), trans_b=True)
-               + mm(d_rk, w_ref[...], trans_b=True))  # d(I + A)^-1 = -T dA T
+               + mm(d_rk, w_or_u_ref[...], trans_b=True))  # d(I + A)^-1 = -T dA T
     da = jnp.where(strict, da * _masked_decay(hi, lo, hi, lo, strict), 0.0)
     through_a = da * mm(keys(), keys(), trans_b=True)  # dA_tj D_tj k_t . k_j
     dbeta_ref[...] = dbeta + jnp.sum(through_a, axis=1)
     dg_ref[...] += _dg_of(at_step, None, None, beta[:, None] * through_a)
     da = beta[:, None] * da
-    if keys_first:
+    if keys_first or through_u:
         dk_ref[...] += mm(da, keys()) + mm(da, keys(), trans_a=True)
     else:
         dk_ref[...] += ((beta * grow)[:, None] * d_rk + mm(da, keys())
@@ -354,6 +372,26 @@ def _grads_solve_body(k, v, hi, lo, beta, inv, w, state, du, dk_in, dg_in):
     return dv, dbeta, dk, dg_in + _dg_body(at_step, None, None, beta[..., None] * through_a)
 
 
+def _grads_solve_body_through_u(k, v, hi, lo, beta, inv, u, state, du, dk_in, dg_in):
+    """_grads_solve_body's outputs in GRADS_SOLVE_THROUGH_U's form (pl.estimate_cost):
+    u [Z, C, V], the forward's, in place of w."""
+    mat = lambda a, b: jnp.einsum("zij,zjk->zik", a, b)  # noqa: E731
+    tr = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731
+    seg = (hi[..., :, None] - hi[..., None, :]) + (lo[..., :, None] - lo[..., None, :])
+    grow = jnp.exp(hi + lo)
+    d_rv = mat(tr(inv), du)
+    d_rk = -mat(d_rv, tr(state))
+    dv = beta[..., None] * d_rv
+    dbeta = (d_rv * v).sum(2) + (d_rk * grow[..., None] * k).sum(2)
+    at_step = (beta * grow) * (d_rk * k).sum(2)
+    da = -mat(d_rv, tr(u)) * jnp.exp(seg)
+    through_a = da * mat(k, tr(k))
+    dbeta = dbeta + through_a.sum(2)
+    da = beta[..., None] * da
+    dk = dk_in + (beta * grow)[..., None] * d_rk + mat(da, k) + mat(tr(da), k)
+    return dv, dbeta, dk, dg_in + _dg_body(at_step, None, None, beta[..., None] * through_a)
+
+
 def _chunk_grads(q, k, v, hi, lo, beta, inv, w, states, u, du, do, d_exit, scale, block_v,
                  interpret):
     """(dq, dk [B, NC, C, Hv, K], dv [B, NC, C, Hv, V], dbeta, dg [B, NC, C, Hv]), fp32;
@@ -395,26 +433,31 @@ def _chunk_grads(q, k, v, hi, lo, beta, inv, w, states, u, du, do, d_exit, scale
         name="gated_delta_rule_chunk_grads_state",
     )(q, k, hi, lo, states, u, do, d_exit)
     shapes = (sharding.out_struct(v.shape, F32, like=v), gate_shares, key_shares, gate_shares)
+    through_u = GRADS_SOLVE_THROUGH_U
+    # The forward's u (a [C, block_v] block) or W (a [C, K] block): what the form reads.
+    w_or_u, w_or_u_spec, w_or_u_z, body = (
+        (u, value, values, _grads_solve_body_through_u) if through_u else
+        (w, pl.BlockSpec((None, None, chunk, None, dk), lambda vb, h, c, i: (i, c, 0, h, 0)),
+         keys, _grads_solve_body))
     dv_, dbeta, dk_, dg = pl.pallas_call(
-        functools.partial(_grads_solve_kernel, keys_first=GRADS_SOLVE_KEYS_FIRST),
+        functools.partial(_grads_solve_kernel, keys_first=GRADS_SOLVE_KEYS_FIRST,
+                          through_u=through_u),
         out_shape=shapes,
         grid=grid,
         in_specs=[key, value, gate, gate, gate,
                   pl.BlockSpec((None, None, None, chunk, chunk),
                                lambda vb, h, c, i: (i, c, h, 0, 0)),
-                  pl.BlockSpec((None, None, chunk, None, dk),
-                               lambda vb, h, c, i: (i, c, 0, h, 0)),
-                  square_spec, value, key_out, gate_out],
+                  w_or_u_spec, square_spec, value, key_out, gate_out],
         out_specs=[value, gate_out, key_out, gate_out],
         input_output_aliases={9: 2, 10: 3},
         compiler_params=_params(num_warps=warps),
         interpret=interpret,
         cost_estimate=cost.estimate(
-            _grads_solve_body, keys, values, row, row, row, cost.struct((z, chunk, chunk), F32),
-            keys, square, values, keys, row,
-            inputs=(k, v, hi, lo, beta, inv, w, states, du, dk_, dg), outputs=shapes),
+            body, keys, values, row, row, row, cost.struct((z, chunk, chunk), F32),
+            w_or_u_z, square, values, keys, row,
+            inputs=(k, v, hi, lo, beta, inv, w_or_u, states, du, dk_, dg), outputs=shapes),
         name="gated_delta_rule_chunk_grads_solve",
-    )(k, v, hi, lo, beta, inv, w, states, du, dk_, dg)
+    )(k, v, hi, lo, beta, inv, w_or_u, states, du, dk_, dg)
     return dq.sum(0), dk_.sum(0), dv_, dbeta.sum(0), dg.sum(0)
 
 
