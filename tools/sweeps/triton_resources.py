@@ -4,9 +4,11 @@ compiled for an H100/H200 (sm_90), on a machine with no GPU.
 The kernels are lowered for CUDA from the CPU (as the tests do), each Triton module that
 Pallas emits is caught on its way into the custom call, and the `triton` package (3.6,
 the GPU machines' version; its wheel carries ptxas and cuobjdump) compiles it with the
-call's num_warps and num_stages. ptxas's register count and the spill traffic (STL/LDL in
-the SASS) are the same as on the device; XLA compiles the same module there with its own
-Triton, so the figures are a close guide, not the device's own reading.
+call's num_warps and num_stages (block configs chosen for sm_90's 227 KiB of shared
+memory, as on the device, not the CPU fallback's smallest budget). ptxas's register
+count and the spill traffic (STL/LDL in the SASS) are the same as on the device; XLA
+compiles the same module there with its own Triton, so the figures are a close guide,
+not the device's own reading.
 
     python -m pip install --target /tmp/triton-3.6 triton==3.6.0
     PYTHONPATH=/tmp/triton-3.6:<the four package roots> python3 tools/sweeps/triton_resources.py \\
@@ -52,6 +54,17 @@ def _catching(*args, **kwargs):
 
 
 lowering.lower_jaxpr_to_triton_module = _catching  # the registration looks it up per call
+
+
+def as_on_sm90():
+    """Block configs chosen for an H100/H200's shared memory (227 KiB) while lowering: on
+    a machine with no GPU the kernels' budget falls back to the smallest generation's
+    (99 KiB), which would pick shallower pipelines (the state passes' stages) than the
+    device runs."""
+    from pallasite.kernels import platform
+
+    budget = platform.SHARED_MEMORY_KIB["sm90"] * 1024
+    platform.triton_shared_memory_budget = lambda device=None: budget
 
 
 def lowered_kernels(fn, *args) -> list[tuple[str, int, int]]:
@@ -169,6 +182,7 @@ def main(argv=None):
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a module flag of the op's Pallas Triton module")
     args = parser.parse_args(argv)
+    as_on_sm90()
     extra = {"packed": args.packed} if args.packed else {}
     module, fn, operands = OPS[args.op](args.grad, **extra)
     # The op's Pallas Triton module, and its backward's where it has one of its own.
