@@ -350,41 +350,28 @@ def _grads_state_body(q, k, hi, lo, state, u, do, d_exit):
     return dq, dk, _dg_body(at_step, through_kd, through_end[:, None], through_p)
 
 
-def _grads_solve_body(k, v, hi, lo, beta, inv, w, state, du, dk_in, dg_in):
+def _grads_solve_body(k, v, hi, lo, beta, inv, w_or_u, state, du, dk_in, dg_in, *,
+                      through_u: bool):
     """The second chunk-gradient kernel's arithmetic over every (row, chunk, head)
     (pl.estimate_cost): k [Z, C, K], v, du [Z, C, V], hi, lo, beta [Z, C], inv [Z, C, C],
-    w [Z, C, K], state [Z, K, V]; dk_in [Z, C, K] and dg_in [Z, C], the first kernel's
+    w_or_u the forward's u [Z, C, V] (through_u: GRADS_SOLVE_THROUGH_U's form) or W [Z,
+    C, K], state [Z, K, V]; dk_in [Z, C, K] and dg_in [Z, C], the first kernel's
     shares."""
     mat = lambda a, b: jnp.einsum("zij,zjk->zik", a, b)  # noqa: E731
     tr = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731
     seg = (hi[..., :, None] - hi[..., None, :]) + (lo[..., :, None] - lo[..., None, :])
     grow = jnp.exp(hi + lo)
     d_rv = mat(tr(inv), du)
-    d_rk = -mat(tr(inv), mat(du, tr(state)))
+    if through_u:
+        d_rk = -mat(d_rv, tr(state))
+        da = -mat(d_rv, tr(w_or_u))
+    else:
+        d_rk = -mat(tr(inv), mat(du, tr(state)))
+        da = -(mat(d_rv, tr(mat(inv, beta[..., None] * v))) + mat(d_rk, tr(w_or_u)))
     dv = beta[..., None] * d_rv
     dbeta = (d_rv * v).sum(2) + (d_rk * grow[..., None] * k).sum(2)
     at_step = (beta * grow) * (d_rk * k).sum(2)
-    da = -(mat(d_rv, tr(mat(inv, beta[..., None] * v))) + mat(d_rk, tr(w))) * jnp.exp(seg)
-    through_a = da * mat(k, tr(k))
-    dbeta = dbeta + through_a.sum(2)
-    da = beta[..., None] * da
-    dk = dk_in + (beta * grow)[..., None] * d_rk + mat(da, k) + mat(tr(da), k)
-    return dv, dbeta, dk, dg_in + _dg_body(at_step, None, None, beta[..., None] * through_a)
-
-
-def _grads_solve_body_through_u(k, v, hi, lo, beta, inv, u, state, du, dk_in, dg_in):
-    """_grads_solve_body's outputs in GRADS_SOLVE_THROUGH_U's form (pl.estimate_cost):
-    u [Z, C, V], the forward's, in place of w."""
-    mat = lambda a, b: jnp.einsum("zij,zjk->zik", a, b)  # noqa: E731
-    tr = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731
-    seg = (hi[..., :, None] - hi[..., None, :]) + (lo[..., :, None] - lo[..., None, :])
-    grow = jnp.exp(hi + lo)
-    d_rv = mat(tr(inv), du)
-    d_rk = -mat(d_rv, tr(state))
-    dv = beta[..., None] * d_rv
-    dbeta = (d_rv * v).sum(2) + (d_rk * grow[..., None] * k).sum(2)
-    at_step = (beta * grow) * (d_rk * k).sum(2)
-    da = -mat(d_rv, tr(u)) * jnp.exp(seg)
+    da = da * jnp.exp(seg)
     through_a = da * mat(k, tr(k))
     dbeta = dbeta + through_a.sum(2)
     da = beta[..., None] * da
@@ -435,10 +422,10 @@ def _chunk_grads(q, k, v, hi, lo, beta, inv, w, states, u, du, do, d_exit, scale
     shapes = (sharding.out_struct(v.shape, F32, like=v), gate_shares, key_shares, gate_shares)
     through_u = GRADS_SOLVE_THROUGH_U
     # The forward's u (a [C, block_v] block) or W (a [C, K] block): what the form reads.
-    w_or_u, w_or_u_spec, w_or_u_z, body = (
-        (u, value, values, _grads_solve_body_through_u) if through_u else
+    w_or_u, w_or_u_spec, w_or_u_z = (
+        (u, value, values) if through_u else
         (w, pl.BlockSpec((None, None, chunk, None, dk), lambda vb, h, c, i: (i, c, 0, h, 0)),
-         keys, _grads_solve_body))
+         keys))
     dv_, dbeta, dk_, dg = pl.pallas_call(
         functools.partial(_grads_solve_kernel, keys_first=GRADS_SOLVE_KEYS_FIRST,
                           through_u=through_u),
@@ -453,7 +440,8 @@ def _chunk_grads(q, k, v, hi, lo, beta, inv, w, states, u, du, do, d_exit, scale
         compiler_params=_params(num_warps=warps),
         interpret=interpret,
         cost_estimate=cost.estimate(
-            body, keys, values, row, row, row, cost.struct((z, chunk, chunk), F32),
+            functools.partial(_grads_solve_body, through_u=through_u), keys, values, row,
+            row, row, cost.struct((z, chunk, chunk), F32),
             w_or_u_z, square, values, keys, row,
             inputs=(k, v, hi, lo, beta, inv, w_or_u, states, du, dk_, dg), outputs=shapes),
         name="gated_delta_rule_chunk_grads_solve",
