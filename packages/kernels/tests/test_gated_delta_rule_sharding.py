@@ -7,6 +7,7 @@ moves no array of the inputs' size, and with the sequence split only state-sized
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
@@ -205,14 +206,16 @@ def test_the_sequence_split_under_explicit_axes(implementation, packed):
     _state_sized(found, 8 * (len(PACKED_CU) if packed else B))
 
 
-@pytest.mark.parametrize("l2norm", [False, True], ids=["plain", "l2norm"])
-def test_the_sequence_over_auto_axes_in_whole_chunks_stays_split(l2norm, caplog):
+@pytest.mark.parametrize("l2norm, in_context", [(False, True), (True, True), (False, False)],
+                         ids=["plain", "l2norm", "no_mesh_in_context"])
+def test_the_sequence_over_auto_axes_in_whole_chunks_stays_split(l2norm, in_context, caplog):
     """Under Auto axes a T the compiler splits in parts of whole chunks (4 parts of one
     chunk of 16, two rows, grouped value heads) stays split through the kernels' passes:
     each part's forward runs from the entering state one exchange gives it, the backward
     chains the parts' final-state cotangents by hand. Values and all six gradients equal
     the unsharded call's, nothing is gathered (no log), and every collective of the
-    compiled program moves state-sized arrays only."""
+    compiled program moves state-sized arrays only; with the mesh in context
+    (jax.set_mesh) or only in the arrays' shardings."""
     b, t = 2, 64
     args = tuple(a[:b, :t] for a in _inputs(seed=12))
     args = args[:5] + (args[5][:b],)
@@ -222,7 +225,7 @@ def test_the_sequence_over_auto_axes_in_whole_chunks_stays_split(l2norm, caplog)
         loss = functools.partial(_l2norm_loss, chunk_size=16)
     placed = _time_split(args, mesh)
     with caplog.at_level(logging.INFO, logger="pallasite.gated_delta"):
-        with jax.set_mesh(mesh):
+        with jax.set_mesh(mesh) if in_context else contextlib.nullcontext():
             got = _grads(loss, placed)
             found = st.compiled_collectives(jax.grad(loss, argnums=tuple(range(6))), *placed)
     _assert_close(got, _grads(loss, args))
