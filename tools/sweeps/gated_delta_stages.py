@@ -329,6 +329,70 @@ def fla_stages(name, shape):
     rec("forward_backward", forward_backward)
 
 
+def fused_output_forms(name, shape, interpret, with_fla):
+    """The forward with its output formed in the state pass's loop (pt.FUSED_OUTPUT) or
+    by the output kernel: the whole forward, forward+backward (the residuals' forward
+    keeps the states and u), the pass alone against the state pass and the output
+    kernel, at the fused pass's warp counts and block_v; o's largest difference from the
+    unfused forward's; and, with_fla, fla's forward in the same process."""
+    b, t, hk, hv, dk, dv = shape
+    chunk = 64
+    q, k, v, g, beta, init = inputs(*shape)
+    scale = dk ** -0.5
+    base = dict(op="gated_delta_rule", shape=name, impl="pallasite.pallas_triton")
+    do = jax.random.normal(jax.random.key(9), v.shape, BF16)
+    dfinal = jax.random.normal(jax.random.key(10), init.shape, F32)
+
+    def traced(block_v):  # new functions, so the knobs set now are read when traced
+        def fwd(q, k, v, g, beta, init):
+            return pt.forward(q, k, v, g, beta, scale=scale, initial_state=init,
+                              cu_seqlens=None, chunk_size=chunk, use_qk_l2norm_in_kernel=False,
+                              interpret=interpret,
+                              block_sizes=None if block_v is None else dict(block_v=block_v))
+
+        def loss(*args):
+            o, final = fwd(*args)
+            return jnp.vdot(o.astype(F32), do.astype(F32)) + jnp.vdot(final, dfinal)
+
+        return jax.jit(fwd), jax.jit(jax.grad(loss, argnums=range(6)))
+
+    args = (q, k, v, g, beta, init)
+    fwd, grad = traced(None)
+    want = fwd(*args)
+    emit(dict(base, stage="forward", fused_output=False, ms=round(ms(fwd, *args), 4)))
+    emit(dict(base, stage="forward_backward", fused_output=False,
+              ms=round(ms(grad, *args), 4)))
+    forms = [(w, bv) for w in (4, 8) for bv in (None, 16, 32, 64) if bv is None or bv <= dv]
+    for warps, block_v in forms:
+        with knobs(pt, FUSED_OUTPUT=True, STATE_OUTPUT_WARPS=warps):
+            fwd, grad = traced(block_v)
+            try:
+                got = fwd(*args)
+                diff = [float(jnp.max(jnp.abs(a.astype(F32) - c.astype(F32))))
+                        for a, c in zip(got, want)]
+                rec = dict(base, fused_output=True, warps=warps, block_v=block_v or "default")
+                emit(dict(rec, stage="forward", ms=round(ms(fwd, *args), 4),
+                          max_abs_diff_vs_unfused=diff))
+                if block_v is None:
+                    emit(dict(rec, stage="forward_backward", ms=round(ms(grad, *args), 4)))
+            except Exception as err:  # noqa: BLE001 - a form that does not compile is a record
+                emit(dict(base, fused_output=True, warps=warps, block_v=block_v,
+                          error=f"{type(err).__name__}: {err}"[:300]))
+    if with_fla:
+        import torch
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        tq, tk, tv, tg, tb, ti = (torch.from_dlpack(a) for a in args)
+        run = lambda: chunk_gated_delta_rule(tq, tk, tv, tg, tb, initial_state=ti,  # noqa
+                                             output_final_state=True)
+        with torch.no_grad():
+            run()
+            torch.cuda.synchronize()
+            emit(dict(base, impl="fla.triton", stage="forward", ms=round(ms(
+                lambda: run(), sync=lambda _: torch.cuda.synchronize()), 4)))
+        peers.release_torch_memory()
+
+
 def packed_state_passes(shape, interpret):
     """The state passes on packed sequences (cu_seqlens) of the first shape's heads and
     length: 16 random lengths and sequences of one chunk each, walked as one run per
@@ -455,8 +519,16 @@ def main(argv=None):
     parser.add_argument("--no-fla", action="store_true", help="leave fla's stages out")
     parser.add_argument("--packed", action="store_true",
                         help="the packed forwards alone (packed_forwards), first shape")
+    parser.add_argument("--fused-output", action="store_true",
+                        help="the forward's output in the state pass or not "
+                             "(fused_output_forms), both shapes")
     args = parser.parse_args(argv)
     shapes = SMOKE if args.smoke else SHAPES
+    if args.fused_output:
+        with_fla = not (args.smoke or args.no_fla) and peers.fla_missing() is None
+        for name, shape in shapes.items():
+            fused_output_forms(name, shape, args.smoke, with_fla)
+        return 0
     if args.packed:
         with_fla = not (args.smoke or args.no_fla) and peers.fla_missing() is None
         packed_forwards(next(iter(shapes.values())), args.smoke, with_fla)

@@ -550,6 +550,12 @@ def prep_kernel_count() -> int:
     return 2 if PREP_IN_TWO_KERNELS and not APPLY_IN_SOLVE_KERNEL else 1
 
 
+def forward_kernel_count() -> int:
+    """How many kernels the forward launches: the prep's, then the state pass and the
+    output kernel, or the state pass with the output in its loop (FUSED_OUTPUT)."""
+    return prep_kernel_count() + (1 if FUSED_OUTPUT else 2)
+
+
 def _prep(k, v, hi, lo, beta, hv, cd, l2norm, interpret, store_inverse=False, rows=None):
     """(U [B, NC, C, Hv, V], W [B, NC, C, Hv, K]) in the compute dtype, and with
     store_inverse T = (I + A)^-1 [B, NC, Hv, C, C] fp32 (else None). k and v are in the
@@ -741,7 +747,8 @@ def pass_stages(chunk: int, dk: int, bv: int, itemsize: int, key_operands: int) 
 
 def _state_kernel(w_ref, big_u_ref, k_ref, hi_ref, lo_ref, start_ref, count_ref, seq_ref,
                   *refs, l2norm: bool, packed: bool, per_chunk_io: bool, io_in_branches: bool,
-                  decay_on_values: bool, transposed: bool, rows_in_place: bool):
+                  decay_on_values: bool, transposed: bool, rows_in_place: bool,
+                  residuals: bool = True, scale: float | None = None):
     """One (value column block, value head, row) walks its chunks in order, one run of
     chunks per sequence (packing.sequence_runs): the run's initial state is loaded before
     its chunk loop and its final state stored after it, so the loop carries the state in
@@ -751,63 +758,107 @@ def _state_kernel(w_ref, big_u_ref, k_ref, hi_ref, lo_ref, start_ref, count_ref,
     (pass_runs): one run over the row, the per-chunk tables (refs' first two) saying
     where in the loop a sequence's initial state is loaded and its final state stored.
     transposed (STATE_TRANSPOSED): the runs' loops carry the state's transpose (per-chunk
-    IO keeps the plain carry). rows_in_place: k is the packed row [T, K] itself, refs'
-    first two packing.chunk_rows' tables."""
-    if rows_in_place:
-        row_start_ref, row_count_ref, *refs = refs
-    enter_ref, leave_ref = refs[:2] if per_chunk_io else (None, None)
-    finals_ref, states_ref, u_ref, _ = refs[-4:]  # the last: finals_ref's buffer (aliased)
+    IO keeps the plain carry). rows_in_place: k (and q, o) are the packed row [T, D]
+    itself, refs' first two packing.chunk_rows' tables. residuals: the entry states and u
+    are stored (outputs before o and the finals). scale (FUSED_OUTPUT): the chunk's
+    output o = scale (exp(G) Q S + (D o Q K^T) u) formed in the loop from the state and
+    u it holds, q the ref after the tables, o the output before the finals."""
+    refs = list(refs)
+    take = lambda n: [refs.pop(0) for _ in range(n)]  # noqa: E731
+    row_start_ref, row_count_ref = take(2) if rows_in_place else (None, None)
+    enter_ref, leave_ref = take(2) if per_chunk_io else (None, None)
+    with_output = scale is not None
+    (q_ref,) = take(1) if with_output else (None,)
+    (finals_ref,) = take(1)  # the finals' buffer, aliased to the last output
+    states_ref, u_ref = take(2) if residuals else (None, None)
+    (o_ref,) = take(1) if with_output else (None,)
     nc, chunk, dk = w_ref.shape
     bv = big_u_ref.shape[2]
     cd = w_ref.dtype
 
-    def keys_of(c, span):
-        """Chunk c's keys: from the layout (span None), or in place, at the rows the
-        per-chunk tables give (span "tables": the one loop over a packed row) or, in a
-        run's loop, span (first row, first chunk, end row): rows affine in c, so the
+    def chunk_of(ref, c, span):
+        """Chunk c of ref: its block of the layout (span None), or in place, at the rows
+        the per-chunk tables give (span "tables": the one loop over a packed row) or, in
+        a run's loop, span (first row, first chunk, end row): rows affine in c, so the
         loop's software pipeline prefetches them as it does the layout's. Read from the
         tables inside the loop, they were not prefetched (compiled for sm_90: 58 cp.async
         against 78), and that pass took 1.32 ms at 16 sequences in T 32768 (an H100,
         2026-12-06), where the laid-out one had taken 0.88-0.89 in an earlier run."""
         if not rows_in_place:
-            return _normed(k_ref[c], l2norm)
+            return ref.at[c]
         if span == "tables":
             start, count = row_start_ref[c], row_count_ref[c]
         else:
             first_row, first_chunk, end_row = span
             start = first_row + (c - first_chunk) * chunk
             count = end_row - start
-        return _normed(_PackedChunk(k_ref, start, count, chunk)[...], l2norm)
+        return _PackedChunk(ref, start, count, chunk)
 
-    def to_end(c):  # ([C] exp(G_last - G) of chunk c's steps, G_last's pair)
-        hi, lo = hi_ref[c], lo_ref[c]
+    def keys_of(c, span):
+        return _normed(chunk_of(k_ref, c, span)[...], l2norm)
+
+    def queries_of(c, span):  # in the compute dtype where not normalised (no fp32 copy)
+        q = chunk_of(q_ref, c, span)[...]
+        return _normed(q, l2norm).astype(cd) if l2norm else q
+
+    def store_output(c, span, o):
+        chunk_of(o_ref, c, span)[...] = o.astype(o_ref.dtype)
+
+    def to_end(c, hi, lo):  # ([C] exp(G_last - G) of chunk c's steps, G_last's pair)
         hi_last, lo_last = hi_ref[c, chunk - 1], lo_ref[c, chunk - 1]
         return jnp.exp(_segment(hi_last, lo_last, hi, lo)), hi_last, lo_last
+
+    def output(c, span, q, keys, hi, lo, state, u, transposed_):
+        """Chunk c's o = scale (exp(G) Q S + P u) (P: _causal_scores), from the entry
+        state and u (their transposes where transposed_: o^T = scale (S^T (exp(G) Q)^T
+        + u^T P^T), the carries as the products' A operands)."""
+        scores = _causal_scores(q, keys, hi, lo)
+        grown_q = (q.astype(F32) * jnp.exp(hi + lo)[:, None]).astype(cd)
+        if transposed_:
+            o_t = (_dot(state.astype(cd), grown_q, trans_b=True)
+                   + _dot(u.astype(cd), scores, trans_b=True))
+            store_output(c, span, (scale * o_t).T)
+        else:
+            store_output(c, span, scale * (_dot(grown_q, state.astype(cd))
+                                           + _dot(scores, u.astype(cd))))
 
     def step(c, state, span):
         if per_chunk_io:
             state = _load_where(finals_ref, enter_ref[c], state, io_in_branches)
-        states_ref[c] = state.astype(states_ref.dtype)
+        if residuals:
+            states_ref[c] = state.astype(states_ref.dtype)
         u = big_u_ref[c].astype(F32) - _dot(w_ref[c], state.astype(cd))
-        u_ref[c] = u.astype(cd)
-        decay, hi_last, lo_last = to_end(c)
+        if residuals:
+            u_ref[c] = u.astype(cd)
+        hi, lo = hi_ref[c], lo_ref[c]
+        decay, hi_last, lo_last = to_end(c, hi, lo)
         decay = decay[:, None]
+        keys = keys_of(c, span)
+        if with_output:
+            output(c, span, queries_of(c, span), keys.astype(cd),
+                   hi, lo, state, u, False)
         if decay_on_values:
-            keys, values = keys_of(c, span).astype(cd), (decay * u).astype(cd)
+            keys, values = keys.astype(cd), (decay * u).astype(cd)
         else:
-            keys, values = (keys_of(c, span) * decay).astype(cd), u.astype(cd)
+            keys, values = (keys * decay).astype(cd), u.astype(cd)
         state = jnp.exp(hi_last + lo_last) * state + _dot(keys, values, trans_a=True)
         if per_chunk_io:
             _store_where(finals_ref, leave_ref[c], state, io_in_branches)
         return state
 
     def step_transposed(c, state_t, span):
-        states_ref[c] = state_t.T.astype(states_ref.dtype)
+        if residuals:
+            states_ref[c] = state_t.T.astype(states_ref.dtype)
         u_t = big_u_ref[c].astype(F32).T - _dot(state_t.astype(cd), w_ref[c], trans_b=True)
-        u_ref[c] = u_t.T.astype(cd)
-        decay, hi_last, lo_last = to_end(c)
+        if residuals:
+            u_ref[c] = u_t.T.astype(cd)
+        hi, lo = hi_ref[c], lo_ref[c]
+        decay, hi_last, lo_last = to_end(c, hi, lo)
         values_t = (u_t * decay[None, :]).astype(cd)
         keys = keys_of(c, span).astype(cd)
+        if with_output:
+            output(c, span, queries_of(c, span), keys, hi, lo,
+                   state_t, u_t, True)
         return jnp.exp(hi_last + lo_last) * state_t + _dot(values_t, keys)
 
     def loop(lo_, hi_, init, span=None):
@@ -848,13 +899,22 @@ def _state_body(w, big_u, k, hi, lo, state):
     return across[:, None, None] * state + jnp.einsum("zck,zcv->zkv", keys, u)
 
 
+def _state_output_body(w, big_u, k, hi, lo, state, q, *, columns):
+    """The state pass with the output in its loop (FUSED_OUTPUT), for pl.estimate_cost:
+    _state_body's arithmetic and _output_body's (big_u standing in for u)."""
+    return _state_body(w, big_u, k, hi, lo, state), _output_body(q, k, hi, lo, state, big_u,
+                                                                 columns=columns)
+
+
 def _state_pass(w, big_u, k, hi, lo, entering, leaving, init, bs: BlockSizes, l2norm,
-                interpret, *, packed: bool, rows=None):
+                interpret, *, packed: bool, rows=None, residuals: bool = True, output=None):
     """(states [B, NC, Hv, K, V] entering each chunk in the compute dtype, u [B, NC, C,
-    Hv, V] in the compute dtype, finals [N, Hv, K, V] fp32). packed: the chunk tables
-    come from cu_seqlens (else each row is one sequence); packing.sequence_runs turns
-    them into the kernel's runs. k is in the chunk layout, or with `rows`
-    (packing.chunk_rows' tables) the packed row [1, T, Hk, K] itself, read in place."""
+    Hv, V] in the compute dtype, finals [N, Hv, K, V] fp32), states and u None where
+    not `residuals`. packed: the chunk tables come from cu_seqlens (else each row is one
+    sequence); packing.sequence_runs turns them into the kernel's runs. k is in the chunk
+    layout, or with `rows` (packing.chunk_rows' tables) the packed row [1, T, Hk, K]
+    itself, read in place. output (FUSED_OUTPUT): (q, scale, dtype), q as k is given,
+    and the pass returns o as well, as _output does (a fourth item)."""
     b, nc, chunk, hv, dk = w.shape
     hk = k.shape[-2]
     dv = big_u.shape[4]
@@ -863,70 +923,103 @@ def _state_pass(w, big_u, k, hi, lo, entering, leaving, init, bs: BlockSizes, l2
     cd = w.dtype
     n = init.shape[0]
     runs, tables = pass_runs(entering, leaving, n, packed)
-    shapes = (sharding.out_struct((b, nc, hv, dk, dv), cd, like=big_u),
-              sharding.out_struct(big_u.shape, cd, like=big_u),
-              sharding.out_struct(init.shape, F32, like=init))
-    z = b * nc * hv
-    estimate = cost.estimate(
-        _state_body, cost.struct((z, chunk, dk), F32), cost.struct((z, chunk, dv), F32),
-        cost.struct((z, chunk, dk), F32), cost.struct((z, chunk), F32),
-        cost.struct((z, chunk), F32), cost.struct((z, dk, dv), F32),
-        inputs=(w, big_u, k, hi, lo, *runs, *tables, init), outputs=shapes)
     rows = tuple(rows or ())
+    shapes = []
+    if residuals:
+        shapes += [sharding.out_struct((b, nc, hv, dk, dv), cd, like=big_u),
+                   sharding.out_struct(big_u.shape, cd, like=big_u)]
+    if output is not None:
+        q, scale, out_dtype = output
+        o_shape = (b, q.shape[1], hv, dv) if rows else big_u.shape
+        shapes.append(sharding.out_struct(o_shape, out_dtype, like=big_u))
+    shapes.append(sharding.out_struct(init.shape, F32, like=init))
+    z = b * nc * hv
+    keys_z, row_z = cost.struct((z, chunk, dk), F32), cost.struct((z, chunk), F32)
+    operands_z = [keys_z, cost.struct((z, chunk, dv), F32), keys_z, row_z, row_z,
+                  cost.struct((z, dk, dv), F32)]
+    inputs = (w, big_u, k, hi, lo, *runs, *rows, *tables, init)
+    body = _state_body
+    if output is not None:
+        body = functools.partial(_state_output_body, columns=dv // bv)
+        operands_z.append(keys_z)
+        inputs += (q,)
+    estimate = cost.estimate(body, *operands_z, inputs=inputs, outputs=tuple(shapes))
     keys = pl.BlockSpec((None, nc, chunk, None, dk),
                         lambda vb, h, i: (i, 0, 0, h // per_key_head, 0))
+    columns = pl.BlockSpec((None, nc, chunk, None, bv), lambda vb, h, i: (i, 0, 0, h, vb))
+    o_spec = columns
     if rows:
         keys = pl.BlockSpec((None, k.shape[1], None, dk),
                             lambda vb, h, i: (i, 0, h // per_key_head, 0))
+        o_spec = pl.BlockSpec((None, k.shape[1], None, bv), lambda vb, h, i: (i, 0, h, vb))
     per_head = pl.BlockSpec((None, nc, chunk, None), lambda vb, h, i: (i, 0, 0, h))
     table = pl.BlockSpec((None, runs[0].shape[1]), lambda vb, h, i: (i, 0))
     per_chunk = pl.BlockSpec((None, nc), lambda vb, h, i: (i, 0))
     finals = pl.BlockSpec((n, None, dk, bv), lambda vb, h, i: (0, h, 0, vb))
-    columns = pl.BlockSpec((None, nc, chunk, None, bv), lambda vb, h, i: (i, 0, 0, h, vb))
-    states, u, finals_out = pl.pallas_call(
+    in_specs = [pl.BlockSpec((None, nc, chunk, None, dk), lambda vb, h, i: (i, 0, 0, h, 0)),
+                columns, keys, per_head, per_head, table, table, table,
+                *[per_chunk] * (len(rows) + len(tables))]
+    out_specs = []
+    if residuals:
+        out_specs += [pl.BlockSpec((None, nc, None, dk, bv), lambda vb, h, i: (i, 0, h, 0, vb)),
+                      columns]
+    args = [w, big_u, k, hi, lo, *runs, *rows, *tables]
+    if output is not None:
+        in_specs.append(keys)
+        out_specs.append(o_spec)
+        args.append(q)
+    in_specs.append(finals)
+    out_specs.append(finals)
+    args.append(init)
+    outs = pl.pallas_call(
         functools.partial(_state_kernel, l2norm=l2norm, packed=packed,
                           per_chunk_io=bool(tables),
                           io_in_branches=STATE_IO_IN_BRANCHES,
                           decay_on_values=DECAY_ON_VALUES,
                           transposed=STATE_TRANSPOSED and bv <= STATE_TRANSPOSED_MAX_BLOCK_V,
-                          rows_in_place=bool(rows)),
-        out_shape=shapes,
+                          rows_in_place=bool(rows), residuals=residuals,
+                          scale=None if output is None else float(scale)),
+        out_shape=tuple(shapes),
         grid=(dv // bv, hv, b),
-        in_specs=[
-            pl.BlockSpec((None, nc, chunk, None, dk), lambda vb, h, i: (i, 0, 0, h, 0)),
-            columns, keys, per_head, per_head, table, table, table,
-            *[per_chunk] * (len(rows) + len(tables)), finals,
-        ],
-        out_specs=[
-            pl.BlockSpec((None, nc, None, dk, bv), lambda vb, h, i: (i, 0, h, 0, vb)),
-            columns,
-            finals,
-        ],
-        input_output_aliases={8 + len(rows) + len(tables): 2},
-        compiler_params=_params(num_warps=4, num_stages=pass_stages(
-            chunk, dk, bv, max(w.dtype.itemsize, k.dtype.itemsize), key_operands=2)),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        input_output_aliases={len(args) - 1: len(shapes) - 1},
+        compiler_params=_params(
+            num_warps=4 if output is None else STATE_OUTPUT_WARPS,
+            num_stages=pass_stages(chunk, dk, bv, max(w.dtype.itemsize, k.dtype.itemsize),
+                                   key_operands=2 if output is None else 3)),
         interpret=interpret,
         cost_estimate=estimate,
-        name="gated_delta_rule_state_pass",
-    )(w, big_u, k, hi, lo, *runs, *rows, *tables, init)
-    return states, u, finals_out
+        name="gated_delta_rule_state_pass" if output is None
+        else "gated_delta_rule_state_output_pass",
+    )(*args)
+    states, u = outs[:2] if residuals else (None, None)
+    if output is None:
+        return states, u, outs[-1]
+    return states, u, outs[-1], outs[-2]
 
 
 # ---------------------------------------------------------------------------- output
 
 
+def _causal_scores(q, keys, hi, lo):
+    """P = D o Q K^T [C, C] in the keys' (compute) dtype, D the masked decay exp(G_t -
+    G_j) for t >= j: the output's in-chunk weights of u. q fp32 [C, K], keys [C, K]."""
+    chunk = q.shape[0]
+    causal = _iota(chunk, chunk, 0) >= _iota(chunk, chunk, 1)
+    qk = _dot(q.astype(keys.dtype), keys, trans_b=True) * _masked_decay(hi, lo, hi, lo, causal)
+    return jnp.where(causal, qk, 0.0).astype(keys.dtype)
+
+
 def _output_kernel(q_ref, k_ref, hi_ref, lo_ref, s_ref, u_ref, o_ref, *, scale: float,
                    l2norm: bool):
     """o for one (value column block, value head, chunk, row)."""
-    chunk = q_ref.shape[0]
     cd = u_ref.dtype
     hi, lo = hi_ref[...], lo_ref[...]
     q = _normed(q_ref[...], l2norm)
     keys = _normed(k_ref[...], l2norm).astype(cd)
     o = _dot((q * jnp.exp(hi + lo)[:, None]).astype(cd), s_ref[...])
-    causal = _iota(chunk, chunk, 0) >= _iota(chunk, chunk, 1)
-    qk = _dot(q.astype(cd), keys, trans_b=True) * _masked_decay(hi, lo, hi, lo, causal)
-    o = o + _dot(jnp.where(causal, qk, 0.0).astype(cd), u_ref[...])
+    o = o + _dot(_causal_scores(q, keys, hi, lo), u_ref[...])
     o_ref[...] = (scale * o).astype(o_ref.dtype)
 
 
@@ -1009,6 +1102,15 @@ def _output(q, k, hi, lo, states, u, dtype, scale, bs: BlockSizes, l2norm, inter
 # chunk each; those runs' state pass read the keys from the tables inside its loop,
 # unpipelined (keys_of in _state_kernel has the fix, not timed yet).
 PACKED_ROWS_IN_PLACE = True
+# The output formed inside the state pass's chunk loop (one kernel, "state_output_pass"),
+# from the entry state and u it holds, rather than by the output kernel from the states
+# and u the pass stores: a forward without residuals then writes neither (at B 1, T 32768,
+# Hv 32, K = V = 128, bf16: 0.54 GB of states and 0.27 GB of u written and read back)
+# and launches one kernel fewer; with residuals it still stores them for the backward.
+# The loop does more per chunk (Q K^T, with one copy per block of value columns, and two
+# more products) off the chain the state carries from chunk to chunk.
+FUSED_OUTPUT = False
+STATE_OUTPUT_WARPS = 4
 
 
 def part_transition(w, k, hi, lo, entering, leaving, block_v: int, l2norm, interpret):
@@ -1019,7 +1121,7 @@ def part_transition(w, k, hi, lo, entering, leaving, block_v: int, l2norm, inter
     eye = jnp.broadcast_to(jnp.eye(dk, dtype=F32), (b, hv, dk, dk))
     bs = BlockSizes(block_v=min(block_v, dk))
     return _state_pass(w, jnp.zeros(w.shape, w.dtype), k, hi, lo, entering, leaving, eye,
-                       bs, l2norm, interpret, packed=False)[2]
+                       bs, l2norm, interpret, packed=False, residuals=False)[2]
 
 
 def _entering_state(w, big_u, k, hi, lo, entering, leaving, init, bs, l2norm, interpret,
@@ -1028,7 +1130,7 @@ def _entering_state(w, big_u, k, hi, lo, entering, leaving, init, bs, l2norm, in
     for a part of a sequence split over `sequence_axes` (context_parallel.py): its final
     state from zero (F) and its transition (M) by the state pass, then one exchange."""
     from_zero = _state_pass(w, big_u, k, hi, lo, entering, leaving, jnp.zeros_like(init),
-                            bs, l2norm, interpret, packed=False)[2]
+                            bs, l2norm, interpret, packed=False, residuals=False)[2]
     transition = part_transition(w, k, hi, lo, entering, leaving, bs.block_v, l2norm,
                                  interpret)
     return context_parallel.entering_states(transition, from_zero, init, sequence_axes)
@@ -1071,12 +1173,18 @@ def _kernels(q, k, v, g, beta, init, cu_seqlens, *, scale, chunk_size, l2norm, i
     if sequence_axes:
         init, whole_final = _entering_state(w, big_u, k, hi, lo, entering, leaving, init,
                                             bs, l2norm, interpret, sequence_axes)
-    states, u, finals = _state_pass(w, big_u, k, hi, lo, entering, leaving, init, bs,
-                                    l2norm, interpret, packed=cu_seqlens is not None,
-                                    rows=rows)
+    packed = cu_seqlens is not None
+    if FUSED_OUTPUT:
+        states, u, finals, o = _state_pass(
+            w, big_u, k, hi, lo, entering, leaving, init, bs, l2norm, interpret,
+            packed=packed, rows=rows, residuals=residuals, output=(q, scale, v.dtype))
+    else:
+        states, u, finals = _state_pass(w, big_u, k, hi, lo, entering, leaving, init, bs,
+                                        l2norm, interpret, packed=packed, rows=rows)
+        o = _output(q, k, hi, lo, states, u, v.dtype, scale, bs, l2norm, interpret,
+                    rows=rows)
     if sequence_axes:
         finals = whole_final
-    o = _output(q, k, hi, lo, states, u, v.dtype, scale, bs, l2norm, interpret, rows=rows)
     if not in_place:
         o = packing.steps_of(o.reshape(b, padded, hv, dv), length, positions)
     if not residuals:
