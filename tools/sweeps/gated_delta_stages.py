@@ -362,7 +362,7 @@ def fused_output_forms(name, shape, interpret, with_fla):
     emit(dict(base, stage="forward", fused_output=False, ms=round(ms(fwd, *args), 4)))
     emit(dict(base, stage="forward_backward", fused_output=False,
               ms=round(ms(grad, *args), 4)))
-    forms = [(w, bv) for w in (4, 8) for bv in (None, 16, 32, 64) if bv is None or bv <= dv]
+    forms = [(4, None), (8, None)] + [(8, bv) for bv in (32, 64) if bv <= dv]
     for warps, block_v in forms:
         with knobs(pt, FUSED_OUTPUT=True, STATE_OUTPUT_WARPS=warps):
             fwd, grad = traced(block_v)

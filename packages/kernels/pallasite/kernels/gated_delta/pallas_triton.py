@@ -813,13 +813,13 @@ def _state_kernel(w_ref, big_u_ref, k_ref, hi_ref, lo_ref, start_ref, count_ref,
         state and u (their transposes where transposed_: o^T = scale (S^T (exp(G) Q)^T
         + u^T P^T), the carries as the products' A operands)."""
         scores = _causal_scores(q, keys, hi, lo)
-        grown_q = (q.astype(F32) * jnp.exp(hi + lo)[:, None]).astype(cd)
+        grown = jnp.exp(hi + lo)  # exp(G_t) scales row t of Q S after the product
         if transposed_:
-            o_t = (_dot(state.astype(cd), grown_q, trans_b=True)
+            o_t = (_dot(state.astype(cd), q, trans_b=True) * grown[None, :]
                    + _dot(u.astype(cd), scores, trans_b=True))
             store_output(c, span, (scale * o_t).T)
         else:
-            store_output(c, span, scale * (_dot(grown_q, state.astype(cd))
+            store_output(c, span, scale * (_dot(q, state.astype(cd)) * grown[:, None]
                                            + _dot(scores, u.astype(cd))))
 
     def step(c, state, span):
