@@ -28,6 +28,8 @@ precision, not TF32. Decays, the triangular solve and the carried state are fp32
      (aliased), so a sequence that owns no chunk (empty) returns its initial state.
   3. output, one program per (block of value columns, value head, chunk, row):
      o = scale (exp(G) Q S_enter + (D o Q K^T) u), D the masked decay with its diagonal.
+     With FUSED_OUTPUT, the state pass forms o itself in its chunk loop from the state
+     and u it holds (one kernel fewer; without residuals it stores neither).
 
 q and k are L2-normalised in each kernel that reads them when asked
 (use_qk_l2norm_in_kernel), in fp32 before the cast to the compute dtype.
