@@ -451,6 +451,7 @@ def test_chunked_gated_delta_rule_triton(monkeypatch):
     the product with u, the sum and the scale. Bytes: operands and results once (the
     final states, aliased to the initial ones, read and written)."""
     monkeypatch.setattr(delta_triton, "PREP_IN_TWO_KERNELS", False)
+    monkeypatch.setattr(delta_triton, "FUSED_OUTPUT", False)
     b, nc, c, hk, hv, k, v, n = 1, 2, 64, 1, 2, 32, 64, 1
     z, s, nb = b * nc * hv, 16, 4
     p, m1, m2 = 10, 10, 6
@@ -475,6 +476,16 @@ def test_chunked_gated_delta_rule_triton(monkeypatch):
                      + 2 * c * c * v + 2 * c * v),
            z * (c + column_blocks * c * c),
            _bytes(keys, keys, gates, gates, states, values, values))
+    # the output in the state pass's loop (FUSED_OUTPUT) at block_v 32: the two bodies'
+    # flops; bytes without the states and u (no residuals), with q in and o out
+    monkeypatch.setattr(delta_triton, "FUSED_OUTPUT", True)
+    calls = _calls(lambda *a: delta_triton._kernels(
+        *a, None, scale=0.1, chunk_size=c, l2norm=False, interpret=False,
+        block_sizes={"block_v": 32}), x, x, y, gate, gate, S((n, hv, k, v), F32))
+    assert "gated_delta_rule_output" not in calls and "gated_delta_rule_state_pass" not in calls
+    (fused,) = calls["gated_delta_rule_state_output_pass"]
+    _check(fused, state.flops + out.flops, state.transcendentals + out.transcendentals,
+           _bytes(w, values, keys, gates, gates, runs, runs, runs, init, keys, values, init))
 
 
 def test_chunked_gated_delta_rule_triton_prep_in_two_kernels(monkeypatch):

@@ -345,9 +345,10 @@ def test_short_packed_sequences_take_one_loop_where_asked(monkeypatch):
 
 def _traces_the_kernels(jaxpr_text):
     """Whether a jaxpr holds the forward's prep (one kernel or the solve of two) and
-    output kernels."""
+    output kernels (the output kernel, or the state pass that forms o: FUSED_OUTPUT)."""
     prep = "solve" if pallas_triton.PREP_IN_TWO_KERNELS else "prep"
-    return all(f"gated_delta_rule_{name}" in jaxpr_text for name in (prep, "output"))
+    output = "state_output_pass" if pallas_triton.FUSED_OUTPUT else "output"
+    return all(f"gated_delta_rule_{name}" in jaxpr_text for name in (prep, output))
 
 
 def test_the_default_on_a_cpu_is_xla_and_refusals_name_the_argument():
