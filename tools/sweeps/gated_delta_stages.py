@@ -331,10 +331,10 @@ def fla_stages(name, shape):
 
 def fused_output_forms(name, shape, interpret, with_fla):
     """The forward with its output formed in the state pass's loop (pt.FUSED_OUTPUT) or
-    by the output kernel: the whole forward, forward+backward (the residuals' forward
-    keeps the states and u), the pass alone against the state pass and the output
-    kernel, at the fused pass's warp counts and block_v; o's largest difference from the
-    unfused forward's; and, with_fla, fla's forward in the same process."""
+    by the output kernel: the whole forward at the fused pass's warp counts and block_v,
+    and the forward+backward (the residuals' forward keeps the states and u) at the
+    default block_v; o's and the finals' largest difference from the unfused forward's;
+    and, with_fla, fla's forward in the same process."""
     b, t, hk, hv, dk, dv = shape
     chunk = 64
     q, k, v, g, beta, init = inputs(*shape)
@@ -376,7 +376,7 @@ def fused_output_forms(name, shape, interpret, with_fla):
                 if block_v is None:
                     emit(dict(rec, stage="forward_backward", ms=round(ms(grad, *args), 4)))
             except Exception as err:  # noqa: BLE001 - a form that does not compile is a record
-                emit(dict(base, fused_output=True, warps=warps, block_v=block_v,
+                emit(dict(base, fused_output=True, warps=warps, block_v=block_v or "default",
                           error=f"{type(err).__name__}: {err}"[:300]))
     if with_fla:
         import torch

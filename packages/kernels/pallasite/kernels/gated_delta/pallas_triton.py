@@ -1006,7 +1006,8 @@ def _state_pass(w, big_u, k, hi, lo, entering, leaving, init, bs: BlockSizes, l2
 
 def _causal_scores(q, keys, hi, lo):
     """P = D o Q K^T [C, C] in the keys' (compute) dtype, D the masked decay exp(G_t -
-    G_j) for t >= j: the output's in-chunk weights of u. q fp32 [C, K], keys [C, K]."""
+    G_j) for t >= j: the output's in-chunk weights of u. q [C, K] (fp32 or the compute
+    dtype), keys [C, K]."""
     chunk = q.shape[0]
     causal = _iota(chunk, chunk, 0) >= _iota(chunk, chunk, 1)
     qk = _dot(q.astype(keys.dtype), keys, trans_b=True) * _masked_decay(hi, lo, hi, lo, causal)
@@ -1110,7 +1111,11 @@ PACKED_ROWS_IN_PLACE = True
 # Hv 32, K = V = 128, bf16: 0.54 GB of states and 0.27 GB of u written and read back)
 # and launches one kernel fewer; with residuals it still stores them for the backward.
 # The loop does more per chunk (Q K^T, with one copy per block of value columns, and two
-# more products) off the chain the state carries from chunk to chunk.
+# more products) off the chain the state carries from chunk to chunk. Slower on an H200
+# (2026-12-06, bf16, K = V = 128; forward / forward+backward, ms): at B 1, T 32768, Hv 32
+# (block_v 32, transposed carry) 3.08 / 10.64 against the two kernels' 2.35 / 9.05; at
+# B 8, T 4096 (block_v 64) 2.06 / 8.88 against 2.15 / 8.47. Its warps (8: fewer spills,
+# 20 against 139 for sm_90, but slower still) are STATE_OUTPUT_WARPS.
 FUSED_OUTPUT = False
 STATE_OUTPUT_WARPS = 4
 
