@@ -13,10 +13,16 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
 import gated_delta_testlib as testlib
+import mosaic_tpu_testlib
 from pallasite.kernels import chunk_gated_delta_rule, platform
-from pallasite.kernels.gated_delta import pallas_mosaic_tpu
+from pallasite.kernels.gated_delta import pallas_mosaic_tpu, predicates
 
 REL_L2, NAMES = testlib.REL_L2, testlib.NAMES
+
+
+class FakeTpu:
+    platform, device_kind = "tpu", "TPU v5 lite"
+
 KERNEL = functools.partial(chunk_gated_delta_rule, implementation="pallas_mosaic_tpu")
 
 
@@ -112,6 +118,20 @@ def test_named_only_and_refusals_name_the_argument():
     assert o.shape == a["v"].shape
 
 
+def test_fp16_refused_on_a_tpu_only():
+    """A TPU's compiler does not load fp16 blocks (platform.MOSAIC_TPU_BLOCK_DTYPES): the
+    predicate refuses an fp16 v (o's dtype) there, by name, and keeps it for the
+    interpreter."""
+    a = {name: t.astype(jnp.float16) if name in ("q", "k", "v") else t
+         for name, t in _inputs(7, t=20).items()}
+    args = (a["q"], a["k"], a["v"], a["g"], a["beta"], 16)
+    tpu = FakeTpu()
+    why = predicates.pallas_mosaic_tpu_reason(*args, named=True, device=tpu)
+    assert why is not None and "v float16" in why  # o's dtype; q and k reach it in fp32
+    assert predicates.pallas_mosaic_tpu_reason(*args, named=True,
+                                               device=jax.devices("cpu")[0]) is None
+
+
 @pytest.mark.parametrize("kind", ["TPU v5 lite", "TPU v6 lite"])
 def test_the_kernels_lower_for_tpu_from_cpu(kind):
     """Forward and gradient exported for TPU from the CPU at Qwen3-Next's heads: one
@@ -136,3 +156,26 @@ def test_the_kernels_lower_for_tpu_from_cpu(kind):
     assert text.count("tpu_custom_call") == 2, "expected one forward and one backward kernel"
     assert "gated_delta_rule_forward_mosaic_tpu" in text
     assert "gated_delta_rule_backward_mosaic_tpu" in text
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_kernels_hold_no_64_bit_values(x64):
+    """What the TPU compiler is handed (mosaic_tpu_testlib): no int64 or float64 value in
+    either kernel, jax_enable_x64 on (as these tests run) or off. With x64 on, the index
+    maps' literal zeros were int64 and a TPU v5e refused every kernel."""
+    s = jax.ShapeDtypeStruct
+    b, t, hk, hv, dk, dv = 1, 128, 2, 4, 64, 64
+    args = (s((b, t, hk, dk), jnp.bfloat16), s((b, t, hk, dk), jnp.bfloat16),
+            s((b, t, hv, dv), jnp.bfloat16), s((b, t, hv), jnp.float32),
+            s((b, t, hv), jnp.float32), s((b, hv, dk, dv), jnp.float32))
+
+    def loss(q, k, v, g, beta, s0):
+        o, final = pallas_mosaic_tpu.forward(
+            q, k, v, g, beta, scale=dk ** -0.5, initial_state=s0, cu_seqlens=None,
+            chunk_size=64, use_qk_l2norm_in_kernel=True)
+        return o.astype(jnp.float32).sum() + final.sum()
+
+    modules = mosaic_tpu_testlib.mosaic_modules(jax.grad(loss, argnums=range(6)), *args,
+                                                x64=x64)
+    mosaic_tpu_testlib.assert_no_sixty_four_bit_values(
+        modules, {"gated_delta_rule_forward_mosaic_tpu", "gated_delta_rule_backward_mosaic_tpu"})

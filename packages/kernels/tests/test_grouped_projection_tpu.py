@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import mosaic_tpu_testlib
 from grouped_projection_testlib import ACCELERATOR_CASES, CPU_CASES, check_case
 from pallasite.kernels.grouped_matmul import MosaicTpuBlockSizes, grouped_projection
 from pallasite.kernels.grouped_matmul import pallas_mosaic_tpu
@@ -44,6 +45,26 @@ def test_lowers_for_tpu_with_scalar_prefetch():
     assert text.count("tpu_custom_call") == 3
 
 
+@pytest.mark.parametrize("x64", [False, True])
+def test_kernels_hold_no_64_bit_values(x64):
+    """What the TPU compiler is handed (mosaic_tpu_testlib): no int64 or float64 value in
+    gmm, dx or tgmm, jax_enable_x64 on or off."""
+    specs = (jax.ShapeDtypeStruct((300, 200), jnp.bfloat16),
+             jax.ShapeDtypeStruct((6, 200, 136), jnp.bfloat16),
+             jax.ShapeDtypeStruct((6,), jnp.int32),
+             jax.ShapeDtypeStruct((300, 136), jnp.bfloat16))
+
+    def f(x, kernel, sizes, dy):
+        return (pallas_mosaic_tpu.gmm(x, kernel, sizes),
+                pallas_mosaic_tpu.gmm(dy, kernel, sizes, transpose_rhs=True),
+                pallas_mosaic_tpu.tgmm(x, dy, sizes, num_groups=6))
+
+    modules = mosaic_tpu_testlib.mosaic_modules(f, *specs, x64=x64)
+    mosaic_tpu_testlib.assert_no_sixty_four_bit_values(
+        modules, {"grouped_projection_gmm", "grouped_projection_gmm_dx",
+                  "grouped_projection_tgmm"})
+
+
 def test_cost_estimates():
     """Each call carries flops 2*m*k*n of the padded problem it runs."""
     lhs = jnp.zeros((200, 130), jnp.bfloat16)
@@ -58,6 +79,19 @@ def test_cost_estimates():
         assert cost.flops == 2 * 256 * 256 * 128 and cost.bytes_accessed > 256 * 256 * 2
 
 
+def test_fp16_refused_on_a_tpu(monkeypatch):
+    """A TPU's compiler does not load fp16 blocks ("Invalid vector type for load", TPU
+    v5e): on a TPU the backend refuses fp16 compute by name, so the default order moves
+    on to XLA; the interpreter keeps it (test_interpret_parity's fp16 case)."""
+    from pallasite.kernels import platform
+
+    monkeypatch.setattr(platform, "device_generation", lambda device=None: "v5e")
+    why = pallas_mosaic_tpu.refusal(jnp.float16, (), on_device=True)
+    assert why is not None and "compute float16" in why
+    assert pallas_mosaic_tpu.refusal(jnp.bfloat16, (), on_device=True) is None
+    assert pallas_mosaic_tpu.refusal(jnp.float16, (), on_device=False) is None
+
+
 def test_block_sizes_rejected():
     with pytest.raises(ValueError, match="tk % 128"):
         MosaicTpuBlockSizes(tk=64)
@@ -68,6 +102,13 @@ def test_block_sizes_rejected():
 @pytest.mark.tpu
 @pytest.mark.parametrize("case", ACCELERATOR_CASES, ids=str)
 def test_tpu_parity(case):
+    if case.compute == "float16":  # refused on a TPU (test_fp16_refused_on_a_tpu)
+        with pytest.raises(RuntimeError, match="compute float16"):
+            check_case(case, _project(case.compute, interpret=False), platform="tpu")
+        check_case(case, lambda x, kernel, sizes: grouped_projection(  # XLA takes it
+            x, kernel, sizes, jnp.float16, implementation=("pallas_mosaic_tpu", "xla")),
+            platform="tpu")
+        return
     check_case(case, _project(case.compute, interpret=False), platform="tpu")
 
 

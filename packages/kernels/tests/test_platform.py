@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from pallasite.kernels import platform
@@ -45,6 +46,13 @@ def test_predicates_on_faked_devices(device, generation, bf16, triton, mosaic_gp
     assert platform.bf16_dot_runs(device) is bf16
     assert platform.triton_runs(device) is triton
     assert platform.mosaic_gpu_runs(device) is mosaic_gpu
+
+
+def test_mosaic_tpu_block_dtypes():
+    """fp16 blocks are refused on a TPU (its compiler does not load them), by name."""
+    assert platform.mosaic_tpu_dtype_reason("k", {"x": jnp.bfloat16, "y": jnp.float32}) is None
+    why = platform.mosaic_tpu_dtype_reason("k", {"x": jnp.float16, "y": jnp.float32})
+    assert why is not None and "x float16" in why and "y" not in why.split("got")[1]
 
 
 def test_default_device_is_the_first_jax_device():

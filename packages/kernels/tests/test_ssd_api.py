@@ -130,6 +130,18 @@ def test_kernel_not_for_this_device():
     assert reason and "does not run on gpu" in reason
 
 
+def test_fp16_refused_on_a_tpu_only():
+    """A TPU's compiler does not load fp16 blocks (platform.MOSAIC_TPU_BLOCK_DTYPES); the
+    interpreter on a CPU takes them."""
+    from pallasite.kernels.ssd import pallas_mosaic_tpu
+
+    fp16 = {"x": jnp.float16, "b": jnp.bfloat16, "c": jnp.bfloat16}
+    why = pallas_mosaic_tpu.refusal("tpu", fp16)
+    assert why is not None and "x float16" in why and "b " not in why
+    assert pallas_mosaic_tpu.refusal("tpu", {"x": jnp.bfloat16}) is None
+    assert pallas_mosaic_tpu.refusal("cpu", fp16) is None
+
+
 # ---------------------------------------------------------------------------- bad input
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
+import mosaic_tpu_testlib
 import test_ssd_base as base
 from pallasite.kernels.ssd import pallas_mosaic_tpu as kernel
 from pallasite.kernels.ssd.api import ssd_chunk_scan
@@ -50,6 +51,21 @@ def test_lowers_for_tpu(kind):
     text = exported.mlir_module()
     assert text.count("tpu_custom_call") == 2, "expected one forward and one backward kernel"
     assert "ssd_forward_mosaic_tpu" in text and "ssd_backward_mosaic_tpu" in text
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_kernels_hold_no_64_bit_values(x64):
+    """What the TPU compiler is handed (mosaic_tpu_testlib): no int64 or float64 value in
+    either kernel, jax_enable_x64 on or off."""
+
+    def loss(x, a, b, c, s0):
+        y, final = ssd_chunk_scan(x, a, b, c, s0, ("pallas_mosaic_tpu", False))
+        return y.astype(jnp.float32).sum() + final.sum()
+
+    modules = mosaic_tpu_testlib.mosaic_modules(
+        jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *_abstract_args(), x64=x64)
+    mosaic_tpu_testlib.assert_no_sixty_four_bit_values(
+        modules, {"ssd_forward_mosaic_tpu", "ssd_backward_mosaic_tpu"})
 
 
 def _pallas_eqns(jaxpr):

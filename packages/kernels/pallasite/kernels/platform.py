@@ -77,6 +77,39 @@ def mosaic_tpu_interpret(interpret):
     return interpret or False
 
 
+def mosaic_tpu_block_spec(block_shape, index_map, **kwargs):
+    """pl.BlockSpec for a Mosaic TPU kernel, its index map returning int32 block indices.
+    Under jax_enable_x64 a literal 0 in an index map traces as int64: the interpreter and
+    the lowering take it, the TPU compiler does not ("failed to legalize operation
+    'func.func'", seen on a TPU v5e, jax 0.10.2, 2026-12-06)."""
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    def int32_indices(*args):
+        return tuple(jnp.asarray(i, jnp.int32) for i in index_map(*args))
+
+    return pl.BlockSpec(block_shape, int32_indices, **kwargs)
+
+
+# Block dtypes a compiled Mosaic TPU kernel loads and stores. fp16 is not one: the TPU
+# compiler refused grouped_projection's fp16 blocks ("Invalid vector type for load",
+# memref<128x128xf16> -> vector<8x128x2xf16>; a TPU v5e, jax 0.10.2, 2026-12-06). The TPU
+# interpreter takes every dtype.
+MOSAIC_TPU_BLOCK_DTYPES = ("bfloat16", "float32")
+
+
+def mosaic_tpu_dtype_reason(name: str, dtypes) -> str | None:
+    """Why Mosaic TPU kernel `name` cannot take blocks of `dtypes` ({what: dtype}) on a
+    TPU (None: it can). Callers ask only where the kernel compiles (not interpreted)."""
+    bad = {what: jax.numpy.dtype(d).name for what, d in dtypes.items()
+           if jax.numpy.dtype(d).name not in MOSAIC_TPU_BLOCK_DTYPES}
+    if not bad:
+        return None
+    return (f"{name} on a TPU takes {' and '.join(MOSAIC_TPU_BLOCK_DTYPES)} blocks, got "
+            + ", ".join(f"{what} {dtype}" for what, dtype in bad.items())
+            + " (the TPU compiler refuses fp16 block loads)")
+
+
 def triton_runs(device: Any = None) -> bool:
     """Pallas Triton kernels: a CUDA GPU from sm80 (Ampere), where bf16 mma exists."""
     device = device if device is not None else _default_device()

@@ -177,15 +177,19 @@ def gmm_reference(
     """Ragged product `out[r] = lhs[r] @ rhs[group(r)]` in fp32; rows past the total are 0.
 
     `rhs` is `[g, k, n]`, or `[g, n, k]` with `transpose_rhs=True` (so dx = gmm(dy, kernel,
-    transpose_rhs=True)). Operands are used as given (no cast); HIGHEST precision by default
-    so an fp32 oracle is not TF32 on GPU. The row mask is explicit: the contract must not
-    rest on what ragged_dot happens to leave in rows it does not own.
+    transpose_rhs=True)). Operands are widened to the accumulation dtype first (exact:
+    the product of the values as given), and the product runs at HIGHEST precision by
+    default so an fp32 oracle is not TF32 on GPU; a TPU's ragged_dot refuses bf16
+    operands at HIGHEST (Mosaic's "Bad lhs type", a TPU v5e, jax 0.10.2). The row mask is
+    explicit: the contract must not rest on what ragged_dot happens to leave in rows it
+    does not own.
     """
     if transpose_rhs:
         rhs = jnp.swapaxes(rhs, 1, 2)
     acc = accumulation_dtype(lhs.dtype, rhs.dtype)
     out = jax.lax.ragged_dot(
-        lhs, rhs, group_sizes, precision=precision, preferred_element_type=acc
+        lhs.astype(acc), rhs.astype(acc), group_sizes, precision=precision,
+        preferred_element_type=acc
     )
     return jnp.where(_valid_rows(lhs.shape[0], group_sizes), out, 0)
 
@@ -213,8 +217,9 @@ def tgmm_reference(
         lhs_ragged_dimensions=[0],
         rhs_group_dimensions=[],
     )
-    return jax.lax.ragged_dot_general(
-        lhs, rhs, group_sizes, dims, precision=precision, preferred_element_type=acc
+    return jax.lax.ragged_dot_general(  # operands widened as in gmm_reference
+        lhs.astype(acc), rhs.astype(acc), group_sizes, dims, precision=precision,
+        preferred_element_type=acc
     )
 
 

@@ -123,7 +123,8 @@ def nonfinite_since(t: Shaped[Array, "..."], axis: int) -> Shaped[Array, "..."]:
     what the product over t would be on and below the diagonal. A minimum over the
     steps, not a cumulative sum, so it runs inside the kernels as it is."""
     steps = jax.lax.broadcasted_iota(jnp.int32, t.shape, axis % t.ndim)
-    first = jnp.min(jnp.where(jnp.isfinite(t), t.shape[axis], steps), axis=axis,
+    past = jnp.asarray(t.shape[axis], steps.dtype)  # typed: int64 under jax_enable_x64
+    first = jnp.min(jnp.where(jnp.isfinite(t), past, steps), axis=axis,
                     keepdims=True)
     return steps >= first
 

@@ -47,6 +47,8 @@ from pallasite.kernels import cost, platform, sharding
 from pallasite.kernels.gated_delta import packing, xla
 from pallasite.reference.gated_delta_rule import expand_heads, l2norm
 
+_block_spec = platform.mosaic_tpu_block_spec  # int32 block indices under x64 too
+
 F32 = jnp.float32
 _HI = jax.lax.Precision.HIGHEST
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -124,7 +126,7 @@ def _backward_kernel(entering_ref, leaving_ref, owner_ref, u_part_ref, w_ref, eq
     dkd_ref[...] = _dot(u, d_exit, trans_b=True)
     ded_ref[...] = jnp.sum(state * d_exit, keepdims=True)
     dinit_ref[...] = d_state  # the block of the chunk's owner: its first chunk writes last
-    carry_scr[...] = jnp.where(entering_ref[bi, ci] >= 0, 0.0, d_state)
+    carry_scr[...] = jnp.where(entering_ref[bi, ci] >= 0, jnp.zeros_like(d_state), d_state)
 
 
 def _forward_body(u_part, w, eq, qk, ed, kd, state):
@@ -169,10 +171,10 @@ def _specs(chunk, dk, dv, nc, reverse):
     at = (lambda c: nc - 1 - c) if reverse else (lambda c: c)
 
     def per_chunk(*tail):
-        return pl.BlockSpec((None, None, None) + tail,
-                            lambda b, h, c, *tables: (b, at(c), h) + (0,) * len(tail))
+        return _block_spec((None, None, None) + tail,
+                           lambda b, h, c, *tables: (b, at(c), h) + (0,) * len(tail))
 
-    state_of_owner = pl.BlockSpec(
+    state_of_owner = _block_spec(
         (None, None, dk, dv), lambda b, h, c, *tables: (tables[-1][b, at(c)], h, 0, 0))
     return dict(rows_v=per_chunk(chunk, dv), rows_k=per_chunk(chunk, dk),
                 square=per_chunk(chunk, chunk), scalar=per_chunk(1, 1),

@@ -59,7 +59,8 @@ def pallas_mosaic_tpu_reason(q, k, v, g, beta, chunk_size, *, named: bool = Fals
                              device=None) -> str | None:
     """None where pallas_mosaic_tpu serves chunk_gated_delta_rule: on a TPU, or on a CPU
     when named (the TPU interpreter); a chunk that is a multiple of 8; bf16, fp16 or fp32
-    inputs. Never by default: it runs only where a caller names it."""
+    inputs (v not fp16 on a TPU: platform.MOSAIC_TPU_BLOCK_DTYPES). Never by default: it
+    runs only where a caller names it."""
     device = device if device is not None else jax.devices()[0]
     if not named:
         return "pallas_mosaic_tpu runs only where named (no TPU measurement yet)"
@@ -68,6 +69,10 @@ def pallas_mosaic_tpu_reason(q, k, v, g, beta, chunk_size, *, named: bool = Fals
                 f"{platform.device_generation(device)}")
     if q.shape[1] == 0:
         return "T = 0: no steps to compute"
+    if device.platform == "tpu":  # q, k, v reach the kernels in fp32; o leaves in v's dtype
+        reason = platform.mosaic_tpu_dtype_reason("pallas_mosaic_tpu", {"v": v.dtype})
+        if reason:
+            return reason
     return pallas_mosaic_tpu.geometry_reason(
         q.shape[3], v.shape[3], chunk_size,
         {"q": q.dtype, "k": k.dtype, "v": v.dtype, "g": g.dtype, "beta": beta.dtype})

@@ -39,6 +39,7 @@ from pallasite.kernels.grouped_matmul.group_metadata import (
 from pallasite.reference.grouped_projection import Dtype
 
 DEFAULT = config.MosaicTpuBlockSizes()
+_block_spec = platform.mosaic_tpu_block_spec  # int32 block indices under x64 too
 
 
 def refusal(compute: Dtype, operands: Sequence[jax.Array], *, on_device: bool
@@ -47,13 +48,13 @@ def refusal(compute: Dtype, operands: Sequence[jax.Array], *, on_device: bool
     api.py asks after its generic checks (the module imports, ragged_dot_runs);
     on_device=False (the interpreter, or a lowering for a TPU from another host: every
     TPU runs the Mosaic kernels) skips the device check."""
-    del compute, operands  # every dtype ragged_dot_runs admits
+    del operands  # cast to `compute` before the kernels
     if not on_device:
-        return None
+        return None  # the interpreter takes every dtype ragged_dot_runs admits
     generation = platform.device_generation()
     if not generation.startswith(("v", "tpu")):
         return f"pallas_mosaic_tpu needs a TPU; the device is {generation}"
-    return None
+    return platform.mosaic_tpu_dtype_reason("pallas_mosaic_tpu", {"compute": compute})
 
 
 def default_block_sizes(*, product: str, m: int, k: int, n: int, g: int,
@@ -86,6 +87,10 @@ def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
 def _row_mask(tile, start, end, tm: int, width: int):
     rows = tile * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, width), 0)
     return (rows >= start) & (rows < end)
+
+
+def _load_f32(ref):
+    return ref[...].astype(jnp.float32)
 
 
 def _interpret(interpret: bool):
@@ -165,10 +170,10 @@ def gmm(
             num_scalar_prefetch=4,
             grid=(np_ // tn, visits, tiles_k),
             in_specs=[
-                pl.BlockSpec((tm, tk), lambda ni, v, ki, gr, st, en, tl: (tl[v], ki)),
-                pl.BlockSpec(rhs_block, rhs_map),
+                _block_spec((tm, tk), lambda ni, v, ki, gr, st, en, tl: (tl[v], ki)),
+                _block_spec(rhs_block, rhs_map),
             ],
-            out_specs=pl.BlockSpec((tm, tn), lambda ni, v, ki, gr, st, en, tl: (tl[v], ni)),
+            out_specs=_block_spec((tm, tn), lambda ni, v, ki, gr, st, en, tl: (tl[v], ni)),
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
         ),
         compiler_params=pltpu.CompilerParams(
@@ -194,8 +199,9 @@ def _tgmm_kernel(group_ref, start_ref, end_ref, tile_ref, lhs_ref, rhs_ref, out_
     @pl.when(end > start)
     def _accumulate():
         dtype = lhs_ref.dtype
-        a = jnp.where(_row_mask(tile, start, end, tm, tk), lhs_ref[...].astype(jnp.float32), 0)
-        b = jnp.where(_row_mask(tile, start, end, tm, tn), rhs_ref[...].astype(jnp.float32), 0)
+        zero = jnp.float32(0)  # typed: a literal 0 is int64 under jax_enable_x64
+        a = jnp.where(_row_mask(tile, start, end, tm, tk), _load_f32(lhs_ref), zero)
+        b = jnp.where(_row_mask(tile, start, end, tm, tn), _load_f32(rhs_ref), zero)
         acc_ref[...] += jax.lax.dot_general(
             a.astype(dtype).T, b.astype(dtype), (((1,), (0,)), ((), ())),
             preferred_element_type=jnp.float32,
@@ -243,10 +249,10 @@ def tgmm(
             num_scalar_prefetch=4,
             grid=(np_ // tn, kp // tk, num_visits(mp, g, tm)),
             in_specs=[
-                pl.BlockSpec((tm, tk), lambda ni, ki, v, gr, st, en, tl: (tl[v], ki)),
-                pl.BlockSpec((tm, tn), lambda ni, ki, v, gr, st, en, tl: (tl[v], ni)),
+                _block_spec((tm, tk), lambda ni, ki, v, gr, st, en, tl: (tl[v], ki)),
+                _block_spec((tm, tn), lambda ni, ki, v, gr, st, en, tl: (tl[v], ni)),
             ],
-            out_specs=pl.BlockSpec((None, tk, tn),
+            out_specs=_block_spec((None, tk, tn),
                                    lambda ni, ki, v, gr, st, en, tl: (gr[v], ki, ni)),
             scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
         ),

@@ -222,9 +222,10 @@ def _candidates(implementation, chunk_size, head_dim, state_size) -> list[str]:
     return names
 
 
-def _refusal(name, chunk_size, head_dim, state_size) -> str | None:
+def _refusal(name, chunk_size, head_dim, state_size, dtypes=None) -> str | None:
     """Why `name` cannot run this geometry on this device, or None: the geometry rule
-    (predicates), then the backend's own device check (its module's `refusal`)."""
+    (predicates), then the backend's own check of the device and of the operands' dtypes
+    ({what: dtype}; its module's `refusal`)."""
     if name == "xla":
         return None
     reason = predicates.ssd_kernel_reason(chunk_size, head_dim, state_size, name)
@@ -233,7 +234,7 @@ def _refusal(name, chunk_size, head_dim, state_size) -> str | None:
     interpreted = _platform(name)[1]
     if interpreted and name in CALLBACK_INTERPRETERS and autodiff.differentiated_checkpoint():
         return autodiff.checkpoint_refusal("chunk_ssd", name)
-    return _backend(name).refusal(jax.default_backend())
+    return _backend(name).refusal(jax.default_backend(), dtypes or {})
 
 
 def _pad(t, length, padded):
@@ -361,7 +362,7 @@ def chunk_ssd(
         return _unchunked(y, x), final
     failures = []
     for name in names:
-        reason = _refusal(name, chunk_size, p, n)
+        reason = _refusal(name, chunk_size, p, n, {"x": x.dtype, "b": b.dtype, "c": c.dtype})
         if reason is None:
             try:
                 y, final = ssd_chunk_scan(*chunked, initial_state,

@@ -48,6 +48,8 @@ from pallasite.kernels import cost, platform, sharding
 from pallasite.kernels.ssd import costs, decay
 from pallasite.reference import ssd as ref
 
+_block_spec = platform.mosaic_tpu_block_spec  # int32 block indices under x64 too
+
 _F32 = jnp.float32
 _HI = jax.lax.Precision.HIGHEST
 
@@ -66,11 +68,14 @@ DEFAULT = BlockSizes()
 RUNS_ON = ("tpu", "cpu")
 
 
-def refusal(device: str) -> str | None:
-    """Why this kernel cannot run on JAX backend `device` (None: it can). api.py asks
-    after the geometry rule (predicates.ssd_kernel_reason), which is not the device's."""
+def refusal(device: str, dtypes=None) -> str | None:
+    """Why this kernel cannot run on JAX backend `device` over operands of `dtypes`
+    ({what: dtype}; None: it can). api.py asks after the geometry rule
+    (predicates.ssd_kernel_reason), which is not the device's."""
     if device not in RUNS_ON:
         return f"pallas_mosaic_tpu does not run on {device} (runs on {RUNS_ON}, cpu interpreted)"
+    if device == "tpu":
+        return platform.mosaic_tpu_dtype_reason("pallas_mosaic_tpu", dtypes or {})
     return None
 
 
@@ -106,7 +111,7 @@ def _causal(size):
 def _decay(col, row):
     """L [C, C] = exp(acs_i - acs_j) on and below the diagonal, 0 above (hi/lo parts)."""
     diff = (col[:, 0:1] - row[0:1, :]) + (col[:, 1:2] - row[1:2, :])
-    return jnp.exp(jnp.where(_causal(col.shape[0]), diff, -jnp.inf))
+    return jnp.exp(jnp.where(_causal(col.shape[0]), diff, jnp.asarray(-jnp.inf, diff.dtype)))
 
 
 def _decays(col, row):
@@ -149,7 +154,8 @@ def _forward_kernel(x_ref, b_ref, c_ref, row_ref, col_ref, init_ref,
     # Causal for non-finite x and B (pallasite.reference.ssd): a select, not the zeros of
     # L, removes the terms above the diagonal, and x's non-finite entries reach y as NaN
     # from their step on instead of through the product.
-    mix = jnp.where(_causal(x.shape[0]), _nt(cm, bm) * decay, 0.0)
+    mix = _nt(cm, bm) * decay
+    mix = jnp.where(_causal(x.shape[0]), mix, jnp.zeros_like(mix))
     y = _nn(mix, ref.finite_part(x)) + e * _nt(cm, state)
     y_ref[...] = ref.poison(y, ref.nonfinite_since(x, axis=0)).astype(y_ref.dtype)
     new = total * state + _tn(x * w, bm)
@@ -190,7 +196,7 @@ def _backward_kernel(x_ref, b_ref, c_ref, row_ref, col_ref, states_ref, dy_ref, 
     to_last = jnp.sum(wdw, axis=(0, 1), keepdims=True) + total * jnp.sum(
         dexit * state, axis=(0, 1), keepdims=True)
     is_last = jax.lax.broadcasted_iota(jnp.int32, (1, size), 1) == size - 1
-    dacs_ref[...] = dacs + jnp.where(is_last, to_last, 0.0)
+    dacs_ref[...] = dacs + jnp.where(is_last, to_last, jnp.zeros_like(to_last))
 
     new = total * dexit + _tn(dy * e, cm)
     carry_scr[...] = new
@@ -223,19 +229,22 @@ def _specs(shape_x, groups):
     _, nc, size, h, p = shape_x
     heads_per_group = h // groups
     return dict(
-        x=lambda rev, w: pl.BlockSpec((None, None, None, size, w),
-                                      lambda i, j, k: (i, j, _chunk(k, nc, rev), 0, 0)),
-        bc=lambda rev, n: pl.BlockSpec(
+        x=lambda rev, w: _block_spec((None, None, None, size, w),
+                                     lambda i, j, k: (i, j, _chunk(k, nc, rev), 0, 0)),
+        bc=lambda rev, n: _block_spec(
             (None, None, None, size, n),
-            lambda i, j, k: (i, j // heads_per_group, _chunk(k, nc, rev), 0, 0)),
-        row=lambda rev: pl.BlockSpec((None, None, None, 2, size),
+            # lax.div, not //: floor division of a traced int32 by a Python int makes an
+            # int64 constant under jax_enable_x64 (head ids are non-negative: one quotient)
+            lambda i, j, k: (i, jax.lax.div(j, jnp.int32(heads_per_group)),
+                             _chunk(k, nc, rev), 0, 0)),
+        row=lambda rev: _block_spec((None, None, None, 2, size),
+                                    lambda i, j, k: (i, j, _chunk(k, nc, rev), 0, 0)),
+        col=lambda rev: _block_spec((None, None, None, size, 2),
+                                    lambda i, j, k: (i, j, _chunk(k, nc, rev), 0, 0)),
+        dacs=lambda rev: _block_spec((None, None, None, 1, size),
                                      lambda i, j, k: (i, j, _chunk(k, nc, rev), 0, 0)),
-        col=lambda rev: pl.BlockSpec((None, None, None, size, 2),
-                                     lambda i, j, k: (i, j, _chunk(k, nc, rev), 0, 0)),
-        dacs=lambda rev: pl.BlockSpec((None, None, None, 1, size),
-                                      lambda i, j, k: (i, j, _chunk(k, nc, rev), 0, 0)),
-        state=lambda n: pl.BlockSpec((None, None, p, n), lambda i, j, k: (i, j, 0, 0)),
-        chunk_state=lambda rev, n: pl.BlockSpec(
+        state=lambda n: _block_spec((None, None, p, n), lambda i, j, k: (i, j, 0, 0)),
+        chunk_state=lambda rev, n: _block_spec(
             (None, None, None, p, n), lambda i, j, k: (i, _chunk(k, nc, rev), j, 0, 0)),
     )
 

@@ -121,9 +121,11 @@ SMALL_SMEM_BLOCK_SIZES = BlockSizes(block_m=predicates.TRITON_MIN_BLOCK_M, heads
 RUNS_ON = ("gpu", "cuda", "cpu")
 
 
-def refusal(device: str) -> str | None:
-    """Why this kernel cannot run on JAX backend `device` (None: it can). api.py asks
-    after the geometry rule (predicates.ssd_kernel_reason), which is not the device's."""
+def refusal(device: str, dtypes=None) -> str | None:
+    """Why this kernel cannot run on JAX backend `device` (None: it can); every dtype
+    api.py admits loads (`dtypes` is the Mosaic TPU kernel's concern). api.py asks after
+    the geometry rule (predicates.ssd_kernel_reason), which is not the device's."""
+    del dtypes
     if device not in RUNS_ON:
         return f"pallas_triton does not run on {device} (runs on {RUNS_ON}, cpu interpreted)"
     return None
