@@ -43,7 +43,10 @@ def with_extremes(a):
 
 
 def wide(a):
-    return {k: v.astype(jnp.float64) for k, v in a.items()}
+    """`a` in float64 on the host CPU: the definition's precision, computed where float64
+    is native (a TPU emulates it, and the definition is the test's ground truth)."""
+    return jax.device_put({k: v.astype(jnp.float64) for k, v in a.items()},
+                          jax.devices("cpu")[0])
 
 
 def rel(got, want):
@@ -98,7 +101,7 @@ def check_packed(chunked, a, cu):
         return values_and_grads(fn, arrays, cu_seqlens=cu)
 
     got = jax.jit(functools.partial(run, chunked))(a, cu)
-    want = run(gated_delta_rule_sequential, wide(a), cu)
+    want = run(gated_delta_rule_sequential, wide(a), jax.device_put(cu, jax.devices("cpu")[0]))
     errors = [rel(g, w) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
     assert max(errors) <= REL_L2, errors
     np.testing.assert_array_equal(np.asarray(got[0][1][1]), np.asarray(a["initial_state"][1]))

@@ -1,7 +1,8 @@
 """chunk_gated_delta_rule's Mosaic TPU kernels (gated_delta/pallas_mosaic_tpu.py) through
 the TPU interpreter on the CPU: o, the final states and all six gradients against the
 float64 definition, packed sequences, extreme gates, bf16, every output written, the
-refusals, and the lowering for TPU from the CPU (jax.export)."""
+refusals, and the lowering for TPU from the CPU (jax.export); tpu-marked, the same cases
+compiled on a TPU."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh
 
 import gated_delta_testlib as testlib
 import mosaic_tpu_testlib
@@ -72,6 +72,22 @@ def test_packed_sequences_with_traced_cu_seqlens():
 def test_bf16_inputs_within_the_bf16_tolerance():
     testlib.check_bf16(functools.partial(KERNEL, chunk_size=32),
                        _inputs(4, dtype=jnp.bfloat16))
+
+
+# On a TPU the tests above run the kernels compiled (the API interprets on a CPU only);
+# `bazel test --config=tpu` runs the tpu-marked ones, so these mark them. On a TPU v5e
+# (2026-12-06) the definition cases, the extremes and bf16 passed compiled.
+@pytest.mark.tpu
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernels_against_the_definition_on_a_tpu(case):
+    test_kernels_against_the_definition(case)
+
+
+@pytest.mark.tpu
+def test_extremes_bf16_and_packed_refusal_on_a_tpu():
+    test_beta_exactly_zero_and_one_and_decay_down_to_minus_twenty()
+    test_bf16_inputs_within_the_bf16_tolerance()
+    test_packed_sequences_with_traced_cu_seqlens()  # refused on a TPU, by name
 
 
 def test_every_kernel_output_is_written():
@@ -138,8 +154,8 @@ def test_fp16_refused_on_a_tpu_only():
 
 
 def test_packed_sequences_refused_on_a_tpu_only():
-    """Packed sequences' gradients in k, v, g and beta came out wrong on a TPU v5e (the
-    interpreter's match the definition: test_packed_sequences_with_traced_cu_seqlens), so
+    """Packed sequences' gradients in k, v, g and beta disagreed with the definition on a
+    TPU v5e (the interpreter's match it: test_packed_sequences_with_traced_cu_seqlens), so
     a TPU refuses cu_seqlens by name and a sequence of implementations moves on."""
     a = _inputs(8, t=20)
     args = (a["q"], a["k"], a["v"], a["g"], a["beta"], 16)
@@ -151,9 +167,12 @@ def test_packed_sequences_refused_on_a_tpu_only():
 
 
 @pytest.mark.parametrize("kind", ["TPU v5 lite", "TPU v6 lite"])
-def test_the_kernels_lower_for_tpu_from_cpu(kind):
+@pytest.mark.parametrize("x64", [False, True])
+def test_the_kernels_lower_for_tpu_from_cpu(kind, x64):
     """Forward and gradient exported for TPU from the CPU at Qwen3-Next's heads: one
-    forward and one backward Mosaic call."""
+    forward and one backward Mosaic module, neither holding an int64 or float64 value,
+    with jax_enable_x64 on (as these tests run) or off (mosaic_tpu_testlib: with x64 on,
+    the index maps' literal zeros were int64 and a TPU v5e refused every kernel)."""
     s = jax.ShapeDtypeStruct
     b, t, hk, hv, dk, dv = 1, 256, 16, 32, 128, 128
     args = (s((b, t, hk, dk), jnp.bfloat16), s((b, t, hk, dk), jnp.bfloat16),
@@ -166,34 +185,7 @@ def test_the_kernels_lower_for_tpu_from_cpu(kind):
             chunk_size=64, use_qk_l2norm_in_kernel=True)
         return o.astype(jnp.float32).sum() + final.sum()
 
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(kind, 1, "tpu"))
-    with jax.enable_x64(False), jax.sharding.use_abstract_mesh(mesh):
-        exported = jax.export.export(jax.jit(jax.grad(loss, argnums=range(6))),
-                                     platforms=["tpu"])(*args)
-    text = exported.mlir_module()
-    assert text.count("tpu_custom_call") == 2, "expected one forward and one backward kernel"
-    assert "gated_delta_rule_forward_mosaic_tpu" in text
-    assert "gated_delta_rule_backward_mosaic_tpu" in text
-
-
-@pytest.mark.parametrize("x64", [False, True])
-def test_kernels_hold_no_64_bit_values(x64):
-    """What the TPU compiler is handed (mosaic_tpu_testlib): no int64 or float64 value in
-    either kernel, jax_enable_x64 on (as these tests run) or off. With x64 on, the index
-    maps' literal zeros were int64 and a TPU v5e refused every kernel."""
-    s = jax.ShapeDtypeStruct
-    b, t, hk, hv, dk, dv = 1, 128, 2, 4, 64, 64
-    args = (s((b, t, hk, dk), jnp.bfloat16), s((b, t, hk, dk), jnp.bfloat16),
-            s((b, t, hv, dv), jnp.bfloat16), s((b, t, hv), jnp.float32),
-            s((b, t, hv), jnp.float32), s((b, hv, dk, dv), jnp.float32))
-
-    def loss(q, k, v, g, beta, s0):
-        o, final = pallas_mosaic_tpu.forward(
-            q, k, v, g, beta, scale=dk ** -0.5, initial_state=s0, cu_seqlens=None,
-            chunk_size=64, use_qk_l2norm_in_kernel=True)
-        return o.astype(jnp.float32).sum() + final.sum()
-
     modules = mosaic_tpu_testlib.mosaic_modules(jax.grad(loss, argnums=range(6)), *args,
-                                                x64=x64)
+                                                kind=kind, x64=x64)
     mosaic_tpu_testlib.assert_no_sixty_four_bit_values(
         modules, {"gated_delta_rule_forward_mosaic_tpu", "gated_delta_rule_backward_mosaic_tpu"})

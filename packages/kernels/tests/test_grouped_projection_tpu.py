@@ -30,25 +30,10 @@ def test_interpret_parity(case):
     check_case(case, _project(case.compute))
 
 
-def test_lowers_for_tpu_with_scalar_prefetch():
-    specs = (jax.ShapeDtypeStruct((300, 200), jnp.bfloat16),
-             jax.ShapeDtypeStruct((6, 200, 136), jnp.bfloat16),
-             jax.ShapeDtypeStruct((6,), jnp.int32),
-             jax.ShapeDtypeStruct((300, 136), jnp.bfloat16))
-
-    def f(x, kernel, sizes, dy):
-        return (pallas_mosaic_tpu.gmm(x, kernel, sizes),
-                pallas_mosaic_tpu.gmm(dy, kernel, sizes, transpose_rhs=True),
-                pallas_mosaic_tpu.tgmm(x, dy, sizes, num_groups=6))
-
-    text = jax.export.export(jax.jit(f), platforms=["tpu"])(*specs).mlir_module()
-    assert text.count("tpu_custom_call") == 3
-
-
 @pytest.mark.parametrize("x64", [False, True])
-def test_kernels_hold_no_64_bit_values(x64):
-    """What the TPU compiler is handed (mosaic_tpu_testlib): no int64 or float64 value in
-    gmm, dx or tgmm, jax_enable_x64 on or off."""
+def test_lowers_for_tpu_with_scalar_prefetch(x64):
+    """gmm, dx and tgmm exported for TPU from this host: three Mosaic modules, none holding
+    an int64 or float64 value (mosaic_tpu_testlib), jax_enable_x64 on or off."""
     specs = (jax.ShapeDtypeStruct((300, 200), jnp.bfloat16),
              jax.ShapeDtypeStruct((6, 200, 136), jnp.bfloat16),
              jax.ShapeDtypeStruct((6,), jnp.int32),

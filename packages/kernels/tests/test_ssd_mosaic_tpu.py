@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh
 
 import mosaic_tpu_testlib
 import test_ssd_base as base
@@ -37,33 +36,17 @@ def _abstract_args(b=2, nc=2, C=128, h=4, p=64, n=128, g=2, dtype=jnp.bfloat16):
 
 
 @pytest.mark.parametrize("kind", ["TPU v5 lite", "TPU v6 lite"])
-def test_lowers_for_tpu(kind):
-    """Forward and gradient export for TPU from a CPU host: two Mosaic custom calls."""
-
-    def loss(x, a, b, c, s0):
-        y, final = ssd_chunk_scan(x, a, b, c, s0, ("pallas_mosaic_tpu", False))
-        return y.astype(jnp.float32).sum() + final.sum()
-
-    grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(kind, 1, "tpu"))
-    with jax.sharding.use_abstract_mesh(mesh):
-        exported = jax.export.export(jax.jit(grad), platforms=["tpu"])(*_abstract_args())
-    text = exported.mlir_module()
-    assert text.count("tpu_custom_call") == 2, "expected one forward and one backward kernel"
-    assert "ssd_forward_mosaic_tpu" in text and "ssd_backward_mosaic_tpu" in text
-
-
 @pytest.mark.parametrize("x64", [False, True])
-def test_kernels_hold_no_64_bit_values(x64):
-    """What the TPU compiler is handed (mosaic_tpu_testlib): no int64 or float64 value in
-    either kernel, jax_enable_x64 on or off."""
+def test_lowers_for_tpu(kind, x64):
+    """Forward and gradient export for TPU from a CPU host: two Mosaic modules, neither
+    holding an int64 or float64 value (mosaic_tpu_testlib), jax_enable_x64 on or off."""
 
     def loss(x, a, b, c, s0):
         y, final = ssd_chunk_scan(x, a, b, c, s0, ("pallas_mosaic_tpu", False))
         return y.astype(jnp.float32).sum() + final.sum()
 
     modules = mosaic_tpu_testlib.mosaic_modules(
-        jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *_abstract_args(), x64=x64)
+        jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *_abstract_args(), kind=kind, x64=x64)
     mosaic_tpu_testlib.assert_no_sixty_four_bit_values(
         modules, {"ssd_forward_mosaic_tpu", "ssd_backward_mosaic_tpu"})
 

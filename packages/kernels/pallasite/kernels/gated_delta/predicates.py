@@ -72,10 +72,12 @@ def pallas_mosaic_tpu_reason(q, k, v, g, beta, chunk_size, *, named: bool = Fals
     if device.platform == "tpu":  # q, k, v reach the kernels in fp32; o leaves in v's dtype
         if packed:
             # On a TPU v5e (jax 0.10.2, 2026-12-06) packed sequences gave o, the final
-            # states, dq and d initial_state right and dk, dv, dg, dbeta wrong (relative
-            # L2 0.44-0.76; the interpreter's are within 1e-5): refused until found.
+            # states, dq and d initial_state as the float64 definition and dk, dv, dg,
+            # dbeta not (relative L2 0.44-0.76; the interpreter's are within 1e-5), that
+            # definition evaluated on the TPU's emulated float64: refused until a run with
+            # the definition on the host says which side was wrong.
             return ("packed sequences (cu_seqlens) are refused on a TPU: their gradients "
-                    "in k, v, g and beta came out wrong on a TPU v5e")
+                    "in k, v, g and beta disagreed with the definition on a TPU v5e")
         reason = platform.mosaic_tpu_dtype_reason("pallas_mosaic_tpu", {"v": v.dtype})
         if reason:
             return reason
