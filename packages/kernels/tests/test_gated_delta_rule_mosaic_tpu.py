@@ -140,7 +140,7 @@ def test_named_only_and_refusals_name_the_argument():
 
 
 def test_fp16_refused_on_a_tpu_only():
-    """A TPU's compiler does not load fp16 blocks (platform.MOSAIC_TPU_BLOCK_DTYPES): the
+    """A TPU's compiler does not load fp16 blocks (platform.MOSAIC_TPU_REFUSED_DTYPES): the
     predicate refuses an fp16 v (o's dtype) there, by name, and keeps it for the
     interpreter."""
     a = {name: t.astype(jnp.float16) if name in ("q", "k", "v") else t

@@ -131,7 +131,7 @@ def test_kernel_not_for_this_device():
 
 
 def test_fp16_refused_on_a_tpu_only():
-    """A TPU's compiler does not load fp16 blocks (platform.MOSAIC_TPU_BLOCK_DTYPES); the
+    """A TPU's compiler does not load fp16 blocks (platform.MOSAIC_TPU_REFUSED_DTYPES); the
     interpreter on a CPU takes them."""
     from pallasite.kernels.ssd import pallas_mosaic_tpu
 

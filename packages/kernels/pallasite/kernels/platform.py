@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 # TPU device_kind strings as the runtimes report them, most specific first.
 _TPU_KINDS = (
@@ -82,8 +83,7 @@ def mosaic_tpu_block_spec(block_shape, index_map, **kwargs):
     Under jax_enable_x64 a literal 0 in an index map traces as int64: the interpreter and
     the lowering take it, the TPU compiler does not ("failed to legalize operation
     'func.func'", seen on a TPU v5e, jax 0.10.2, 2026-12-06)."""
-    import jax.numpy as jnp
-    from jax.experimental import pallas as pl
+    from jax.experimental import pallas as pl  # only where a kernel is built
 
     def int32_indices(*args):
         return tuple(jnp.asarray(i, jnp.int32) for i in index_map(*args))
@@ -91,23 +91,24 @@ def mosaic_tpu_block_spec(block_shape, index_map, **kwargs):
     return pl.BlockSpec(block_shape, int32_indices, **kwargs)
 
 
-# Block dtypes a compiled Mosaic TPU kernel loads and stores. fp16 is not one: the TPU
-# compiler refused grouped_projection's fp16 blocks ("Invalid vector type for load",
-# memref<128x128xf16> -> vector<8x128x2xf16>; a TPU v5e, jax 0.10.2, 2026-12-06). The TPU
-# interpreter takes every dtype.
-MOSAIC_TPU_BLOCK_DTYPES = ("bfloat16", "float32")
+# Block dtypes a compiled Mosaic TPU kernel cannot load: the TPU compiler refused
+# grouped_projection's fp16 blocks ("Invalid vector type for load", memref<128x128xf16> ->
+# vector<8x128x2xf16>; a TPU v5e, jax 0.10.2, 2026-12-06). bf16 and fp32 blocks ran. The
+# TPU interpreter takes every dtype.
+MOSAIC_TPU_REFUSED_DTYPES = ("float16",)
 
 
 def mosaic_tpu_dtype_reason(name: str, dtypes) -> str | None:
     """Why Mosaic TPU kernel `name` cannot take blocks of `dtypes` ({what: dtype}) on a
-    TPU (None: it can). Callers ask only where the kernel compiles (not interpreted)."""
-    bad = {what: jax.numpy.dtype(d).name for what, d in dtypes.items()
-           if jax.numpy.dtype(d).name not in MOSAIC_TPU_BLOCK_DTYPES}
+    TPU (None: it can, as far as this rule goes: each op checks its own dtypes). Callers
+    ask only where the kernel compiles (not interpreted)."""
+    bad = {what: jnp.dtype(d).name for what, d in dtypes.items()
+           if jnp.dtype(d).name in MOSAIC_TPU_REFUSED_DTYPES}
     if not bad:
         return None
-    return (f"{name} on a TPU takes {' and '.join(MOSAIC_TPU_BLOCK_DTYPES)} blocks, got "
-            + ", ".join(f"{what} {dtype}" for what, dtype in bad.items())
-            + " (the TPU compiler refuses fp16 block loads)")
+    return (f"{name} on a TPU takes no {' or '.join(MOSAIC_TPU_REFUSED_DTYPES)} blocks "
+            f"(the TPU compiler does not load them), got "
+            + ", ".join(f"{what} {dtype}" for what, dtype in bad.items()))
 
 
 def triton_runs(device: Any = None) -> bool:

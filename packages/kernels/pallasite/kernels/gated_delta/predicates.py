@@ -59,7 +59,7 @@ def pallas_mosaic_tpu_reason(q, k, v, g, beta, chunk_size, *, named: bool = Fals
                              device=None, packed: bool = False) -> str | None:
     """None where pallas_mosaic_tpu serves chunk_gated_delta_rule: on a TPU, or on a CPU
     when named (the TPU interpreter); a chunk that is a multiple of 8; bf16, fp16 or fp32
-    inputs (v not fp16 on a TPU: platform.MOSAIC_TPU_BLOCK_DTYPES); on a TPU, no packed
+    inputs (v not fp16 on a TPU: platform.MOSAIC_TPU_REFUSED_DTYPES); on a TPU, no packed
     sequences (packed). Never by default: it runs only where a caller names it."""
     device = device if device is not None else jax.devices()[0]
     if not named:
