@@ -33,7 +33,7 @@ def test_interpret_parity(case):
 @pytest.mark.parametrize("x64", [False, True])
 def test_lowers_for_tpu_with_scalar_prefetch(x64):
     """gmm, dx and tgmm exported for TPU from this host: three Mosaic modules, none holding
-    an int64 or float64 value (mosaic_tpu_testlib), jax_enable_x64 on or off."""
+    what a TPU refused (mosaic_tpu_testlib), jax_enable_x64 on or off."""
     specs = (jax.ShapeDtypeStruct((300, 200), jnp.bfloat16),
              jax.ShapeDtypeStruct((6, 200, 136), jnp.bfloat16),
              jax.ShapeDtypeStruct((6,), jnp.int32),
@@ -45,9 +45,30 @@ def test_lowers_for_tpu_with_scalar_prefetch(x64):
                 pallas_mosaic_tpu.tgmm(x, dy, sizes, num_groups=6))
 
     modules = mosaic_tpu_testlib.mosaic_modules(f, *specs, x64=x64)
-    mosaic_tpu_testlib.assert_no_sixty_four_bit_values(
+    mosaic_tpu_testlib.assert_no_known_refusals(
         modules, {"grouped_projection_gmm", "grouped_projection_gmm_dx",
                   "grouped_projection_tgmm"})
+
+
+def test_known_refusals_read_the_lines_a_tpu_refused():
+    """mosaic_tpu_testlib's reading, on lines a TPU v5e refused (2026-12-06) and on lines
+    it compiled: it finds the first two and not the others."""
+    refused = [
+        "return %arg0, %arg2, %arg1, %c0_i64, %c0_i64_0 : i32, i32, i32, i64, i64",
+        '%149 = "tpu.matmul"(%144, %146, %148) <{precision = #tpu.contract_precision<fp32>}>'
+        " : (vector<16x128xbf16>, vector<128x128xbf16>, vector<16x128xf32>)"
+        " -> vector<16x128xf32>",
+    ]
+    compiled = [
+        "func.func @k(%arg0: i32) attributes {iteration_bounds = array<i64: 1, 4>, "
+        "scalar_prefetch = 2 : i64} {",
+        '%9 = "tpu.matmul"(%1, %2, %3) <{precision = #tpu.contract_precision<fp32>}>'
+        " : (vector<64x64xf32>, vector<64x64xf32>, vector<64x64xf32>) -> vector<64x64xf32>",
+        '%9 = "tpu.matmul"(%1, %2, %3) : (vector<128x128xbf16>, vector<128x128xbf16>,'
+        " vector<128x128xf32>) -> vector<128x128xf32>",
+    ]
+    assert mosaic_tpu_testlib.known_refusals("\n".join(refused)) == refused
+    assert mosaic_tpu_testlib.known_refusals("\n".join(compiled)) == []
 
 
 def test_cost_estimates():
