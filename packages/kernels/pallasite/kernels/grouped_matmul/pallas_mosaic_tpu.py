@@ -253,7 +253,7 @@ def tgmm(
                 _block_spec((tm, tn), lambda ni, ki, v, gr, st, en, tl: (tl[v], ni)),
             ],
             out_specs=_block_spec((None, tk, tn),
-                                   lambda ni, ki, v, gr, st, en, tl: (gr[v], ki, ni)),
+                                  lambda ni, ki, v, gr, st, en, tl: (gr[v], ki, ni)),
             scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
         ),
         compiler_params=pltpu.CompilerParams(
