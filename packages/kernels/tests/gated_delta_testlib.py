@@ -42,11 +42,15 @@ def with_extremes(a):
     return dict(a, beta=jnp.asarray(beta), g=jnp.asarray(g))
 
 
+def on_host(tree):
+    """`tree` on the host CPU, where float64 is native (a TPU emulates it): the float64
+    definition, the tests' ground truth, runs there."""
+    return jax.device_put(tree, jax.devices("cpu")[0])
+
+
 def wide(a):
-    """`a` in float64 on the host CPU: the definition's precision, computed where float64
-    is native (a TPU emulates it, and the definition is the test's ground truth)."""
-    return jax.device_put({k: v.astype(jnp.float64) for k, v in a.items()},
-                          jax.devices("cpu")[0])
+    """`a` in float64 on the host CPU (on_host)."""
+    return on_host({k: v.astype(jnp.float64) for k, v in a.items()})
 
 
 def rel(got, want):
@@ -101,7 +105,7 @@ def check_packed(chunked, a, cu):
         return values_and_grads(fn, arrays, cu_seqlens=cu)
 
     got = jax.jit(functools.partial(run, chunked))(a, cu)
-    want = run(gated_delta_rule_sequential, wide(a), jax.device_put(cu, jax.devices("cpu")[0]))
+    want = run(gated_delta_rule_sequential, wide(a), on_host(cu))
     errors = [rel(g, w) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
     assert max(errors) <= REL_L2, errors
     np.testing.assert_array_equal(np.asarray(got[0][1][1]), np.asarray(a["initial_state"][1]))

@@ -42,14 +42,16 @@ def _captured_modules(into: dict):
         tpu_custom_call._lower_mosaic_module_to_asm = real
 
 
-def mosaic_modules(fn, *args, kind: str = "TPU v5 lite", x64: bool = False) -> dict[str, str]:
-    """{kernel name: Mosaic module text} of jax.jit(fn)(*args) exported for a TPU of
-    `kind`, traced with jax_enable_x64 set to `x64`."""
+def mosaic_modules(fn, *args, kind: str = "TPU v5 lite", x64: bool = False
+                   ) -> tuple[str, dict[str, str]]:
+    """(the exported program's MLIR text, {kernel name: Mosaic module text}) of
+    jax.jit(fn)(*args) exported for a TPU of `kind`, traced with jax_enable_x64 set to
+    `x64`."""
     modules: dict[str, str] = {}
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(kind, 1, "tpu"))
     with _captured_modules(modules), jax.enable_x64(x64), jax.sharding.use_abstract_mesh(mesh):
-        jax.export.export(jax.jit(fn), platforms=["tpu"])(*args)
-    return modules
+        exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(*args)
+    return exported.mlir_module(), modules
 
 
 def sixty_four_bit_values(text: str) -> list[str]:
@@ -70,8 +72,11 @@ def known_refusals(text: str) -> list[str]:
     return sixty_four_bit_values(text) + narrow_products_at_fp32(text)
 
 
-def assert_no_known_refusals(modules: dict[str, str], expected: set[str]):
-    """`modules` are the kernels `expected`, and none holds a construct a TPU refused."""
-    assert set(modules) == expected, sorted(modules)
-    found = {name: known_refusals(text)[:3] for name, text in modules.items()}
+def assert_no_known_refusals(exported: tuple[str, dict[str, str]], expected: list[str]):
+    """mosaic_modules' `exported` program calls the kernels `expected` (one custom call
+    each) and none of their modules holds a construct a TPU refused."""
+    text, modules = exported
+    assert text.count("tpu_custom_call") == len(expected), "expected one call per kernel"
+    assert sorted(modules) == sorted(expected), sorted(modules)
+    found = {name: known_refusals(module)[:3] for name, module in modules.items()}
     assert not any(found.values()), found

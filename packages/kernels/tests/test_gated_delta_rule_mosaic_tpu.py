@@ -186,7 +186,7 @@ def test_the_kernels_lower_for_tpu_from_cpu(kind, x64):
             chunk_size=64, use_qk_l2norm_in_kernel=True)
         return o.astype(jnp.float32).sum() + final.sum()
 
-    modules = mosaic_tpu_testlib.mosaic_modules(jax.grad(loss, argnums=range(6)), *args,
-                                                kind=kind, x64=x64)
+    exported = mosaic_tpu_testlib.mosaic_modules(jax.grad(loss, argnums=range(6)), *args,
+                                                 kind=kind, x64=x64)
     mosaic_tpu_testlib.assert_no_known_refusals(
-        modules, {"gated_delta_rule_forward_mosaic_tpu", "gated_delta_rule_backward_mosaic_tpu"})
+        exported, ["gated_delta_rule_forward_mosaic_tpu", "gated_delta_rule_backward_mosaic_tpu"])

@@ -44,10 +44,10 @@ def test_lowers_for_tpu_with_scalar_prefetch(x64):
                 pallas_mosaic_tpu.gmm(dy, kernel, sizes, transpose_rhs=True),
                 pallas_mosaic_tpu.tgmm(x, dy, sizes, num_groups=6))
 
-    modules = mosaic_tpu_testlib.mosaic_modules(f, *specs, x64=x64)
+    exported = mosaic_tpu_testlib.mosaic_modules(f, *specs, x64=x64)
     mosaic_tpu_testlib.assert_no_known_refusals(
-        modules, {"grouped_projection_gmm", "grouped_projection_gmm_dx",
-                  "grouped_projection_tgmm"})
+        exported, ["grouped_projection_gmm", "grouped_projection_gmm_dx",
+                   "grouped_projection_tgmm"])
 
 
 def test_known_refusals_read_the_lines_a_tpu_refused():

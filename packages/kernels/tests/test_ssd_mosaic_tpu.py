@@ -45,10 +45,10 @@ def test_lowers_for_tpu(kind, x64):
         y, final = ssd_chunk_scan(x, a, b, c, s0, ("pallas_mosaic_tpu", False))
         return y.astype(jnp.float32).sum() + final.sum()
 
-    modules = mosaic_tpu_testlib.mosaic_modules(
+    exported = mosaic_tpu_testlib.mosaic_modules(
         jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *_abstract_args(), kind=kind, x64=x64)
     mosaic_tpu_testlib.assert_no_known_refusals(
-        modules, {"ssd_forward_mosaic_tpu", "ssd_backward_mosaic_tpu"})
+        exported, ["ssd_forward_mosaic_tpu", "ssd_backward_mosaic_tpu"])
 
 
 def _pallas_eqns(jaxpr):
