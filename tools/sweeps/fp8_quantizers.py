@@ -19,8 +19,10 @@ two 128-deep steps per stage (steps_per_stage), A multicast to clusters of two
 experts, and one group of the same dims: the grouped loop against a dense one) and dsv3;
 each variant's output is compared with the default's.
 Token-block variants (`--token-variants`): the Pallas Triton token-block quantizer with
-COLUMNS (columns per program) and TOKEN_NUM_WARPS set to each pair of a small grid, on
-the same operands, with values compared to the default's.
+COLUMNS (columns per program) and TOKEN_NUM_WARPS set to each pair of a small grid, the
+amax over the input's own 16 bits and over a fp32 copy (NARROW_AMAX), on the same
+operands, with values compared to the default's, beside a bare e4m3 cast of the input
+(the copy ceiling of the same run).
 Cast variants (`--cast-variants`): each Pallas quantizer with the oracle's clip before
 the fp8 cast and without it (SATURATING_CAST), values compared.
 Paired gate-up (`--paired-gate-up`): grouped_mlp's fp8 gate-up on Mosaic GPU from
@@ -240,7 +242,9 @@ def token_variants(out, smoke: bool):
     interpret = smoke
     shapes = ([("tiny", 256, 256, 4)] if smoke else
               [("mixtral_x", 32768, 4096, 8), ("dsv3_x", 65536, 7168, 256)])
-    grid = [(64, 4)] if smoke else [(c, w) for c in (32, 64, 128) for w in (2, 4, 8)]
+    grid = [(64, 4, True)] if smoke else [
+        (c, w, narrow) for narrow in (True, False) for c, w in
+        ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8))]
     for name, m, c, g in shapes:
         xs = _sets(lambda s: jax.random.normal(jax.random.key(s), (m, c), jnp.bfloat16),
                    2 if smoke else 3)
@@ -251,14 +255,17 @@ def token_variants(out, smoke: bool):
                                               interpret=interpret)
         want = jax.jit(run)(xs[0])
         used = int((table.rows > 0).sum())  # unused blocks are never written
-        for columns, warps in grid:
-            with knobs(pallas_triton, COLUMNS=columns, TOKEN_NUM_WARPS=warps):
+        _, rec = _variant(lambda x: x.astype(F8), xs, lambda got: _nbytes(xs[0]) + _nbytes(got))
+        _write(out, {"what": "token_variant", "shape": name, "impl": "e4m3 cast", **rec})
+        for columns, warps, narrow in grid:
+            with knobs(pallas_triton, COLUMNS=columns, TOKEN_NUM_WARPS=warps,
+                       NARROW_AMAX=narrow):
                 got, rec = _variant(run, xs, lambda got: _nbytes(xs[0]) + _nbytes(got[1])
                                     + used * 128 * c * got[0].dtype.itemsize)
             if got is not None:
                 rec["same_as_default"] = _same_used_blocks(got, want, table.rows)
             _write(out, {"what": "token_variant", "shape": name, "columns": columns,
-                         "warps": warps, **rec})
+                         "warps": warps, "narrow_amax": narrow, **rec})
 
 
 def cast_variants(out, smoke: bool):

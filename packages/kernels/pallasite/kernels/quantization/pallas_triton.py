@@ -52,6 +52,13 @@ TOKEN_NUM_WARPS = 4
 # Whether compiled kernels leave the clip to the cast (`_to_fp8`); False keeps the
 # oracle's selects (a sweep knob: tools/sweeps/fp8_quantizers.py --cast-variants).
 SATURATING_CAST = True
+# Whether a 16-bit input's amax is taken over its own bits (_magnitude_bits), the tile
+# kept in its dtype until the cast, rather than over a fp32 copy (a sweep knob:
+# tools/sweeps/fp8_quantizers.py --token-variants). Compiled for sm_90 (triton 3.6,
+# mixtral's x in bf16) it takes the token-block kernel from 109 registers to 64 (the
+# occupancy limit from 4 programs an SM to 8) and the untransposed weight kernel from 162
+# to 128; the rows and transposed weight kernels keep 56 and 96. Off until timed.
+NARROW_AMAX = False
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -86,6 +93,24 @@ def _to_fp8(x, inverse, fp8, interpret: bool):
     return (x.astype(jnp.float32) * inverse).astype(fp8)
 
 
+def _magnitude_bits(x):
+    """|x|'s bits with the sign cleared, ordered as |x| with every non-finite value above
+    the finite ones (ref.magnitude_bits): for a 16-bit float its own bits (int16), so a
+    tile's amax needs no fp32 copy of it in registers; otherwise those of its fp32 value."""
+    if NARROW_AMAX and x.dtype.itemsize == 2:
+        return jax.lax.bitcast_convert_type(x, jnp.int16) & jnp.int16(0x7FFF)
+    return ref.magnitude_bits(x)
+
+
+def _amax_of_bits(top, dtype):
+    """ref.amax_of_bits of _magnitude_bits' max, for values of `dtype`: the largest
+    magnitude in fp32, NaN if non-finite (a 16-bit value widens exactly, inf and NaN
+    included)."""
+    if top.dtype == jnp.int16:
+        top = ref.magnitude_bits(jax.lax.bitcast_convert_type(top, dtype))
+    return ref.amax_of_bits(top)
+
+
 def _cost(x, outputs, fp8):
     """Per element the multiply by the inverse scale, the one op pl.estimate_cost counts
     (not the abs, the clip's compares and selects, or the cast)."""
@@ -102,8 +127,9 @@ def _rows_kernel(x_ref, v_ref, s_ref, *, m, c, fp8, interpret):
     col_ok = _ok(j * BLOCK, BLOCK, c)
     mask = row_ok[:, None] & col_ok[None, :]
     at = (pl.ds(r0, ROWS), pl.ds(j * BLOCK, BLOCK))
-    x = plgpu.load(x_ref.at[at], mask=mask, other=0.0).astype(jnp.float32)
-    scale, inverse = ref.scale_and_inverse(ref.amax(x, axis=1), fp8)
+    x = plgpu.load(x_ref.at[at], mask=mask, other=0.0)
+    top = _amax_of_bits(jnp.max(_magnitude_bits(x), axis=1), x.dtype)
+    scale, inverse = ref.scale_and_inverse(top, fp8)
     plgpu.store(v_ref.at[at], _to_fp8(x, inverse[:, None], fp8, interpret), mask=mask)
     plgpu.store(s_ref.at[j, pl.ds(r0, ROWS)], scale, mask=row_ok)
 
@@ -139,8 +165,9 @@ def _token_kernel(start_ref, rows_ref, x_ref, v_ref, s_ref, *, c, fp8, transpose
     def _():
         row_ok = jnp.arange(BLOCK, dtype=jnp.int32) < count
         x = plgpu.load(x_ref.at[pl.ds(start, BLOCK), cols],
-                       mask=row_ok[:, None] & col_ok[None, :], other=0.0).astype(jnp.float32)
-        scale, inverse = ref.scale_and_inverse(ref.amax(x, axis=0), fp8)
+                       mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        top = _amax_of_bits(jnp.max(_magnitude_bits(x), axis=0), x.dtype)
+        scale, inverse = ref.scale_and_inverse(top, fp8)
         values = _to_fp8(x, inverse[None, :], fp8, interpret)
         if transpose:  # the whole block, zeros past `count` (a select: NaN-safe)
             values = jnp.where(row_ok[:, None], values, jnp.zeros_like(values))
@@ -185,15 +212,14 @@ def token_blocks(x: jax.Array, start: jax.Array, rows: jax.Array, dtype, *, tran
 def _block_amax(w):
     """amax of a 2-D block, one axis at a time: Pallas Triton lowers a reduction over two
     axes with the operand's rank in its sharding, which fails under a mesh (jax 0.11.2)."""
-    bits = ref.magnitude_bits(w)
-    return ref.amax_of_bits(jnp.max(jnp.max(bits, axis=1), axis=0))
+    return _amax_of_bits(jnp.max(jnp.max(_magnitude_bits(w), axis=1), axis=0), w.dtype)
 
 
 def _weight_kernel(w_ref, v_ref, s_ref, *, k, n, fp8, transpose, interpret):
     gi, kb, nb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     mask = _ok(kb * BLOCK, BLOCK, k)[:, None] & _ok(nb * BLOCK, BLOCK, n)[None, :]
     ks, ns = pl.ds(kb * BLOCK, BLOCK), pl.ds(nb * BLOCK, BLOCK)
-    w = plgpu.load(w_ref.at[gi, ks, ns], mask=mask, other=0.0).astype(jnp.float32)
+    w = plgpu.load(w_ref.at[gi, ks, ns], mask=mask, other=0.0)
     scale, inverse = ref.scale_and_inverse(_block_amax(w), fp8)
     values = _to_fp8(w, inverse, fp8, interpret)
     if transpose:
