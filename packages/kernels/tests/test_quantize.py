@@ -33,9 +33,17 @@ def _x(m, c, seed=0, dtype=jnp.bfloat16, scale=3.0):
     return x.at[9, :min(c, 128)].set(0.0).astype(dtype)
 
 
+@pytest.fixture(params=[False, True], ids=["fp32_amax", "narrow_amax"])
+def amax_form(request, monkeypatch):
+    """Both of the kernels' amax forms (pallas_triton.NARROW_AMAX): over a fp32 copy of
+    the tile, and over a 16-bit input's own bits."""
+    monkeypatch.setattr(pallas_triton, "NARROW_AMAX", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("m,c", [(300, 260), (64, 128), (7, 100)])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_rows_match_the_xla_form(m, c, dtype):
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_rows_match_the_xla_form(m, c, dtype, amax_form):
     x = _x(m, c, dtype=dtype)
     for got, want in zip(pallas_triton.rows(x, F8, interpret=True), xla.rows(x, F8)):
         assert got.shape == want.shape and got.dtype == want.dtype
@@ -53,7 +61,7 @@ def _used_columns(start, rows):
     ([50, 60, 70], 40, 256),          # local experts from row 40
     ([0, 0], None, 64),               # every group empty
 ])
-def test_token_blocks_match_the_xla_form(sizes, row_start, m):
+def test_token_blocks_match_the_xla_form(sizes, row_start, m, amax_form):
     x = _x(m, 200, seed=1)
     table = token_blocks(jnp.asarray(sizes, jnp.int32), m, row_start=row_start)
     got = pallas_triton.token_blocks(x, table.start, table.rows, F8, interpret=True)
@@ -83,7 +91,7 @@ def test_token_block_sums_saturate_instead_of_wrapping():
 
 
 @pytest.mark.parametrize("transpose", [False, True])
-def test_weight_blocks_match_the_xla_form(transpose):
+def test_weight_blocks_match_the_xla_form(transpose, amax_form):
     w = jax.random.normal(jax.random.key(2), (3, 200, 300)).astype(jnp.bfloat16)
     w = w.at[1, 5, 140].set(jnp.nan)
     for got, want in zip(pallas_triton.weight_blocks(w, F8, transpose=transpose, interpret=True),
@@ -225,7 +233,7 @@ def test_compiled_fp8_cast_saturates_as_the_clip_does():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,c", [(4096, 2048), (1000, 300)])
-def test_compiled_quantizers_match_the_xla_forms(m, c):
+def test_compiled_quantizers_match_the_xla_forms(m, c, amax_form):
     x = _x(m, c, seed=5)
     for got, want in zip(jax.jit(lambda a: pallas_triton.rows(a, F8))(x), xla.rows(x, F8)):
         _close_fp8(got, want)
