@@ -393,6 +393,48 @@ def fused_output_forms(name, shape, interpret, with_fla):
         peers.release_torch_memory()
 
 
+def mosaic_state_passes(name, shape, interpret):
+    """The forward state pass on Mosaic GPU (gated_delta/pallas_mosaic_gpu.py) beside the
+    Pallas Triton one, on the same operands: each at block_v 32 and 64, the Mosaic GPU
+    pass at 2, 3 and 4 pipeline stages; its states, u and finals' largest difference from
+    the Triton pass's at the same block_v."""
+    from pallasite.kernels.gated_delta import pallas_mosaic_gpu as pm
+
+    b, t, hk, hv, dk, dv = shape
+    chunk = 64
+    q, k, v, g, beta, init = inputs(*shape)
+    lq, lk, lv, hi, lo, lbeta = jax.jit(lambda *a: chunked(*a, None, chunk)[0])(q, k, v, g, beta)
+    entering, leaving = packing.chunk_tables(b, lq.shape[1], None, None)
+    big_u, w, _ = jax.jit(lambda *a: pt._prep(*a, hv, BF16, False, interpret))(
+        lk, lv, hi, lo, lbeta)
+    base = dict(op="gated_delta_rule", shape=name, stage="state_pass")
+    for bv in (32, 64):
+        why = pm.reason(chunk=chunk, dk=dk, block_v=bv, dtype=BF16, packed=False)
+        if bv > dv or why:
+            emit(dict(base, impl="pallasite.pallas_mosaic_gpu", block_v=bv,
+                      skipped=why or "block_v > V"))
+            continue
+        triton = jax.jit(functools.partial(pt._state_pass, bs=pt.BlockSizes(block_v=bv),
+                                           l2norm=False, interpret=interpret, packed=False))
+        args = (w, big_u, lk, hi, lo, entering, leaving, init)
+        want = triton(*args)
+        emit(dict(base, impl="pallasite.pallas_triton", block_v=bv,
+                  ms=round(ms(triton, *args), 4)))
+        for stages in (2, 3, 4):
+            with knobs(pm, STAGES=stages):
+                mosaic = jax.jit(lambda *a, bv=bv: pm.state_pass(*a, bv, interpret=interpret))
+                try:
+                    got = mosaic(w, big_u, lk, hi, lo, init)
+                    diff = [float(jnp.max(jnp.abs(x.astype(F32) - y.astype(F32))))
+                            for x, y in zip(got, want)]
+                    emit(dict(base, impl="pallasite.pallas_mosaic_gpu", block_v=bv,
+                              stages=stages, ms=round(ms(mosaic, w, big_u, lk, hi, lo, init), 4),
+                              max_abs_diff_vs_triton=diff))
+                except Exception as err:  # noqa: BLE001 - a form that fails is a record
+                    emit(dict(base, impl="pallasite.pallas_mosaic_gpu", block_v=bv,
+                              stages=stages, error=f"{type(err).__name__}: {err}"[:400]))
+
+
 def packed_state_passes(shape, interpret):
     """The state passes on packed sequences (cu_seqlens) of the first shape's heads and
     length: 16 random lengths and sequences of one chunk each, walked as one run per
@@ -522,8 +564,16 @@ def main(argv=None):
     parser.add_argument("--fused-output", action="store_true",
                         help="the forward's output in the state pass or not "
                              "(fused_output_forms), both shapes")
+    parser.add_argument("--mosaic-state", action="store_true",
+                        help="the Mosaic GPU state pass beside the Triton one "
+                             "(mosaic_state_passes), both shapes")
     args = parser.parse_args(argv)
     shapes = SMOKE if args.smoke else SHAPES
+    if args.mosaic_state:
+        for name, shape in ({"tiny": (1, 128, 1, 2, 64, 64)} if args.smoke
+                             else shapes).items():
+            mosaic_state_passes(name, shape, args.smoke)
+        return 0
     if args.fused_output:
         with_fla = not (args.smoke or args.no_fla) and peers.fla_missing() is None
         for name, shape in shapes.items():
