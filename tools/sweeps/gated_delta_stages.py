@@ -433,6 +433,21 @@ def mosaic_state_passes(name, shape, interpret):
                 except Exception as err:  # noqa: BLE001 - a form that fails is a record
                     emit(dict(base, impl="pallasite.pallas_mosaic_gpu", block_v=bv,
                               stages=stages, error=f"{type(err).__name__}: {err}"[:400]))
+    # The whole forward (default block sizes) with its state pass on either backend.
+    results = {}
+    for on in (False, True):
+        with knobs(pt, MOSAIC_GPU_STATE_PASS=on):
+            fwd = jax.jit(lambda *a: pt.forward(
+                *a[:5], scale=dk ** -0.5, initial_state=a[5], cu_seqlens=None,
+                chunk_size=chunk, use_qk_l2norm_in_kernel=False, interpret=interpret))
+            results[on] = fwd(q, k, v, g, beta, init)
+            rec = dict(op="gated_delta_rule", shape=name, stage="forward",
+                       mosaic_gpu_state_pass=on, ms=round(ms(fwd, q, k, v, g, beta, init), 4))
+        if on:
+            rec["max_abs_diff_vs_triton"] = [
+                float(jnp.max(jnp.abs(x.astype(F32) - y.astype(F32))))
+                for x, y in zip(results[True], results[False])]
+        emit(rec)
 
 
 def packed_state_passes(shape, interpret):

@@ -19,8 +19,9 @@ The per-chunk decays (exp(G_last - G_t) and exp(G_last)) are computed in XLA fro
 same compensated cumulative sums the Triton kernels read (ssd.decay.cumsum_pair), laid
 out per (row, head, chunk), so each chunk's pair is one contiguous TMA box.
 
-Scope: rows that are one sequence each (no cu_seqlens), residuals stored, bf16 or fp16
-compute, K in {64, 128}, block_v in {32, 64}, chunk 64. The Triton pass covers the rest.
+Scope: rows that are one sequence each (no cu_seqlens), keys as given (not normalised in
+the kernels), residuals stored, bf16 or fp16 compute, K in {64, 128}, block_v in {32,
+64}, chunk 64 (`reason`). The Triton pass covers the rest.
 """
 
 from __future__ import annotations
@@ -45,10 +46,13 @@ STAGES = 3
 _INTERPRET_PARAMS = plgpu.InterpretGPUParams()
 
 
-def reason(*, chunk: int, dk: int, block_v: int, dtype, packed: bool) -> str | None:
+def reason(*, chunk: int, dk: int, block_v: int, dtype, packed: bool,
+           l2norm: bool = False) -> str | None:
     """Why this state pass cannot run the problem (None: it can)."""
     if packed:
         return "packed sequences (cu_seqlens) take the Pallas Triton state pass"
+    if l2norm:
+        return "keys normalised in the kernels take the Pallas Triton state pass"
     if chunk != CHUNK:
         return f"chunk_size={chunk}; the Mosaic GPU state pass takes {CHUNK}"
     if dk not in KEY_DIMS:

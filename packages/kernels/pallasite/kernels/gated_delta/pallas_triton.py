@@ -56,7 +56,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallasite import tuning
 from pallasite.kernels import cost, platform, sharding
-from pallasite.kernels.gated_delta import context_parallel, packing
+from pallasite.kernels.gated_delta import context_parallel, packing, pallas_mosaic_gpu
 from pallasite.kernels.ssd import decay
 from pallasite.reference.gated_delta_rule import L2NORM_EPS
 
@@ -1131,6 +1131,20 @@ def part_transition(w, k, hi, lo, entering, leaving, block_v: int, l2norm, inter
                        bs, l2norm, interpret, packed=False, residuals=False)[2]
 
 
+# The forward's state pass on Mosaic GPU (pallas_mosaic_gpu.py: TMA-pipelined chunk loads,
+# the state carried in wgmma registers) where it takes the problem and the device is
+# Hopper (or the interpreter runs): unpacked rows, keys not normalised in the kernels,
+# bf16 or fp16, chunk 64, K 64 or 128. Off until timed against the Triton pass.
+MOSAIC_GPU_STATE_PASS = False
+
+
+def _mosaic_gpu_state_pass(chunk, dk, block_v, dtype, packed, l2norm, interpret) -> bool:
+    """Whether the forward's state pass runs on Mosaic GPU (MOSAIC_GPU_STATE_PASS)."""
+    return (MOSAIC_GPU_STATE_PASS and (bool(interpret) or platform.mosaic_gpu_runs())
+            and pallas_mosaic_gpu.reason(chunk=chunk, dk=dk, block_v=block_v, dtype=dtype,
+                                         packed=packed, l2norm=l2norm) is None)
+
+
 def _entering_state(w, big_u, k, hi, lo, entering, leaving, init, bs, l2norm, interpret,
                     sequence_axes):
     """(this part's entering state, the whole sequence's final state) [B, Hv, K, V] fp32,
@@ -1185,6 +1199,9 @@ def _kernels(q, k, v, g, beta, init, cu_seqlens, *, scale, chunk_size, l2norm, i
         states, u, finals, o = _state_pass(
             w, big_u, k, hi, lo, entering, leaving, init, bs, l2norm, interpret,
             packed=packed, rows=rows, residuals=residuals, output=(q, scale, v.dtype))
+    elif _mosaic_gpu_state_pass(chunk_size, dk, bs.block_v, cd, packed, l2norm, interpret):
+        states, u, finals = pallas_mosaic_gpu.state_pass(w, big_u, k, hi, lo, init,
+                                                         bs.block_v, interpret=bool(interpret))
     else:
         states, u, finals = _state_pass(w, big_u, k, hi, lo, entering, leaving, init, bs,
                                         l2norm, interpret, packed=packed, rows=rows)
