@@ -1199,12 +1199,13 @@ def _kernels(q, k, v, g, beta, init, cu_seqlens, *, scale, chunk_size, l2norm, i
         states, u, finals, o = _state_pass(
             w, big_u, k, hi, lo, entering, leaving, init, bs, l2norm, interpret,
             packed=packed, rows=rows, residuals=residuals, output=(q, scale, v.dtype))
-    elif _mosaic_gpu_state_pass(chunk_size, dk, bs.block_v, cd, packed, l2norm, interpret):
-        states, u, finals = pallas_mosaic_gpu.state_pass(w, big_u, k, hi, lo, init,
-                                                         bs.block_v, interpret=bool(interpret))
     else:
-        states, u, finals = _state_pass(w, big_u, k, hi, lo, entering, leaving, init, bs,
-                                        l2norm, interpret, packed=packed, rows=rows)
+        if _mosaic_gpu_state_pass(chunk_size, dk, bs.block_v, cd, packed, l2norm, interpret):
+            states, u, finals = pallas_mosaic_gpu.state_pass(
+                w, big_u, k, hi, lo, init, bs.block_v, interpret=bool(interpret))
+        else:
+            states, u, finals = _state_pass(w, big_u, k, hi, lo, entering, leaving, init, bs,
+                                            l2norm, interpret, packed=packed, rows=rows)
         o = _output(q, k, hi, lo, states, u, v.dtype, scale, bs, l2norm, interpret,
                     rows=rows)
     if sequence_axes:
@@ -1267,8 +1268,10 @@ def _passes(config: _Config, *, batch_size, length, key_heads, value_heads, pack
     chunk = config.chunk_size
     *rules, sizes = layouts.pass_rules(
         packed, residuals, (length // chunk, chunk) if length % chunk == 0 else None)
-    options = dict(sharding.backend_options("pallas_triton", config.interpret),
-                   factor_sizes=sizes)
+    # The Mosaic GPU interpreter (MOSAIC_GPU_STATE_PASS) cannot lower inside a
+    # custom_partitioning; compiled, both backends can.
+    backend = "pallas_mosaic_gpu" if MOSAIC_GPU_STATE_PASS else "pallas_triton"
+    options = dict(sharding.backend_options(backend, config.interpret), factor_sizes=sizes)
     return names, planners, tuple(rules), options
 
 
