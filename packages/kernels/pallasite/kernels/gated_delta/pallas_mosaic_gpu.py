@@ -41,7 +41,8 @@ CHUNK = 64
 KEY_DIMS = (64, 128)
 BLOCK_VS = (32, 64)
 DTYPES = (jnp.bfloat16, jnp.float16)
-# Chunks whose loads are in flight ahead of the one computed.
+# Chunks whose loads are in flight ahead of the one computed (at least 2: k's buffer is
+# released a step late).
 STAGES = 3
 _INTERPRET_PARAMS = plgpu.InterpretGPUParams()
 
@@ -72,6 +73,24 @@ def _swizzled(dtype, block_v: int) -> tuple:
     width = min(block_v * jnp.dtype(dtype).itemsize, 128)
     return (plgpu.TilingTransform((8, width // jnp.dtype(dtype).itemsize)),
             plgpu.SwizzleTransform(width))
+
+
+def _accumulate(total, a, b, interpret: bool):
+    """total + a @ b by the tensor cores. Compiled, the wgmma accumulates onto total in
+    its own registers (an accumulator initialised with it); the interpreter cannot run
+    that form (jax 0.11.2), so there the product goes to a fresh accumulator and is added."""
+    if not interpret:
+        def product(acc):
+            plgpu.wgmma(acc, a, b)
+
+        return pl.run_state(product)(plgpu.ACC.init(total))
+
+    def fresh(acc):
+        plgpu.wgmma(acc, a, b)
+        plgpu.wgmma_wait(0)
+        return acc[...]
+
+    return total + pl.run_scoped(fresh, plgpu.ACC(total.shape))
 
 
 def chunk_decays(hi, lo):
@@ -141,19 +160,16 @@ def state_pass(w, big_u, k, hi, lo, init, block_v: int, *, interpret: bool = Fal
                 across = plgpu.load(d_s.at[1, pl.ds(0, bv)], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
                 across = lax.broadcast_in_dim(across, (dk, bv), [1])
 
-                def update(acc):
-                    plgpu.wgmma(acc, k_s.T, v_s)
-                    plgpu.wgmma_wait(0)
-                    return acc[...]
-
-                return state * across + pl.run_scoped(update, plgpu.ACC((dk, bv)))
+                return _accumulate(state * across, k_s.T, v_s, interpret)
 
             keys = functools.partial(plgpu.BlockSpec, transforms=_swizzled(cd, bv))
             final = plgpu.emit_pipeline(
                 step,
                 grid=(nc,),
+                # k's slot is released a step late: the state's update reads it while
+                # the next step begins (the next step's first use of the state waits).
                 in_specs=[keys((chunk, dk), lambda c: (c, 0)),
-                          keys((chunk, dk), lambda c: (c, 0)),
+                          keys((chunk, dk), lambda c: (c, 0), delay_release=1),
                           plgpu.BlockSpec((chunk, bv), lambda c: (c, 0),
                                           transforms=_swizzled(cd, bv)),
                           plgpu.BlockSpec((2, chunk), lambda c: (c, 0))],
