@@ -488,6 +488,29 @@ def test_chunked_gated_delta_rule_triton(monkeypatch):
            _bytes(w, values, keys, gates, gates, runs, runs, runs, init, keys, values, init))
 
 
+def test_chunked_gated_delta_rule_mosaic_gpu_state_pass(monkeypatch):
+    """The forward's state pass on Mosaic GPU (MOSAIC_GPU_STATE_PASS): the Triton pass's
+    flops per (row, chunk, value head) (test_chunked_gated_delta_rule_triton), and its own
+    operands' bytes: W, k and U, the chunk decays [B, Hv, NC, 2, C] fp32, the initial
+    states; the entry states, u and the final states (not aliased: read and written once
+    each)."""
+    monkeypatch.setattr(delta_triton, "MOSAIC_GPU_STATE_PASS", True)
+    monkeypatch.setattr(delta_triton.platform, "mosaic_gpu_runs", lambda device=None: True)
+    b, nc, c, hk, hv, k, v, n = 1, 2, 64, 1, 2, 64, 64, 1
+    z, t = b * nc * hv, nc * c
+    x, y, gate = S((b, t, hk, k), BF16), S((b, t, hv, v), BF16), S((b, t, hv), F32)
+    calls = _calls(lambda *a: delta_triton._kernels(
+        *a, None, scale=0.1, chunk_size=c, l2norm=False, interpret=False,
+        block_sizes={"block_v": 32}), x, x, y, gate, gate, S((n, hv, k, v), F32))
+    assert "gated_delta_rule_state_pass" not in calls
+    (state,) = calls["gated_delta_rule_state_pass_mosaic_gpu"]
+    keys, values = ((b, nc, c, hk, k), BF16), ((b, nc, c, hv, v), BF16)
+    w, decays = ((b, nc, c, hv, k), BF16), ((b, hv, nc, 2, c), F32)
+    states, init = ((b, nc, hv, k, v), BF16), ((n, hv, k, v), F32)
+    _check(state, z * (4 * c * k * v + c * v + 3 * c + c * k + 1 + 2 * k * v), z * (c + 1),
+           _bytes(w, keys, values, decays, init, states, values, init))
+
+
 def test_chunked_gated_delta_rule_triton_prep_in_two_kernels(monkeypatch):
     """Per (row, chunk, value head), C = 64 in nb = 4 blocks of S = 16 rows, the prep as
     two kernels (PREP_IN_TWO_KERNELS). Solve: K K^T whole (2 C^2 K), per entry of C x C a

@@ -103,11 +103,14 @@ def chunk_decays(hi, lo):
     return jnp.stack([to_end, across], axis=3).transpose(0, 4, 1, 3, 2)
 
 
-def state_pass(w, big_u, k, hi, lo, init, block_v: int, *, interpret: bool = False):
+def state_pass(w, big_u, k, hi, lo, init, block_v: int, *, interpret: bool = False,
+               cost_estimate=None):
     """(states [B, NC, Hv, K, V] and u [B, NC, C, Hv, V] in the compute dtype, finals
     [B, Hv, K, V] fp32) from W [B, NC, C, Hv, K], U [B, NC, C, Hv, V], k [B, NC, C, Hk,
     K] (the chunk layout), the cumulative decay pairs [B, NC, C, Hv] and the initial
-    states [B, Hv, K, V] fp32: pallas_triton._state_pass for unpacked rows."""
+    states [B, Hv, K, V] fp32: pallas_triton._state_pass for unpacked rows.
+    cost_estimate: a function of (inputs, outputs) giving the kernel's pl.CostEstimate
+    (the Triton pass's, pallas_triton._state_pass_cost), or None."""
     b, nc, chunk, hv, dk = w.shape
     hk, dv = k.shape[3], big_u.shape[4]
     per_key_head = hv // hk
@@ -195,6 +198,8 @@ def state_pass(w, big_u, k, hi, lo, init, block_v: int, *, interpret: bool = Fal
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_INTERPRET_PARAMS if interpret else False,
+        cost_estimate=(None if cost_estimate is None
+                       else cost_estimate((w2, k2, u2, decays, init2), out_types)),
         name="gated_delta_rule_state_pass_mosaic_gpu",
     )(w2, k2, u2, decays, init2)
     return (states.reshape(b, nc, hv, dk, dv), u.reshape(b, nc, chunk, hv, dv),

@@ -908,6 +908,23 @@ def _state_output_body(w, big_u, k, hi, lo, state, q, *, columns):
                                                                  columns=columns)
 
 
+def _state_pass_cost(w, big_u, inputs, outputs, columns=None):
+    """pl.CostEstimate of a forward state pass (either backend's) over W and U's chunks:
+    _state_body's flops, with the output's (_state_output_body, at `columns` value
+    blocks) where the pass forms o, and the bytes of `inputs` and `outputs`."""
+    b, nc, chunk, hv, dk = w.shape
+    dv = big_u.shape[4]
+    z = b * nc * hv
+    keys_z, row_z = cost.struct((z, chunk, dk), F32), cost.struct((z, chunk), F32)
+    operands_z = [keys_z, cost.struct((z, chunk, dv), F32), keys_z, row_z, row_z,
+                  cost.struct((z, dk, dv), F32)]
+    body = _state_body
+    if columns is not None:
+        body = functools.partial(_state_output_body, columns=columns)
+        operands_z.append(keys_z)
+    return cost.estimate(body, *operands_z, inputs=inputs, outputs=outputs)
+
+
 def _state_pass(w, big_u, k, hi, lo, entering, leaving, init, bs: BlockSizes, l2norm,
                 interpret, *, packed: bool, rows=None, residuals: bool = True, output=None):
     """(states [B, NC, Hv, K, V] entering each chunk in the compute dtype, u [B, NC, C,
@@ -935,17 +952,11 @@ def _state_pass(w, big_u, k, hi, lo, entering, leaving, init, bs: BlockSizes, l2
         o_shape = (b, q.shape[1], hv, dv) if rows else big_u.shape
         shapes.append(sharding.out_struct(o_shape, out_dtype, like=big_u))
     shapes.append(sharding.out_struct(init.shape, F32, like=init))
-    z = b * nc * hv
-    keys_z, row_z = cost.struct((z, chunk, dk), F32), cost.struct((z, chunk), F32)
-    operands_z = [keys_z, cost.struct((z, chunk, dv), F32), keys_z, row_z, row_z,
-                  cost.struct((z, dk, dv), F32)]
     inputs = (w, big_u, k, hi, lo, *runs, *rows, *tables, init)
-    body = _state_body
     if output is not None:
-        body = functools.partial(_state_output_body, columns=dv // bv)
-        operands_z.append(keys_z)
         inputs += (q,)
-    estimate = cost.estimate(body, *operands_z, inputs=inputs, outputs=tuple(shapes))
+    estimate = _state_pass_cost(w, big_u, inputs, tuple(shapes),
+                                columns=None if output is None else dv // bv)
     keys = pl.BlockSpec((None, nc, chunk, None, dk),
                         lambda vb, h, i: (i, 0, 0, h // per_key_head, 0))
     columns = pl.BlockSpec((None, nc, chunk, None, bv), lambda vb, h, i: (i, 0, 0, h, vb))
@@ -1202,7 +1213,8 @@ def _kernels(q, k, v, g, beta, init, cu_seqlens, *, scale, chunk_size, l2norm, i
     else:
         if _mosaic_gpu_state_pass(chunk_size, dk, bs.block_v, cd, packed, l2norm, interpret):
             states, u, finals = pallas_mosaic_gpu.state_pass(
-                w, big_u, k, hi, lo, init, bs.block_v, interpret=bool(interpret))
+                w, big_u, k, hi, lo, init, bs.block_v, interpret=bool(interpret),
+                cost_estimate=functools.partial(_state_pass_cost, w, big_u))
         else:
             states, u, finals = _state_pass(w, big_u, k, hi, lo, entering, leaving, init, bs,
                                             l2norm, interpret, packed=packed, rows=rows)
