@@ -93,6 +93,13 @@ def _accumulate(total, a, b, interpret: bool):
     return total + pl.run_scoped(fresh, plgpu.ACC(total.shape))
 
 
+def _decay_row(ref, axis: int):
+    """A chunk's row of decays from shared memory in the layout of a wgmma accumulator
+    reduced over `axis`, so it broadcasts back along that axis (1: a value per row, 0: a
+    value per column)."""
+    return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(axis), optimized=False)
+
+
 def chunk_decays(hi, lo):
     """[B, Hv, NC, 2, C] fp32: per (row, head, chunk), exp(G_last - G_t) for each step t
     (row 0) and exp(G_last) (row 1, repeated), from the cumulative sums' pairs [B, NC, C,
@@ -154,27 +161,25 @@ def state_pass(w, big_u, k, hi, lo, init, block_v: int, *, interpret: bool = Fal
 
                 u = u_s[...].astype(F32) - pl.run_scoped(product, plgpu.ACC((chunk, bv)))
                 uo_s[...] = u.astype(cd)
-                to_end = plgpu.load(d_s.at[0], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-                to_end = lax.broadcast_in_dim(to_end, (chunk, bv), [0])
+                to_end = lax.broadcast_in_dim(_decay_row(d_s.at[0], 1), (chunk, bv), [0])
                 v_s[...] = (u * to_end).astype(cd)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(
                     uo_s, uo_g.at[pl.ds((i * nc + c) * chunk, chunk), cols])
-                across = plgpu.load(d_s.at[1, pl.ds(0, bv)], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-                across = lax.broadcast_in_dim(across, (dk, bv), [1])
+                across = lax.broadcast_in_dim(_decay_row(d_s.at[1, pl.ds(0, bv)], 0), (dk, bv),
+                                              [1])
 
                 return _accumulate(state * across, k_s.T, v_s, interpret)
 
-            keys = functools.partial(plgpu.BlockSpec, transforms=_swizzled(cd, bv))
+            operand = functools.partial(plgpu.BlockSpec, transforms=_swizzled(cd, bv))
             final = plgpu.emit_pipeline(
                 step,
                 grid=(nc,),
                 # k's slot is released a step late: the state's update reads it while
                 # the next step begins (the next step's first use of the state waits).
-                in_specs=[keys((chunk, dk), lambda c: (c, 0)),
-                          keys((chunk, dk), lambda c: (c, 0), delay_release=1),
-                          plgpu.BlockSpec((chunk, bv), lambda c: (c, 0),
-                                          transforms=_swizzled(cd, bv)),
+                in_specs=[operand((chunk, dk), lambda c: (c, 0)),
+                          operand((chunk, dk), lambda c: (c, 0), delay_release=1),
+                          operand((chunk, bv), lambda c: (c, 0)),
                           plgpu.BlockSpec((2, chunk), lambda c: (c, 0))],
                 max_concurrent_steps=STAGES,
                 init_carry=start,
