@@ -194,6 +194,10 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
         with knobs(pt, PREP_IN_TWO_KERNELS=True, APPLY_IN_SOLVE_KERNEL=fused):
             rec("prep", ms(traced_prep(), lk, lv, hi, lo, lbeta), prep_in_two_kernels=True,
                 apply_in_solve_kernel=fused)
+        loaded = not pt.SOLVE_ROWS_LOADED  # the substitution's rows loaded, or picked
+        with knobs(pt, PREP_IN_TWO_KERNELS=True, SOLVE_ROWS_LOADED=loaded):
+            rec("prep", ms(traced_prep(), lk, lv, hi, lo, lbeta), prep_in_two_kernels=True,
+                solve_rows_loaded=loaded)
 
     def fwd(q, k, v, g, beta, init):
         return pt.forward(q, k, v, g, beta, scale=scale, initial_state=init, cu_seqlens=None,
@@ -213,6 +217,10 @@ def pallasite_stages(name, shape, interpret, sweep_warps, only=("forward", "back
         with knobs(pt, PREP_IN_TWO_KERNELS=True, APPLY_IN_SOLVE_KERNEL=fused):
             rec("forward", ms(jax.jit(lambda *a: fwd(*a)), q, k, v, g, beta, init),
                 apply_in_solve_kernel=fused)
+        loaded = not pt.SOLVE_ROWS_LOADED
+        with knobs(pt, PREP_IN_TWO_KERNELS=True, SOLVE_ROWS_LOADED=loaded):
+            rec("forward", ms(jax.jit(lambda *a: fwd(*a)), q, k, v, g, beta, init),
+                solve_rows_loaded=loaded)
     if "backward" not in only:
         return
     do = jax.random.normal(jax.random.key(9), v.shape, BF16)
@@ -450,6 +458,31 @@ def mosaic_state_passes(name, shape, interpret):
         emit(rec)
 
 
+def solve_row_forms(name, shape, interpret):
+    """The prep and the whole forward with the solve's substitution rows loaded from its
+    buffer or picked from registers (pt.SOLVE_ROWS_LOADED), each form's outputs' largest
+    difference from the other's."""
+    b, t, hk, hv, dk, dv = shape
+    chunk, scale = 64, dk ** -0.5
+    q, k, v, g, beta, init = inputs(*shape)
+    lq, lk, lv, hi, lo, lbeta = jax.jit(lambda *a: chunked(*a, None, chunk)[0])(q, k, v, g, beta)
+    results = {}
+    for loaded in (False, True):
+        with knobs(pt, SOLVE_ROWS_LOADED=loaded):
+            prep = jax.jit(lambda *a: pt._prep(*a, hv, BF16, False, interpret))
+            fwd = jax.jit(lambda *a: pt.forward(
+                *a[:5], scale=scale, initial_state=a[5], cu_seqlens=None, chunk_size=chunk,
+                use_qk_l2norm_in_kernel=False, interpret=interpret))
+            results[loaded] = prep(lk, lv, hi, lo, lbeta)[:2] + fwd(q, k, v, g, beta, init)
+            diff = {} if not loaded else dict(max_abs_diff_vs_picked=[
+                float(jnp.max(jnp.abs(x.astype(F32) - y.astype(F32))))
+                for x, y in zip(results[True], results[False])])
+            for stage, fn, args in (("prep", prep, (lk, lv, hi, lo, lbeta)),
+                                    ("forward", fwd, (q, k, v, g, beta, init))):
+                emit(dict(op="gated_delta_rule", shape=name, stage=stage,
+                          solve_rows_loaded=loaded, ms=round(ms(fn, *args), 4), **diff))
+
+
 def packed_state_passes(shape, interpret):
     """The state passes on packed sequences (cu_seqlens) of the first shape's heads and
     length: 16 random lengths and sequences of one chunk each, walked as one run per
@@ -582,8 +615,15 @@ def main(argv=None):
     parser.add_argument("--mosaic-state", action="store_true",
                         help="the Mosaic GPU state pass beside the Triton one "
                              "(mosaic_state_passes), both shapes")
+    parser.add_argument("--solve-rows", action="store_true",
+                        help="the prep and forward with the solve's rows loaded or picked "
+                             "(solve_row_forms), both shapes")
     args = parser.parse_args(argv)
     shapes = SMOKE if args.smoke else SHAPES
+    if args.solve_rows:
+        for name, shape in shapes.items():
+            solve_row_forms(name, shape, args.smoke)
+        return 0
     if args.mosaic_state:
         for name, shape in ({"tiny": (1, 128, 1, 2, 64, 64)} if args.smoke
                              else shapes).items():

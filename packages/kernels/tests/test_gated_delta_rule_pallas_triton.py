@@ -104,6 +104,7 @@ KERNEL_FORMS = {"state_io": ("STATE_IO_IN_BRANCHES",),
                 "apply_in_solve": ("APPLY_IN_SOLVE_KERNEL",),
                 "short_sequences": ("SHORT_SEQUENCES_IN_ONE_LOOP",),
                 "solve_diagonal": ("SOLVE_DIAGONAL_AT_ONCE",),
+                "solve_rows_loaded": ("SOLVE_ROWS_LOADED",),
                 "state_transposed": ("STATE_TRANSPOSED",),
                 "packed_rows_laid_out": ("PACKED_ROWS_IN_PLACE",),
                 "fused_output": ("FUSED_OUTPUT",),
@@ -127,7 +128,8 @@ def test_the_kernel_forms_against_the_definition(form, monkeypatch):
     prep in one or two kernels, PREP_IN_TWO_KERNELS, or the two's bodies in one,
     APPLY_IN_SOLVE_KERNEL; short packed sequences in one loop over the row,
     SHORT_SEQUENCES_IN_ONE_LOOP (the packed inputs here are short); the solve's
-    diagonal blocks inverted together or one by one, SOLVE_DIAGONAL_AT_ONCE), values and
+    diagonal blocks inverted together or one by one, SOLVE_DIAGONAL_AT_ONCE, their rows
+    loaded from the solve's buffer or picked from registers, SOLVE_ROWS_LOADED), values and
     gradients on rows of one sequence each (the states loaded and stored around the
     passes' chunk loops) and under packed sequences (inside them, mid-row), and lowered
     for CUDA from the CPU, differentiated (a branch inside each pass's chunk loop; the
@@ -212,6 +214,19 @@ def test_the_solve_inverts_its_diagonal_blocks_together(chunk, monkeypatch):
         dict(SOLVE_DIAGONAL_AT_ONCE=False)])
     for name, got, want in zip(("U", "W", "T"), at_once, by_block):
         assert bool(jnp.all(jnp.isfinite(want))), name
+        assert _rel(got, want) <= 1e-6, (name, _rel(got, want))
+
+
+@pytest.mark.parametrize("chunk", pallas_triton.CHUNK_SIZES)
+def test_the_solve_loads_its_rows_or_picks_them_from_registers(chunk, monkeypatch):
+    """SOLVE_ROWS_LOADED reads each row of A's diagonal blocks from the solve's buffer
+    instead of picking it out of registers: the same values, the same arithmetic after
+    them, so U, W and T agree in fp32 to the compiler's order of operations."""
+    loaded, picked = _prep_forms(monkeypatch, 23, chunk, jnp.float32, True, [
+        dict(PREP_IN_TWO_KERNELS=True, SOLVE_DIAGONAL_AT_ONCE=True, SOLVE_ROWS_LOADED=True),
+        dict(SOLVE_ROWS_LOADED=False)])
+    for name, got, want in zip(("U", "W", "T"), loaded, picked):
+        assert bool(jnp.all(jnp.isfinite(got))), name
         assert _rel(got, want) <= 1e-6, (name, _rel(got, want))
 
 

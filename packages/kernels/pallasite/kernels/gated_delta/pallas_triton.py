@@ -278,18 +278,27 @@ def _params(num_warps=4, num_stages=1):
 
 def _unit_lower_inverse(a_t):
     """(I + a)^-1 for strictly lower [..., n, n] fp32 a, given its transpose a_t (a batch
-    of them at once where a_t has leading axes: one row step serves all): forward
-    substitution, one row at a time (row r of the inverse is e_r - sum_{j<r} a_rj row_j).
-    Row r of a is column r of a_t, picked out with a masked sum along the columns: Triton
-    cannot index registers dynamically, and a sum along the rows of a would leave a_r in
-    the other layout of the two, a trip through shared memory at every row."""
-    n, last = a_t.shape[-1], a_t.ndim - 1
-    rows = jax.lax.broadcasted_iota(jnp.int32, a_t.shape, last - 1)
-    cols = jax.lax.broadcasted_iota(jnp.int32, a_t.shape, last)
+    of them at once where a_t has leading axes: one row step serves all). Row r of a is
+    column r of a_t, picked out with a masked sum along the columns: Triton cannot index
+    registers dynamically, and a sum along the rows of a would leave a_r in the other
+    layout of the two, a trip through shared memory at every row."""
+    last = a_t.ndim - 1
+    return _unit_lower_inverse_of_rows(
+        lambda r, cols: jnp.sum(jnp.where(cols == r, a_t, 0.0), axis=last), a_t.shape)
+
+
+def _unit_lower_inverse_of_rows(row_of, shape):
+    """(I + a)^-1 [..., n, n] fp32 for a batch of strictly lower a of `shape`, given
+    row_of(r, cols): row r of each a [..., n] (zero from column r on; cols is the column
+    index of `shape`). Forward substitution, one row at a time: row r of the inverse is
+    e_r - sum_{j<r} a_rj row_j."""
+    n, last = shape[-1], len(shape) - 1
+    rows = jax.lax.broadcasted_iota(jnp.int32, shape, last - 1)
+    cols = jax.lax.broadcasted_iota(jnp.int32, shape, last)
     eye = jnp.where(rows == cols, 1.0, 0.0).astype(F32)
     inv = eye
     for r in range(1, n):
-        a_r = jnp.sum(jnp.where(cols == r, a_t, 0.0), axis=last)  # a[..., r, :], 0 from r
+        a_r = row_of(r, cols)
         row = eye - jnp.expand_dims(jnp.sum(a_r[..., None] * inv, axis=last - 1), last - 1)
         inv = jnp.where(rows == r, row, inv)
     return inv
@@ -410,10 +419,15 @@ def _solve_kernel(k_ref, hi_ref, lo_ref, beta_ref, t_ref, *, l2norm: bool, inter
         at = lambda axis: jax.lax.broadcasted_iota(jnp.int32, (nb, SUB, SUB), axis)  # noqa
         first, row, col = at(0) * SUB, at(1), at(2)
         diagonal = (first + row, first + col)
-        diagonal_t = jnp.where(row < col, t_ref[diagonal], 0.0)
+        if SOLVE_ROWS_LOADED:  # row r of every block of A (M's lower part): [nb, SUB]
+            start, j = _iota(nb, SUB, 0) * SUB, _iota(nb, SUB, 1)
+            row_of = lambda r, _: jnp.where(j < r, t_ref[start + r, start + j], 0.0)  # noqa
+            inverse = _unit_lower_inverse_of_rows(row_of, (nb, SUB, SUB))
+        else:
+            diagonal_t = jnp.where(row < col, t_ref[diagonal], 0.0)
         if not interpret:
             plgpu.debug_barrier()
-        t_ref[diagonal] = _unit_lower_inverse(diagonal_t)
+        t_ref[diagonal] = inverse if SOLVE_ROWS_LOADED else _unit_lower_inverse(diagonal_t)
         if not interpret:
             plgpu.debug_barrier()
         diagonal_inverse = lambda i: block(i, i)  # noqa: E731
@@ -533,6 +547,13 @@ PREP_IN_TWO_KERNELS = True
 # 168 registers to 77, 172 and 146, no spills; on an H100 (2026-12-06, B 1, T 32768, Hv
 # 32) the prep from 1.23 to 1.11 ms and the forward from 2.79 to 2.65.
 SOLVE_DIAGONAL_AT_ONCE = True
+# The at-once substitution's rows of A loaded from the solve's buffer (M, where A's blocks
+# already are; an L1 hit) rather than picked out of registers by a masked cross-thread
+# sum, so each of the SUB - 1 row steps keeps one cross-thread sum of its two. Compiled
+# for sm_90 (triton 3.6, 2026-12-07, Qwen3-Next's heads, bf16) the fused solve and apply
+# goes from 172 shuffles to 120 (97 barriers and 250-252 registers either way, no
+# spill). Off until timed (tools/sweeps/gated_delta_stages.py times the prep both ways).
+SOLVE_ROWS_LOADED = False
 # Warps of the two-kernel form's solve: at 4 ptxas (sm_90) gives it 168 registers and no
 # spills; at 1 and 2 it spills (its [C, C] products), at 8 it replicates more small work.
 SOLVE_WARPS = 4
