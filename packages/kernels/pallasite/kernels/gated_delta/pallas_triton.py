@@ -419,10 +419,16 @@ def _solve_kernel(k_ref, hi_ref, lo_ref, beta_ref, t_ref, *, l2norm: bool, inter
         at = lambda axis: jax.lax.broadcasted_iota(jnp.int32, (nb, SUB, SUB), axis)  # noqa
         first, row, col = at(0) * SUB, at(1), at(2)
         diagonal = (first + row, first + col)
+        diagonal_inverse = lambda i: block(i, i)  # noqa: E731
         if SOLVE_ROWS_LOADED:  # row r of every block of A (M's lower part): [nb, SUB]
             start, j = _iota(nb, SUB, 0) * SUB, _iota(nb, SUB, 1)
             row_of = lambda r, _: jnp.where(j < r, t_ref[start + r, start + j], 0.0)  # noqa
             inverse = _unit_lower_inverse_of_rows(row_of, (nb, SUB, SUB))
+            # Stored transposed, as the rows are loaded: Triton then lays the sums' axis
+            # out within a warp (the loads and the store both run along it).
+            diagonal = (first + col, first + row)
+            within = lambda i, axis: i * SUB + _iota(SUB, SUB, axis)  # noqa: E731
+            diagonal_inverse = lambda i: t_ref[within(i, 1), within(i, 0)]  # noqa: E731
         else:
             diagonal_t = jnp.where(row < col, t_ref[diagonal], 0.0)
         if not interpret:
@@ -430,7 +436,6 @@ def _solve_kernel(k_ref, hi_ref, lo_ref, beta_ref, t_ref, *, l2norm: bool, inter
         t_ref[diagonal] = inverse if SOLVE_ROWS_LOADED else _unit_lower_inverse(diagonal_t)
         if not interpret:
             plgpu.debug_barrier()
-        diagonal_inverse = lambda i: block(i, i)  # noqa: E731
     else:
         upper = _iota(SUB, SUB, 0) < _iota(SUB, SUB, 1)
         diagonal_t = [jnp.where(upper, block(i, i), 0.0) for i in range(nb)]
@@ -549,10 +554,11 @@ PREP_IN_TWO_KERNELS = True
 SOLVE_DIAGONAL_AT_ONCE = True
 # The at-once substitution's rows of A loaded from the solve's buffer (M, where A's blocks
 # already are; an L1 hit) rather than picked out of registers by a masked cross-thread
-# sum, so each of the SUB - 1 row steps keeps one cross-thread sum of its two. Compiled
-# for sm_90 (triton 3.6, 2026-12-07, Qwen3-Next's heads, bf16) the fused solve and apply
-# goes from 172 shuffles to 120 (97 barriers and 250-252 registers either way, no
-# spill). Off until timed (tools/sweeps/gated_delta_stages.py times the prep both ways).
+# sum, and the diagonal inverses stored transposed, so that Triton lays each row step's
+# one remaining sum out within a warp (no shared memory, no barrier). Compiled for sm_90
+# (triton 3.6, 2026-12-07, Qwen3-Next's heads, bf16) the fused solve and apply goes from
+# 97 barriers and 172 shuffles to 60 and 60 (250 and 254 registers, no spill). Off until
+# timed (tools/sweeps/gated_delta_stages.py --solve-rows times the prep both ways).
 SOLVE_ROWS_LOADED = False
 # Warps of the two-kernel form's solve: at 4 ptxas (sm_90) gives it 168 registers and no
 # spills; at 1 and 2 it spills (its [C, C] products), at 8 it replicates more small work.
