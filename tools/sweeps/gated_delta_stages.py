@@ -4,6 +4,7 @@ GPU, in one process: where the forward's and the backward's time goes.
     OUT=folder PYTHONPATH=<the four package roots>:.peers python3 tools/sweeps/gated_delta_stages.py
     python3 tools/sweeps/gated_delta_stages.py --smoke   # tiny shapes, interpreters, no fla
     ... gated_delta_stages.py --only backward --no-fla   # the backward's stages alone
+    ... gated_delta_stages.py --flag-forms   # the forms not yet timed (FLAG_FORMS), both ways
 
 Stages (bf16, chunk 64, no cu_seqlens): the XLA prologue (layout and the cumulative decay
 pair), prep (the WY solve: U, W), the state pass at each block_v, the output at each
@@ -458,29 +459,66 @@ def mosaic_state_passes(name, shape, interpret):
         emit(rec)
 
 
-def solve_row_forms(name, shape, interpret):
-    """The prep and the whole forward with the solve's substitution rows loaded from its
-    buffer or picked from registers (pt.SOLVE_ROWS_LOADED), each form's outputs' largest
-    difference from the other's."""
+# Kernel forms built without a GPU, each timed both ways by --flag-forms: (module, flag,
+# what it changes: "forward" or "backward").
+FLAG_FORMS = ((pt, "SOLVE_ROWS_LOADED", "forward"), (ptb, "DG_SPANS_IN_BF16_PIECES", "backward"))
+
+
+def flag_forms(name, shape, interpret):
+    """Each FLAG_FORMS flag off and on: the stage it changes (the prep; the chunk
+    gradients) and the whole forward or forward+backward, with the on form's outputs'
+    largest difference from the off form's (relative L2 for gradients)."""
     b, t, hk, hv, dk, dv = shape
     chunk, scale = 64, dk ** -0.5
     q, k, v, g, beta, init = inputs(*shape)
+    args = (q, k, v, g, beta, init)
     lq, lk, lv, hi, lo, lbeta = jax.jit(lambda *a: chunked(*a, None, chunk)[0])(q, k, v, g, beta)
-    results = {}
-    for loaded in (False, True):
-        with knobs(pt, SOLVE_ROWS_LOADED=loaded):
-            prep = jax.jit(lambda *a: pt._prep(*a, hv, BF16, False, interpret))
-            fwd = jax.jit(lambda *a: pt.forward(
-                *a[:5], scale=scale, initial_state=a[5], cu_seqlens=None, chunk_size=chunk,
-                use_qk_l2norm_in_kernel=False, interpret=interpret))
-            results[loaded] = prep(lk, lv, hi, lo, lbeta)[:2] + fwd(q, k, v, g, beta, init)
-            diff = {} if not loaded else dict(max_abs_diff_vs_picked=[
-                float(jnp.max(jnp.abs(x.astype(F32) - y.astype(F32))))
-                for x, y in zip(results[True], results[False])])
-            for stage, fn, args in (("prep", prep, (lk, lv, hi, lo, lbeta)),
-                                    ("forward", fwd, (q, k, v, g, beta, init))):
-                emit(dict(op="gated_delta_rule", shape=name, stage=stage,
-                          solve_rows_loaded=loaded, ms=round(ms(fn, *args), 4), **diff))
+    do = jax.random.normal(jax.random.key(9), v.shape, BF16)
+    dfinal = jax.random.normal(jax.random.key(10), init.shape, F32)
+
+    def fwd(*a):
+        return pt.forward(*a[:5], scale=scale, initial_state=a[5], cu_seqlens=None,
+                          chunk_size=chunk, use_qk_l2norm_in_kernel=False, interpret=interpret)
+
+    def loss(*a):
+        o, final = fwd(*a)
+        return jnp.vdot(o.astype(F32), do.astype(F32)) + jnp.vdot(final, dfinal)
+
+    for module, flag, side in FLAG_FORMS:
+        results = {}
+        for on in (False, True):
+            with knobs(module, **{flag: on}):  # traced afresh: the flag read when traced
+                if side == "forward":
+                    stage = ("prep", jax.jit(lambda *a: pt._prep(*a, hv, BF16, False, interpret)),
+                             (lk, lv, hi, lo, lbeta))
+                    whole = ("forward", jax.jit(lambda *a: fwd(*a)), args)
+                else:
+                    saved = jax.jit(lambda *a: pt._kernels(
+                        *a, None, scale=scale, chunk_size=chunk, l2norm=False,
+                        interpret=interpret, block_sizes=None, residuals=True)[2])(*args)
+                    bv = min(pt.BlockSizes().grads_block_v, dv)
+                    ldo = do.reshape(lv.shape)
+                    d_exit, du, _ = jax.jit(lambda *a: ptb._reverse_pass(
+                        *a, hv, scale, pt.default_block_v(b, hv, dv), interpret, packed=False))(
+                        lq, lk, saved["w"], hi, lo, ldo, *packing.chunk_tables(
+                            b, lq.shape[1], None, None), dfinal)
+                    stage = ("chunk_grads",
+                             jax.jit(lambda *a: ptb._chunk_grads(*a, scale, bv, interpret)),
+                             (lq, lk, lv, hi, lo, lbeta, saved["inv"], saved["w"],
+                              saved["states"], saved["u"], du, ldo, d_exit))
+                    whole = ("forward_backward",
+                             jax.jit(lambda *a: jax.grad(loss, argnums=range(6))(*a)), args)
+                for what, fn, fn_args in (stage, whole):
+                    got = fn(*fn_args)
+                    rec = dict(op="gated_delta_rule", shape=name, stage=what, **{flag.lower(): on})
+                    if on:
+                        want = results[what]
+                        rec["rel_l2_vs_off"] = [
+                            float(jnp.linalg.norm((x - y).astype(F32))
+                                  / jnp.maximum(jnp.linalg.norm(y.astype(F32)), 1e-30))
+                            for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
+                    results[what] = got
+                    emit(dict(rec, ms=round(ms(fn, *fn_args), 4)))
 
 
 def packed_state_passes(shape, interpret):
@@ -615,14 +653,14 @@ def main(argv=None):
     parser.add_argument("--mosaic-state", action="store_true",
                         help="the Mosaic GPU state pass beside the Triton one "
                              "(mosaic_state_passes), both shapes")
-    parser.add_argument("--solve-rows", action="store_true",
-                        help="the prep and forward with the solve's rows loaded or picked "
-                             "(solve_row_forms), both shapes")
+    parser.add_argument("--flag-forms", action="store_true",
+                        help="each FLAG_FORMS flag both ways: its stage and its whole pass "
+                             "(flag_forms), both shapes")
     args = parser.parse_args(argv)
     shapes = SMOKE if args.smoke else SHAPES
-    if args.solve_rows:
+    if args.flag_forms:
         for name, shape in shapes.items():
-            solve_row_forms(name, shape, args.smoke)
+            flag_forms(name, shape, args.smoke)
         return 0
     if args.mosaic_state:
         for name, shape in ({"tiny": (1, 128, 1, 2, 64, 64)} if args.smoke

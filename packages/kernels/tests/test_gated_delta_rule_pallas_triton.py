@@ -105,6 +105,7 @@ KERNEL_FORMS = {"state_io": ("STATE_IO_IN_BRANCHES",),
                 "short_sequences": ("SHORT_SEQUENCES_IN_ONE_LOOP",),
                 "solve_diagonal": ("SOLVE_DIAGONAL_AT_ONCE",),
                 "solve_rows_loaded": ("SOLVE_ROWS_LOADED",),
+                "dg_spans_in_bf16_pieces": ("DG_SPANS_IN_BF16_PIECES",),
                 "state_transposed": ("STATE_TRANSPOSED",),
                 "packed_rows_laid_out": ("PACKED_ROWS_IN_PLACE",),
                 "fused_output": ("FUSED_OUTPUT",),
@@ -129,7 +130,9 @@ def test_the_kernel_forms_against_the_definition(form, monkeypatch):
     APPLY_IN_SOLVE_KERNEL; short packed sequences in one loop over the row,
     SHORT_SEQUENCES_IN_ONE_LOOP (the packed inputs here are short); the solve's
     diagonal blocks inverted together or one by one, SOLVE_DIAGONAL_AT_ONCE, their rows
-    loaded from the solve's buffer or picked from registers, SOLVE_ROWS_LOADED), values and
+    loaded from the solve's buffer or picked from registers, SOLVE_ROWS_LOADED; dg's spans
+    on the tensor cores in bf16 pieces or at fp32 on the CUDA cores,
+    DG_SPANS_IN_BF16_PIECES), values and
     gradients on rows of one sequence each (the states loaded and stored around the
     passes' chunk loops) and under packed sequences (inside them, mid-row), and lowered
     for CUDA from the CPU, differentiated (a branch inside each pass's chunk loop; the
