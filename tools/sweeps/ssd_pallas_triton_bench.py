@@ -5,6 +5,7 @@ carried, not vendored):
 
     PYTHONUNBUFFERED=1 python3 tools/sweeps/ssd_pallas_triton_bench.py [--sweep] [--stages] [--out FOLDER]
     ... ssd_pallas_triton_bench.py --scan-forms [--rows 0,1,2]   # the state scans' two forms
+    ... ssd_pallas_triton_bench.py --rows-stages [--rows 0,1,2]  # the row kernels' depths
 
 For each TARGETS row (bf16, chunk 256): forward and forward+backward of the Pallas Triton
 backend, the XLA path (pallasite.kernels.ssd.xla) and mamba_ssm's
@@ -226,6 +227,32 @@ def scan_forms(row):
                                          for u, v in zip(outs, first)]})
 
 
+def rows_stages(row):
+    """The backward's two row kernels alone and the whole forward+backward at each
+    pipeline depth of theirs (pt.BWD_ROWS_NUM_STAGES; None: the config's), each depth's
+    gradients against the default's (max abs)."""
+    x, a, b, c, s0, dy, dfin = inputs(row)
+    bs = pt.resolve_block_sizes(None, CHUNK)
+    acs, w_out, w_in, e = scan_operands(a)
+    states, _ = pt._state_scan(x, b, w_out, e, s0, bs, False)
+    grads, _, _ = pt._state_scan_reverse(dy, c, w_in, e, states, dfin, bs, False)
+    first = None
+    for depth in (None,) + tuple(d for d in (1, 2, 3) if d != bs.num_stages):
+        with knobs(pt, BWD_ROWS_NUM_STAGES=depth):  # read when the kernels are traced
+            rows_j = jax.jit(lambda *t: pt._bwd_rows_j(*t, bs, False))
+            rows_i = jax.jit(lambda *t: pt._bwd_rows_i(*t, bs, False))
+            _, kfb = jax_fns(pt)
+            outs = jax.tree.leaves(kfb(x, a, b, c, s0, dy, dfin))
+            first = first or outs
+            emit({"row": row, "bwd_rows_num_stages": depth or bs.num_stages,
+                  "bwd_rows_j_ms": time_jax(rows_j, (x, dy, b, c, acs, grads)),
+                  "bwd_rows_i_ms": time_jax(rows_i, (x, dy, b, c, acs, states)),
+                  "pallas_fwdbwd_ms": time_jax(kfb, (x, a, b, c, s0, dy, dfin)),
+                  "max_abs_to_default": [float(jnp.max(jnp.abs(u.astype(jnp.float32)
+                                                               - v.astype(jnp.float32))))
+                                         for u, v in zip(outs, first)]})
+
+
 def main():
     global OUT
     ap = argparse.ArgumentParser()
@@ -233,6 +260,8 @@ def main():
     ap.add_argument("--stages", action="store_true")
     ap.add_argument("--scan-forms", action="store_true",
                     help="only the state scans' two forms (SCAN_WEIGHTS_ON_LEFT), each row")
+    ap.add_argument("--rows-stages", action="store_true",
+                    help="only the backward row kernels' pipeline depths, each row")
     ap.add_argument("--rows", default="0,1,2")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpreter (CPU)")
     ap.add_argument("--out", default=None, help="folder for ssd_bench.jsonl")
@@ -253,6 +282,10 @@ def main():
     if opts.scan_forms:
         for row in rows:
             scan_forms(row)
+        return
+    if opts.rows_stages:
+        for row in rows:
+            rows_stages(row)
         return
     for row in rows:
         bench_row(row)

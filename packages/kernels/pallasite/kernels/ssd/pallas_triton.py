@@ -235,8 +235,17 @@ def _dot(a, b, trans_a=False, trans_b=False):
     return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=precision)
 
 
-def _params(bs: BlockSizes):
-    return plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
+def _params(bs: BlockSizes, num_stages: int | None = None):
+    return plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=num_stages or bs.num_stages)
+
+
+# Pipeline depth of the backward's two row kernels (None: the block sizes' num_stages, as
+# every other kernel). Their column loops run at most C / block_m steps, and a deeper
+# pipeline keeps more tiles live: compiled for sm_90 (triton 3.6, 2026-12-07, the first
+# target row's heads, block_m 64, 4 warps) rows_j spills 315 registers at 2 stages and 46
+# at 1, rows_i 65 and 8. Not timed yet (tools/sweeps/ssd_pallas_triton_bench.py
+# --rows-stages).
+BWD_ROWS_NUM_STAGES: int | None = None
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -670,7 +679,7 @@ def _bwd_rows_j(x, dy, b, c, acs, grads, bs: BlockSizes, interpret: bool, db_dty
         grid=grid,
         in_specs=[sp["heads"], sp["heads"], sp["grp"], sp["grp"], sp["acs"], sp["acs"], sp["st"]],
         out_specs=[sp["rows_heads"], sp["rows_grp"], sp["rows_acs"], sp["rows_acs"]],
-        compiler_params=_params(bs),
+        compiler_params=_params(bs, BWD_ROWS_NUM_STAGES),
         interpret=interpret,
         cost_estimate=costs.bwd_rows_j(bsz * nc * h, chunk, bm, p, b.shape[4], x.dtype,
                                        inputs=(x, dy, b, c, *acs, grads), outputs=shapes),
@@ -692,7 +701,7 @@ def _bwd_rows_i(x, dy, b, c, acs, states, bs: BlockSizes, interpret: bool, dc_dt
         grid=grid,
         in_specs=[sp["heads"], sp["heads"], sp["grp"], sp["grp"], sp["acs"], sp["acs"], sp["st"]],
         out_specs=[sp["rows_grp"], sp["rows_acs"]],
-        compiler_params=_params(bs),
+        compiler_params=_params(bs, BWD_ROWS_NUM_STAGES),
         interpret=interpret,
         cost_estimate=costs.bwd_rows_i(bsz * nc * h, chunk, bm, p, b.shape[4], x.dtype,
                                        inputs=(x, dy, b, c, *acs, states), outputs=shapes),
