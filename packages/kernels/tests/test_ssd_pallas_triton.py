@@ -237,6 +237,24 @@ def test_gpu_scan_weights_on_the_left_operand(monkeypatch):
     _check(_GPU_SHAPES[1], jnp.bfloat16, 256, 2e-2, interpret=False)
 
 
+def test_backward_row_kernels_at_their_own_pipeline_depth(monkeypatch):
+    """BWD_ROWS_NUM_STAGES set: the row kernels' compiler params take that depth and the
+    others keep the config's, and the kernels still lower for CUDA."""
+    monkeypatch.setattr(pt, "BWD_ROWS_NUM_STAGES", 1)
+    bs = pt.BlockSizes(num_stages=2)
+    assert pt._params(bs, pt.BWD_ROWS_NUM_STAGES).num_stages == 1
+    assert pt._params(bs).num_stages == 2
+    test_cuda_lowering_on_cpu()
+
+
+@pytest.mark.gpu
+def test_gpu_backward_row_kernels_at_one_stage(monkeypatch):
+    """The backward row kernels at one pipeline stage (BWD_ROWS_NUM_STAGES) compiled,
+    against the oracle."""
+    monkeypatch.setattr(pt, "BWD_ROWS_NUM_STAGES", 1)
+    _check(_GPU_SHAPES[0], jnp.bfloat16, 256, 2e-2, interpret=False)
+
+
 @pytest.mark.gpu
 def test_gpu_fp32_matches_oracle():
     _check((1, 512, 4, 64, 128, 2), jnp.float32, 256, 2e-2, interpret=False)
