@@ -558,7 +558,7 @@ SOLVE_DIAGONAL_AT_ONCE = True
 # one remaining sum out within a warp (no shared memory, no barrier). Compiled for sm_90
 # (triton 3.6, 2026-12-07, Qwen3-Next's heads, bf16) the fused solve and apply goes from
 # 97 barriers and 172 shuffles to 60 and 60 (250 and 254 registers, no spill). Off until
-# timed (tools/sweeps/gated_delta_stages.py --solve-rows times the prep both ways).
+# timed (tools/sweeps/gated_delta_stages.py --flag-forms times it both ways).
 SOLVE_ROWS_LOADED = False
 # Warps of the two-kernel form's solve: at 4 ptxas (sm_90) gives it 168 registers and no
 # spills; at 1 and 2 it spills (its [C, C] products), at 8 it replicates more small work.

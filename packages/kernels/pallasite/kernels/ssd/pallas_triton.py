@@ -242,7 +242,7 @@ def _params(bs: BlockSizes, num_stages: int | None = None):
 # Pipeline depth of the backward's two row kernels (None: the block sizes' num_stages, as
 # every other kernel). Their column loops run at most C / block_m steps, and a deeper
 # pipeline keeps more tiles live: compiled for sm_90 (triton 3.6, 2026-12-07, the first
-# target row's heads, block_m 64, 4 warps) rows_j spills 315 registers at 2 stages and 46
+# target row's heads, block_m 64, 4 warps) rows_j has 315 spill stores at 2 stages and 46
 # at 1, rows_i 65 and 8. Not timed yet (tools/sweeps/ssd_pallas_triton_bench.py
 # --rows-stages).
 BWD_ROWS_NUM_STAGES: int | None = None
