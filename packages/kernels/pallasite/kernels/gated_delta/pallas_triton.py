@@ -418,8 +418,9 @@ def _solve_kernel(k_ref, hi_ref, lo_ref, beta_ref, t_ref, *, l2norm: bool, inter
         # (SUB - 1 row steps in all, not per block), the inverses stored over them.
         at = lambda axis: jax.lax.broadcasted_iota(jnp.int32, (nb, SUB, SUB), axis)  # noqa
         first, row, col = at(0) * SUB, at(1), at(2)
-        diagonal = (first + row, first + col)
-        diagonal_inverse = lambda i: block(i, i)  # noqa: E731
+        # Every thread's loads of M's diagonal blocks come before the barrier, its stores
+        # of their inverses after it (the register form inverts after it: its loads are
+        # done by then).
         if SOLVE_ROWS_LOADED:  # row r of every block of A (M's lower part): [nb, SUB]
             start, j = _iota(nb, SUB, 0) * SUB, _iota(nb, SUB, 1)
             row_of = lambda r, _: jnp.where(j < r, t_ref[start + r, start + j], 0.0)  # noqa
@@ -430,7 +431,9 @@ def _solve_kernel(k_ref, hi_ref, lo_ref, beta_ref, t_ref, *, l2norm: bool, inter
             within = lambda i, axis: i * SUB + _iota(SUB, SUB, axis)  # noqa: E731
             diagonal_inverse = lambda i: t_ref[within(i, 1), within(i, 0)]  # noqa: E731
         else:
+            diagonal = (first + row, first + col)
             diagonal_t = jnp.where(row < col, t_ref[diagonal], 0.0)
+            diagonal_inverse = lambda i: block(i, i)  # noqa: E731
         if not interpret:
             plgpu.debug_barrier()
         t_ref[diagonal] = inverse if SOLVE_ROWS_LOADED else _unit_lower_inverse(diagonal_t)
