@@ -466,8 +466,8 @@ FLAG_FORMS = ((pt, "SOLVE_ROWS_LOADED", "forward"), (ptb, "DG_SPANS_IN_BF16_PIEC
 
 def flag_forms(name, shape, interpret):
     """Each FLAG_FORMS flag off and on: the stage it changes (the prep; the chunk
-    gradients) and the whole forward or forward+backward, with the on form's outputs'
-    largest difference from the off form's (relative L2 for gradients)."""
+    gradients) and the whole forward or forward+backward, with the relative L2 of the on
+    form's outputs from the off form's."""
     b, t, hk, hv, dk, dv = shape
     chunk, scale = 64, dk ** -0.5
     q, k, v, g, beta, init = inputs(*shape)
@@ -475,6 +475,8 @@ def flag_forms(name, shape, interpret):
     lq, lk, lv, hi, lo, lbeta = jax.jit(lambda *a: chunked(*a, None, chunk)[0])(q, k, v, g, beta)
     do = jax.random.normal(jax.random.key(9), v.shape, BF16)
     dfinal = jax.random.normal(jax.random.key(10), init.shape, F32)
+    bs = pt._resolve(None, batch=b, length=t, hv=hv, dk=dk, dv=dv, chunk=chunk,
+                     dtype=BF16)
 
     def fwd(*a):
         return pt.forward(*a[:5], scale=scale, initial_state=a[5], cu_seqlens=None,
@@ -484,39 +486,43 @@ def flag_forms(name, shape, interpret):
         o, final = fwd(*a)
         return jnp.vdot(o.astype(F32), do.astype(F32)) + jnp.vdot(final, dfinal)
 
+    def grads_inputs():
+        """The chunk gradients' operands: the forward's residuals and the reverse pass's
+        outputs, which no backward flag here changes."""
+        saved = jax.jit(lambda *a: pt._kernels(
+            *a, None, scale=scale, chunk_size=chunk, l2norm=False, interpret=interpret,
+            block_sizes=None, residuals=True)[2])(*args)
+        ldo = do.reshape(lv.shape)
+        d_exit, du, _ = jax.jit(lambda *a: ptb._reverse_pass(
+            *a, hv, scale, bs.block_v, interpret, packed=False))(
+            lq, lk, saved["w"], hi, lo, ldo,
+            *packing.chunk_tables(b, lq.shape[1], None, None), dfinal)
+        return (lq, lk, lv, hi, lo, lbeta, saved["inv"], saved["w"], saved["states"],
+                saved["u"], du, ldo, d_exit)
+
     for module, flag, side in FLAG_FORMS:
+        operands = (lk, lv, hi, lo, lbeta) if side == "forward" else grads_inputs()
         results = {}
         for on in (False, True):
             with knobs(module, **{flag: on}):  # traced afresh: the flag read when traced
                 if side == "forward":
-                    stage = ("prep", jax.jit(lambda *a: pt._prep(*a, hv, BF16, False, interpret)),
-                             (lk, lv, hi, lo, lbeta))
-                    whole = ("forward", jax.jit(lambda *a: fwd(*a)), args)
+                    stage = jax.jit(lambda *a: pt._prep(*a, hv, BF16, False, interpret))
+                    passes = (("prep", stage, operands),
+                              ("forward", jax.jit(lambda *a: fwd(*a)), args))
                 else:
-                    saved = jax.jit(lambda *a: pt._kernels(
-                        *a, None, scale=scale, chunk_size=chunk, l2norm=False,
-                        interpret=interpret, block_sizes=None, residuals=True)[2])(*args)
-                    bv = min(pt.BlockSizes().grads_block_v, dv)
-                    ldo = do.reshape(lv.shape)
-                    d_exit, du, _ = jax.jit(lambda *a: ptb._reverse_pass(
-                        *a, hv, scale, pt.default_block_v(b, hv, dv), interpret, packed=False))(
-                        lq, lk, saved["w"], hi, lo, ldo, *packing.chunk_tables(
-                            b, lq.shape[1], None, None), dfinal)
-                    stage = ("chunk_grads",
-                             jax.jit(lambda *a: ptb._chunk_grads(*a, scale, bv, interpret)),
-                             (lq, lk, lv, hi, lo, lbeta, saved["inv"], saved["w"],
-                              saved["states"], saved["u"], du, ldo, d_exit))
-                    whole = ("forward_backward",
-                             jax.jit(lambda *a: jax.grad(loss, argnums=range(6))(*a)), args)
-                for what, fn, fn_args in (stage, whole):
+                    stage = jax.jit(lambda *a: ptb._chunk_grads(*a, scale, bs.grads_block_v,
+                                                                 interpret))
+                    passes = (("chunk_grads", stage, operands),
+                              ("forward_backward",
+                               jax.jit(lambda *a: jax.grad(loss, argnums=range(6))(*a)), args))
+                for what, fn, fn_args in passes:
                     got = fn(*fn_args)
                     rec = dict(op="gated_delta_rule", shape=name, stage=what, **{flag.lower(): on})
                     if on:
-                        want = results[what]
                         rec["rel_l2_vs_off"] = [
                             float(jnp.linalg.norm((x - y).astype(F32))
                                   / jnp.maximum(jnp.linalg.norm(y.astype(F32)), 1e-30))
-                            for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
+                            for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(results[what]))]
                     results[what] = got
                     emit(dict(rec, ms=round(ms(fn, *fn_args), 4)))
 
