@@ -238,13 +238,29 @@ def test_gpu_scan_weights_on_the_left_operand(monkeypatch):
 
 
 def test_backward_row_kernels_at_their_own_pipeline_depth(monkeypatch):
-    """BWD_ROWS_NUM_STAGES set: the row kernels' compiler params take that depth and the
-    others keep the config's, and the kernels still lower for CUDA."""
+    """BWD_ROWS_NUM_STAGES set: lowered for CUDA, the two row kernels' Triton calls carry
+    that depth and the reverse state scan keeps the config's."""
+    import re  # noqa: PLC0415
+
+    from jax._src.export._export import DisabledSafetyCheck  # noqa: PLC0415
+
     monkeypatch.setattr(pt, "BWD_ROWS_NUM_STAGES", 1)
+    mesh = jax.sharding.AbstractMesh(
+        (1,), ("x",), abstract_device=jax.sharding.AbstractDevice("NVIDIA H200", None, "cuda")
+    )
+    S = jax.ShapeDtypeStruct
+    x, a = S((1, 2, 256, 4, 64), jnp.bfloat16), S((1, 2, 256, 4), jnp.float32)
+    b, s0 = S((1, 2, 256, 2, 128), jnp.bfloat16), S((1, 4, 64, 128), jnp.float32)
+    st = S((1, 2, 4, 64, 128), jnp.float32)
     bs = pt.BlockSizes(num_stages=2)
-    assert pt._params(bs, pt.BWD_ROWS_NUM_STAGES).num_stages == 1
-    assert pt._params(bs).num_stages == 2
-    test_cuda_lowering_on_cpu()
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.export.export(
+            jax.jit(functools.partial(pt.backward, block_sizes=bs)), platforms=["cuda"],
+            disabled_checks=[DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+        )(x, a, b, b, st, x, s0).mlir_module()
+    stages = dict(re.findall(r'name = "(\w+)", num_stages = (\d+) : i32', text))
+    assert stages == {"ssd_state_scan_reverse": "2", "ssd_bwd_rows_j": "1",
+                      "ssd_bwd_rows_i": "1"}, stages
 
 
 @pytest.mark.gpu
