@@ -37,8 +37,7 @@ DEFAULT_ORDER = ("pallas_triton", "xla")
 RECURRENT_IMPLEMENTATIONS = ("xla",)
 
 
-def _chunked_backend(implementation, q, k, v, g, beta, chunk_size, block_sizes,
-                     packed: bool = False):
+def _chunked_backend(implementation, q, k, v, g, beta, chunk_size, block_sizes):
     """(name, interpret) of the chunked form's implementation: the first of the names
     (DEFAULT_ORDER when None) that serves. pallas_triton serves where
     predicates.pallas_triton_reason admits the problem on this device; where it was named
@@ -55,7 +54,7 @@ def _chunked_backend(implementation, q, k, v, g, beta, chunk_size, block_sizes,
                                                   named=named)
         else:
             why = predicates.pallas_mosaic_tpu_reason(q, k, v, g, beta, chunk_size,
-                                                      named=named, packed=packed)
+                                                      named=named)
         if why is None:
             return name, jax.default_backend() == "cpu"
         reasons.append(f"{name}: {why}")
@@ -138,7 +137,7 @@ def chunk_gated_delta_rule(
     scale, init = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size,
                            block_sizes, sequence_axes)
     name, interpret = _chunked_backend(implementation, q, k, v, g, beta, chunk_size,
-                                       block_sizes, packed=cu_seqlens is not None)
+                                       block_sizes)
     if name == "xla":
         form = functools.partial(xla.forward, chunk_size=chunk_size)
     elif name == "pallas_mosaic_tpu":

@@ -44,7 +44,6 @@ DTYPES = (jnp.bfloat16, jnp.float16)
 # Chunks whose loads are in flight ahead of the one computed (at least 2: k's buffer is
 # released a step late).
 STAGES = 3
-_INTERPRET_PARAMS = plgpu.InterpretGPUParams()
 
 
 def reason(*, chunk: int, dk: int, block_v: int, dtype, packed: bool,
@@ -202,7 +201,7 @@ def state_pass(w, big_u, k, hi, lo, init, block_v: int, *, interpret: bool = Fal
         mesh=plgpu.Mesh(grid=(nvb * hv * b,), grid_names=("p",)),
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=_INTERPRET_PARAMS if interpret else False,
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
         cost_estimate=(None if cost_estimate is None
                        else cost_estimate((w2, k2, u2, decays, init2), out_types)),
         name="gated_delta_rule_state_pass_mosaic_gpu",

@@ -27,7 +27,11 @@ chunk's exit; trailing padding chunks (identity steps) rewrite the last sequence
 the same state. The final states' buffer is the initial states' (aliased): a sequence
 that owns no chunk (empty) keeps its initial state. The backward mirrors it: a
 sequence's final-state cotangent enters at its last chunk (`leaving`), its initial
-state's leaves at its first, in a buffer aliased to the final cotangents.
+state's leaves at its first. Its buffers are not aliased: walking in reverse, the last
+sequence's block is visited first at the trailing padding chunks, and on a TPU v5e an
+aliased final cotangent read at the sequence's last chunk came back as what those
+chunks had written (zero), while the interpreter read the original. Sequences that own
+no chunk take their final cotangent afterwards.
 
 Everything in the kernels is fp32 and every dot runs at HIGHEST. The inputs may be bf16,
 fp16 or fp32; the terms are formed in fp32. Named on a CPU the kernels run through the
@@ -198,7 +202,9 @@ def _scan_forward(terms, init, entering, owner, scale, out_dtype, interpret):
             out_specs=[s["rows_v"], s["state"], s["owner"]],
             scratch_shapes=[pltpu.VMEM((dk, dv), F32)]),
         out_shape=shapes,
-        input_output_aliases={8: 2},  # init (after the two tables) -> finals
+        # init (after the two tables) -> finals: each block of init is read at its
+        # sequence's first chunk, the first program to visit that block.
+        input_output_aliases={8: 2},
         compiler_params=_params(),
         cost_estimate=_estimate(_forward_body, terms, (entering, owner, *terms, init),
                                 shapes),
@@ -214,7 +220,7 @@ def _scan_backward(terms, states, do, dfinal, entering, leaving, owner, scale, i
     s = _specs(chunk, dk, dv, nc, reverse=True)
     like = lambda t: sharding.out_struct(t.shape, F32, like=t)  # noqa: E731
     shapes = tuple(like(t) for t in terms) + (like(dfinal),)
-    return pl.pallas_call(
+    cotangents = pl.pallas_call(
         functools.partial(_backward_kernel, scale=scale, num_chunks=nc),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3, grid=(b, h, nc),
@@ -224,7 +230,6 @@ def _scan_backward(terms, states, do, dfinal, entering, leaving, owner, scale, i
                        s["rows_k"], s["owner"]],
             scratch_shapes=[pltpu.VMEM((dk, dv), F32)]),
         out_shape=shapes,
-        input_output_aliases={11: 6},  # dfinal (after the three tables) -> dinit
         compiler_params=_params(),
         cost_estimate=_estimate(_backward_body, terms,
                                 (entering, leaving, owner, *terms, states, do, dfinal),
@@ -232,6 +237,13 @@ def _scan_backward(terms, states, do, dfinal, entering, leaving, owner, scale, i
         interpret=platform.mosaic_tpu_interpret(interpret),
         name="gated_delta_rule_backward_mosaic_tpu",
     )(entering, leaving, owner, u_part, w, eq, qk, ed, kd, states, do, dfinal)
+    *dterms, dinit = cotangents
+    # A sequence that owns no chunk (empty) passes its initial state through: its block,
+    # which no program writes, is its final state's cotangent.
+    n = dfinal.shape[0]
+    owns = jnp.zeros((n,), bool).at[jnp.where(entering >= 0, entering, n)].set(
+        True, mode="drop")
+    return (*dterms, jnp.where(owns[:, None, None, None], dinit, dfinal))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))

@@ -56,11 +56,11 @@ def pallas_triton_reason(q, k, v, g, beta, chunk_size, block_sizes=None, *,
 
 
 def pallas_mosaic_tpu_reason(q, k, v, g, beta, chunk_size, *, named: bool = False,
-                             device=None, packed: bool = False) -> str | None:
+                             device=None) -> str | None:
     """None where pallas_mosaic_tpu serves chunk_gated_delta_rule: on a TPU, or on a CPU
     when named (the TPU interpreter); a chunk that is a multiple of 8; bf16, fp16 or fp32
-    inputs (v not fp16 on a TPU: platform.MOSAIC_TPU_REFUSED_DTYPES); on a TPU, no packed
-    sequences (packed). Never by default: it runs only where a caller names it."""
+    inputs (v not fp16 on a TPU: platform.MOSAIC_TPU_REFUSED_DTYPES). Never by default: it
+    runs only where a caller names it."""
     device = device if device is not None else jax.devices()[0]
     if not named:
         return "pallas_mosaic_tpu runs only where named (no TPU measurement yet)"
@@ -70,14 +70,6 @@ def pallas_mosaic_tpu_reason(q, k, v, g, beta, chunk_size, *, named: bool = Fals
     if q.shape[1] == 0:
         return "T = 0: no steps to compute"
     if device.platform == "tpu":  # q, k, v reach the kernels in fp32; o leaves in v's dtype
-        if packed:
-            # On a TPU v5e (jax 0.10.2, 2026-12-06) packed sequences gave o, the final
-            # states, dq and d initial_state as the float64 definition and dk, dv, dg,
-            # dbeta not (relative L2 0.44-0.76; the interpreter's are within 1e-5), that
-            # definition evaluated on the TPU's emulated float64: refused until a run with
-            # the definition on the host says which side was wrong.
-            return ("packed sequences (cu_seqlens) are refused on a TPU: their gradients "
-                    "in k, v, g and beta disagreed with the definition on a TPU v5e")
         reason = platform.mosaic_tpu_dtype_reason("pallas_mosaic_tpu", {"v": v.dtype})
         if reason:
             return reason
