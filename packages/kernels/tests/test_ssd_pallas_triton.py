@@ -182,37 +182,44 @@ def test_scan_weights_on_the_left_operand(shape, dtype, tol, monkeypatch):
     test_cuda_lowering_on_cpu()
 
 
-def test_cuda_lowering_on_cpu():
-    """The kernels lower to Triton for an H200 without one (C = 256, p = 64, n = 128)."""
+def _cuda_module(fn, *args) -> str:
+    """fn's MLIR as exported for an H200 from this CPU (its Triton calls' text inside)."""
     from jax._src.export._export import DisabledSafetyCheck  # noqa: PLC0415
 
     mesh = jax.sharding.AbstractMesh(
         (1,), ("x",), abstract_device=jax.sharding.AbstractDevice("NVIDIA H200", None, "cuda")
     )
-    S = jax.ShapeDtypeStruct
-    x = S((1, 2, 256, 4, 64), jnp.bfloat16)
-    a = S((1, 2, 256, 4), jnp.float32)
-    b = S((1, 2, 256, 2, 128), jnp.bfloat16)
-    s0 = S((1, 4, 64, 128), jnp.float32)
-    st = S((1, 2, 4, 64, 128), jnp.float32)
     check = [DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    wide = pt.BlockSizes(heads=4, block_n=128, block_t=64, num_warps=8)
-    x128 = S((1, 2, 128, 16, 128), jnp.bfloat16)
-    a128 = S((1, 2, 128, 16), jnp.float32)
-    b128 = S((1, 2, 128, 8, 128), jnp.bfloat16)
-    s128 = S((1, 16, 128, 128), jnp.float32)
-    st128 = S((1, 2, 16, 128, 128), jnp.float32)
     with jax.sharding.use_abstract_mesh(mesh):
-        for fn, args, kernels in (
-            (pt.forward, (x, a, b, b, s0), 2),
-            (pt.backward, (x, a, b, b, st, x, s0), 3),
-            (functools.partial(pt.forward, block_sizes=wide), (x, a, b, b, s0), 2),
-            (functools.partial(pt.backward, block_sizes=wide), (x, a, b, b, st, x, s0), 3),
-            (pt.forward, (x128, a128, b128, b128, s128), 2),
-            (pt.backward, (x128, a128, b128, b128, st128, x128, s128), 3),
-        ):
-            exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=check)(*args)
-            assert exp.mlir_module().count("__gpu$xla.gpu.triton") >= kernels
+        return jax.export.export(jax.jit(fn), platforms=["cuda"],
+                                 disabled_checks=check)(*args).mlir_module()
+
+
+def _lowering_args(c, h, p, g, n):
+    """(forward's, backward's) argument structs: one row, two chunks of c steps."""
+    S = jax.ShapeDtypeStruct
+    x = S((1, 2, c, h, p), jnp.bfloat16)
+    a = S((1, 2, c, h), jnp.float32)
+    b = S((1, 2, c, g, n), jnp.bfloat16)
+    s0 = S((1, h, p, n), jnp.float32)
+    st = S((1, 2, h, p, n), jnp.float32)
+    return (x, a, b, b, s0), (x, a, b, b, st, x, s0)
+
+
+def test_cuda_lowering_on_cpu():
+    """The kernels lower to Triton for an H200 without one (C = 256, p = 64, n = 128)."""
+    wide = pt.BlockSizes(heads=4, block_n=128, block_t=64, num_warps=8)
+    fwd, bwd = _lowering_args(256, 4, 64, 2, 128)
+    fwd128, bwd128 = _lowering_args(128, 16, 128, 8, 128)
+    for fn, args, kernels in (
+        (pt.forward, fwd, 2),
+        (pt.backward, bwd, 3),
+        (functools.partial(pt.forward, block_sizes=wide), fwd, 2),
+        (functools.partial(pt.backward, block_sizes=wide), bwd, 3),
+        (pt.forward, fwd128, 2),
+        (pt.backward, bwd128, 3),
+    ):
+        assert _cuda_module(fn, *args).count("__gpu$xla.gpu.triton") >= kernels
 
 
 # TARGETS rows (b, l, h, p, n, g) scaled down in batch, length and heads; chunk 256.
@@ -242,22 +249,9 @@ def test_backward_row_kernels_at_their_own_pipeline_depth(monkeypatch):
     that depth and the reverse state scan keeps the config's."""
     import re  # noqa: PLC0415
 
-    from jax._src.export._export import DisabledSafetyCheck  # noqa: PLC0415
-
     monkeypatch.setattr(pt, "BWD_ROWS_NUM_STAGES", 1)
-    mesh = jax.sharding.AbstractMesh(
-        (1,), ("x",), abstract_device=jax.sharding.AbstractDevice("NVIDIA H200", None, "cuda")
-    )
-    S = jax.ShapeDtypeStruct
-    x, a = S((1, 2, 256, 4, 64), jnp.bfloat16), S((1, 2, 256, 4), jnp.float32)
-    b, s0 = S((1, 2, 256, 2, 128), jnp.bfloat16), S((1, 4, 64, 128), jnp.float32)
-    st = S((1, 2, 4, 64, 128), jnp.float32)
-    bs = pt.BlockSizes(num_stages=2)
-    with jax.sharding.use_abstract_mesh(mesh):
-        text = jax.export.export(
-            jax.jit(functools.partial(pt.backward, block_sizes=bs)), platforms=["cuda"],
-            disabled_checks=[DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-        )(x, a, b, b, st, x, s0).mlir_module()
+    text = _cuda_module(functools.partial(pt.backward, block_sizes=pt.BlockSizes(num_stages=2)),
+                        *_lowering_args(256, 4, 64, 2, 128)[1])
     stages = dict(re.findall(r'name = "(\w+)", num_stages = (\d+) : i32', text))
     assert stages == {"ssd_state_scan_reverse": "2", "ssd_bwd_rows_j": "1",
                       "ssd_bwd_rows_i": "1"}, stages
