@@ -21,11 +21,11 @@ import os
 import re
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxpr_testlib
 from pallasite.kernels import cost
 from pallasite.kernels.grouped_matmul import group_metadata
 from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu, pallas_mosaic_tpu, pallas_triton
@@ -44,17 +44,10 @@ F32, BF16, F8, I32 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn, jnp.int32
 
 
 def _calls(fn, *args):
-    """{name: CostEstimate} of every pallas_call `fn` traces (names are unique per fn)."""
+    """{name: [CostEstimate, ...]} of every kernel call `fn` traces."""
     found = {}
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name in ("pallas_call", "mpmd_map"):  # mpmd_map: pl.kernel
-                found.setdefault(str(eqn.params["name"]), []).append(eqn.params["cost_estimate"])
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    for eqn in jaxpr_testlib.traced_pallas_calls(fn, *args):
+        found.setdefault(str(eqn.params["name"]), []).append(eqn.params["cost_estimate"])
     return found
 
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import pytest
 
 import gated_delta_testlib as testlib
+import jaxpr_testlib
 import mosaic_tpu_testlib
 from pallasite.kernels import chunk_gated_delta_rule, platform
 from pallasite.kernels.gated_delta import pallas_mosaic_tpu, predicates
@@ -165,19 +165,10 @@ def test_the_backward_kernel_aliases_no_buffer():
                           output_final_state=True, chunk_size=16)
         return jnp.sum(o) + jnp.sum(final)
 
-    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=tuple(range(6))))(*(a[n] for n in NAMES))
-    aliases = {}
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                aliases[str(eqn.params["name"])] = tuple(
-                    eqn.params["input_output_aliases"])
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(jaxpr.jaxpr)
-    assert aliases == {"gated_delta_rule_forward_mosaic_tpu": ((8, 2),),
+    calls = jaxpr_testlib.traced_pallas_calls(jax.grad(loss, argnums=tuple(range(6))),
+                                              *(a[n] for n in NAMES))
+    aliases = {str(e.params["name"]): tuple(e.params["input_output_aliases"]) for e in calls}
+    assert len(calls) == 2 and aliases == {"gated_delta_rule_forward_mosaic_tpu": ((8, 2),),
                        "gated_delta_rule_backward_mosaic_tpu": ()}, aliases
 
 

@@ -22,7 +22,6 @@ import dataclasses
 import functools
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -30,6 +29,7 @@ from jax import export
 from jax.export import DisabledSafetyCheck
 from jax.sharding import AbstractDevice, AbstractMesh
 
+import jaxpr_testlib
 import sharding_testlib as st
 
 from pallasite.kernels import platform
@@ -691,15 +691,6 @@ def test_gpu_grouped_mlp_fp8_fused_against_the_composition(d_pre_tile_rows, monk
     _assert_as_near_as_the_composition((y, *grads), (y_fp8, *grads_fp8), (y_ref, *grads_ref))
 
 
-def _pallas_calls(jaxpr):
-    """Every pallas_call equation in `jaxpr` and the jaxprs nested in it."""
-    for e in jaxpr.eqns:
-        if e.primitive.name == "pallas_call":
-            yield e
-        for sub in jax.extend.core.jaxprs_in_params(e.params):
-            yield from _pallas_calls(sub)
-
-
 def test_cost_estimate_counts_both_products_and_the_operands():
     """The fp8 gate-up's pallas_call carries expert_mlp.costs.gate_up: at least the
     2 m k 2f flops of the gate and up products, and its operands' and results' bytes
@@ -707,10 +698,9 @@ def test_cost_estimate_counts_both_products_and_the_operands():
     m, k, f, g = 200, 256, 256, 4
     x, w, _ = _operands(14, m, k, f, g)
     sizes = jnp.array([50, 0, 70, 80], jnp.int32)
-    jaxpr = jax.make_jaxpr(lambda a, b: mlp_fp8.gate_up_quantized(
-        a, b, sizes, block_sizes=SMALL, interpret=True))(x, w).jaxpr
-    eqns = [e for e in _pallas_calls(jaxpr)
-            if e.params.get("name") == "grouped_mlp_gate_up_fp8_triton"]
+    calls = jaxpr_testlib.traced_pallas_calls(lambda a, b: mlp_fp8.gate_up_quantized(
+        a, b, sizes, block_sizes=SMALL, interpret=True), x, w)
+    eqns = [e for e in calls if e.params.get("name") == "grouped_mlp_gate_up_fp8_triton"]
     assert len(eqns) == 1, len(eqns)
     cost = eqns[0].params["cost_estimate"]
     assert cost.flops >= 2 * m * k * 2 * f

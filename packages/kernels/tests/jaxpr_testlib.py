@@ -1,0 +1,23 @@
+"""The Pallas kernel calls a traced function makes, read off its jaxpr."""
+
+from __future__ import annotations
+
+import jax
+import jax.extend
+
+KERNEL_PRIMITIVES = ("pallas_call", "mpmd_map")  # mpmd_map: pl.kernel's
+
+
+def pallas_calls(jaxpr):
+    """Every kernel call's equation in `jaxpr` and in the jaxprs nested in it, in order
+    (its params hold the call's name, cost_estimate, input_output_aliases...)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in KERNEL_PRIMITIVES:
+            yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from pallas_calls(sub)
+
+
+def traced_pallas_calls(fn, *args):
+    """pallas_calls of `fn` traced on `args` (arrays or ShapeDtypeStructs)."""
+    return list(pallas_calls(jax.make_jaxpr(fn)(*args).jaxpr))
