@@ -18,7 +18,6 @@ import jax.numpy as jnp
 
 import gated_delta_testlib as testlib
 from pallasite.kernels import chunk_gated_delta_rule
-from pallasite.reference.gated_delta_rule import gated_delta_rule_sequential
 
 # (name, testlib.inputs arguments, cu_seqlens, chunk): each with whole padding chunks
 # after its last sequence, the layout's bound for N sequences.
@@ -31,15 +30,7 @@ SHAPE = dict(b=1, hk=1, hv=2, dk=32, dv=32)
 def errors(implementation, a, cu, chunk):
     fn = functools.partial(chunk_gated_delta_rule, implementation=implementation,
                            chunk_size=chunk)
-
-    def run(f, arrays, c):
-        return testlib.values_and_grads(f, arrays, cu_seqlens=c)
-
-    got = jax.jit(functools.partial(run, fn))(a, cu)
-    want = run(gated_delta_rule_sequential, testlib.wide(a), testlib.on_host(cu))
-    names = ["o", "final"] + ["d" + n for n in testlib.NAMES]
-    return dict(zip(names, (testlib.rel(g, w) for g, w in
-                            zip(jax.tree.leaves(got), jax.tree.leaves(want)))))
+    return testlib.packed_errors(fn, a, cu)[2]
 
 
 def main(argv=None):
