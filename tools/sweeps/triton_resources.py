@@ -11,8 +11,9 @@ compiles the same module there with its own Triton, so the figures are a close g
 not the device's own reading.
 
     python -m pip install --target /tmp/triton-3.6 triton==3.6.0
-    PYTHONPATH=/tmp/triton-3.6:<the four package roots> python3 tools/sweeps/triton_resources.py \\
-        gated_delta [--grad] [--packed 16] [--set PREP_IN_TWO_KERNELS=1] [--set SOLVE_WARPS=8]
+    PYTHONPATH=/tmp/triton-3.6:<the four package roots>:packages/kernels/tests \\
+        python3 tools/sweeps/triton_resources.py gated_delta [--grad] [--packed 16] \\
+        [--set PREP_IN_TWO_KERNELS=1] [--set SOLVE_WARPS=8]
     ... tools/sweeps/triton_resources.py ssd [--grad]
 
 --set NAME=VALUE sets a module flag of the op's Pallas Triton module or of its backward's
@@ -37,9 +38,9 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
-from jax import export
 from jax._src.pallas.triton import lowering
-from jax.sharding import AbstractDevice, AbstractMesh
+
+from cuda_export_testlib import cuda_module
 
 SASS_OPS = ("STL", "LDL", "BAR", "SHFL", "HMMA", "HGMMA", "FENCE", "MEMBAR", "LDG", "LDGSTS",
             "STG")
@@ -71,13 +72,8 @@ def lowered_kernels(fn, *args) -> list[tuple[str, int, int]]:
     """(Triton module text, num_warps, num_stages) of every Pallas Triton call in fn, in
     the order they were lowered (calls of one kernel name are taken to be one kernel)."""
     _modules.clear()
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None,
-                                                                     "cuda"))
-    with jax.enable_x64(False), jax.sharding.use_abstract_mesh(mesh):
-        text = export.export(
-            jax.jit(fn), platforms=["cuda"],
-            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-        )(*args).mlir_module()
+    with jax.enable_x64(False):
+        text = cuda_module(fn, *args)
     calls = {name: (int(warps), int(stages)) for name, stages, warps in re.findall(
         r'name = "(\w+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', text)}
     kernels = {}

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cuda_export_testlib import TRITON_CALL, cuda_module
 from pallasite import kernels
 from pallasite.kernels import dew, platform
 from pallasite.reference.inputs import grouped_projection_inputs
@@ -255,23 +256,15 @@ def test_ssd_chunk_scan_gpu_path_lowers_for_cuda(devices, monkeypatch):
     """The path the GPU test takes (compiled Triton kernels, no interpreter) traced under
     jit and lowered for an abstract H200 from this host, forward and gradient: nothing
     in it needs a concrete value."""
-    from jax.export import DisabledSafetyCheck
-    from jax.sharding import AbstractDevice, AbstractMesh
-
     devices(types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H200",
                                   compute_capability="9.0"))
     monkeypatch.setattr(dew, "_interpreting", lambda name: False)
     args = _ssd_operands(nc=4, bsz=2, chunk=64, h=4, p=64, n=128)
     specs = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in args]
-    call = "__gpu$xla.gpu.triton"
     loss = lambda *t: sum(jnp.sum(o * o) for o in dew.ssd_chunk_scan(*t, "gpu"))  # noqa: E731
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
-    with jax.sharding.use_abstract_mesh(mesh):
-        for fn in (lambda *t: dew.ssd_chunk_scan(*t, "gpu"),
-                   jax.grad(loss, argnums=(0, 1, 2, 3, 4))):
-            exported = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
-                DisabledSafetyCheck.custom_call(call)])(*specs)
-            assert call in exported.mlir_module()
+    for fn in (lambda *t: dew.ssd_chunk_scan(*t, "gpu"),
+               jax.grad(loss, argnums=(0, 1, 2, 3, 4))):
+        assert TRITON_CALL in cuda_module(fn, *specs)
 
 
 # ----------------------------------------------------------------------------- the GPU

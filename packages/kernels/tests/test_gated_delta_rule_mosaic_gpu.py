@@ -13,10 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export
-from jax.sharding import AbstractDevice, AbstractMesh
 
 import gated_delta_testlib as testlib
+from cuda_export_testlib import cuda_module
 from pallasite.kernels import chunk_gated_delta_rule, platform
 from pallasite.kernels.gated_delta import packing, pallas_mosaic_gpu, pallas_triton
 from pallasite.kernels.ssd import decay
@@ -147,7 +146,6 @@ def test_lowers_for_cuda_from_cpu(monkeypatch):
     monkeypatch.setattr(pallas_triton, "MOSAIC_GPU_STATE_PASS", True)
     monkeypatch.setattr(platform, "mosaic_gpu_runs", lambda device=None: True)
     s = jax.ShapeDtypeStruct
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
     for bv in (32, 64):
         args = (s((1, 512, 16, 128), BF16), s((1, 512, 16, 128), BF16),
                 s((1, 512, 32, 128), BF16), s((1, 512, 32), F32), s((1, 512, 32), F32),
@@ -159,11 +157,8 @@ def test_lowers_for_cuda_from_cpu(monkeypatch):
                                          use_qk_l2norm_in_kernel=False,
                                          block_sizes=dict(block_v=bv))
 
-        with jax.enable_x64(False), jax.sharding.use_abstract_mesh(mesh):
-            text = export.export(
-                jax.jit(forward), platforms=["cuda"],
-                disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-            )(*args).mlir_module()
+        with jax.enable_x64(False):
+            text = cuda_module(forward, *args)
         assert "gated_delta_rule_state_pass_mosaic_gpu" in text
         assert "gated_delta_rule_state_pass\"" not in text  # the Triton pass is not used
 

@@ -18,10 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export
-from jax.sharding import AbstractDevice, AbstractMesh
 
 import gated_delta_testlib as testlib
+from cuda_export_testlib import TRITON_CALL, cuda_module
 from pallasite.kernels import chunk_gated_delta_rule, platform, sharding
 from pallasite.kernels.gated_delta import packing, pallas_triton, pallas_triton_bwd, predicates
 from pallasite.kernels.ssd import decay
@@ -155,10 +154,10 @@ def test_the_kernel_forms_against_the_definition(form, monkeypatch):
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(final)
 
     with jax.enable_x64(False):
-        text = _lowered(jax.grad(loss, argnums=tuple(range(6))), *args)
+        text = cuda_module(jax.grad(loss, argnums=tuple(range(6))), *args)
     # prep (one kernel or two) and the state pass, then the reverse pass and the two
     # chunk-gradient kernels (the gradient alone leaves the output kernel out)
-    assert text.count("__gpu$xla.gpu.triton") == 4 + pallas_triton.prep_kernel_count()
+    assert text.count(TRITON_CALL) == 4 + pallas_triton.prep_kernel_count()
 
 
 def _prep_forms(monkeypatch, seed, chunk, dtype, l2norm, forms, b=1, hk=1, hv=2):
@@ -534,15 +533,6 @@ def test_block_sizes_change_no_result():
     assert max(errors) <= REL_L2, errors  # sums in another order
 
 
-def _lowered(fn, *args):
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
-    with jax.sharding.use_abstract_mesh(mesh):
-        return export.export(
-            jax.jit(fn), platforms=["cuda"],
-            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-        )(*args).mlir_module()
-
-
 @pytest.mark.parametrize("packed", [False, True])
 def test_the_kernels_lower_for_cuda_from_cpu(packed):
     """The forward and the differentiated call at Qwen3-Next's heads (16 q/k, 32 v, K = V
@@ -566,13 +556,13 @@ def test_the_kernels_lower_for_cuda_from_cpu(packed):
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(final)
 
     with jax.enable_x64(False):
-        text = _lowered(forward, *args, *cu)
+        text = cuda_module(forward, *args, *cu)
         forward_kernels = pallas_triton.forward_kernel_count()
-        assert text.count("__gpu$xla.gpu.triton") == forward_kernels
+        assert text.count(TRITON_CALL) == forward_kernels
         # The forward's (value_and_grad keeps its output kernel) and the backward's three:
         # the reverse state pass and the two chunk-gradient kernels.
-        grads = _lowered(jax.value_and_grad(loss, argnums=tuple(range(6))), *args, *cu)
-        assert grads.count("__gpu$xla.gpu.triton") == forward_kernels + 3
+        grads = cuda_module(jax.value_and_grad(loss, argnums=tuple(range(6))), *args, *cu)
+        assert grads.count(TRITON_CALL) == forward_kernels + 3
 
 
 @pytest.mark.gpu

@@ -14,9 +14,7 @@ import numpy as np
 import pytest
 
 import decode_testlib
-from jax import export
-from jax.sharding import AbstractDevice, AbstractMesh
-
+from cuda_export_testlib import TRITON_CALL, cuda_module
 from pallasite.kernels import chunk_gated_delta_rule, gated_delta_rule_step, platform
 from pallasite.kernels.gated_delta import step_pallas_triton
 from pallasite.reference.gated_delta_rule import gated_delta_rule_step_reference
@@ -120,14 +118,8 @@ def test_the_kernel_lowers_for_cuda_from_cpu():
             s((b, hk, dk), jnp.bfloat16), s((b, hv, dv), jnp.bfloat16), s((b, hv), jnp.float32),
             s((b, hv), jnp.float32))
     idx = s((b,), jnp.int32)
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
-    with jax.sharding.use_abstract_mesh(mesh):
-        text = export.export(
-            jax.jit(lambda *a: step_pallas_triton.update(*a[:6], 0.1, a[6], True)),
-            platforms=["cuda"],
-            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-        )(*args, idx).mlir_module()
-    assert "__gpu$xla.gpu.triton" in text
+    text = cuda_module(lambda *a: step_pallas_triton.update(*a[:6], 0.1, a[6], True), *args, idx)
+    assert TRITON_CALL in text
 
 
 @pytest.mark.gpu

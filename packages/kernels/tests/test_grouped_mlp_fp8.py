@@ -25,12 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export
-from jax.export import DisabledSafetyCheck
-from jax.sharding import AbstractDevice, AbstractMesh
 
 import jaxpr_testlib
 import sharding_testlib as st
+from cuda_export_testlib import TRITON_CALL, cuda_module
 
 from pallasite.kernels import platform
 from pallasite.kernels.expert_mlp import pallas_mosaic_gpu_fp8 as mgpu_fp8
@@ -46,7 +44,6 @@ BF16 = jnp.bfloat16
 F32 = jnp.float32
 # 64-row tiles, so the interpreter's groups span several tiles; 2 stages keep it cheap.
 SMALL = config.TritonBlockSizes(64, 128, 128, group_m=2, num_warps=4, num_stages=2)
-TRITON_CALL = "__gpu$xla.gpu.triton"
 # The fused fp8 kernels' backends: (module, the interpreter's block sizes).
 KERNELS = {"pallas_triton": (mlp_fp8, SMALL), "pallas_mosaic_gpu": (mgpu_fp8, None)}
 
@@ -296,12 +293,8 @@ def test_lowers_for_cuda_from_cpu(activation, monkeypatch):
     m, k, f, g = 4096, 1408, 768, 8
     fn = lambda a, b, c, o: mlp_fp8.gate_up_quantized(  # noqa: E731
         a, b, c, activation=activation, group_offset=o)
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
-    with jax.sharding.use_abstract_mesh(mesh):
-        text = export.export(jax.jit(fn), platforms=["cuda"],
-                             disabled_checks=[DisabledSafetyCheck.custom_call(TRITON_CALL)])(
-            s((m, k), BF16), s((g, k, 2 * f), BF16), s((2 * g,), jnp.int32),
-            s((), jnp.int32)).mlir_module()
+    text = cuda_module(fn, s((m, k), BF16), s((g, k, 2 * f), BF16), s((2 * g,), jnp.int32),
+                       s((), jnp.int32))
     assert text.count(TRITON_CALL) == 3, text.count(TRITON_CALL)
     assert "grouped_mlp_gate_up_fp8_triton" in text
 
@@ -616,14 +609,9 @@ def test_grouped_mlp_fp8_fused_fwd_bwd_lowers_for_cuda_from_cpu(gpu, plain, monk
                         fuse_activation=True)
         return jnp.sum(y.astype(F32))
 
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(gpu.device_kind, None,
-                                                                     "cuda"))
-    with jax.sharding.use_abstract_mesh(mesh):
-        text = export.export(
-            jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))), platforms=["cuda"],
-            disabled_checks=[DisabledSafetyCheck.custom_call(TRITON_CALL)])(
-            s((m, k), BF16), s((g, k, 2 * f), BF16), s((g, f, n), BF16), s((m,), F32),
-            s((g,), jnp.int32)).mlir_module()
+    text = cuda_module(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)), s((m, k), BF16),
+                       s((g, k, 2 * f), BF16), s((g, f, n), BF16), s((m,), F32),
+                       s((g,), jnp.int32), device_kind=gpu.device_kind)
     other = "triton" if plain == "mosaic_gpu" else "mosaic_gpu"
     for name in (f"grouped_mlp_gate_up_fp8_{plain}", f"grouped_mlp_down_fp8_{plain}",
                  f"grouped_mlp_gate_up_grad_fp8_{plain}", f"grouped_mlp_down_grad_fp8_{plain}",
@@ -663,10 +651,8 @@ def test_mosaic_gpu_fp8_mlp_kernels_lower_at_model_shapes(shape, d_pre_tile_rows
                dy, d, c, r, h, dh_dtype=BF16),
             (s((m, n), BF16), s((g, f, n), BF16), s((g,), jnp.int32), s((m,), F32),
              s((m, f), F32)))]
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
     for (fn, args), name in zip(fns, ("gate_up", "down", "gate_up_grad", "down_grad")):
-        with jax.sharding.use_abstract_mesh(mesh):
-            text = export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+        text = cuda_module(fn, *args, allow_triton=False)
         assert f"grouped_mlp_{name}_fp8_mosaic_gpu" in text
 
 

@@ -10,9 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export
-from jax.sharding import AbstractDevice, AbstractMesh
 
+from cuda_export_testlib import cuda_module
 from pallasite.kernels import platform
 from pallasite.kernels.expert_mlp import ops
 from pallasite.kernels.expert_mlp import pallas_mosaic_gpu as fused_mgpu
@@ -312,7 +311,6 @@ def test_gate_up_lowers_for_cuda_from_cpu(backend, activation, monkeypatch):
     m, k, f, g = 4096, 512, 1024, 8
     s = jax.ShapeDtypeStruct
     args = (s((m, k), BF16), s((g, k, 2 * f), BF16), s((g,), jnp.int32))
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
 
     def loss(a, b, c):
         h = ops.gate_up_activation(a, b, c, BF16, backend=backend, activation=activation)
@@ -326,11 +324,7 @@ def test_gate_up_lowers_for_cuda_from_cpu(backend, activation, monkeypatch):
         return jnp.sum(y.astype(jnp.float32))
     fns.append(jax.grad(down_loss, argnums=(0, 1)))
     for fn in fns:
-        with jax.sharding.use_abstract_mesh(mesh):
-            text = export.export(
-                jax.jit(fn), platforms=["cuda"],
-                disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-            )(*args).mlir_module()
+        text = cuda_module(fn, *args)
         assert ("mosaic_gpu" if backend == "pallas_mosaic_gpu" else "triton") in text
 
 
@@ -345,7 +339,6 @@ def test_mosaic_gpu_down_kernels_lower_at_model_shapes(shape, monkeypatch):
     m, f, n, g = shape
     s = jax.ShapeDtypeStruct
     args = (s((m, f), BF16), s((g, f, n), BF16), s((g,), jnp.int32), s((m,), jnp.float32))
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
 
     def forward(h, w, sizes, rw):
         return ops.down_weighted(h, w, sizes, rw, BF16, backend="pallas_mosaic_gpu")
@@ -354,8 +347,7 @@ def test_mosaic_gpu_down_kernels_lower_at_model_shapes(shape, monkeypatch):
         return jnp.sum(forward(h, w, sizes, rw).astype(jnp.float32))
 
     for fn in (forward, jax.grad(loss, argnums=(0, 1, 3))):
-        with jax.sharding.use_abstract_mesh(mesh):
-            text = export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+        text = cuda_module(fn, *args, allow_triton=False)
         assert "mosaic_gpu" in text
     dx = mgpu.resolve_block_sizes(None, product="dx", m=m, k=f, n=n, g=g, dtype=BF16,
                                   interpret=False)

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.export import DisabledSafetyCheck
-from jax.sharding import AbstractDevice, AbstractMesh
 
+from cuda_export_testlib import TRITON_CALL, cuda_module, gpu_mesh
 from grouped_projection_testlib import CPU_CASES, check_case, draw
 from pallasite.kernels import platform
 from pallasite.kernels.grouped_matmul import (
@@ -26,7 +26,6 @@ from pallasite.kernels.grouped_matmul import (
 from pallasite.reference.grouped_projection import grouped_projection as reference
 
 SMALL = TritonBlockSizes(block_m=16, block_n=16, block_k=16, group_m=2)
-TRITON_CALL = "__gpu$xla.gpu.triton"
 
 
 def _inputs(m=40, k=24, n=20, g=4, total=33):
@@ -253,11 +252,6 @@ def _specs(m=300, k=200, n=96, g=6):
             jax.ShapeDtypeStruct((g,), jnp.int32))
 
 
-def _cuda_mesh():
-    return jax.sharding.use_abstract_mesh(
-        AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda")))
-
-
 @pytest.fixture
 def fake_sm80(monkeypatch):
     """The CUDA branch keys on the local device; pretend it is an sm80+ GPU without
@@ -267,22 +261,20 @@ def fake_sm80(monkeypatch):
 
 
 def test_cuda_default_lowers_to_triton(fake_sm80):
-    with _cuda_mesh():
-        text = _export(_loss(), ["cuda"], *_specs()).mlir_module()
+    text = cuda_module(_loss(), *_specs())
     assert text.count(TRITON_CALL) == 3  # forward, dx, dkernel
 
 
 def test_cuda_fp32_highest_lowers_to_xla(fake_sm80):
     specs = [jax.ShapeDtypeStruct(s.shape, jnp.float32 if i < 2 else s.dtype)
              for i, s in enumerate(_specs())]
-    with _cuda_mesh(), jax.default_matmul_precision("highest"):
-        text = _export(_loss(compute=jnp.float32), ["cuda"], *specs).mlir_module()
+    with jax.default_matmul_precision("highest"):
+        text = cuda_module(_loss(compute=jnp.float32), *specs)
     assert TRITON_CALL not in text
 
 
 def test_cuda_without_a_gpu_lowers_to_xla():
-    with _cuda_mesh():
-        text = _export(_loss(), ["cuda"], *_specs()).mlir_module()
+    text = cuda_module(_loss(), *_specs())
     assert TRITON_CALL not in text
 
 
@@ -305,8 +297,7 @@ def fake_hopper(monkeypatch):
 @pytest.mark.parametrize("m,expected", [(2048, "mosaic_gpu"), (1024, TRITON_CALL)])
 def test_cuda_default_on_hopper_picks_by_rows_per_group(fake_hopper, m, expected):
     """256 rows per group or more: Mosaic GPU for all three products; fewer: Triton."""
-    with _cuda_mesh():
-        text = _export(_loss(), ["cuda"], *_specs(m=m, k=512, n=1024, g=8)).mlir_module()
+    text = cuda_module(_loss(), *_specs(m=m, k=512, n=1024, g=8))
     other = TRITON_CALL if expected == "mosaic_gpu" else "mosaic_gpu"
     assert expected in text and other not in text
 
@@ -324,8 +315,7 @@ def test_one_function_exports_for_each_platform(fake_sm80):
     branch of a platform_dependent for every platform, and a Triton or Mosaic pallas_call
     has no lowering on the others; the test below pins that, so we notice when it lifts.)"""
     specs, loss = _specs(m=256, k=256, n=128, g=4), _loss()
-    with _cuda_mesh():
-        cuda = _export(loss, ["cuda"], *specs).mlir_module()
+    cuda = cuda_module(loss, *specs)
     tpu = _export(loss, ["tpu"], *specs).mlir_module()
     cpu = _export(loss, ["cpu"], *specs).mlir_module()
     assert TRITON_CALL in cuda and "tpu_custom_call" not in cuda
@@ -334,7 +324,7 @@ def test_one_function_exports_for_each_platform(fake_sm80):
 
 
 def test_multi_platform_export_with_kernels_is_refused_by_jax(fake_sm80):
-    with _cuda_mesh(), pytest.raises(ValueError, match="Only interpret mode"):
+    with gpu_mesh(), pytest.raises(ValueError, match="Only interpret mode"):
         _export(_loss(), ["cpu", "cuda"], *_specs(m=256, k=256, n=128, g=4))
 
 

@@ -22,11 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export
-from jax.export import DisabledSafetyCheck
 from jax.experimental import pallas as pl
-from jax.sharding import AbstractDevice, AbstractMesh
 
+from cuda_export_testlib import TRITON_CALL, cuda_module
 from pallasite.kernels import platform
 from pallasite.kernels.grouped_matmul import config, fit, pallas_triton_fp8 as tf
 from pallasite.kernels.grouped_matmul import group_metadata, token_blocks
@@ -39,7 +37,6 @@ BF16 = jnp.bfloat16
 SMALL = config.TritonBlockSizes(64, 128, 128, group_m=2, num_warps=4, num_stages=2)
 # The dkernel with 64 x 64 output tiles: k and n split into several tiles each.
 SMALL_TGMM = config.TritonBlockSizes(64, 64, 128, group_m=1, num_warps=4, num_stages=2)
-TRITON_CALL = "__gpu$xla.gpu.triton"
 
 
 @dataclasses.dataclass
@@ -364,12 +361,7 @@ def _cuda_module(f, args, generation, monkeypatch):
     the quantizers are the Triton ones), under an abstract mesh of that GPU (Triton's
     lowering needs its device)."""
     monkeypatch.setattr(platform, "_default_device", lambda: GPUS[generation])
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-        GPUS[generation].device_kind, None, "cuda"))
-    check = [DisabledSafetyCheck.custom_call(TRITON_CALL)]
-    with jax.sharding.use_abstract_mesh(mesh):
-        return export.export(jax.jit(f), platforms=["cuda"], disabled_checks=check)(
-            *args).mlir_module()
+    return cuda_module(f, *args, device_kind=GPUS[generation].device_kind)
 
 
 @pytest.mark.parametrize("generation,blocks", [("sm89", None), ("sm90", None), ("sm90", WIDE)])

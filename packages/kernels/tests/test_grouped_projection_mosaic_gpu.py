@@ -18,9 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export
-from jax.sharding import AbstractDevice, AbstractMesh
 
+from cuda_export_testlib import cuda_module
 from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu as mgpu
 from pallasite.reference.grouped_projection import gmm_reference, tgmm_reference
 from pallasite.reference.inputs import one_group_sizes, random_group_sizes, skewed_group_sizes
@@ -400,10 +399,6 @@ def test_interpret_bf16_output_rounds_once():
 # ----------------------------------------------------------------------------- lowering
 
 
-def _h200_mesh():
-    return AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
-
-
 # The kernels' block sizes the lowering and GPU tests name: None is the shape's default
 # (the warp-specialised kernels where the width splits into 256 columns).
 _BLOCKS = {
@@ -502,8 +497,7 @@ def _cuda_module(f, args, monkeypatch):
     """f lowered for an H200 (132 SMs) from this CPU: its module text, which must hold a
     Mosaic GPU kernel."""
     monkeypatch.setattr(mgpu, "_num_programs", lambda interpret: 132)
-    with jax.sharding.use_abstract_mesh(_h200_mesh()):
-        text = export.export(jax.jit(f), platforms=["cuda"])(*args).mlir_module()
+    text = cuda_module(f, *args, allow_triton=False)
     assert "mosaic_gpu" in text
     return text
 

@@ -14,11 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export
-from jax.sharding import AbstractDevice, AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 import sharding_testlib as st
+from cuda_export_testlib import TRITON_CALL, cuda_module
 from pallasite.kernels import autodiff, mamba_chunk_scan, selective_state_update
 from pallasite.reference import parity
 from pallasite.reference.mamba_chunk_scan import mamba_chunk_scan_reference
@@ -331,24 +330,18 @@ def test_lowers_for_cuda_with_the_triton_kernels(monkeypatch):
                              implementation="pallas_triton")
         return jnp.sum(y.astype(jnp.float32))
 
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None,
-                                                                      "cuda"))
     args = [a[k] for k in ("x", "dt", "B", "C", "z")]
     texts, fused_calls = {}, {}
-    with jax.sharding.use_abstract_mesh(mesh):
-        for name, fn in (("forward", loss), ("grad", jax.grad(loss, argnums=(0, 1, 2, 3, 4)))):
-            routes.clear()
-            texts[name] = export.export(
-                jax.jit(fn), platforms=["cuda"],
-                disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-            )(*args).mlir_module()
-            fused_calls[name] = list(routes)
+    for name, fn in (("forward", loss), ("grad", jax.grad(loss, argnums=(0, 1, 2, 3, 4)))):
+        routes.clear()
+        texts[name] = cuda_module(fn, *args)
+        fused_calls[name] = list(routes)
     # The fused forward: the state scan and the output with dt, D and z.
-    assert texts["forward"].count("__gpu$xla.gpu.triton") == 2
+    assert texts["forward"].count(TRITON_CALL) == 2
     assert fused_calls["forward"] == ["fused"]
     # Differentiated: chunk_ssd's two forward kernels and its three backward kernels; the
     # fused forward is not traced.
-    assert texts["grad"].count("__gpu$xla.gpu.triton") == 5
+    assert texts["grad"].count(TRITON_CALL) == 5
     assert fused_calls["grad"] == []
 
 

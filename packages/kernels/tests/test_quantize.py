@@ -9,9 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export
-from jax.sharding import AbstractDevice, AbstractMesh
 
+from cuda_export_testlib import TRITON_CALL, cuda_module
 from pallasite.kernels import BlockScaled, quantize
 from pallasite.kernels.grouped_matmul.token_blocks import token_blocks
 from pallasite.kernels.quantization import pallas_triton, xla
@@ -186,11 +185,6 @@ def test_zero_size_input_gives_empty_values():
     assert got.values.shape == (0, 256) and got.scales.shape == (0, 2)
 
 
-def _h200():
-    return jax.sharding.use_abstract_mesh(AbstractMesh(
-        (1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda")))
-
-
 @pytest.mark.parametrize("kind", ["rows", "token_blocks", "weight_blocks"])
 def test_quantizers_lower_for_cuda_from_cpu(kind):
     s = jax.ShapeDtypeStruct
@@ -202,12 +196,7 @@ def test_quantizers_lower_for_cuda_from_cpu(kind):
     else:
         f = lambda w: pallas_triton.weight_blocks(w, F8, transpose=True)  # noqa: E731
         args = (s((8, 512, 1024), jnp.bfloat16),)
-    with _h200():
-        text = export.export(
-            jax.jit(f), platforms=["cuda"],
-            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-        )(*args).mlir_module()
-    assert "__gpu$xla.gpu.triton" in text
+    assert TRITON_CALL in cuda_module(f, *args)
 
 
 # ----------------------------------------------------------------------------- GPU

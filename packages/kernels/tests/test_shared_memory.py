@@ -17,17 +17,14 @@ import itertools
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.export import DisabledSafetyCheck
-from jax.sharding import AbstractDevice, AbstractMesh
 
+from cuda_export_testlib import TRITON_CALL, cuda_module
 from pallasite import tuning
 from pallasite.kernels import grouped_projection, platform
 from pallasite.kernels.grouped_matmul import config, pallas_triton, triton_fit
 from pallasite.kernels.ssd import pallas_triton as ssd_triton
 from pallasite.kernels.ssd import predicates as ssd_predicates
 from pallasite.tuning import config_from_dict, load_table
-
-TRITON_CALL = "__gpu$xla.gpu.triton"
 
 
 @dataclasses.dataclass
@@ -192,11 +189,6 @@ def test_ssd_admission_follows_the_generation():
 # ---------------------------------------------- lowering for abstract sm80 / sm89 GPUs
 
 
-def _cuda_mesh(kind):
-    return jax.sharding.use_abstract_mesh(
-        AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(kind, None, "cuda")))
-
-
 def _spy_selections(monkeypatch):
     chosen = []
     real = tuning.select_block_sizes
@@ -222,11 +214,9 @@ def test_grouped_projection_lowers_for_an_abstract_gpu(monkeypatch, generation):
     def loss(x, w, s):
         return jnp.sum(grouped_projection(x, w, s, jnp.bfloat16).astype(jnp.float32) ** 2)
 
-    with _cuda_mesh(device.device_kind):
-        exported = jax.export.export(
-            jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), platforms=["cuda"],
-            disabled_checks=[DisabledSafetyCheck.custom_call(TRITON_CALL)])(*specs)
-    assert exported.mlir_module().count(TRITON_CALL) == 3
+    text = cuda_module(jax.value_and_grad(loss, argnums=(0, 1)), *specs,
+                       device_kind=device.device_kind)
+    assert text.count(TRITON_CALL) == 3
     assert {impl for impl, _ in chosen} == {f"pallas_triton:{p}" for p in GP_PRODUCTS}
     for impl, bs in chosen:
         assert triton_fit.fits(bs, 2, impl.split(":")[1], KIB[generation] * 1024), (impl, bs)
@@ -241,13 +231,9 @@ def test_ssd_lowers_for_an_abstract_gpu(monkeypatch, generation):
     x, a = S((1, 2, 256, 4, 64), jnp.bfloat16), S((1, 2, 256, 4), jnp.float32)
     b, s0 = S((1, 2, 256, 2, 128), jnp.bfloat16), S((1, 4, 64, 128), jnp.float32)
     st = S((1, 2, 4, 64, 128), jnp.float32)
-    check = [DisabledSafetyCheck.custom_call(TRITON_CALL)]
-    with _cuda_mesh(device.device_kind):
-        for fn, args in ((ssd_triton.forward, (x, a, b, b, s0)),
-                         (ssd_triton.backward, (x, a, b, b, st, x, s0))):
-            exported = jax.export.export(jax.jit(fn), platforms=["cuda"],
-                                         disabled_checks=check)(*args)
-            assert TRITON_CALL in exported.mlir_module()
+    for fn, args in ((ssd_triton.forward, (x, a, b, b, s0)),
+                     (ssd_triton.backward, (x, a, b, b, st, x, s0))):
+        assert TRITON_CALL in cuda_module(fn, *args, device_kind=device.device_kind)
     assert len(chosen) == 2
     for _, bs in chosen:
         assert ssd_triton.fits(bs, 64, 128, device)

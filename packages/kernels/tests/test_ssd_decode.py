@@ -13,9 +13,7 @@ import numpy as np
 import pytest
 
 import decode_testlib
-from jax import export
-from jax.sharding import AbstractDevice, AbstractMesh
-
+from cuda_export_testlib import TRITON_CALL, cuda_module
 from pallasite.kernels import chunk_ssd, platform, selective_state_update
 from pallasite.kernels.ssd_decode import pallas_triton
 from pallasite.reference.ssd_decode import selective_state_update_reference
@@ -125,13 +123,7 @@ def test_the_kernel_lowers_for_cuda_from_cpu():
     args = (s((slots, h, p, n), jnp.float32), s((b, h, p), jnp.bfloat16), s((b, h), jnp.float32),
             s((h,), jnp.float32), s((b, g, n), jnp.bfloat16), s((b, g, n), jnp.bfloat16),
             s((h,), jnp.float32), s((b, h, p), jnp.bfloat16), s((b,), jnp.int32))
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
-    with jax.sharding.use_abstract_mesh(mesh):
-        text = export.export(
-            jax.jit(pallas_triton.update), platforms=["cuda"],
-            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-        )(*args).mlir_module()
-    assert "__gpu$xla.gpu.triton" in text
+    assert TRITON_CALL in cuda_module(pallas_triton.update, *args)
 
 
 # ----------------------------------------------------------------------------- GPU

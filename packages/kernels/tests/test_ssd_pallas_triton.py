@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import test_ssd_base as base
+from cuda_export_testlib import TRITON_CALL, cuda_module
 from pallasite.kernels.ssd import pallas_triton as pt
 from pallasite.reference import parity
 from pallasite.reference.inputs import ssd_initial_state, ssd_inputs
@@ -182,19 +183,6 @@ def test_scan_weights_on_the_left_operand(shape, dtype, tol, monkeypatch):
     test_cuda_lowering_on_cpu()
 
 
-def _cuda_module(fn, *args) -> str:
-    """fn's MLIR as exported for an H200 from this CPU (its Triton calls' text inside)."""
-    from jax._src.export._export import DisabledSafetyCheck  # noqa: PLC0415
-
-    mesh = jax.sharding.AbstractMesh(
-        (1,), ("x",), abstract_device=jax.sharding.AbstractDevice("NVIDIA H200", None, "cuda")
-    )
-    check = [DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    with jax.sharding.use_abstract_mesh(mesh):
-        return jax.export.export(jax.jit(fn), platforms=["cuda"],
-                                 disabled_checks=check)(*args).mlir_module()
-
-
 def _lowering_args(c, h, p, g, n):
     """(forward's, backward's) argument structs: one row, two chunks of c steps."""
     S = jax.ShapeDtypeStruct
@@ -219,7 +207,7 @@ def test_cuda_lowering_on_cpu():
         (pt.forward, fwd128, 2),
         (pt.backward, bwd128, 3),
     ):
-        assert _cuda_module(fn, *args).count("__gpu$xla.gpu.triton") >= kernels
+        assert cuda_module(fn, *args).count(TRITON_CALL) >= kernels
 
 
 # TARGETS rows (b, l, h, p, n, g) scaled down in batch, length and heads; chunk 256.
@@ -250,8 +238,8 @@ def test_backward_row_kernels_at_their_own_pipeline_depth(monkeypatch):
     import re  # noqa: PLC0415
 
     monkeypatch.setattr(pt, "BWD_ROWS_NUM_STAGES", 1)
-    text = _cuda_module(functools.partial(pt.backward, block_sizes=pt.BlockSizes(num_stages=2)),
-                        *_lowering_args(256, 4, 64, 2, 128)[1])
+    text = cuda_module(functools.partial(pt.backward, block_sizes=pt.BlockSizes(num_stages=2)),
+                       *_lowering_args(256, 4, 64, 2, 128)[1])
     stages = dict(re.findall(r'name = "(\w+)", num_stages = (\d+) : i32', text))
     assert stages == {"ssd_state_scan_reverse": "2", "ssd_bwd_rows_j": "1",
                       "ssd_bwd_rows_i": "1"}, stages
