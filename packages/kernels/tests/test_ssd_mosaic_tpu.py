@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxpr_testlib
 import mosaic_tpu_testlib
 import test_ssd_base as base
 from pallasite.kernels.ssd import pallas_mosaic_tpu as kernel
@@ -37,38 +38,30 @@ def _abstract_args(b=2, nc=2, C=128, h=4, p=64, n=128, g=2, dtype=jnp.bfloat16):
 
 @pytest.mark.parametrize("kind", ["TPU v5 lite", "TPU v6 lite"])
 @pytest.mark.parametrize("x64", [False, True])
-def test_lowers_for_tpu(kind, x64):
+@pytest.mark.parametrize("chunk,head_dim", [(128, 64), (64, 128)])
+def test_lowers_for_tpu(kind, x64, chunk, head_dim):
     """Forward and gradient export for TPU from a CPU host: two Mosaic modules, neither
-    holding what a TPU refused (mosaic_tpu_testlib), jax_enable_x64 on or off."""
+    holding what a TPU refused (mosaic_tpu_testlib), jax_enable_x64 on or off; and a head
+    dim wider than the chunk (the backward's cost estimate once sized its row sums by
+    the chunk alone and failed to trace there: 8 of the tpu grid's cases on a TPU)."""
 
     def loss(x, a, b, c, s0):
         y, final = ssd_chunk_scan(x, a, b, c, s0, ("pallas_mosaic_tpu", False))
         return y.astype(jnp.float32).sum() + final.sum()
 
     exported = mosaic_tpu_testlib.mosaic_modules(
-        jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *_abstract_args(), kind=kind, x64=x64)
+        jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *_abstract_args(C=chunk, p=head_dim),
+        kind=kind, x64=x64)
     mosaic_tpu_testlib.assert_no_known_refusals(
         exported, ["ssd_forward_mosaic_tpu", "ssd_backward_mosaic_tpu"])
-
-
-def _pallas_eqns(jaxpr):
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            yield eqn
-        for sub in jax.core.subjaxprs(eqn) if hasattr(jax.core, "subjaxprs") else ():
-            yield from _pallas_eqns(sub)
-        for param in eqn.params.values():
-            inner = getattr(param, "jaxpr", None)
-            if inner is not None and hasattr(inner, "eqns"):
-                yield from _pallas_eqns(inner)
 
 
 def test_cost_estimates():
     """Flops of the chunk matmuls, one exp per [C, C] entry plus 2C + 1, bytes > 0."""
     b, nc, C, h, p, n, g = 1, 2, 64, 2, 64, 32, 1
     args = _abstract_args(b, nc, C, h, p, n, g, jnp.float32)
-    fwd = jax.make_jaxpr(lambda *t: kernel.forward(*t, interpret=False))(*args)
-    (eqn,) = list(_pallas_eqns(fwd.jaxpr))
+    (eqn,) = jaxpr_testlib.traced_pallas_calls(
+        lambda *t: kernel.forward(*t, interpret=False), *args)
     cost = eqn.params["cost_estimate"]
     programs = b * h * nc
     # Hand count per program (tests/test_cost_estimates.py has every call's).
@@ -78,9 +71,8 @@ def test_cost_estimates():
     x_bytes = b * nc * C * h * p * 4
     assert cost.bytes_accessed >= 2 * x_bytes
     states = jax.ShapeDtypeStruct((b, nc, h, p, n), jnp.float32)
-    bwd = jax.make_jaxpr(lambda *t: kernel.backward(*t, interpret=False))(
-        *args[:4], states, args[0], args[4])
-    (eqn,) = list(_pallas_eqns(bwd.jaxpr))
+    (eqn,) = jaxpr_testlib.traced_pallas_calls(
+        lambda *t: kernel.backward(*t, interpret=False), *args[:4], states, args[0], args[4])
     cost = eqn.params["cost_estimate"]
     assert cost.flops == programs * (C * C * (6 * n + 4 * p + 22) + 10 * C * n * p
                                      + 37 * C * p + 4 * C * n + 20 * C + 2 * p * n + 1)

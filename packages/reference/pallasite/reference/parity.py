@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -238,14 +237,20 @@ def _outputs(result: Any) -> list[tuple[str, Any, Any]]:
     return [("", actual, expected)]
 
 
+def _error_line(e: BaseException) -> str:
+    """`Type: first line of the message` (200 characters at most). The exception's own
+    text, not its notes: JAX appends one on traceback filtering, which named no error."""
+    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:200]
+
+
 def _run_one(case: Case, key: jax.Array, run_case: RunCase) -> list[ParityRow]:
     shape, dtype = _shape_str(case.shape), _dtype_name(case.dtype)
     tol = case.tol or tolerance(case.dtype)
     try:
         outputs = _outputs(run_case(case, key))
     except Exception as e:  # noqa: BLE001 - report every case, fail once at the end
-        message = "".join(traceback.format_exception_only(e)).strip().splitlines()[-1]
-        return [ParityRow(case.name, shape, dtype, None, tol, False, message[:200])]
+        return [ParityRow(case.name, shape, dtype, None, tol, False, _error_line(e))]
     rows = []
     for what, actual, expected in outputs:
         name = f"{case.name}/{what}" if what else case.name
@@ -270,7 +275,7 @@ def check_parity(
     `run_case(case, key)` draws its inputs from `key` (a fresh key per case, folded from
     `seed` and the case's index) and returns `(actual, expected)` or a mapping
     `{what: (actual, expected)}` (e.g. `{"y": ..., "dx": ...}`), each becoming one row.
-    A case that raises is a failed row carrying the exception's last line; the others
+    A case that raises is a failed row carrying its type and first line; the others
     still run. `report`, if given, receives the table whether or not anything failed.
     Returns the rows (the benchmark records them).
     """

@@ -181,8 +181,8 @@ def tpu_backward(programs, chunk, p, n, *, inputs, outputs):
     included); see tests/test_ssd_mosaic_tpu.py for the count."""
     def body(x, b, c, hi, lo, hi_last, lo_last, state, dy, dexit):
         decay, e, w, total = _decays(hi, lo, hi_last, lo_last)
-        ones = jnp.ones((8, chunk), F32)
-        rowsum = lambda t: _ein("ak,zik->zai", ones[:, :t.shape[-1]], t)  # noqa: E731
+        # as the kernel: an 8-row ones matmul as wide as the summed tile (C, or p)
+        rowsum = lambda t: _ein("ak,zik->zai", jnp.ones((8, t.shape[-1]), F32), t)  # noqa: E731
         gram = _ein("zin,zjn->zij", c, b)
         dmix = _ein("zip,zjp->zij", dy, x) * decay
         u = _ein("zjn,zpn->zjp", b, dexit)
