@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import gated_delta_testlib as testlib
+import jaxpr_testlib
 from cuda_export_testlib import TRITON_CALL, cuda_module
 from pallasite.kernels import chunk_gated_delta_rule, platform, sharding
 from pallasite.kernels.gated_delta import packing, pallas_triton, pallas_triton_bwd, predicates
@@ -328,16 +329,9 @@ def test_the_chunk_layout_is_gathered_both_ways():
     np.testing.assert_array_equal(np.asarray(grad), np.asarray(ct[:, positions]))
     jaxpr = jax.make_jaxpr(jax.value_and_grad(lambda x: jnp.sum(layout(x)[0] * ct)))(x)
 
-    def scatters(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name.startswith("scatter"):
-                yield eqn.outvars[0].aval.dtype
-            for value in eqn.params.values():
-                inner = getattr(value, "jaxpr", value)
-                if hasattr(inner, "eqns"):
-                    yield from scatters(inner)
-
-    assert not set(scatters(jaxpr.jaxpr))
+    scatters = [eqn for eqn in jaxpr_testlib.equations(jaxpr.jaxpr)
+                if eqn.primitive.name.startswith("scatter")]
+    assert not scatters, scatters
 
 
 def test_short_packed_sequences_take_one_loop_where_asked(monkeypatch):
