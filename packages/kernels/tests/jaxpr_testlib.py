@@ -1,4 +1,5 @@
-"""The Pallas kernel calls a traced function makes, read off its jaxpr."""
+"""A traced function's equations, nested jaxprs included, and among them its Pallas kernel
+calls (their names, cost estimates and aliases), read off its jaxpr."""
 
 from __future__ import annotations
 
