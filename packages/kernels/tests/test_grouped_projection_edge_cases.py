@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxpr_testlib
 from pallasite.kernels import grouped_projection, ragged_dot_runs
 from pallasite.kernels.grouped_matmul import TritonBlockSizes, api, ops
 from pallasite.reference.grouped_projection import grouped_projection as reference
@@ -248,6 +249,36 @@ def test_non_finite_weights_stay_in_their_group_plain_path(value):
 @pytest.mark.parametrize("value", [np.nan, np.inf], ids=["nan", "inf"])
 def test_non_finite_weights_stay_in_their_group_xla_backend(value):
     _check_contained(_project("xla"), value)
+
+
+@pytest.mark.parametrize("value", [None, np.nan, np.inf], ids=["finite", "nan", "inf"])
+@pytest.mark.parametrize("group_offset", [None, 1], ids=["all_groups", "offset"])
+def test_contain_only_nonfinite_form_is_bitwise_the_same(monkeypatch, value, group_offset):
+    """xla.CONTAIN_ONLY_NONFINITE (a lax.cond on the weights being finite) gives the XLA
+    backend's values and gradients bit for bit, finite weights or not, local experts
+    included: on the bare product's branch as on the containing one."""
+    from pallasite.kernels.grouped_matmul import xla
+
+    x, kernel, sizes = _poisoned(value) if value is not None else _inputs()
+    kernel = kernel[group_offset or 0:]
+    f = _project("xla", jnp.bfloat16, group_offset=group_offset)
+    dy = jax.random.normal(jax.random.key(5), (x.shape[0], kernel.shape[2]), jnp.float32)
+
+    def run():
+        y, vjp = jax.vjp(lambda x, k: f(x, k, sizes).astype(jnp.float32), x, kernel)
+        return [np.asarray(t, np.float32) for t in (y, *vjp(dy))]
+
+    monkeypatch.setattr(xla, "CONTAIN_ONLY_NONFINITE", False)
+    contained = run()
+    monkeypatch.setattr(xla, "CONTAIN_ONLY_NONFINITE", True)
+    checked = run()
+    for name, a, b in zip(("y", "dx", "dkernel"), contained, checked):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    assert np.isfinite(checked[0]).all() == (value is None)
+    conds = [e for e in jaxpr_testlib.equations(jax.make_jaxpr(
+        lambda x, k: xla.gmm(x, k, sizes, group_offset=group_offset))(x, kernel).jaxpr)
+        if e.primitive.name == "cond"]
+    assert len(conds) == 1, "the checked form branches once on the weights"
 
 
 def _check_contained(f, value):

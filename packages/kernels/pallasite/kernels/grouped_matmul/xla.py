@@ -10,13 +10,18 @@ shares): ragged_dot may multiply a group's weights by the zeroed rows of other g
 (0 * inf = NaN in every row), so the product runs on the finite part of the weights, and
 each row of a group whose weights hold a non-finite value in a column's contraction is
 NaN in that column, as the kernels give. Rows of no group (past the total, other experts
-with a group_offset) stay zero. The cost is one elementwise pass over the weights (and a
-masked copy of them) and a [g, n] lookup per row, small next to the product.
+with a group_offset) stay zero. The cost is a masked copy of the weights and a [g, n]
+lookup per row. On a TPU v5e (2026-12-07, docs/performance.md) this path took 1.46x a
+bare ragged_dot's time at mixtral's shape and 3.4x at qwen3's. CONTAIN_ONLY_NONFINITE
+(off until a TPU times it) checks the weights first, one all-finite reduction, and
+through lax.cond runs the bare product when they are all finite. It is meant for TPUs:
+XLA's GPU runtime may read a lax.cond's predicate on the host, a round trip per call.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +32,10 @@ from pallasite.kernels.grouped_matmul import bilinear
 from pallasite.kernels.grouped_matmul.group_metadata import local_groups
 
 _DIMS = jax.lax.RaggedDotDimensionNumbers
+
+# Built 2026-12-07, not yet timed on a TPU (module docstring): contain non-finite weights
+# only when there are some. Same values bit for bit either way (tested).
+CONTAIN_ONLY_NONFINITE = False
 
 
 def _row_mask(m: int, group_sizes: Int[Array, "g"], row_start=None) -> jax.Array:
@@ -73,11 +82,25 @@ def ragged_product(lhs, rhs, group_sizes, row_start=None, *, transpose_rhs: bool
     non-finite weight reaches only its own group's rows (module docstring). Plain JAX
     with no custom rules. any_order (the plain-JAX path, plain.py): the product runs as a
     bilinear.call, which JAX differentiates to any order and vmaps in every derivative
-    (jax.jacfwd, jax.hessian); ragged_dot alone batches only on leading axes."""
-    rhs_contract = 2 if transpose_rhs else 1
+    (jax.jacfwd, jax.hessian); ragged_dot alone batches only on leading axes. That path
+    always contains non-finite weights; with CONTAIN_ONLY_NONFINITE the other checks the
+    weights first and contains only when some are non-finite."""
     first = jnp.int32(0) if row_start is None else row_start
-    finite = jnp.isfinite(rhs)
     product = RaggedDot(transpose_rhs, np.dtype(accumulate))
+    if any_order or not CONTAIN_ONLY_NONFINITE:
+        return contained_product(product, lhs, rhs, group_sizes, first, any_order=any_order)
+    return jax.lax.cond(jnp.isfinite(rhs).all(), product,
+                        functools.partial(contained_product, product),
+                        lhs, rhs, group_sizes, first)
+
+
+def contained_product(product: RaggedDot, lhs, rhs, group_sizes, first, *,
+                      any_order: bool = False) -> jax.Array:
+    """`product` with each group's non-finite weights kept to that group's rows: the
+    product runs on the finite part of the weights, and the rows of a group whose
+    weights feed column j a non-finite value are NaN in column j."""
+    rhs_contract = 2 if product.transpose_rhs else 1
+    finite = jnp.isfinite(rhs)
     operands = (lhs, jnp.where(finite, rhs, jnp.zeros((), rhs.dtype)), group_sizes, first)
     out = bilinear.call(product, *operands) if any_order else product(*operands)
     # [g, n]: the group's weights feeding column j hold a non-finite value; looked up
