@@ -6,7 +6,8 @@ time goes (the containment of non-finite weights, the fp32 output and its cast).
 For each shape (the bench's; `tiny` runs on a CPU in seconds) it times, by the bench
 harness's queued method, each in its own jit:
   - the public API with implementation="xla", forward and forward+backward, with
-    xla.CONTAIN_ONLY_NONFINITE off (the default) and on;
+    non-finite weights always contained and contained only when there are some
+    (xla.CONTAIN_ONLY_NONFINITE_ON naming this platform or not);
   - jax.lax.ragged_dot alone, bf16 out, forward and forward+backward (JAX's own rules);
   - the pieces: ragged_dot with fp32 out, its cast to bf16, the weights' all-finite
     reduction and their masked copy;
@@ -42,8 +43,15 @@ def _emit(out, **record):
     out.flush()
 
 
+def _here() -> str:
+    """This device's platform as jax.lax.platform_dependent names it."""
+    platform = jax.devices()[0].platform
+    return "cuda" if platform == "gpu" else platform
+
+
 def _api(i, contain_only_nonfinite: bool, backward: bool):
-    with knobs(xla, CONTAIN_ONLY_NONFINITE=contain_only_nonfinite):
+    on = (_here(),) if contain_only_nonfinite else ()
+    with knobs(xla, CONTAIN_ONLY_NONFINITE_ON=on):
         f = lambda x, w: grouped_projection(x, w, i["group_sizes"], BF16,  # noqa: E731
                                             implementation="xla")
         if not backward:

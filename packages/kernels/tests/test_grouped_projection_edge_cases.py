@@ -8,13 +8,13 @@ Pallas interpreters; the `gpu` tests run the compiled kernels on the same cases.
 from __future__ import annotations
 
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxpr_testlib
 from pallasite.kernels import grouped_projection, ragged_dot_runs
 from pallasite.kernels.grouped_matmul import TritonBlockSizes, api, ops
 from pallasite.reference.grouped_projection import grouped_projection as reference
@@ -254,9 +254,10 @@ def test_non_finite_weights_stay_in_their_group_xla_backend(value):
 @pytest.mark.parametrize("value", [None, np.nan, np.inf], ids=["finite", "nan", "inf"])
 @pytest.mark.parametrize("group_offset", [None, 1], ids=["all_groups", "offset"])
 def test_contain_only_nonfinite_form_is_bitwise_the_same(monkeypatch, value, group_offset):
-    """xla.CONTAIN_ONLY_NONFINITE (a lax.cond on the weights being finite) gives the XLA
-    backend's values and gradients bit for bit, finite weights or not, local experts
-    included: on the bare product's branch as on the containing one."""
+    """The form TPUs run (xla.CONTAIN_ONLY_NONFINITE_ON: a lax.cond on the weights being
+    finite) gives the XLA backend's values and gradients bit for bit, finite weights or
+    not, local experts included: on the bare product's branch as on the containing one.
+    Run here by naming the CPU among its platforms."""
     from pallasite.kernels.grouped_matmul import xla
 
     x, kernel, sizes = _poisoned(value) if value is not None else _inputs()
@@ -268,17 +269,45 @@ def test_contain_only_nonfinite_form_is_bitwise_the_same(monkeypatch, value, gro
         y, vjp = jax.vjp(lambda x, k: f(x, k, sizes).astype(jnp.float32), x, kernel)
         return [np.asarray(t, np.float32) for t in (y, *vjp(dy))]
 
-    monkeypatch.setattr(xla, "CONTAIN_ONLY_NONFINITE", False)
+    monkeypatch.setattr(xla, "CONTAIN_ONLY_NONFINITE_ON", ())
     contained = run()
-    monkeypatch.setattr(xla, "CONTAIN_ONLY_NONFINITE", True)
+    monkeypatch.setattr(xla, "CONTAIN_ONLY_NONFINITE_ON", ("cpu",))
     checked = run()
     for name, a, b in zip(("y", "dx", "dkernel"), contained, checked):
         np.testing.assert_array_equal(a, b, err_msg=name)
     assert np.isfinite(checked[0]).all() == (value is None)
-    conds = [e for e in jaxpr_testlib.equations(jax.make_jaxpr(
-        lambda x, k: xla.gmm(x, k, sizes, group_offset=group_offset))(x, kernel).jaxpr)
-        if e.primitive.name == "cond"]
-    assert len(conds) == 1, "the checked form branches once on the weights"
+
+
+def test_contain_only_nonfinite_form_lowers_for_tpus_only(monkeypatch):
+    """Lowered for a TPU the XLA backend checks the weights (one more is_finite than the
+    always-containing form, and branches); lowered for a GPU it holds only the
+    always-containing form's checks, and compiled for this CPU it has no conditional
+    left (jax.lax.platform_dependent's constant choice is folded away)."""
+    from pallasite.kernels.grouped_matmul import xla
+
+    x, kernel, sizes = _inputs()
+
+    def fresh():  # a cached trace would not see the flag
+        return jax.jit(lambda x, k, s: xla.gmm(x, k, s))
+
+    def ops(platform):
+        text = jax.export.export(fresh(), platforms=[platform])(x, kernel, sizes).mlir_module()
+        return re.findall(r"\bstablehlo\.\w+", text)
+
+    def conditionals():
+        return fresh().lower(x, kernel, sizes).compile().as_text().count("conditional(")
+
+    assert xla.CONTAIN_ONLY_NONFINITE_ON == ("tpu",)
+    default = {p: ops(p) for p in ("tpu", "cuda")}
+    assert conditionals() == 0
+    monkeypatch.setattr(xla, "CONTAIN_ONLY_NONFINITE_ON", ())
+    always = {p: ops(p) for p in ("tpu", "cuda")}
+    is_finite, case = "stablehlo.is_finite", "stablehlo.case"
+    assert default["tpu"].count(is_finite) == always["tpu"].count(is_finite) + 1
+    assert default["tpu"].count(case) > always["tpu"].count(case)
+    assert default["cuda"].count(is_finite) == always["cuda"].count(is_finite)
+    monkeypatch.setattr(xla, "CONTAIN_ONLY_NONFINITE_ON", ("cpu",))
+    assert conditionals() == 1
 
 
 def _check_contained(f, value):

@@ -11,11 +11,13 @@ shares): ragged_dot may multiply a group's weights by the zeroed rows of other g
 each row of a group whose weights hold a non-finite value in a column's contraction is
 NaN in that column, as the kernels give. Rows of no group (past the total, other experts
 with a group_offset) stay zero. The cost is a masked copy of the weights and a [g, n]
-lookup per row. On a TPU v5e (2026-12-07, docs/performance.md) this path took 1.46x a
-bare ragged_dot's time at mixtral's shape and 3.4x at qwen3's. CONTAIN_ONLY_NONFINITE
-(off until a TPU times it) checks the weights first, one all-finite reduction, and
-through lax.cond runs the bare product when they are all finite. It is meant for TPUs:
-XLA's GPU runtime may read a lax.cond's predicate on the host, a round trip per call.
+lookup per row: on a TPU v5e (2026-12-07, docs/performance.md) that made this path 3.4x
+a bare ragged_dot's forward time at qwen3's shape and 1.45x at mixtral's. On the
+platforms in CONTAIN_ONLY_NONFINITE_ON (TPUs) the weights are checked first, one
+all-finite reduction, and a lax.cond runs the bare product when they are all finite:
+there the forward took 1.38x and 1.24x ragged_dot's time, with the same values bit for
+bit. Not on GPUs: XLA's GPU runtime may read a lax.cond's predicate on the host, a round
+trip per call, and no GPU has timed it.
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ from pallasite.kernels.grouped_matmul.group_metadata import local_groups
 
 _DIMS = jax.lax.RaggedDotDimensionNumbers
 
-# Built 2026-12-07, not yet timed on a TPU (module docstring): contain non-finite weights
-# only when there are some. Same values bit for bit either way (tested).
-CONTAIN_ONLY_NONFINITE = False
+# The lowering platforms (jax.lax.platform_dependent's names) on which non-finite weights
+# are contained only when there are some (module docstring). TPU v5e, 2026-12-07
+# (tools/sweeps/grouped_projection_xla_tpu.py): forward 9.79 -> 3.96 ms at qwen3's shape,
+# 42.0 -> 35.9 at mixtral's; forward+backward 21.7 -> 13.2 and 167.0 -> 155.6.
+CONTAIN_ONLY_NONFINITE_ON: tuple[str, ...] = ("tpu",)
 
 
 def _row_mask(m: int, group_sizes: Int[Array, "g"], row_start=None) -> jax.Array:
@@ -83,15 +87,20 @@ def ragged_product(lhs, rhs, group_sizes, row_start=None, *, transpose_rhs: bool
     with no custom rules. any_order (the plain-JAX path, plain.py): the product runs as a
     bilinear.call, which JAX differentiates to any order and vmaps in every derivative
     (jax.jacfwd, jax.hessian); ragged_dot alone batches only on leading axes. That path
-    always contains non-finite weights; with CONTAIN_ONLY_NONFINITE the other checks the
-    weights first and contains only when some are non-finite."""
+    always contains non-finite weights; the other, lowered for a platform in
+    CONTAIN_ONLY_NONFINITE_ON, checks the weights first and contains only when some are
+    non-finite."""
     first = jnp.int32(0) if row_start is None else row_start
     product = RaggedDot(transpose_rhs, np.dtype(accumulate))
-    if any_order or not CONTAIN_ONLY_NONFINITE:
-        return contained_product(product, lhs, rhs, group_sizes, first, any_order=any_order)
-    return jax.lax.cond(jnp.isfinite(rhs).all(), product,
-                        functools.partial(contained_product, product),
-                        lhs, rhs, group_sizes, first)
+    contained = functools.partial(contained_product, product, any_order=any_order)
+    if any_order or not CONTAIN_ONLY_NONFINITE_ON:
+        return contained(lhs, rhs, group_sizes, first)
+
+    def checked(*operands):
+        return jax.lax.cond(jnp.isfinite(operands[1]).all(), product, contained, *operands)
+
+    return jax.lax.platform_dependent(lhs, rhs, group_sizes, first, default=contained,
+                                      **dict.fromkeys(CONTAIN_ONLY_NONFINITE_ON, checked))
 
 
 def contained_product(product: RaggedDot, lhs, rhs, group_sizes, first, *,
