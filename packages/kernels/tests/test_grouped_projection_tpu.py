@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import mosaic_tpu_testlib
-from grouped_projection_testlib import ACCELERATOR_CASES, CPU_CASES, check_case
+from grouped_projection_testlib import ACCELERATOR_CASES, CPU_CASES, check_case, draw
 from pallasite.kernels.grouped_matmul import MosaicTpuBlockSizes, grouped_projection
 from pallasite.kernels.grouped_matmul import pallas_mosaic_tpu
 
@@ -123,3 +124,30 @@ def test_tpu_larger_tiles():
     check_case(ACCELERATOR_CASES[-2], _project("bfloat16", interpret=False,
                                        block_sizes=MosaicTpuBlockSizes(256, 256, 256)),
                platform="tpu")
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("case", ACCELERATOR_CASES, ids=str)
+def test_tpu_default_path_parity(case):
+    """What a TPU runs by default: the XLA path (api.TPU_ORDER) in the form that contains
+    non-finite weights only when there are some (xla.CONTAIN_ONLY_NONFINITE_ON). Rows past
+    the total must be zero: a bare ragged_dot on a TPU v5e left them non-zero."""
+    check_case(case, lambda x, kernel, sizes: grouped_projection(
+        x, kernel, sizes, jnp.dtype(case.compute)), platform="tpu")
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_tpu_default_path_contains_non_finite_weights(value):
+    """A non-finite weight reaches only its own group's rows, in the columns it feeds,
+    on the TPU's default path (the lax.cond's containing branch)."""
+    case = ACCELERATOR_CASES[-1]
+    x, kernel, sizes, _ = draw(case)
+    ends = np.cumsum(np.asarray(sizes))
+    g = int(np.flatnonzero(np.asarray(sizes))[0])  # a group with rows
+    y = np.asarray(grouped_projection(x, kernel.at[g, 3, 5].set(value), sizes, jnp.float32),
+                   np.float32)
+    rows = slice(ends[g] - sizes[g], ends[g])
+    assert not np.isfinite(y[rows, 5]).any()
+    assert np.isfinite(np.delete(y[rows], 5, axis=1)).all()
+    assert np.isfinite(np.delete(y, np.arange(rows.start, rows.stop), axis=0)).all()
