@@ -4,6 +4,8 @@ lowering for TPU from this host, and tpu-marked cases for real hardware."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -151,3 +153,18 @@ def test_tpu_default_path_contains_non_finite_weights(value):
     assert not np.isfinite(y[rows, 5]).any()
     assert np.isfinite(np.delete(y[rows], 5, axis=1)).all()
     assert np.isfinite(np.delete(y, np.arange(rows.start, rows.stop), axis=0)).all()
+
+
+@pytest.mark.parametrize("group_offset", [None, 2], ids=["all_groups", "one_local_expert"])
+def test_default_path_with_one_group_lowers_without_ragged_dot(group_offset):
+    """With one (local) group the XLA path's products, forward and both gradients, are
+    dense dots (xla.py, ONE_GROUP): a TPU v5e's compiler failed on ragged_dot with one
+    group. Lowered for a TPU from this host."""
+    x, kernel = jnp.ones((50, 24), jnp.float32), jnp.ones((1, 24, 40), jnp.float32)
+    sizes = jnp.asarray([50] if group_offset is None else [10, 5, 30, 5], jnp.int32)
+    grad = jax.jit(jax.grad(lambda x, k: grouped_projection(
+        x, k, sizes, jnp.bfloat16, group_offset=group_offset).astype(jnp.float32).sum(),
+        argnums=(0, 1)))
+    module = jax.export.export(grad, platforms=["tpu"])(x, kernel).mlir_module()
+    assert not re.findall(r"\b(?:chlo|stablehlo)\.ragged\w*", module)
+    assert re.findall(r"\bstablehlo\.dot_general\b", module)

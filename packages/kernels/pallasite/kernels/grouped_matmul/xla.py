@@ -35,6 +35,12 @@ from pallasite.kernels.grouped_matmul.group_metadata import local_groups
 
 _DIMS = jax.lax.RaggedDotDimensionNumbers
 
+# ONE_GROUP: with a single group the products are dense dots under the row mask, not
+# ragged ones. On a TPU v5e (jax 0.10.2's libtpu, 2026-12-07) XLA's compiler failed on
+# jax.lax.ragged_dot with one group ("RET_CHECK failure ... mask_aggregator.cc"): its
+# contraction form (the weight gradient) at every shape tried, the forward at m=50,
+# k=24, n=40. One local expert is common under expert parallelism.
+
 # The lowering platforms (jax.lax.platform_dependent's names) on which non-finite weights
 # are contained only when there are some (module docstring). TPU v5e, 2026-12-07
 # (tools/sweeps/grouped_projection_xla_tpu.py): forward 9.79 -> 3.96 ms at qwen3's shape,
@@ -68,13 +74,15 @@ class RaggedDot:
     accumulate: np.dtype
 
     def __call__(self, lhs, rhs, group_sizes, row_start):
-        dims = _DIMS(
-            dot_dimension_numbers=(([1], [2 if self.transpose_rhs else 1]), ([], [])),
-            lhs_ragged_dimensions=[0],
-            rhs_group_dimensions=[0],
-        )
-        out = jax.lax.ragged_dot_general(lhs, rhs, _from_row_zero(group_sizes, row_start),
-                                         dims, preferred_element_type=self.accumulate)
+        contract = 2 if self.transpose_rhs else 1
+        if rhs.shape[0] == 1:  # one group: a dense product under the row mask (ONE_GROUP)
+            out = jax.lax.dot_general(lhs, rhs[0], (([1], [contract - 1]), ([], [])),
+                                      preferred_element_type=self.accumulate)
+        else:
+            dims = _DIMS(dot_dimension_numbers=(([1], [contract]), ([], [])),
+                         lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+            out = jax.lax.ragged_dot_general(lhs, rhs, _from_row_zero(group_sizes, row_start),
+                                             dims, preferred_element_type=self.accumulate)
         return jnp.where(_row_mask(lhs.shape[0], group_sizes, row_start), out,
                          jnp.zeros((), out.dtype))
 
@@ -160,8 +168,14 @@ def tgmm(
     group_sizes, row_start = local_groups(group_sizes, group_offset, num_groups)
     mine = _row_mask(lhs.shape[0], group_sizes, row_start)
     lhs = jnp.where(mine, lhs, 0)
-    if row_start is not None:  # rows before the groups join the first one: mask both sides
+    # Rows before the groups join the first one, and a dense product (one group,
+    # ONE_GROUP) reads every row: mask both sides then.
+    if row_start is not None or num_groups == 1:
         rhs = jnp.where(mine, rhs, 0)
+    if num_groups == 1:
+        out = jax.lax.dot_general(lhs, rhs, (([0], [0]), ([], [])),
+                                  preferred_element_type=jnp.float32)[None]
+        return out.astype(out_dtype)
     group_sizes = _from_row_zero(group_sizes, row_start)
     dims = _DIMS(
         dot_dimension_numbers=(([0], [0]), ([], [])),
