@@ -104,8 +104,9 @@ def ragged_product(lhs, rhs, group_sizes, row_start=None, *, transpose_rhs: bool
     if any_order or not CONTAIN_ONLY_NONFINITE_ON:
         return contained(lhs, rhs, group_sizes, first)
 
-    def checked(*operands):
-        return jax.lax.cond(jnp.isfinite(operands[1]).all(), product, contained, *operands)
+    def checked(lhs, rhs, group_sizes, first):
+        return jax.lax.cond(jnp.isfinite(rhs).all(), product, contained,
+                            lhs, rhs, group_sizes, first)
 
     return jax.lax.platform_dependent(lhs, rhs, group_sizes, first, default=contained,
                                       **dict.fromkeys(CONTAIN_ONLY_NONFINITE_ON, checked))
