@@ -15,7 +15,6 @@ process. Times: median of timed runs after warm-up, each synchronised.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import sys
 import traceback
@@ -30,6 +29,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import records  # noqa: E402 - tools/sweeps/records.py, beside this script
 from pallasite.bench import harness  # noqa: E402
 from pallasite.kernels.grouped_matmul import grouped_projection  # noqa: E402
 from pallasite.kernels.grouped_matmul import pallas_triton as pt  # noqa: E402
@@ -72,13 +72,10 @@ def timeit(fn, *args, warmup=1, runs=5):
                                 warmup=warmup, samples=runs).median_s
 
 
-def record(out, **fields):
+def record(folder, **fields):
     fields["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     fields["device"] = jax.devices()[0].device_kind
-    line = json.dumps(fields)
-    print(line, flush=True)
-    out.write(line + "\n")
-    out.flush()
+    records.emit(fields, folder, "grouped_projection_bench.jsonl")
 
 
 def product_fn(product, bs, g):
@@ -91,7 +88,7 @@ def product_fn(product, bs, g):
                                                  block_sizes=bs))
 
 
-def bench_shape(out, name, m, k, n, g):
+def bench_shape(folder, name, m, k, n, g):
     key = jax.random.key(0)
     kx, kw, kg, kd = jax.random.split(key, 4)
     x = jax.random.normal(kx, (m, k), jnp.bfloat16)
@@ -104,12 +101,12 @@ def bench_shape(out, name, m, k, n, g):
         for bs in configs:
             try:
                 t = timeit(product_fn(product, bs, g), x, w, gs, dy)
-                record(out, shape=name, impl="pallas_triton", product=product,
+                record(folder, shape=name, impl="pallas_triton", product=product,
                        block_sizes=str(bs), ms=t * 1e3, tflops=flops / t / 1e12)
                 if product not in best or t < best[product][0]:
                     best[product] = (t, bs)
             except Exception as e:  # noqa: BLE001 - record and go on
-                record(out, shape=name, impl="pallas_triton", product=product,
+                record(folder, shape=name, impl="pallas_triton", product=product,
                        block_sizes=str(bs), error=f"{type(e).__name__}: {str(e)[:300]}")
     blocks = GroupedProjectionBlockSizes(**{p: b for p, (t, b) in best.items()})
 
@@ -135,23 +132,22 @@ def bench_shape(out, name, m, k, n, g):
                     else:
                         err = float(jnp.max(jnp.abs(y - ref_y)) / jnp.max(jnp.abs(ref_y)))
                     del y
-                record(out, shape=name, impl=impl, product=mode,
+                record(folder, shape=name, impl=impl, product=mode,
                        block_sizes=str(blocks) if impl == "pallas_triton" else None,
                        ms=t * 1e3, tflops=fl / t / 1e12, max_rel_err_vs_xla=err)
             except Exception as e:  # noqa: BLE001 - XLA runs out of memory on dsv3
-                record(out, shape=name, impl=impl, product=mode,
+                record(folder, shape=name, impl=impl, product=mode,
                        error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
 def main():
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
     names = sys.argv[2].split(",") if len(sys.argv) > 2 else list(SHAPES)
-    with open(os.path.join(out_dir, "grouped_projection_bench.jsonl"), "a") as out:
-        for name in names:
-            try:
-                bench_shape(out, name, *SHAPES[name])
-            except Exception:  # noqa: BLE001
-                record(out, shape=name, error=traceback.format_exc()[-500:])
+    for name in names:
+        try:
+            bench_shape(out_dir, name, *SHAPES[name])
+        except Exception:  # noqa: BLE001
+            record(out_dir, shape=name, error=traceback.format_exc()[-500:])
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ no_promote, whose accumulator the interpreter cannot run, is left out there).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -34,6 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+import records  # tools/sweeps/records.py, beside this script
 from pallasite.bench import harness
 from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu_fp8 as mgpu_fp8
 from pallasite.kernels.quantization import pallas_triton, xla
@@ -125,9 +125,7 @@ def main(argv=None):
                     rec["equals_default"] = bool(jnp.array_equal(got, want))
                 t = _time(fn, operands)
                 rec.update(ms=t * 1e3, tflops=2 * m * k * n / t / 1e12)
-                print(json.dumps(rec), flush=True)
-                with open(os.path.join(out, "fp8_promotion_bounds.jsonl"), "a") as f:
-                    f.write(json.dumps(rec) + "\n")
+                records.emit(rec, out, "fp8_promotion_bounds.jsonl")
     finally:
         mgpu_fp8._promote = real
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import json
 import os
 import sys
 
@@ -47,6 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from knobs import knobs  # tools/sweeps/knobs.py, beside this script
+import records  # tools/sweeps/records.py, beside this script
 from pallasite.bench import harness
 from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu_fp8 as mgpu_fp8
 from pallasite.kernels.grouped_matmul.token_blocks import token_blocks
@@ -324,9 +324,7 @@ def _variant(run, sets, moved):
 
 
 def _write(out, rec):
-    print(json.dumps(rec), flush=True)
-    with open(os.path.join(out, "fp8_quantizers.jsonl"), "a") as f:
-        f.write(json.dumps(rec) + "\n")
+    records.emit(rec, out, "fp8_quantizers.jsonl")
 
 
 def main(argv=None):

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 
@@ -46,6 +45,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental.pallas import triton as plgpu  # noqa: E402
 from knobs import knobs  # noqa: E402 - tools/sweeps/knobs.py, beside this script
+import records  # noqa: E402 - tools/sweeps/records.py, beside this script
 
 from pallasite.bench import harness, peers  # noqa: E402
 from pallasite.kernels.gated_delta import packing  # noqa: E402
@@ -67,10 +67,7 @@ pt._params = ptb._params = _params  # the sweep's overrides (None keeps the modu
 
 
 def emit(rec):
-    print(json.dumps(rec), flush=True)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "gated_delta_stages.jsonl"), "a") as f:
-            f.write(json.dumps(rec) + "\n")
+    records.emit(rec, os.environ.get("OUT"), "gated_delta_stages.jsonl")
 
 
 def ms(fn, *args, sync=harness.jax_sync, samples=10):

@@ -14,7 +14,6 @@ ours (max_diff_vs_pallasite).
 
 Results go to FOLDER/example.jsonl.
 """
-import json
 import os
 import sys
 
@@ -31,6 +30,7 @@ from jax.experimental.mosaic.gpu import profiler  # noqa: E402
 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # noqa: E402
 
 from grouped_products_mosaic_gpu import queued  # noqa: E402
+import records  # noqa: E402 - tools/sweeps/records.py, beside this script
 from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu  # noqa: E402
 from pallasite.reference.inputs import random_group_sizes  # noqa: E402
 
@@ -40,9 +40,7 @@ FLOPS = 2 * M * K * N
 
 
 def emit(rec):
-    print(json.dumps(rec), flush=True)
-    with open(os.path.join(OUT, "example.jsonl"), "a") as f:
-        f.write(json.dumps(rec) + "\n")
+    records.emit(rec, OUT, "example.jsonl")
 
 
 def cupti_ms(fn, *args):

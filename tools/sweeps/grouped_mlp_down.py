@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import sys
 
 import jax
 import jax.numpy as jnp
 
+import records  # tools/sweeps/records.py, beside this script
 from pallasite.bench import harness
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -108,9 +108,7 @@ def run(out, backends, smoke: bool):
                     rec["speedup"] = rec["composed_ms"] / rec["fused_ms"]
                 except Exception as error:  # noqa: BLE001 - record it and go on
                     rec["error"] = f"{type(error).__name__}: {error}"[:400]
-                print(json.dumps(rec), flush=True)
-                with open(os.path.join(out, "grouped_mlp_down.jsonl"), "a") as fh:
-                    fh.write(json.dumps(rec) + "\n")
+                records.emit(rec, out, "grouped_mlp_down.jsonl")
 
 
 def main(argv=None):

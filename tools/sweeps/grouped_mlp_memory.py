@@ -26,7 +26,6 @@ JSON lines to $OUT/grouped_mlp_memory.jsonl.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -36,6 +35,7 @@ import numpy as np
 # The listing jax.ad_checkpoint.print_saved_residuals prints, as data.
 from jax._src.ad_checkpoint import saved_residuals
 
+import records  # tools/sweeps/records.py, beside this script
 from pallasite import kernels
 
 BF16 = jnp.bfloat16
@@ -119,9 +119,7 @@ def main(argv=None):
                                                                False)
             except Exception as e:  # noqa: BLE001 - a form that cannot run is a result
                 rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            print(json.dumps(rec), flush=True)
-            with open(os.path.join(out, "grouped_mlp_memory.jsonl"), "a") as fh:
-                fh.write(json.dumps(rec) + "\n")
+            records.emit(rec, out, "grouped_mlp_memory.jsonl")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ VARIANTS_FWD / VARIANTS_DX / VARIANTS_DK narrow VARIANTS for one product. Result
 FOLDER/products.jsonl.
 """
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -38,6 +37,7 @@ from jax import lax  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
+import records  # tools/sweeps/records.py, beside this script
 from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu as M
 from pallasite.reference.inputs import random_group_sizes
 
@@ -52,9 +52,7 @@ PRODUCTS = os.environ.get("PRODUCTS", "fwd,dx,dk").split(",")
 
 
 def emit(rec):
-    print(json.dumps(rec), flush=True)
-    with open(os.path.join(OUT, "products.jsonl"), "a") as f:
-        f.write(json.dumps(rec) + "\n")
+    records.emit(rec, OUT, "products.jsonl")
 
 
 def queued(fn, *args, n=None, sync=None):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import os
 import sys
 import time
@@ -34,6 +33,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import records  # noqa: E402 - tools/sweeps/records.py, beside this script
 from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu as M  # noqa: E402
 from pallasite.reference.inputs import random_group_sizes, skewed_group_sizes  # noqa: E402
 
@@ -69,9 +69,7 @@ PRODUCTS = ["fwd", "dx", "dk"]
 
 def emit(rec):
     rec["elapsed_s"] = round(time.time() - START, 1)
-    print(json.dumps(rec), flush=True)
-    with open(os.path.join(OUT, "results.jsonl"), "a") as f:
-        f.write(json.dumps(rec) + "\n")
+    records.emit(rec, OUT, "results.jsonl")
 
 
 def timed(fn, *args, target_s=0.05):

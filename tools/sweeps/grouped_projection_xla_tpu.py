@@ -18,7 +18,6 @@ groups' total zero. JSON lines to $OUT/grouped_projection_xla_tpu.jsonl.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -27,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from knobs import knobs
+import records  # tools/sweeps/records.py, beside this script
 from pallasite.bench import harness, ops
 from pallasite.kernels import grouped_projection
 from pallasite.kernels.grouped_matmul import xla
@@ -36,11 +36,8 @@ SHAPES = {"mixtral": (32768, 4096, 14336, 8), "qwen3": (65536, 2048, 768, 128),
 BF16 = jnp.bfloat16
 
 
-def _emit(out, **record):
-    line = json.dumps(record)
-    print(line, flush=True)
-    out.write(line + "\n")
-    out.flush()
+def _emit(folder, **record):
+    records.emit(record, folder, "grouped_projection_xla_tpu.jsonl")
 
 
 def _here() -> str:
@@ -94,7 +91,7 @@ def _inputs(shape: str, copies: int = 2) -> list[dict]:
              if key in keep} for s in range(copies)]
 
 
-def run(shape: str, out) -> None:
+def run(shape: str, folder: str) -> None:
     sets = _inputs(shape)
     kept = {}
     for name, fn in VARIANTS.items():
@@ -102,18 +99,18 @@ def run(shape: str, out) -> None:
             call, compile_s = harness.compile_jax(jax.jit(fn), sets[0])
             t = harness.steady_state(call, sets, harness.jax_sync, compile_s=compile_s,
                                      warmup=2, samples=5, budget_s=1.0)
-            _emit(out, kind="time", shape=shape, variant=name, ms=t.median_s * 1e3,
+            _emit(folder, kind="time", shape=shape, variant=name, ms=t.median_s * 1e3,
                   p10_ms=t.p10_s * 1e3, p90_ms=t.p90_s * 1e3, compile_s=compile_s)
             if any(name in pair for pair in SAME):
                 first = jax.tree.leaves(call(sets[0]))[0]
                 kept[name] = np.asarray(first[::8].astype(jnp.float32))
         except Exception as err:  # noqa: BLE001 - a failing variant is a record
-            _emit(out, kind="error", shape=shape, variant=name,
+            _emit(folder, kind="error", shape=shape, variant=name,
                   error=f"{type(err).__name__}: {str(err)[:300]}")
     for a, b in SAME:
         if a in kept and b in kept:
             diff = np.abs(kept[a] - kept[b])
-            _emit(out, kind="compare", shape=shape, a=a, b=b,
+            _emit(folder, kind="compare", shape=shape, a=a, b=b,
                   bitwise_equal=bool((kept[a] == kept[b]).all()),
                   max_abs=float(np.nanmax(diff)), differing=int((diff > 0).sum()))
     half = sets[0]["group_sizes"] // 2
@@ -122,16 +119,15 @@ def run(shape: str, out) -> None:
         y = jax.jit(lambda x, w, s, t=out_dtype: jax.lax.ragged_dot(
             x, w, s, preferred_element_type=t))(sets[0]["x"], sets[0]["kernel"], half)
         past = np.asarray(y[total:].astype(jnp.float32))
-        _emit(out, kind="rows_past_total", shape=shape, out_dtype=jnp.dtype(out_dtype).name,
+        _emit(folder, kind="rows_past_total", shape=shape, out_dtype=jnp.dtype(out_dtype).name,
               total=total, rows=int(y.shape[0]), nonzero=int((past != 0).sum()))
 
 
 def main(argv: list[str]) -> None:
     folder = os.environ.get("OUT", ".")
-    with open(os.path.join(folder, "grouped_projection_xla_tpu.jsonl"), "a") as out:
-        _emit(out, kind="device", device=jax.devices()[0].device_kind, jax=jax.__version__)
-        for shape in argv or ["mixtral", "qwen3"]:
-            run(shape, out)
+    _emit(folder, kind="device", device=jax.devices()[0].device_kind, jax=jax.__version__)
+    for shape in argv or ["mixtral", "qwen3"]:
+        run(shape, folder)
 
 
 if __name__ == "__main__":

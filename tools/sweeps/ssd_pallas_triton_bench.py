@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 import time
@@ -36,6 +35,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from knobs import knobs  # noqa: E402 - tools/sweeps/knobs.py, beside this script
+import records  # noqa: E402 - tools/sweeps/records.py, beside this script
 
 from pallasite.bench import harness  # noqa: E402
 from pallasite.kernels.ssd import pallas_triton as pt  # noqa: E402
@@ -49,10 +49,7 @@ OUT = None  # --out
 
 
 def emit(rec):
-    print(json.dumps(rec), flush=True)
-    if OUT:
-        with open(os.path.join(OUT, "ssd_bench.jsonl"), "a") as f:
-            f.write(json.dumps(rec) + "\n")
+    records.emit(rec, OUT, "ssd_bench.jsonl")
 
 
 def time_queued(call, sync, warmup=3, samples=15):
