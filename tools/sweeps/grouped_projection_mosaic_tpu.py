@@ -2,14 +2,16 @@
 
     OUT=FOLDER python3 tools/sweeps/grouped_projection_mosaic_tpu.py [--tiles TM,TK,TN ...] [shape ...]
 
-At 128^3 tiles (the untuned default) the kernels spend about 0.4 us a grid step for a
-4 MFLOP tile (docs/performance.md), so the step overhead, not the MXU, bounds them; each
-larger tile divides the step count. For each shape (the bench's; `tiny` runs on a CPU
-through the interpreter) and each tile it times, by the bench harness's queued method,
-the public API with implementation="pallas_mosaic_tpu", forward and forward+backward
-(one MosaicTpuBlockSizes for every product), and jax.lax.ragged_dot beside them; it
-checks each forward against ragged_dot's fp32 result (max abs error relative to the
-result's max). A tile that does not compile (VMEM) is an error record. JSON lines to
+At 128^3 tiles (megablox's) the kernels spent about 0.4 us a grid step for a 4 MFLOP
+tile (docs/performance.md), so the step overhead, not the MXU, bounded them; each
+larger tile divides the step count. For each shape (the bench's, `rows_*`: one product
+with 4096, 1024 or 256 rows per group; `tiny` runs on a CPU through the interpreter)
+and each tile it times, by the bench harness's queued method, the public API with
+implementation="pallas_mosaic_tpu", forward and forward+backward (one
+MosaicTpuBlockSizes for every product, or `default`: the backend's own per product),
+and jax.lax.ragged_dot beside them; it checks each forward against ragged_dot's fp32
+result (max abs error relative to the result's max). A tile that does not fit or
+compile is an error record. JSON lines to
 $OUT/grouped_projection_mosaic_tpu.jsonl.
 """
 
@@ -27,7 +29,9 @@ from pallasite.bench import harness, ops
 from pallasite.kernels import MosaicTpuBlockSizes, grouped_projection
 
 SHAPES = {"mixtral": (32768, 4096, 14336, 8), "qwen3": (65536, 2048, 768, 128),
-          "tiny": (512, 256, 384, 4)}
+          "olmoe": (32768, 2048, 1024, 64), "tiny": (512, 256, 384, 4),
+          # one product, fewer and larger groups: where the kernels overtake ragged_dot
+          **{f"rows_{32768 // g}": (32768, 2048, 2048, g) for g in (8, 32, 128)}}
 TILES = [(128, 128, 128), (256, 512, 512), (512, 512, 512), (512, 1024, 1024),
          (256, 1024, 1024), (512, 2048, 512), (1024, 1024, 512)]
 BF16 = jnp.bfloat16
@@ -35,6 +39,10 @@ BF16 = jnp.bfloat16
 
 def _emit(folder, **record):
     records.emit(record, folder, "grouped_projection_mosaic_tpu.jsonl")
+
+
+def _named(tiles):
+    return "default" if tiles is None else list(tiles)
 
 
 def _api(i, tiles, backward: bool, interpret: bool):
@@ -93,13 +101,13 @@ def run(shape: str, tiles_list, folder: str) -> None:
             try:
                 call = _time(folder, shape, name,
                              lambda i, t=tiles, b=backward: _api(i, t, b, interpret), sets,
-                             tiles=list(tiles))
+                             tiles=_named(tiles))
                 if not backward:
                     got = np.asarray(call(sets[0]).astype(jnp.float32))
-                    _emit(folder, kind="error_vs_ragged_dot_fp32", shape=shape, tiles=list(tiles),
+                    _emit(folder, kind="error_vs_ragged_dot_fp32", shape=shape, tiles=_named(tiles),
                           max_rel=float(np.abs(got - want).max()) / scale, flops_fwd=flops)
             except Exception as err:  # noqa: BLE001 - a failing tile is a record
-                _emit(folder, kind="error", shape=shape, variant=name, tiles=list(tiles),
+                _emit(folder, kind="error", shape=shape, variant=name, tiles=_named(tiles),
                       error=f"{type(err).__name__}: {str(err)[:300]}")
 
 
@@ -107,9 +115,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("shapes", nargs="*", default=["qwen3", "mixtral"], choices=sorted(SHAPES))
     p.add_argument("--tiles", action="append", default=None,
-                   help="TM,TK,TN (repeatable); default: a ladder from 128^3 to 1024")
+                   help="TM,TK,TN or 'default' (the backend's own choice), repeatable; "
+                        "default: a ladder from 128^3 to 1024")
     args = p.parse_args()
-    tiles = [tuple(int(v) for v in t.split(",")) for t in args.tiles] if args.tiles else TILES
+    tiles = ([None if t == "default" else tuple(int(v) for v in t.split(","))
+              for t in args.tiles] if args.tiles else TILES)
     folder = os.environ.get("OUT", ".")
     _emit(folder, kind="device", device=jax.devices()[0].device_kind, jax=jax.__version__)
     for shape in args.shapes:

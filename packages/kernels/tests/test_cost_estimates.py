@@ -27,7 +27,7 @@ import pytest
 
 import jaxpr_testlib
 from pallasite.kernels import cost
-from pallasite.kernels.grouped_matmul import group_metadata
+from pallasite.kernels.grouped_matmul import MosaicTpuBlockSizes, group_metadata
 from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu, pallas_mosaic_tpu, pallas_triton
 from pallasite.kernels.grouped_matmul import pallas_mosaic_gpu_fp8, pallas_triton_fp8
 from pallasite.kernels.grouped_matmul import token_blocks
@@ -90,13 +90,16 @@ def test_grouped_triton(transpose_rhs):
 
 def test_grouped_mosaic_tpu():
     """The padded problem (tiles of 128): m 100 -> 128, k 48 -> 128, n 40 -> 128."""
+    bs = MosaicTpuBlockSizes(128, 128, 128)
     lhs, rhs, dy = S((M, K), BF16), S((G, K, N), BF16), S((M, N), BF16)
     mp = kp = np_ = 128
     visits = group_metadata.num_visits(mp, G, 128)
-    (gmm,), = _calls(lambda a, w: pallas_mosaic_tpu.gmm(a, w, SIZES), lhs, rhs).values()
+    (gmm,), = _calls(lambda a, w: pallas_mosaic_tpu.gmm(a, w, SIZES, block_sizes=bs),
+                     lhs, rhs).values()
     _check(gmm, 2 * mp * kp * np_, 0, 4 * visits * 4 + _bytes(
         ((mp, kp), BF16), ((G, kp, np_), BF16), ((mp, np_), BF16)))
-    (tgmm,), = _calls(lambda a, b: pallas_mosaic_tpu.tgmm(a, b, SIZES), lhs, dy).values()
+    (tgmm,), = _calls(lambda a, b: pallas_mosaic_tpu.tgmm(a, b, SIZES, block_sizes=bs),
+                      lhs, dy).values()
     _check(tgmm, 2 * mp * kp * np_, 0, 4 * visits * 4 + _bytes(
         ((mp, kp), BF16), ((mp, np_), BF16), ((G, kp, np_), BF16)))
 

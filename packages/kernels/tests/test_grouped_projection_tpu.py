@@ -1,6 +1,7 @@
 """grouped_projection through the Mosaic TPU kernels: pltpu.InterpretParams() on CPU
-(tiles of 128, so every case pads m, k and n and shares row blocks between groups), the
-lowering for TPU from this host, and tpu-marked cases for real hardware."""
+(the default tiles cut to each small case: one row block that the groups share, k and n
+padded to 128), the lowering for TPU from this host, the default tiles' rule, and
+tpu-marked cases for real hardware."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 import mosaic_tpu_testlib
 from grouped_projection_testlib import ACCELERATOR_CASES, CPU_CASES, check_case, draw
-from pallasite.kernels.grouped_matmul import MosaicTpuBlockSizes, grouped_projection
+from pallasite.kernels.grouped_matmul import MosaicTpuBlockSizes, fit, grouped_projection
 from pallasite.kernels.grouped_matmul import pallas_mosaic_tpu
 
 
@@ -75,14 +76,16 @@ def test_known_refusals_read_the_lines_a_tpu_refused():
 
 
 def test_cost_estimates():
-    """Each call carries flops 2*m*k*n of the padded problem it runs."""
+    """Each call carries flops 2*m*k*n of the padded problem it runs (128^3 tiles)."""
     lhs = jnp.zeros((200, 130), jnp.bfloat16)
     rhs = jnp.zeros((3, 130, 120), jnp.bfloat16)
     sizes = jnp.array([30, 0, 150], jnp.int32)
     dy = jnp.zeros((200, 120), jnp.bfloat16)
-    for fn in (lambda: pallas_mosaic_tpu.gmm(lhs, rhs, sizes),
-               lambda: pallas_mosaic_tpu.gmm(dy, rhs, sizes, transpose_rhs=True),
-               lambda: pallas_mosaic_tpu.tgmm(lhs, dy, sizes)):
+    tiles = MosaicTpuBlockSizes(128, 128, 128)
+    for fn in (lambda: pallas_mosaic_tpu.gmm(lhs, rhs, sizes, block_sizes=tiles),
+               lambda: pallas_mosaic_tpu.gmm(dy, rhs, sizes, transpose_rhs=True,
+                                             block_sizes=tiles),
+               lambda: pallas_mosaic_tpu.tgmm(lhs, dy, sizes, block_sizes=tiles)):
         [eqn] = [e for e in jax.make_jaxpr(fn)().eqns if e.primitive.name == "pallas_call"]
         cost = eqn.params["cost_estimate"]
         assert cost.flops == 2 * 256 * 256 * 128 and cost.bytes_accessed > 256 * 256 * 2
@@ -104,6 +107,29 @@ def test_fp16_refused_on_a_tpu(monkeypatch):
 def test_block_sizes_rejected():
     with pytest.raises(ValueError, match="tk % 128"):
         MosaicTpuBlockSizes(tk=64)
+
+
+# (m, k, n, g), product, dtype -> the default (tm, tk, tn): 256 x 1024 x 1024 cut to the
+# product's rows, contraction and columns, balanced so that aligned weights are not padded.
+DEFAULT_TILES = [
+    ((32768, 4096, 14336, 8), "forward", jnp.bfloat16, (256, 1024, 1024)),
+    ((32768, 4096, 14336, 8), "dkernel", jnp.bfloat16, (256, 1024, 1024)),
+    ((65536, 2048, 768, 128), "forward", jnp.bfloat16, (256, 1024, 768)),
+    ((65536, 2048, 768, 128), "dx", jnp.bfloat16, (256, 768, 1024)),
+    ((65536, 1536, 1408, 64), "forward", jnp.bfloat16, (256, 768, 768)),
+    ((65536, 7168, 2048, 256), "dkernel", jnp.float32, (256, 512, 512)),
+    ((50, 24, 40, 1), "forward", jnp.bfloat16, (64, 128, 128)),
+]
+
+
+@pytest.mark.parametrize("dims, product, dtype, want", DEFAULT_TILES, ids=str)
+def test_default_tiles(dims, product, dtype, want):
+    m, k, n, g = dims
+    got = pallas_mosaic_tpu.default_block_sizes(product=product, m=m, k=k, n=n, g=g,
+                                                dtype=dtype)
+    assert (got.tm, got.tk, got.tn) == want
+    assert fit.reason("pallas_mosaic_tpu", got, product, {"m": m, "k": k, "n": n, "g": g},
+                      dtype) is None
 
 
 

@@ -6,9 +6,10 @@ are compiled):
   cuda: pallas_mosaic_gpu (mosaic_gpu_runs: sm90, 16-bit compute, and
         mosaic_gpu_preferred: at least 256 rows per group on average), then pallas_triton
         (triton_runs: sm80+), then xla;
-  tpu:  xla (pallas_mosaic_tpu runs by name only: no TPU benchmark has shown it ahead of
-        XLA, and an error that shows only when XLA compiles it would not be caught by the
-        fallback);
+  tpu:  xla (pallas_mosaic_tpu runs by name only: on a v5e it is ahead of XLA at
+        mixtral's shape and behind at qwen3's, which is not yet a rule for choosing it,
+        and an error that shows only when XLA compiles it would not be caught by the
+        fallback; docs/grouped_projection.md);
   else: xla, or pallas_triton through the interpreter when interpret_on_cpu=True.
 A multi-platform export cannot hold the kernels yet: JAX 0.11.2 lowers every branch of
 a platform_dependent for every platform (cond lowering), and a Triton or Mosaic
