@@ -4,6 +4,7 @@ and lowering for CUDA (Triton) and TPU (Mosaic) from this CPU host."""
 from __future__ import annotations
 
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -302,11 +303,21 @@ def test_cuda_default_on_hopper_picks_by_rows_per_group(fake_hopper, m, expected
     assert expected in text and other not in text
 
 
-def test_tpu_default_lowers_to_xla():
-    """The Mosaic TPU kernels run by name only until a TPU benchmark admits them."""
-    assert api.TPU_ORDER == ["xla"]
-    text = _export(_loss(), ["tpu"], *_specs(m=256, k=256, n=128, g=4)).mlir_module()
-    assert "tpu_custom_call" not in text and TRITON_CALL not in text
+@pytest.mark.parametrize("m, compute, kernels", [
+    (1024, jnp.bfloat16, True),    # 256 rows per group: the Mosaic TPU kernels
+    (1024, jnp.float32, True),
+    (1020, jnp.bfloat16, False),   # fewer: XLA (mosaic_tpu_preferred)
+    (1024, jnp.float16, False),    # the TPU compiler takes no fp16 blocks: XLA
+], ids=["256_rows_bf16", "256_rows_fp32", "255_rows_bf16", "256_rows_fp16"])
+def test_tpu_default_picks_by_rows_per_group_and_dtype(m, compute, kernels):
+    """A TPU lowering from this host: all three products in the Mosaic TPU kernels where
+    groups average 256 rows or more and the compute dtype compiles, else XLA's."""
+    assert api.TPU_ORDER == ["pallas_mosaic_tpu", "xla"]
+    text = _export(_loss(compute=compute), ["tpu"], *_specs(m=m, k=256, n=128, g=4)
+                   ).mlir_module()
+    assert text.count("tpu_custom_call") == (3 if kernels else 0)
+    assert TRITON_CALL not in text
+    assert bool(re.findall(r"\b(?:chlo|stablehlo)\.ragged\w*", text)) is not kernels
 
 
 def test_one_function_exports_for_each_platform(fake_sm80):
@@ -319,7 +330,7 @@ def test_one_function_exports_for_each_platform(fake_sm80):
     tpu = _export(loss, ["tpu"], *specs).mlir_module()
     cpu = _export(loss, ["cpu"], *specs).mlir_module()
     assert TRITON_CALL in cuda and "tpu_custom_call" not in cuda
-    assert "tpu_custom_call" not in tpu and TRITON_CALL not in tpu  # TPU default: xla
+    assert "tpu_custom_call" not in tpu and TRITON_CALL not in tpu  # 64 rows a group: xla
     assert TRITON_CALL not in cpu and "tpu_custom_call" not in cpu
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import mosaic_tpu_testlib
-from grouped_projection_testlib import ACCELERATOR_CASES, CPU_CASES, check_case, draw
+from grouped_projection_testlib import ACCELERATOR_CASES, CPU_CASES, Case, check_case, draw
 from pallasite.kernels.grouped_matmul import MosaicTpuBlockSizes, fit, grouped_projection
 from pallasite.kernels.grouped_matmul import pallas_mosaic_tpu
 
@@ -157,19 +157,36 @@ def test_tpu_larger_tiles():
 @pytest.mark.tpu
 @pytest.mark.parametrize("case", ACCELERATOR_CASES, ids=str)
 def test_tpu_default_path_parity(case):
-    """What a TPU runs by default: the XLA path (api.TPU_ORDER) in the form that contains
-    non-finite weights only when there are some (xla.CONTAIN_ONLY_NONFINITE_ON). Rows past
-    the total must be zero: a bare ragged_dot on a TPU v5e left them non-zero."""
+    """What a TPU runs by default: for these cases (under 256 rows per group,
+    mosaic_tpu_preferred) the XLA path, in the form that contains non-finite weights only
+    when there are some (xla.CONTAIN_ONLY_NONFINITE_ON); for ROWS_CASES the Mosaic TPU
+    kernels at their default tiles. Rows past the total must be zero: a bare ragged_dot on
+    a TPU v5e left them non-zero."""
+    check_case(case, lambda x, kernel, sizes: grouped_projection(
+        x, kernel, sizes, jnp.dtype(case.compute)), platform="tpu")
+
+
+# Cases whose groups average 256 rows or more: the default order takes the Mosaic TPU
+# kernels (several row blocks per group, k and n past one tile, one group empty).
+ROWS_CASES = [Case("g4_rows_bf16", 2048, 1280, 1152, 4, total=2000, empty=(2,)),
+              Case("g2_rows_fp32", 1024, 640, 520, 2, compute="float32")]
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("case", ROWS_CASES, ids=str)
+def test_tpu_default_path_with_large_groups(case):
     check_case(case, lambda x, kernel, sizes: grouped_projection(
         x, kernel, sizes, jnp.dtype(case.compute)), platform="tpu")
 
 
 @pytest.mark.tpu
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
-def test_tpu_default_path_contains_non_finite_weights(value):
+@pytest.mark.parametrize("case", [ACCELERATOR_CASES[-1], ROWS_CASES[0]],
+                         ids=["xla", "mosaic_tpu"])
+def test_tpu_default_path_contains_non_finite_weights(value, case):
     """A non-finite weight reaches only its own group's rows, in the columns it feeds,
-    on the TPU's default path (the lax.cond's containing branch)."""
-    case = ACCELERATOR_CASES[-1]
+    on the TPU's default path: XLA's (the lax.cond's containing branch) and the Mosaic
+    TPU kernels' (rows of other groups in a shared row block are masked at the store)."""
     x, kernel, sizes, _ = draw(case)
     ends = np.cumsum(np.asarray(sizes))
     g = int(np.flatnonzero(np.asarray(sizes))[0])  # a group with rows

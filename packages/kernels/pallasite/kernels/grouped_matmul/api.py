@@ -6,10 +6,8 @@ are compiled):
   cuda: pallas_mosaic_gpu (mosaic_gpu_runs: sm90, 16-bit compute, and
         mosaic_gpu_preferred: at least 256 rows per group on average), then pallas_triton
         (triton_runs: sm80+), then xla;
-  tpu:  xla (pallas_mosaic_tpu runs by name only: on a v5e it is ahead of XLA at
-        mixtral's shape and behind at qwen3's, which is not yet a rule for choosing it,
-        and an error that shows only when XLA compiles it would not be caught by the
-        fallback; docs/grouped_projection.md);
+  tpu:  pallas_mosaic_tpu (mosaic_tpu_preferred: at least 256 rows per group on
+        average; 16-bit or fp32 compute, fp16 refused by the TPU compiler), then xla;
   else: xla, or pallas_triton through the interpreter when interpret_on_cpu=True.
 A multi-platform export cannot hold the kernels yet: JAX 0.11.2 lowers every branch of
 a platform_dependent for every platform (cond lowering), and a Triton or Mosaic
@@ -18,8 +16,11 @@ Kernels are admitted only where ragged_dot_runs says they compute what was asked
 compute, or fp32 at default precision, no x64). On the H200 the Triton path is 3-30x
 jax.lax.ragged_dot and fits dsv3 where XLA runs out of memory; on Hopper the Mosaic GPU
 kernels are ahead of Triton where groups average 256 rows or more, behind below that
-(docs/performance.md, issue 7), hence mosaic_gpu_preferred. Naming a backend skips that
-preference (not the can-it-run predicates).
+(docs/performance.md, issue 7), hence mosaic_gpu_preferred. On a TPU v5e the Mosaic TPU
+kernels ran the forward+backward in 0.56-0.91x a bare ragged_dot's time from 4096 down
+to 256 rows per group, and the forward within 6% of it (docs/grouped_projection.md),
+hence mosaic_tpu_preferred. Naming a backend skips those preferences (not the
+can-it-run predicates).
 
 `implementation=` a name: that backend or its error (fails fast); a sequence: tried in
 order, each fallback logged with its reason, all reasons raised together (an
@@ -38,13 +39,15 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from pallasite.kernels import autodiff
+from pallasite.kernels import autodiff, platform
 from pallasite.kernels.grouped_matmul import config, fit, fp8, ops, plain
 from pallasite.kernels.grouped_matmul.group_metadata import group_offsets
 from pallasite.kernels.quantization import BlockScaled
 from pallasite.kernels.grouped_matmul.predicates import (
     MOSAIC_GPU_MIN_ROWS_PER_GROUP,
+    MOSAIC_TPU_MIN_ROWS_PER_GROUP,
     mosaic_gpu_preferred,
+    mosaic_tpu_preferred,
     ragged_dot_runs,
 )
 from pallasite.reference.grouped_projection import Dtype, validate_grouped_projection
@@ -58,7 +61,7 @@ CUDA_ORDER = ["pallas_mosaic_gpu", "pallas_triton", "xla"]
 # A backend joins a platform's default order only when a benchmark on that hardware shows
 # it ahead of XLA. On a TPU v5e (2026-12-07, docs/performance.md) the Mosaic TPU kernels
 # took 8-12x jax.lax.ragged_dot's time, so they run by name.
-TPU_ORDER = ["xla"]
+TPU_ORDER = ["pallas_mosaic_tpu", "xla"]
 IMPLEMENTATIONS = ops.BACKENDS
 # The backends whose CPU interpreter runs the kernel through host callbacks (the Mosaic
 # interpreters; Triton's does not), which JAX cannot differentiate inside jax.checkpoint.
@@ -105,6 +108,12 @@ def _refusal(name: str, compute: Dtype, operands: Sequence[jax.Array], interpret
                 f"operands {[np.dtype(o.dtype).name for o in operands]} "
                 f"(x64={jax.config.jax_enable_x64}, precision="
                 f"{jax.config.jax_default_matmul_precision})")
+    if name == "pallas_mosaic_tpu" and not interpret:
+        # Compiled by Mosaic for a TPU, this host's device or not (the TPU branch of the
+        # default order skips the device check): the TPU compiler's dtype limits hold,
+        # and a compile error would not reach the fallback.
+        if (why := platform.mosaic_tpu_dtype_reason(name, {"compute": compute})) is not None:
+            return why
     return ops.backend(name).refusal(compute, operands,
                                      on_device=check_device and not interpret)
 
@@ -126,6 +135,9 @@ def _slower_here(name: str, x, group_sizes, recipe=None) -> str | None:
     if recipe is None and name == "pallas_mosaic_gpu" and not mosaic_gpu_preferred(m, g):
         return (f"pallas_mosaic_gpu: Triton is faster with m/g = {m}/{g} < "
                 f"{MOSAIC_GPU_MIN_ROWS_PER_GROUP} rows per group (mosaic_gpu_preferred)")
+    if name == "pallas_mosaic_tpu" and not mosaic_tpu_preferred(m, g):
+        return (f"pallas_mosaic_tpu: not timed ahead of XLA with m/g = {m}/{g} < "
+                f"{MOSAIC_TPU_MIN_ROWS_PER_GROUP} rows per group (mosaic_tpu_preferred)")
     return None
 
 

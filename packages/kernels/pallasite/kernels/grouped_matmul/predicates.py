@@ -114,3 +114,20 @@ def mosaic_gpu_preferred(m: int, g: int) -> bool:
     [m, k] x [g, k, n] projection: m / g >= MOSAIC_GPU_MIN_ROWS_PER_GROUP. The group sizes
     themselves are traced values; only the static average is known when choosing."""
     return m >= MOSAIC_GPU_MIN_ROWS_PER_GROUP * max(g, 1)
+
+
+# Average rows per group (m / g) from which a TPU's default order runs the Mosaic TPU
+# kernels before the XLA path. Measured on a TPU v5e (2026-12-07 20:3x UTC,
+# docs/performance.md) at the default tiles, ms against a bare jax.lax.ragged_dot
+# (pallasite's XLA path is slower than that), forward and fwd+bwd: mixtral (4096 rows per
+# group) 29.6/29.0, 81.8/146.0; 32768 x 2048 x 2048 at 4096, 1024 and 256 rows per group
+# 2.30/2.17, 5.90/6.57; 2.66/2.54, 7.91/8.72; 4.11/4.02, 12.57/16.61; qwen3 (512)
+# 2.50/2.84, 7.09/9.71; olmoe (512) 1.57/1.51, 4.58/5.60. Nothing below 256 was timed:
+# there each of the g groups still costs grid steps, and decode-sized m stays with XLA.
+MOSAIC_TPU_MIN_ROWS_PER_GROUP = 256
+
+
+def mosaic_tpu_preferred(m: int, g: int) -> bool:
+    """Whether a TPU's default order tries pallas_mosaic_tpu before xla for an [m, k] x
+    [g, k, n] projection: m / g >= MOSAIC_TPU_MIN_ROWS_PER_GROUP (the static average)."""
+    return m >= MOSAIC_TPU_MIN_ROWS_PER_GROUP * max(g, 1)
