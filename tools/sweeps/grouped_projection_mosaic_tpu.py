@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import records  # tools/sweeps/records.py, beside this script
-from pallasite.bench import harness, ops
+from grouped_sweeps import inputs, ragged_dot
+from pallasite.bench import harness
 from pallasite.kernels import MosaicTpuBlockSizes, grouped_projection
 
 SHAPES = {"mixtral": (32768, 4096, 14336, 8), "qwen3": (65536, 2048, 768, 128),
@@ -55,23 +56,6 @@ def _api(i, tiles, backward: bool, interpret: bool):
     return (y, *vjp(i["dy"]))
 
 
-def _ragged_dot(i, backward: bool, out_dtype=BF16):
-    f = lambda x, w: jax.lax.ragged_dot(x, w, i["group_sizes"],  # noqa: E731
-                                        preferred_element_type=out_dtype)
-    if not backward:
-        return f(i["x"], i["kernel"])
-    y, vjp = jax.vjp(f, i["x"], i["kernel"])
-    return (y, *vjp(i["dy"].astype(out_dtype)))
-
-
-def _inputs(shape: str, copies: int = 2) -> list[dict]:
-    m, k, n, g = SHAPES[shape]
-    case = ops.gp_case(shape, m, k, n, g, direction="fwd_bwd")
-    keep = ("x", "kernel", "group_sizes", "dy")
-    return [{key: jnp.asarray(v) for key, v in ops.make_inputs(case, seed=s).items()
-             if key in keep} for s in range(copies)]
-
-
 def _time(folder, shape, variant, fn, sets, **extra):
     call, compile_s = harness.compile_jax(jax.jit(fn), sets[0])
     t = harness.steady_state(call, sets, harness.jax_sync, compile_s=compile_s,
@@ -83,15 +67,15 @@ def _time(folder, shape, variant, fn, sets, **extra):
 
 def run(shape: str, tiles_list, folder: str) -> None:
     interpret = jax.devices()[0].platform == "cpu"
-    sets = _inputs(shape)
+    sets = inputs(shape, SHAPES[shape])
     m, k, n, g = SHAPES[shape]
     flops = 2 * m * k * n
-    want = np.asarray(jax.jit(lambda i: _ragged_dot(i, False, jnp.float32))(sets[0]))
+    want = np.asarray(jax.jit(lambda i: ragged_dot(i, jnp.float32))(sets[0]))
     scale = float(np.abs(want).max())
     for backward in (False, True):
         name = "ragged_dot_fwd_bwd" if backward else "ragged_dot_fwd"
         try:
-            _time(folder, shape, name, lambda i, b=backward: _ragged_dot(i, b), sets)
+            _time(folder, shape, name, lambda i, b=backward: ragged_dot(i, backward=b), sets)
         except Exception as err:  # noqa: BLE001 - a failing variant is a record
             _emit(folder, kind="error", shape=shape, variant=name,
                   error=f"{type(err).__name__}: {str(err)[:300]}")

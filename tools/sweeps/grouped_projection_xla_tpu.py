@@ -27,7 +27,8 @@ import numpy as np
 
 from knobs import knobs
 import records  # tools/sweeps/records.py, beside this script
-from pallasite.bench import harness, ops
+from grouped_sweeps import inputs, ragged_dot
+from pallasite.bench import harness
 from pallasite.kernels import grouped_projection
 from pallasite.kernels.grouped_matmul import xla
 
@@ -57,24 +58,15 @@ def _api(i, contain_only_nonfinite: bool, backward: bool):
         return (y, *vjp(i["dy"]))
 
 
-def _ragged_dot(i, out_dtype=BF16, backward=False):
-    f = lambda x, w: jax.lax.ragged_dot(x, w, i["group_sizes"],  # noqa: E731
-                                        preferred_element_type=out_dtype)
-    if not backward:
-        return f(i["x"], i["kernel"])
-    y, vjp = jax.vjp(f, i["x"], i["kernel"])
-    return (y, *vjp(i["dy"].astype(out_dtype)))
-
-
 VARIANTS = {
     "api_xla_fwd": lambda i: _api(i, False, False),
     "api_xla_fwd_contain_only_nonfinite": lambda i: _api(i, True, False),
-    "ragged_dot_fwd": lambda i: _ragged_dot(i),
+    "ragged_dot_fwd": lambda i: ragged_dot(i),
     "api_xla_fwd_bwd": lambda i: _api(i, False, True),
     "api_xla_fwd_bwd_contain_only_nonfinite": lambda i: _api(i, True, True),
-    "ragged_dot_fwd_bwd": lambda i: _ragged_dot(i, backward=True),
-    "ragged_dot_fp32_out": lambda i: _ragged_dot(i, jnp.float32),
-    "ragged_dot_fp32_out_cast": lambda i: _ragged_dot(i, jnp.float32).astype(BF16),
+    "ragged_dot_fwd_bwd": lambda i: ragged_dot(i, backward=True),
+    "ragged_dot_fp32_out": lambda i: ragged_dot(i, jnp.float32),
+    "ragged_dot_fp32_out_cast": lambda i: ragged_dot(i, jnp.float32).astype(BF16),
     "weights_all_finite": lambda i: jnp.isfinite(i["kernel"]).all(),
     "weights_masked_copy": lambda i: jnp.where(jnp.isfinite(i["kernel"]), i["kernel"], 0),
 }
@@ -83,16 +75,8 @@ SAME = [("ragged_dot_fwd", "ragged_dot_fp32_out_cast"), ("ragged_dot_fwd", "api_
         ("api_xla_fwd", "api_xla_fwd_contain_only_nonfinite")]
 
 
-def _inputs(shape: str, copies: int = 2) -> list[dict]:
-    m, k, n, g = SHAPES[shape]
-    case = ops.gp_case(shape, m, k, n, g, direction="fwd_bwd")
-    keep = ("x", "kernel", "group_sizes", "dy")
-    return [{key: jnp.asarray(v) for key, v in ops.make_inputs(case, seed=s).items()
-             if key in keep} for s in range(copies)]
-
-
 def run(shape: str, folder: str) -> None:
-    sets = _inputs(shape)
+    sets = inputs(shape, SHAPES[shape])
     kept = {}
     for name, fn in VARIANTS.items():
         try:
