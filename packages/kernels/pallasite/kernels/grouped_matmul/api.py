@@ -108,10 +108,10 @@ def _refusal(name: str, compute: Dtype, operands: Sequence[jax.Array], interpret
                 f"operands {[np.dtype(o.dtype).name for o in operands]} "
                 f"(x64={jax.config.jax_enable_x64}, precision="
                 f"{jax.config.jax_default_matmul_precision})")
-    if name == "pallas_mosaic_tpu" and not interpret:
-        # Compiled by Mosaic for a TPU, this host's device or not (the TPU branch of the
-        # default order skips the device check): the TPU compiler's dtype limits hold,
-        # and a compile error would not reach the fallback.
+    if name == "pallas_mosaic_tpu" and not interpret and not check_device:
+        # The TPU branch of the default order, lowered for a TPU whatever this host's
+        # device: the backend's refusal skips its device checks, but the TPU compiler's
+        # dtype limits still hold, and a compile error would not reach the fallback.
         if (why := platform.mosaic_tpu_dtype_reason(name, {"compute": compute})) is not None:
             return why
     return ops.backend(name).refusal(compute, operands,

@@ -79,10 +79,10 @@ def default_block_sizes(*, product: str, m: int, k: int, n: int, g: int,
     so aligned weights are seldom padded."""
     del g
     rows, contraction, columns = (m, n, k) if product == "dx" else (m, k, n)
-    cap = DEFAULT.tk if jnp.dtype(dtype).itemsize <= 2 else DEFAULT.tk // 2
+    shrink = 1 if jnp.dtype(dtype).itemsize <= 2 else 2
     return config.MosaicTpuBlockSizes(tm=min(DEFAULT.tm, cdiv(rows, 16) * 16),
-                                      tk=_column_tile(contraction, cap),
-                                      tn=_column_tile(columns, cap))
+                                      tk=_column_tile(contraction, DEFAULT.tk // shrink),
+                                      tn=_column_tile(columns, DEFAULT.tn // shrink))
 
 
 def resolve_block_sizes(block_sizes, *, product: str, m: int, k: int, n: int, g: int,
