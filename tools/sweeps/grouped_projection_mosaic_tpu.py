@@ -5,11 +5,11 @@
 At 128^3 tiles (megablox's) the kernels spent about 0.4 us a grid step for a 4 MFLOP
 tile (docs/performance.md), so the step overhead, not the MXU, bounded them; each
 larger tile divides the step count. For each shape (the bench's, `rows_*`: one product
-with 4096, 1024 or 256 rows per group; `tiny` runs on a CPU through the interpreter)
+with 4096 down to 8 rows per group; `tiny` runs on a CPU through the interpreter)
 and each tile it times, by the bench harness's queued method, the public API with
 implementation="pallas_mosaic_tpu", forward and forward+backward (one
 MosaicTpuBlockSizes for every product, or `default`: the backend's own per product),
-and jax.lax.ragged_dot beside them; it checks each forward against ragged_dot's fp32
+and beside them jax.lax.ragged_dot and the API's XLA path (`api_xla_*`); it checks each forward against ragged_dot's fp32
 result (max abs error relative to the result's max). A tile that does not fit or
 compile is an error record. JSON lines to
 $OUT/grouped_projection_mosaic_tpu.jsonl.
@@ -32,7 +32,10 @@ from pallasite.kernels import MosaicTpuBlockSizes, grouped_projection
 SHAPES = {"mixtral": (32768, 4096, 14336, 8), "qwen3": (65536, 2048, 768, 128),
           "olmoe": (32768, 2048, 1024, 64), "tiny": (512, 256, 384, 4),
           # one product, fewer and larger groups: where the kernels overtake ragged_dot
-          **{f"rows_{32768 // g}": (32768, 2048, 2048, g) for g in (8, 32, 128)}}
+          **{f"rows_{32768 // g}": (32768, 2048, 2048, g) for g in (8, 32, 128)},
+          # below 256 rows per group, where the default order keeps XLA
+          **{f"rows_{8192 // g}": (8192, 2048, 2048, g) for g in (64, 128)},
+          "rows_8": (1024, 2048, 2048, 128)}
 TILES = [(128, 128, 128), (256, 512, 512), (512, 512, 512), (512, 1024, 1024),
          (256, 1024, 1024), (512, 2048, 512), (1024, 1024, 512)]
 BF16 = jnp.bfloat16
@@ -46,10 +49,10 @@ def _named(tiles):
     return "default" if tiles is None else list(tiles)
 
 
-def _api(i, tiles, backward: bool, interpret: bool):
+def _api(i, tiles, backward: bool, interpret: bool, implementation="pallas_mosaic_tpu"):
     blocks = None if tiles is None else MosaicTpuBlockSizes(*tiles)
     f = lambda x, w: grouped_projection(x, w, i["group_sizes"], BF16, interpret,  # noqa: E731
-                                        implementation="pallas_mosaic_tpu", block_sizes=blocks)
+                                        implementation=implementation, block_sizes=blocks)
     if not backward:
         return f(i["x"], i["kernel"])
     y, vjp = jax.vjp(f, i["x"], i["kernel"])
@@ -76,6 +79,8 @@ def run(shape: str, tiles_list, folder: str) -> None:
         name = "ragged_dot_fwd_bwd" if backward else "ragged_dot_fwd"
         try:
             _time(folder, shape, name, lambda i, b=backward: ragged_dot(i, backward=b), sets)
+            _time(folder, shape, name.replace("ragged_dot", "api_xla"),
+                  lambda i, b=backward: _api(i, None, b, interpret, "xla"), sets)
         except Exception as err:  # noqa: BLE001 - a failing variant is a record
             _emit(folder, kind="error", shape=shape, variant=name,
                   error=f"{type(err).__name__}: {str(err)[:300]}")
