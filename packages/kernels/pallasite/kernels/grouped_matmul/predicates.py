@@ -123,10 +123,10 @@ def mosaic_gpu_preferred(m: int, g: int) -> bool:
 # group) 29.6/29.0, 81.8/146.0; 32768 x 2048 x 2048 at 4096, 1024 and 256 rows per group
 # 2.30/2.17, 5.90/6.57; 2.66/2.54, 7.91/8.72; 4.11/4.02, 12.57/16.61; qwen3 (512)
 # 2.50/2.84, 7.09/9.71; olmoe (512) 1.57/1.51, 4.58/5.60. Timed below 256 afterwards
-# (22:2x UTC) against pallasite's XLA path (the default below the bound): 8, 64 and 128 rows per
-# group, forward 1.83/3.24, 2.49/3.82, 1.53/2.27 and fwd+bwd 5.95/10.37, 7.55/12.41,
-# 4.50/7.33; so the kernels lead down to 8 rows per group, and this bound is to go (with
-# the tests that pin XLA's lowering on a TPU for small groups) in the next change.
+# (22:2x UTC) against pallasite's XLA path (the default below the bound): 8, 64 and 128
+# rows per group, forward 1.83/3.24, 2.49/3.82, 1.53/2.27 and fwd+bwd 5.95/10.37,
+# 7.55/12.41, 4.50/7.33; so the kernels lead down to 8 rows per group, and this bound is
+# to go (with the tests that pin XLA's lowering on a TPU for small groups) next.
 MOSAIC_TPU_MIN_ROWS_PER_GROUP = 256
 
 
