@@ -9,9 +9,9 @@ with 4096 down to 8 rows per group; `tiny` runs on a CPU through the interpreter
 and each tile it times, by the bench harness's queued method, the public API with
 implementation="pallas_mosaic_tpu", forward and forward+backward (one
 MosaicTpuBlockSizes for every product, or `default`: the backend's own per product),
-and beside them jax.lax.ragged_dot and the API's XLA path (`api_xla_*`); it checks each forward against ragged_dot's fp32
-result (max abs error relative to the result's max). A tile that does not fit or
-compile is an error record. JSON lines to
+and beside them jax.lax.ragged_dot and the API's XLA path (`api_xla_*`); it checks
+each forward against ragged_dot's fp32 result (max abs error relative to the result's
+max). A tile that does not fit or compile is an error record. JSON lines to
 $OUT/grouped_projection_mosaic_tpu.jsonl.
 """
 
@@ -93,8 +93,8 @@ def run(shape: str, tiles_list, folder: str) -> None:
                              tiles=_named(tiles))
                 if not backward:
                     got = np.asarray(call(sets[0]).astype(jnp.float32))
-                    _emit(folder, kind="error_vs_ragged_dot_fp32", shape=shape, tiles=_named(tiles),
-                          max_rel=float(np.abs(got - want).max()) / scale, flops_fwd=flops)
+                    _emit(folder, kind="error_vs_ragged_dot_fp32", shape=shape,
+                          tiles=_named(tiles), max_rel=float(np.abs(got - want).max()) / scale, flops_fwd=flops)
             except Exception as err:  # noqa: BLE001 - a failing tile is a record
                 _emit(folder, kind="error", shape=shape, variant=name, tiles=_named(tiles),
                       error=f"{type(err).__name__}: {str(err)[:300]}")

@@ -132,8 +132,6 @@ def test_default_tiles(dims, product, dtype, want):
                       dtype) is None
 
 
-
-
 @pytest.mark.tpu
 @pytest.mark.parametrize("case", ACCELERATOR_CASES, ids=str)
 def test_tpu_parity(case):
