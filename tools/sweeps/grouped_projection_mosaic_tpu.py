@@ -5,7 +5,8 @@
 At 128^3 tiles (megablox's) the kernels spent about 0.4 us a grid step for a 4 MFLOP
 tile (docs/performance.md), so the step overhead, not the MXU, bounded them; each
 larger tile divides the step count. For each shape (the bench's, `rows_*`: one product
-with 4096 down to 8 rows per group; `tiny` runs on a CPU through the interpreter)
+with 4096 down to 2 rows per group, and one group;
+`tiny` runs on a CPU through the interpreter)
 and each tile it times, by the bench harness's queued method, the public API with
 implementation="pallas_mosaic_tpu", forward and forward+backward (one
 MosaicTpuBlockSizes for every product, or `default`: the backend's own per product),
@@ -33,9 +34,11 @@ SHAPES = {"mixtral": (32768, 4096, 14336, 8), "qwen3": (65536, 2048, 768, 128),
           "olmoe": (32768, 2048, 1024, 64), "tiny": (512, 256, 384, 4),
           # one product, fewer and larger groups: where the kernels overtake ragged_dot
           **{f"rows_{32768 // g}": (32768, 2048, 2048, g) for g in (8, 32, 128)},
-          # below 256 rows per group, where the default order keeps XLA
+          # below 256 rows per group
           **{f"rows_{8192 // g}": (8192, 2048, 2048, g) for g in (64, 128)},
-          "rows_8": (1024, 2048, 2048, 128)}
+          "rows_8": (1024, 2048, 2048, 128), "rows_2": (256, 2048, 2048, 128),
+          # one group, which pallasite's XLA path computes as dense dots
+          "one_group": (8192, 2048, 2048, 1), "one_group_wide": (4096, 4096, 14336, 1)}
 TILES = [(128, 128, 128), (256, 512, 512), (512, 512, 512), (512, 1024, 1024),
          (256, 1024, 1024), (512, 2048, 512), (1024, 1024, 512)]
 BF16 = jnp.bfloat16

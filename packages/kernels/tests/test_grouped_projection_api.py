@@ -303,21 +303,24 @@ def test_cuda_default_on_hopper_picks_by_rows_per_group(fake_hopper, m, expected
     assert expected in text and other not in text
 
 
-@pytest.mark.parametrize("m, compute, kernels", [
-    (1024, jnp.bfloat16, True),    # 256 rows per group: the Mosaic TPU kernels
-    (1024, jnp.float32, True),
-    (1020, jnp.bfloat16, False),   # fewer: XLA (mosaic_tpu_preferred)
-    (1024, jnp.float16, False),    # the TPU compiler takes no fp16 blocks: XLA
-], ids=["256_rows_bf16", "256_rows_fp32", "255_rows_bf16", "256_rows_fp16"])
-def test_tpu_default_picks_by_rows_per_group_and_dtype(m, compute, kernels):
+@pytest.mark.parametrize("m, g, compute, kernels", [
+    (1024, 4, jnp.bfloat16, True),    # 256 rows per group: the Mosaic TPU kernels
+    (1024, 4, jnp.float32, True),
+    (32, 4, jnp.bfloat16, True),      # 8 rows per group: still the kernels
+    (1024, 1, jnp.bfloat16, False),   # one group: XLA's dense dot (mosaic_tpu_preferred)
+    (1024, 4, jnp.float16, False),    # the TPU compiler takes no fp16 blocks: XLA
+], ids=["256_rows_bf16", "256_rows_fp32", "8_rows_bf16", "one_group_bf16", "256_rows_fp16"])
+def test_tpu_default_picks_by_group_count_and_dtype(m, g, compute, kernels):
     """A TPU lowering from this host: all three products in the Mosaic TPU kernels where
-    groups average 256 rows or more and the compute dtype compiles, else XLA's."""
+    there is more than one group and the compute dtype compiles, else XLA's (a one-group
+    product is a dense dot there)."""
     assert api.TPU_ORDER == ["pallas_mosaic_tpu", "xla"]
-    text = _export(_loss(compute=compute), ["tpu"], *_specs(m=m, k=256, n=128, g=4)
+    text = _export(_loss(compute=compute), ["tpu"], *_specs(m=m, k=256, n=128, g=g)
                    ).mlir_module()
     assert text.count("tpu_custom_call") == (3 if kernels else 0)
     assert TRITON_CALL not in text
-    assert bool(re.findall(r"\b(?:chlo|stablehlo)\.ragged\w*", text)) is not kernels
+    if g > 1:
+        assert bool(re.findall(r"\b(?:chlo|stablehlo)\.ragged\w*", text)) is not kernels
 
 
 def test_one_function_exports_for_each_platform(fake_sm80):
@@ -330,7 +333,7 @@ def test_one_function_exports_for_each_platform(fake_sm80):
     tpu = _export(loss, ["tpu"], *specs).mlir_module()
     cpu = _export(loss, ["cpu"], *specs).mlir_module()
     assert TRITON_CALL in cuda and "tpu_custom_call" not in cuda
-    assert "tpu_custom_call" not in tpu and TRITON_CALL not in tpu  # 64 rows a group: xla
+    assert tpu.count("tpu_custom_call") == 3 and TRITON_CALL not in tpu
     assert TRITON_CALL not in cpu and "tpu_custom_call" not in cpu
 
 

@@ -155,17 +155,16 @@ def test_tpu_larger_tiles():
 @pytest.mark.tpu
 @pytest.mark.parametrize("case", ACCELERATOR_CASES, ids=str)
 def test_tpu_default_path_parity(case):
-    """What a TPU runs by default: for these cases (under 256 rows per group,
-    mosaic_tpu_preferred) the XLA path, in the form that contains non-finite weights only
-    when there are some (xla.CONTAIN_ONLY_NONFINITE_ON); for ROWS_CASES the Mosaic TPU
-    kernels at their default tiles. Rows past the total must be zero: a bare ragged_dot on
-    a TPU v5e left them non-zero."""
+    """What a TPU runs by default: the Mosaic TPU kernels at their default tiles, and for
+    one group (mosaic_tpu_preferred) or fp16 the XLA path, in the form that contains
+    non-finite weights only when there are some (xla.CONTAIN_ONLY_NONFINITE_ON). Rows past
+    the total must be zero: a bare ragged_dot on a TPU v5e left them non-zero."""
     check_case(case, lambda x, kernel, sizes: grouped_projection(
         x, kernel, sizes, jnp.dtype(case.compute)), platform="tpu")
 
 
-# Cases whose groups average 256 rows or more: the default order takes the Mosaic TPU
-# kernels (several row blocks per group, k and n past one tile, one group empty).
+# Cases whose groups average 256 rows or more (several row blocks per group, k and n past
+# one tile, one group empty).
 ROWS_CASES = [Case("g4_rows_bf16", 2048, 1280, 1152, 4, total=2000, empty=(2,)),
               Case("g2_rows_fp32", 1024, 640, 520, 2, compute="float32")]
 
@@ -179,17 +178,18 @@ def test_tpu_default_path_with_large_groups(case):
 
 @pytest.mark.tpu
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
-@pytest.mark.parametrize("case", [ACCELERATOR_CASES[-1], ROWS_CASES[0]],
-                         ids=["xla", "mosaic_tpu"])
-def test_tpu_default_path_contains_non_finite_weights(value, case):
-    """A non-finite weight reaches only its own group's rows, in the columns it feeds,
-    on the TPU's default path: XLA's (the lax.cond's containing branch) and the Mosaic
-    TPU kernels' (rows of other groups in a shared row block are masked at the store)."""
+@pytest.mark.parametrize("case, implementation", [
+    (ACCELERATOR_CASES[-1], "xla"), (ACCELERATOR_CASES[-1], None), (ROWS_CASES[0], None)],
+    ids=["xla", "default_small_groups", "default_large_groups"])
+def test_tpu_contains_non_finite_weights(value, case, implementation):
+    """A non-finite weight reaches only its own group's rows, in the columns it feeds, on
+    the XLA path (the lax.cond's containing branch) and on the default path, the Mosaic
+    TPU kernels (rows of other groups in a shared row block are masked at the store)."""
     x, kernel, sizes, _ = draw(case)
     ends = np.cumsum(np.asarray(sizes))
     g = int(np.flatnonzero(np.asarray(sizes))[0])  # a group with rows
-    y = np.asarray(grouped_projection(x, kernel.at[g, 3, 5].set(value), sizes, jnp.float32),
-                   np.float32)
+    y = np.asarray(grouped_projection(x, kernel.at[g, 3, 5].set(value), sizes, jnp.float32,
+                                      implementation=implementation), np.float32)
     rows = slice(ends[g] - sizes[g], ends[g])
     assert not np.isfinite(y[rows, 5]).any()
     assert np.isfinite(np.delete(y[rows], 5, axis=1)).all()

@@ -6,8 +6,8 @@ are compiled):
   cuda: pallas_mosaic_gpu (mosaic_gpu_runs: sm90, 16-bit compute, and
         mosaic_gpu_preferred: at least 256 rows per group on average), then pallas_triton
         (triton_runs: sm80+), then xla;
-  tpu:  pallas_mosaic_tpu (mosaic_tpu_preferred: at least 256 rows per group on
-        average; 16-bit or fp32 compute, fp16 refused by the TPU compiler), then xla;
+  tpu:  pallas_mosaic_tpu (mosaic_tpu_preferred: more than one local group; 16-bit or
+        fp32 compute, fp16 refused by the TPU compiler), then xla;
   else: xla, or pallas_triton through the interpreter when interpret_on_cpu=True.
 A multi-platform export cannot hold the kernels yet: JAX 0.11.2 lowers every branch of
 a platform_dependent for every platform (cond lowering), and a Triton or Mosaic
@@ -18,8 +18,9 @@ jax.lax.ragged_dot and fits dsv3 where XLA runs out of memory; on Hopper the Mos
 kernels are ahead of Triton where groups average 256 rows or more, behind below that
 (docs/performance.md, issue 7), hence mosaic_gpu_preferred. On a TPU v5e the Mosaic TPU
 kernels ran the forward+backward in 0.56-0.91x a bare ragged_dot's time from 4096 down
-to 256 rows per group, and the forward within 6% of it (docs/grouped_projection.md),
-hence mosaic_tpu_preferred. Naming a backend skips those preferences (not the
+to 256 rows per group, the forward within 6% of it, and both 1.5-1.8x faster than the XLA
+path from 128 down to 8 rows per group (docs/grouped_projection.md); one group is a dense
+dot, which XLA's path computes as such (mosaic_tpu_preferred). Naming a backend skips those preferences (not the
 can-it-run predicates).
 
 `implementation=` a name: that backend or its error (fails fast); a sequence: tried in
@@ -45,7 +46,6 @@ from pallasite.kernels.grouped_matmul.group_metadata import group_offsets
 from pallasite.kernels.quantization import BlockScaled
 from pallasite.kernels.grouped_matmul.predicates import (
     MOSAIC_GPU_MIN_ROWS_PER_GROUP,
-    MOSAIC_TPU_MIN_ROWS_PER_GROUP,
     mosaic_gpu_preferred,
     mosaic_tpu_preferred,
     ragged_dot_runs,
@@ -60,8 +60,7 @@ log = logging.getLogger(__name__)
 CUDA_ORDER = ["pallas_mosaic_gpu", "pallas_triton", "xla"]
 # A backend joins a platform's default order only when a benchmark on that hardware shows
 # it ahead of XLA. On a TPU v5e (2026-12-07, docs/performance.md) the Mosaic TPU kernels,
-# at 256 x 1024 x 1024 tiles, beat the XLA path at every shape timed (mosaic_tpu_preferred
-# keeps XLA below 256 rows per group for now).
+# at 256 x 1024 x 1024 tiles, beat the XLA path at every grouped shape timed.
 TPU_ORDER = ["pallas_mosaic_tpu", "xla"]
 IMPLEMENTATIONS = ops.BACKENDS
 # The backends whose CPU interpreter runs the kernel through host callbacks (the Mosaic
@@ -127,7 +126,7 @@ def backend_refusal(name: str, compute: Dtype, operands: Sequence[jax.Array],
     return _refusal(name, compute, operands, interpret)
 
 
-def _slower_here(name: str, x, group_sizes, recipe=None) -> str | None:
+def _slower_here(name: str, x, kernel, group_sizes, recipe=None) -> str | None:
     """Why the default order passes over backend `name` although it could run (None: it
     does not): a measured preference, not a capability, so a named backend ignores it.
     Rows per group count all G groups: with local experts (group_offset) the rows of the
@@ -136,9 +135,9 @@ def _slower_here(name: str, x, group_sizes, recipe=None) -> str | None:
     if recipe is None and name == "pallas_mosaic_gpu" and not mosaic_gpu_preferred(m, g):
         return (f"pallas_mosaic_gpu: Triton is faster with m/g = {m}/{g} < "
                 f"{MOSAIC_GPU_MIN_ROWS_PER_GROUP} rows per group (mosaic_gpu_preferred)")
-    if name == "pallas_mosaic_tpu" and not mosaic_tpu_preferred(m, g):
-        return (f"pallas_mosaic_tpu: not timed ahead of XLA with m/g = {m}/{g} < "
-                f"{MOSAIC_TPU_MIN_ROWS_PER_GROUP} rows per group (mosaic_tpu_preferred)")
+    if name == "pallas_mosaic_tpu" and not mosaic_tpu_preferred(kernel.shape[0]):
+        return ("pallas_mosaic_tpu: one local group is a dense product, which the XLA "
+                "path computes as a dense dot (mosaic_tpu_preferred)")
     return None
 
 
@@ -204,7 +203,7 @@ def _default(x, kernel, group_sizes, group_offset, compute, block_sizes, interpr
         def run(x, kernel, group_sizes, group_offset):
             for name in names:  # the predicates pick; xla always accepts
                 why = (_refusal(name, compute, (x, kernel), interpret, check_device, recipe)
-                       or _slower_here(name, x, group_sizes, recipe))
+                       or _slower_here(name, x, kernel, group_sizes, recipe))
                 if why is None:
                     return _try_in_order(names[names.index(name):], x, kernel, group_sizes,
                                          group_offset, compute, block_sizes, interpret,

@@ -116,21 +116,13 @@ def mosaic_gpu_preferred(m: int, g: int) -> bool:
     return m >= MOSAIC_GPU_MIN_ROWS_PER_GROUP * max(g, 1)
 
 
-# Average rows per group (m / g) from which a TPU's default order runs the Mosaic TPU
-# kernels before the XLA path. Measured on a TPU v5e (2026-12-07 20:3x UTC,
-# docs/performance.md) at the default tiles, ms against a bare jax.lax.ragged_dot
-# (pallasite's XLA path is slower than that), forward and fwd+bwd: mixtral (4096 rows per
-# group) 29.6/29.0, 81.8/146.0; 32768 x 2048 x 2048 at 4096, 1024 and 256 rows per group
-# 2.30/2.17, 5.90/6.57; 2.66/2.54, 7.91/8.72; 4.11/4.02, 12.57/16.61; qwen3 (512)
-# 2.50/2.84, 7.09/9.71; olmoe (512) 1.57/1.51, 4.58/5.60. Timed below 256 afterwards
-# (22:2x UTC) against pallasite's XLA path (the default below the bound): 8, 64 and 128
-# rows per group, forward 1.83/3.24, 2.49/3.82, 1.53/2.27 and fwd+bwd 5.95/10.37,
-# 7.55/12.41, 4.50/7.33; so the kernels lead down to 8 rows per group, and this bound is
-# to go (with the tests that pin XLA's lowering on a TPU for small groups) next.
-MOSAIC_TPU_MIN_ROWS_PER_GROUP = 256
-
-
-def mosaic_tpu_preferred(m: int, g: int) -> bool:
-    """Whether a TPU's default order tries pallas_mosaic_tpu before xla for an [m, k] x
-    [g, k, n] projection: m / g >= MOSAIC_TPU_MIN_ROWS_PER_GROUP (the static average)."""
-    return m >= MOSAIC_TPU_MIN_ROWS_PER_GROUP * max(g, 1)
+# Measured on a TPU v5e (2026-12-07, docs/performance.md) at the default tiles, the Mosaic
+# TPU kernels against pallasite's XLA path (the other default), ms forward and fwd+bwd:
+# mixtral (4096 rows per group) 29.6/35.7, 81.8/155.5; qwen3 (512) 2.50/3.98, 7.09/12.71;
+# 8, 64 and 128 rows per group 1.83/3.24, 2.49/3.82, 1.53/2.27 and 5.95/10.37,
+# 7.55/12.41, 4.50/7.33. So every grouped product takes the kernels; a single local group
+# stays with XLA, whose path computes it as a dense dot (xla.py, ONE_GROUP).
+def mosaic_tpu_preferred(local_groups: int) -> bool:
+    """Whether a TPU's default order tries pallas_mosaic_tpu before xla, given the
+    kernel's group count: with more than one group (one is a dense product)."""
+    return local_groups > 1
