@@ -156,18 +156,20 @@ def test_sequence_falls_back_and_logs(caplog):
     ("pallas_mosaic_gpu", True, True, jnp.float32, "takes 16-bit compute (bf16, fp16); "
                                                    "compute=float32"),
     ("pallas_mosaic_gpu", True, True, jnp.bfloat16, None),
-    ("pallas_mosaic_tpu", True, True, jnp.bfloat16, "pallas_mosaic_tpu needs a TPU; the "
-                                                    "device is cpu"),
+    ("pallas_mosaic_tpu", True, True, jnp.bfloat16, "pallas_mosaic_tpu needs a TPU; "
+                                                    "the target is cpu"),
 ])
 def test_each_backend_owns_its_device_refusal(monkeypatch, name, triton, hopper, compute,
                                               message):
-    """Each backend module says what its device and dtypes need (`refusal`); api.py asks
-    it after the generic checks, and not at all where the kernel is interpreted."""
+    """Each backend module says what its target and dtypes need (`refusal`); api.py asks
+    it after the generic checks, for the target this process compiles for (a named
+    call), and the backend passes every interpreted call."""
     monkeypatch.setattr(platform, "triton_runs", lambda device=None: triton)
     monkeypatch.setattr(platform, "mosaic_gpu_runs", lambda device=None: hopper)
     x, kernel, _ = _inputs()
     why = api._refusal(name, compute, (x, kernel), interpret=False)
-    assert why == ops.backend(name).refusal(compute, (x, kernel), on_device=True)
+    assert why == ops.backend(name).refusal(compute, (x, kernel), target="cpu")
+    assert platform.compile_target() == "cpu"
     assert (why is None) if message is None else (message in why)
     assert api._refusal(name, compute, (x, kernel), interpret=True) is None
 

@@ -91,17 +91,17 @@ def test_cost_estimates():
         assert cost.flops == 2 * 256 * 256 * 128 and cost.bytes_accessed > 256 * 256 * 2
 
 
-def test_fp16_refused_on_a_tpu(monkeypatch):
+def test_fp16_refused_on_a_tpu():
     """A TPU's compiler does not load fp16 blocks ("Invalid vector type for load", TPU
-    v5e): on a TPU the backend refuses fp16 compute by name, so the default order moves
-    on to XLA; the interpreter keeps it (test_interpret_parity's fp16 case)."""
-    from pallasite.kernels import platform
-
-    monkeypatch.setattr(platform, "device_generation", lambda device=None: "v5e")
-    why = pallas_mosaic_tpu.refusal(jnp.float16, (), on_device=True)
+    v5e): compiled for a TPU the backend refuses fp16 compute by name, so the default
+    order moves on to XLA; the interpreter keeps it (test_interpret_parity's fp16 case),
+    and other targets are refused whatever the dtype."""
+    why = pallas_mosaic_tpu.refusal(jnp.float16, (), target="tpu")
     assert why is not None and "compute float16" in why
-    assert pallas_mosaic_tpu.refusal(jnp.bfloat16, (), on_device=True) is None
-    assert pallas_mosaic_tpu.refusal(jnp.float16, (), on_device=False) is None
+    assert pallas_mosaic_tpu.refusal(jnp.bfloat16, (), target="tpu") is None
+    assert pallas_mosaic_tpu.refusal(jnp.float32, (), target="tpu") is None
+    assert pallas_mosaic_tpu.refusal(jnp.float16, (), target=None) is None
+    assert "the target is cuda" in pallas_mosaic_tpu.refusal(jnp.bfloat16, (), target="cuda")
 
 
 def test_block_sizes_rejected():

@@ -48,6 +48,18 @@ def test_predicates_on_faked_devices(device, generation, bf16, triton, mosaic_gp
     assert platform.mosaic_gpu_runs(device) is mosaic_gpu
 
 
+@pytest.mark.parametrize("device,target", [
+    (FakeDevice("gpu", "NVIDIA H200", "9.0"), "cuda"),
+    (FakeDevice("cuda", "NVIDIA L4", "8.9"), "cuda"),
+    (FakeDevice("gpu", "AMD Instinct MI300X", None), "rocm"),
+    (FakeDevice("tpu", "TPU v5 lite"), "tpu"),
+    (FakeDevice("cpu", "cpu"), "cpu"),
+], ids=lambda c: getattr(c, "device_kind", None))
+def test_compile_target_on_faked_devices(device, target):
+    """The platform a compiled kernel targets, as the backends' refusals name it."""
+    assert platform.compile_target(device) == target
+
+
 def test_mosaic_tpu_block_dtypes():
     """fp16 blocks are refused on a TPU (its compiler does not load them), by name."""
     assert platform.mosaic_tpu_dtype_reason("k", {"x": jnp.bfloat16, "y": jnp.float32}) is None

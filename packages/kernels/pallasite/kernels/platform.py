@@ -67,6 +67,18 @@ def device_generation(device: Any = None) -> str:
     return device.platform
 
 
+def compile_target(device: Any = None) -> str:
+    """The platform a compiled (not interpreted) kernel targets on `device` (default:
+    JAX's first), as the backends' `refusal(..., target=)` names it: 'cuda', 'rocm'
+    (a GPU without a CUDA capability), 'tpu', or the platform ('cpu')."""
+    device = device if device is not None else _default_device()
+    if _cuda_capability(device) is not None:
+        return "cuda"
+    if device.platform == "gpu":
+        return "rocm"
+    return device.platform
+
+
 def mosaic_tpu_interpret(interpret):
     """pallas_call's `interpret` for a Mosaic TPU kernel: True -> the TPU interpreter
     (default InterpretParams: unwritten outputs read as NaN), False -> compiled; an

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from pallasite.kernels import autodiff
+from pallasite.kernels import autodiff, platform
 from pallasite.kernels.expert_mlp import ops
 from pallasite.kernels.grouped_matmul import fp8
 from pallasite.kernels.quantization import api as quantization
@@ -223,4 +223,5 @@ def _fused_fp8_refusal(implementation, compute, operands, block_sizes, interpret
             return (f"{name} {tuple(a.shape)} has more than 2**31 elements, past the 32-bit "
                     f"offsets Pallas Triton addresses its fp8 values with (take "
                     f"fuse_activation=False, or fewer local experts)")
-    return fp8.refusal(implementation, compute, (), on_device=not interpret)
+    return fp8.refusal(implementation, compute, (),
+                       target=None if interpret else platform.compile_target())

@@ -23,7 +23,7 @@ import importlib
 import jax
 import jax.numpy as jnp
 
-from pallasite.kernels import sharding
+from pallasite.kernels import platform, sharding
 from pallasite.kernels.grouped_matmul import fp8 as grouped_fp8
 from pallasite.kernels.grouped_matmul import ops as grouped_ops
 from pallasite.kernels.expert_mlp import epilogue, layouts
@@ -219,7 +219,7 @@ def _plain_fp8_module(backend: str, interpret: bool, compute, operands):
     program on a small host: grouped_matmul.pallas_mosaic_gpu_fp8._quantizer)."""
     name = "pallas_triton"
     if not interpret and grouped_fp8.refusal(PLAIN_FP8_ON_HOPPER, compute, operands,
-                                             on_device=True) is None:
+                                             target=platform.compile_target()) is None:
         name = PLAIN_FP8_ON_HOPPER
     return grouped_ops.backend(name, "fp8")
 

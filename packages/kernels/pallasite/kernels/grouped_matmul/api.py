@@ -88,34 +88,28 @@ def _importable(name: str, recipe=None) -> str | None:
 
 
 def _refusal(name: str, compute: Dtype, operands: Sequence[jax.Array], interpret: bool,
-             check_device: bool = True, recipe=None) -> str | None:
+             branch: str | None = None, recipe=None) -> str | None:
     """Why backend `name` cannot run here (None: it can). interpret: CPU interpreter.
     The generic checks are here (the module imports, ragged_dot_runs); each backend's
-    module says what its device and dtypes need (its `refusal`). check_device=False
-    skips the device checks: the TPU branch of a platform_dependent is only lowered for
-    a TPU, and every TPU runs the Mosaic kernels, so exporting for TPU from a CPU host
-    still gets them."""
+    module says what its target and dtypes need (its `refusal`). branch: the platform of
+    the platform_dependent branch being traced (None: a named call, compiled for this
+    process's device). The TPU branch is only lowered for a TPU, and every TPU runs the
+    Mosaic kernels, so exporting for a TPU from a CPU host still gets them."""
     if name == "xla":
         return None
     if (why := _importable(name, recipe)) is not None:
         return why
     if interpret and name in CALLBACK_INTERPRETERS and autodiff.differentiated_checkpoint():
         return autodiff.checkpoint_refusal("grouped_projection", name)
+    target = None if interpret else branch or platform.compile_target()
     if recipe == "fp8":
-        return fp8.refusal(name, compute, operands, on_device=check_device and not interpret)
+        return fp8.refusal(name, compute, operands, target=target)
     if not ragged_dot_runs(compute, operands):
         return (f"{name}: ragged_dot_runs refuses compute={np.dtype(compute).name} with "
                 f"operands {[np.dtype(o.dtype).name for o in operands]} "
                 f"(x64={jax.config.jax_enable_x64}, precision="
                 f"{jax.config.jax_default_matmul_precision})")
-    if name == "pallas_mosaic_tpu" and not interpret and not check_device:
-        # The TPU branch of the default order, lowered for a TPU whatever this host's
-        # device: the backend's refusal skips its device checks, but the TPU compiler's
-        # dtype limits still hold, and a compile error would not reach the fallback.
-        if (why := platform.mosaic_tpu_dtype_reason(name, {"compute": compute})) is not None:
-            return why
-    return ops.backend(name).refusal(compute, operands,
-                                     on_device=check_device and not interpret)
+    return ops.backend(name).refusal(compute, operands, target=target)
 
 
 def backend_refusal(name: str, compute: Dtype, operands: Sequence[jax.Array],
@@ -173,12 +167,12 @@ def _run(name, x, kernel, group_sizes, group_offset, compute, block_sizes, inter
 
 
 def _try_in_order(names, x, kernel, group_sizes, group_offset, compute, block_sizes, interpret,
-                  strict, check_device=True, recipe=None):
+                  strict, branch=None, recipe=None):
     """Run the first backend of `names` that accepts; log each fallback; raise them all.
     With one name (or strict) that backend's own error is raised, not a group of one."""
     errors = []
     for i, name in enumerate(names):
-        why = _refusal(name, compute, (x, kernel), interpret, check_device, recipe)
+        why = _refusal(name, compute, (x, kernel), interpret, branch, recipe)
         try:
             if why is not None:
                 raise RuntimeError(why)
@@ -197,17 +191,17 @@ def _try_in_order(names, x, kernel, group_sizes, group_offset, compute, block_si
 
 def _default(x, kernel, group_sizes, group_offset, compute, block_sizes, interpret_on_cpu,
              recipe=None):
-    def branch(names, interpret=False, check_device=True):
+    def branch(names, interpret=False, platform_name=None):
         names = [n for n in names if n == "xla" or _importable(n, recipe) is None]
 
         def run(x, kernel, group_sizes, group_offset):
             for name in names:  # the predicates pick; xla always accepts
-                why = (_refusal(name, compute, (x, kernel), interpret, check_device, recipe)
+                why = (_refusal(name, compute, (x, kernel), interpret, platform_name, recipe)
                        or _slower_here(name, x, kernel, group_sizes, recipe))
                 if why is None:
                     return _try_in_order(names[names.index(name):], x, kernel, group_sizes,
                                          group_offset, compute, block_sizes, interpret,
-                                         strict=False, check_device=check_device,
+                                         strict=False, branch=platform_name,
                                          recipe=recipe)
                 log.info("grouped_projection: skipping %s: %s", name, why)
             raise AssertionError("unreachable: xla always accepts")
@@ -217,8 +211,8 @@ def _default(x, kernel, group_sizes, group_offset, compute, block_sizes, interpr
     cpu = ["pallas_triton", "xla"] if interpret_on_cpu else ["xla"]
     return jax.lax.platform_dependent(
         x, kernel, group_sizes, group_offset,
-        cuda=branch(CUDA_ORDER),
-        tpu=branch(TPU_ORDER, check_device=False),
+        cuda=branch(CUDA_ORDER, platform_name="cuda"),
+        tpu=branch(TPU_ORDER, platform_name="tpu"),
         cpu=branch(cpu, interpret=bool(interpret_on_cpu)),
         default=branch(["xla"]),
     )

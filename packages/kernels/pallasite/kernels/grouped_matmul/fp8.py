@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallasite.kernels import platform
 from pallasite.kernels.grouped_matmul import ops
 from pallasite.kernels.quantization import BlockScaled, quantize
 from pallasite.reference import quantization as ref
@@ -54,12 +55,13 @@ def validate_recipe(recipe, x, kernel, compute) -> None:
                             f"quantized to e4m3), got {np.dtype(a.dtype).name}")
 
 
-def refusal(name: str, compute, operands, *, on_device: bool) -> str | None:
-    """Why backend `name`'s fp8 products cannot run here (None: they can). Under x64 the
-    kernels' int32 group offsets would widen (as for bf16)."""
+def refusal(name: str, compute, operands, *, target: str | None) -> str | None:
+    """Why backend `name`'s fp8 products cannot run compiled for `target` (a platform;
+    None: interpreted). None: they can. Under x64 the kernels' int32 group offsets would
+    widen (as for bf16)."""
     if jax.config.jax_enable_x64:
         return f"{name} (fp8): the kernels refuse x64 mode (int32 group offsets)"
-    return ops.backend(name, "fp8").refusal(compute, operands, on_device=on_device)
+    return ops.backend(name, "fp8").refusal(compute, operands, target=target)
 
 
 def beyond_first_order(why: str) -> NotImplementedError:
@@ -140,6 +142,7 @@ def project_quantized(x, kernel, group_sizes, compute, *, group_offset=None,
         return jnp.zeros((m, n), compute)
     interpret = bool(interpret_on_cpu) and jax.default_backend() == "cpu"
     names = _order(implementation, interpret)
+    target = None if interpret else platform.compile_target()
     offset = None if group_offset is None else jnp.asarray(group_offset, jnp.int32)
 
     def run(x_values, x_scales, k_values, k_scales):
@@ -149,7 +152,7 @@ def project_quantized(x, kernel, group_sizes, compute, *, group_offset=None,
         errors = []
         for name in names:
             try:
-                if (why := refusal(name, compute, (), on_device=not interpret)) is not None:
+                if (why := refusal(name, compute, (), target=target)) is not None:
                     raise RuntimeError(why)
                 blocks = block_sizes if name != "xla" else None
                 return ops.backend(name, "fp8").gmm_quantized(

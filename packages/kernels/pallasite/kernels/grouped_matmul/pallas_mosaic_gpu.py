@@ -247,14 +247,14 @@ TGMM_PINGPONG_TALL = MosaicGpuBlockSizes(block_m=192, block_n=128, block_k=64, s
                                          epilogue_block_n=64, pingpong=True)
 
 
-def refusal(compute: Dtype, operands: Sequence[jax.Array], *, on_device: bool
+def refusal(compute: Dtype, operands: Sequence[jax.Array], *, target: str | None
             ) -> str | None:
-    """Why these kernels cannot run `compute` over `operands` here (None: they can).
-    api.py asks after its generic checks (the module imports, ragged_dot_runs); wgmma
-    needs Hopper and takes 16-bit operands here. on_device=False (the interpreter, or a
-    lowering for a platform this process does not hold) skips both checks."""
+    """Why these kernels cannot run `compute` over `operands` compiled for `target` (a
+    platform; None: interpreted, which takes every dtype ragged_dot_runs admits). None:
+    they can. api.py asks after its generic checks; wgmma needs the Hopper GPU this
+    process holds and takes 16-bit operands here."""
     del operands  # cast to `compute` before the kernel
-    if not on_device:
+    if target is None:
         return None
     if not platform.mosaic_gpu_runs():
         return (f"pallas_mosaic_gpu needs a Hopper GPU (sm90); the device is "

@@ -128,12 +128,12 @@ def resolve_block_sizes(block_sizes: Any, *, product: str, m: int, k: int, n: in
     )
 
 
-def refusal(compute, operands, *, on_device: bool) -> str | None:
-    """Why these kernels cannot run here (None: they can): fp8 wgmma needs Hopper.
-    on_device=False (the interpreter, or a lowering for a platform this process does not
-    hold) skips the check. Operands of any floating dtype are quantized first."""
+def refusal(compute, operands, *, target: str | None) -> str | None:
+    """Why these kernels cannot run compiled for `target` (None: interpreted, which runs
+    anywhere). None: they can. fp8 wgmma needs the Hopper GPU this process holds.
+    Operands of any floating dtype are quantized first."""
     del compute, operands
-    if on_device and not platform.mosaic_gpu_runs():
+    if target is not None and not platform.mosaic_gpu_runs():
         return (f"pallas_mosaic_gpu (fp8) needs a Hopper GPU (sm90); the device is "
                 f"{platform.device_generation()}")
     return None

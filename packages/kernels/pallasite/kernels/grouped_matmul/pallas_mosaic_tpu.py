@@ -42,18 +42,18 @@ DEFAULT = config.MosaicTpuBlockSizes(tm=256, tk=1024, tn=1024)  # see default_bl
 _block_spec = platform.mosaic_tpu_block_spec  # int32 block indices under x64 too
 
 
-def refusal(compute: Dtype, operands: Sequence[jax.Array], *, on_device: bool
+def refusal(compute: Dtype, operands: Sequence[jax.Array], *, target: str | None
             ) -> str | None:
-    """Why these kernels cannot run `compute` over `operands` here (None: they can).
-    api.py asks after its generic checks (the module imports, ragged_dot_runs);
-    on_device=False (the interpreter, or a lowering for a TPU from another host: every
-    TPU runs the Mosaic kernels) skips the device check."""
+    """Why these kernels cannot run `compute` over `operands` compiled for `target` (a
+    platform; None: interpreted, which takes every dtype ragged_dot_runs admits). None:
+    they can. api.py asks after its generic checks. Every TPU runs them, so a lowering
+    for a TPU from another host (a TPU export) passes; the TPU compiler's dtype limits
+    hold there too, since a compile error would not reach a fallback."""
     del operands  # cast to `compute` before the kernels
-    if not on_device:
-        return None  # the interpreter takes every dtype ragged_dot_runs admits
-    generation = platform.device_generation()
-    if not generation.startswith(("v", "tpu")):
-        return f"pallas_mosaic_tpu needs a TPU; the device is {generation}"
+    if target is None:
+        return None
+    if target != "tpu":
+        return f"pallas_mosaic_tpu needs a TPU; the target is {target}"
     return platform.mosaic_tpu_dtype_reason("pallas_mosaic_tpu", {"compute": compute})
 
 

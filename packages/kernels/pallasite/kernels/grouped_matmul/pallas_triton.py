@@ -64,14 +64,14 @@ TGMM_32BIT = config.TritonBlockSizes(32, 128, 64, group_m=1, num_warps=4, num_st
 DEFAULT = GMM_16BIT
 
 
-def refusal(compute: Dtype, operands: Sequence[jax.Array], *, on_device: bool
+def refusal(compute: Dtype, operands: Sequence[jax.Array], *, target: str | None
             ) -> str | None:
-    """Why these kernels cannot run `compute` over `operands` here (None: they can).
-    api.py asks after its generic checks (the module imports, ragged_dot_runs);
-    on_device=False (the interpreter, or a lowering for a platform this process does
-    not hold) skips the device check."""
+    """Why these kernels cannot run `compute` over `operands` compiled for `target` (a
+    platform, platform.compile_target's names; None: interpreted, which runs anywhere).
+    None: they can. api.py asks after its generic checks (the module imports,
+    ragged_dot_runs). CUDA code is compiled for the device this process holds."""
     del compute, operands  # every dtype ragged_dot_runs admits
-    if on_device and not platform.triton_runs():
+    if target is not None and not platform.triton_runs():
         return (f"pallas_triton needs a CUDA GPU from sm80; the device is "
                 f"{platform.device_generation()}")
     return None

@@ -90,13 +90,12 @@ TGMM_FP8 = config.TritonBlockSizes(64, 128, BLOCK, group_m=1, num_warps=4, num_s
 DEFAULT = GMM_FP8
 
 
-def refusal(compute, operands, *, on_device: bool) -> str | None:
-    """Why these kernels cannot run here (None: they can): Triton casts to fp8 and runs
-    fp8 dots from sm89. on_device=False (the interpreter, or a lowering for a platform
-    this process does not hold) skips the check. Operands of any floating dtype are
-    quantized first."""
+def refusal(compute, operands, *, target: str | None) -> str | None:
+    """Why these kernels cannot run compiled for `target` (None: interpreted, which runs
+    anywhere; see pallas_triton.refusal). None: they can. Triton casts to fp8 and runs
+    fp8 dots from sm89. Operands of any floating dtype are quantized first."""
     del compute, operands
-    if on_device and not platform.fp8_runs():
+    if target is not None and not platform.fp8_runs():
         return (f"pallas_triton (fp8) needs a CUDA GPU from sm89; the device is "
                 f"{platform.device_generation()}")
     return None

@@ -23,9 +23,9 @@ BLOCK = ref.TOKEN_BLOCK
 FP8 = jnp.float8_e4m3fn
 
 
-def refusal(compute, operands, *, on_device: bool) -> str | None:
+def refusal(compute, operands, *, target: str | None) -> str | None:
     """XLA runs everywhere."""
-    del compute, operands, on_device
+    del compute, operands, target
     return None
 
 
