@@ -244,18 +244,22 @@ def _device(platform, kind="", cc=None):
 def test_platform_choice_and_logging_once(caplog, monkeypatch):
     tpu = _device("tpu", "TPU v5 lite")
     predicates._log_once.cache_clear()
+    assert predicates.ADMITTED["pallas_mosaic_tpu"][0]  # measured ahead on a TPU v5e
     with caplog.at_level(logging.INFO, logger="pallasite.ssd"):
-        assert ssd_kernel_platform(256, 64, 128, tpu) is None  # not admitted yet
-        assert ssd_kernel_platform(256, 64, 128, tpu) is None
+        assert ssd_kernel_platform(256, 64, 128, tpu) == "pallas_mosaic_tpu"
+        assert ssd_kernel_platform(256, 64, 128, tpu) == "pallas_mosaic_tpu"
         assert ssd_kernel_platform(32, 64, 128, tpu) is None  # refused
         assert ssd_kernel_platform(256, 64, 128, _device("cpu")) is None
     lines = [r.getMessage() for r in caplog.records]
-    assert sum("chunk=256 head_dim=64 state=128 -> xla (pallas_mosaic_tpu not admitted"
+    assert sum("chunk=256 head_dim=64 state=128 -> pallas_mosaic_tpu (pallas_mosaic_tpu: "
                in line for line in lines) == 1
     assert any("pallas_mosaic_tpu refused: chunk_size=32 < 64" in line for line in lines)
     assert any("no SSD kernel for cpu" in line for line in lines)
-    monkeypatch.setitem(predicates.ADMITTED, "pallas_mosaic_tpu", (True, "measured"))
-    assert ssd_kernel_platform(256, 64, 128, tpu) == "pallas_mosaic_tpu"
+    monkeypatch.setitem(predicates.ADMITTED, "pallas_mosaic_tpu", (False, "not measured"))
+    predicates._log_once.cache_clear()
+    with caplog.at_level(logging.INFO, logger="pallasite.ssd"):
+        assert ssd_kernel_platform(256, 64, 128, tpu) is None
+    assert "-> xla (pallas_mosaic_tpu not admitted: not measured)" in caplog.text
     monkeypatch.setitem(predicates.ADMITTED, "pallas_triton", (True, "measured"))
     assert ssd_kernel_platform(128, 64, 64, _device("gpu", "H200", "9.0")) == "pallas_triton"
     assert ssd_kernel_platform(128, 64, 64, _device("gpu", "T4", "7.5")) is None

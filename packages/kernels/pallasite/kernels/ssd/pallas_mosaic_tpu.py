@@ -2,7 +2,8 @@
 
 One program per (batch, head, chunk), chunks innermost and "arbitrary" so the state passes
 from one chunk to the next in a VMEM scratch (fp32) instead of through HBM; batch and head
-are "parallel" (megacore splits them). Everything inside is fp32; every dot at HIGHEST.
+are "parallel" (megacore splits them). Everything inside is fp32 but the matmul operands:
+fp32 at HIGHEST for fp32 inputs, the input dtype for 16-bit ones (_operand_dtype).
 
 Why the operands are transposed to head-major ([b, h, nc, C, p]) before the call: Mosaic
 tiles the last two dimensions of a block in (8, 128) and the chunked layout puts heads in
@@ -84,21 +85,31 @@ def resolve_block_sizes(block_sizes: BlockSizes | None) -> BlockSizes:
     return block_sizes or DEFAULT
 
 
-def _dot(lhs, rhs, lhs_axis, rhs_axis):
+def _operand_dtype(dtype):
+    """The matmul operand dtype for inputs of `dtype`: fp32 inputs keep fp32 operands (at
+    HIGHEST: the fp32 contract is exact), 16-bit inputs give 16-bit operands, one MXU pass
+    each, as the Triton kernels and mamba_ssm's do (chunk states and the decayed C B^T
+    rounded to the input dtype before their products, sums in fp32)."""
+    return _F32 if jnp.dtype(dtype).itemsize == 4 else jnp.dtype(dtype)
+
+
+def _dot(lhs, rhs, lhs_axis, rhs_axis, operand):
     dims = (((lhs_axis,), (rhs_axis,)), ((), ()))
-    return jax.lax.dot_general(lhs, rhs, dims, precision=_HI, preferred_element_type=_F32)
+    precision = _HI if operand == _F32 else jax.lax.Precision.DEFAULT
+    return jax.lax.dot_general(lhs.astype(operand), rhs.astype(operand), dims,
+                               precision=precision, preferred_element_type=_F32)
 
 
-def _nn(lhs, rhs):
-    return _dot(lhs, rhs, 1, 0)
+def _nn(lhs, rhs, operand=_F32):
+    return _dot(lhs, rhs, 1, 0, operand)
 
 
-def _nt(lhs, rhs):
-    return _dot(lhs, rhs, 1, 1)
+def _nt(lhs, rhs, operand=_F32):
+    return _dot(lhs, rhs, 1, 1, operand)
 
 
-def _tn(lhs, rhs):
-    return _dot(lhs, rhs, 0, 0)
+def _tn(lhs, rhs, operand=_F32):
+    return _dot(lhs, rhs, 0, 0, operand)
 
 
 def _causal(size):
@@ -142,6 +153,7 @@ def _load(ref):
 def _forward_kernel(x_ref, b_ref, c_ref, row_ref, col_ref, init_ref,
                     y_ref, final_ref, states_ref, state_scr, *, num_chunks):
     k = pl.program_id(2)
+    op = _operand_dtype(x_ref.dtype)
 
     @pl.when(k == 0)
     def _():
@@ -154,11 +166,11 @@ def _forward_kernel(x_ref, b_ref, c_ref, row_ref, col_ref, init_ref,
     # Causal for non-finite x and B (pallasite.reference.ssd): a select, not the zeros of
     # L, removes the terms above the diagonal, and x's non-finite entries reach y as NaN
     # from their step on instead of through the product.
-    mix = _nt(cm, bm) * decay
+    mix = _nt(cm, bm, op) * decay
     mix = jnp.where(_causal(x.shape[0]), mix, jnp.zeros_like(mix))
-    y = _nn(mix, ref.finite_part(x)) + e * _nt(cm, state)
+    y = _nn(mix, ref.finite_part(x), op) + e * _nt(cm, state, op)
     y_ref[...] = ref.poison(y, ref.nonfinite_since(x, axis=0)).astype(y_ref.dtype)
-    new = total * state + _tn(x * w, bm)
+    new = total * state + _tn(x * w, bm, op)
     state_scr[...] = new
 
     @pl.when(k == num_chunks - 1)
@@ -169,6 +181,7 @@ def _forward_kernel(x_ref, b_ref, c_ref, row_ref, col_ref, init_ref,
 def _backward_kernel(x_ref, b_ref, c_ref, row_ref, col_ref, states_ref, dy_ref, dfinal_ref,
                      dx_ref, db_ref, dc_ref, dacs_ref, dinit_ref, carry_scr, *, num_chunks):
     k = pl.program_id(2)
+    op = _operand_dtype(x_ref.dtype)
 
     @pl.when(k == 0)
     def _():
@@ -179,12 +192,12 @@ def _backward_kernel(x_ref, b_ref, c_ref, row_ref, col_ref, states_ref, dy_ref, 
     x, bm, cm, dy = _load(x_ref), _load(b_ref), _load(c_ref), _load(dy_ref)
     size = x.shape[0]
     decay, e, w, total = _decays(col_ref[...], row_ref[...])
-    gram = _nt(cm, bm)
-    dmix = _nt(dy, x) * decay  # d(C B^T) through M = (C B^T) * L
-    u = _nt(bm, dexit)  # B dS'^T [C, p]
-    dx_ref[...] = (_tn(gram * decay, dy) + w * u).astype(dx_ref.dtype)
-    dc_ref[...] = _nn(dmix, bm) + e * _nn(dy, state)
-    db_ref[...] = _tn(dmix, cm) + w * _nn(x, dexit)
+    gram = _nt(cm, bm, op)
+    dmix = _nt(dy, x, op) * decay  # d(C B^T) through M = (C B^T) * L
+    u = _nt(bm, dexit, op)  # B dS'^T [C, p]
+    dx_ref[...] = (_tn(gram * decay, dy, op) + w * u).astype(dx_ref.dtype)
+    dc_ref[...] = _nn(dmix, bm, op) + e * _nn(dy, state, op)
+    db_ref[...] = _tn(dmix, cm, op) + w * _nn(x, dexit, op)
 
     # d acs as a row [1, C] (lanes): row sums become rows through an 8-row ones matmul
     # (NT, MXU-shaped), column sums are sublane reductions; no vector transposes.
@@ -192,13 +205,13 @@ def _backward_kernel(x_ref, b_ref, c_ref, row_ref, col_ref, states_ref, dy_ref, 
     e_row, w_row = _row_weights(row_ref[...])
     wdw = w_row * _rowsums_as_row(x * u)
     dacs = _rowsums_as_row(pm) - jnp.sum(pm, axis=0, keepdims=True) - wdw
-    dacs = dacs + e_row * _rowsums_as_row(dy * _nt(cm, state))
+    dacs = dacs + e_row * _rowsums_as_row(dy * _nt(cm, state, op))
     to_last = jnp.sum(wdw, axis=(0, 1), keepdims=True) + total * jnp.sum(
         dexit * state, axis=(0, 1), keepdims=True)
     is_last = jax.lax.broadcasted_iota(jnp.int32, (1, size), 1) == size - 1
     dacs_ref[...] = dacs + jnp.where(is_last, to_last, jnp.zeros_like(to_last))
 
-    new = total * dexit + _tn(dy * e, cm)
+    new = total * dexit + _tn(dy * e, cm, op)
     carry_scr[...] = new
 
     @pl.when(k == num_chunks - 1)
