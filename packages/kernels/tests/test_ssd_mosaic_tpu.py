@@ -1,6 +1,6 @@
 """The Mosaic TPU SSD kernels: parity through pltpu.InterpretParams() on CPU (values and
 every gradient against the reference), lowering for TPU through jax.export on CPU, the
-cost estimates, and the full parity grid on real TPUs (tpu mark)."""
+cost estimates, and the full parity grid and the default path on real TPUs (tpu mark)."""
 
 from __future__ import annotations
 
@@ -95,6 +95,54 @@ def test_forward_contract_on_tpu():
     shape = dict(b=2, nc=4, C=256, h=8, p=64, n=128, g=8)
     base.check_forward_contract(kernel, jax.random.key(4), shape, jnp.bfloat16,
                                 interpret=False)
+
+
+@pytest.mark.tpu
+def test_tpu_default_path_takes_the_kernel():
+    """On a TPU the default order runs the Mosaic TPU kernels (predicates.ADMITTED), for
+    chunk_ssd and for mamba_chunk_scan with every option on and packed sequences: values
+    and every gradient equal the XLA path's to bf16's tolerance."""
+    from pallasite.kernels import chunk_ssd, mamba_chunk_scan
+    from pallasite.kernels.ssd.predicates import ssd_kernel_platform
+
+    bsz, length, h, p, n, g, chunk = 2, 256, 4, 64, 64, 2, 64
+    assert ssd_kernel_platform(chunk, p, n) == "pallas_mosaic_tpu"
+    keys = jax.random.split(jax.random.key(5), 9)
+    bf16 = jnp.bfloat16
+    x = jax.random.normal(keys[0], (bsz, length, h, p), bf16)
+    dt = jax.random.uniform(keys[1], (bsz, length, h), jnp.float32, -3.0, 0.0)
+    A = -jax.random.uniform(keys[2], (h,), jnp.float32, 0.5, 2.0)
+    B = jax.random.normal(keys[3], (bsz, length, g, n), bf16)
+    C = jax.random.normal(keys[4], (bsz, length, g, n), bf16)
+    z = jax.random.normal(keys[5], (bsz, length, h, p), bf16)
+    D = jax.random.normal(keys[6], (h,), jnp.float32)
+    dt_bias = jax.random.normal(keys[7], (h,), jnp.float32)
+    seq_idx = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32) // 96, (bsz, length))
+    dy = jax.random.normal(keys[8], x.shape, jnp.float32)
+    a = jax.nn.softplus(dt + dt_bias) * A  # chunk_ssd's per-step log decay, < 0
+
+    def ssd(implementation):
+        def loss(x, a, b, c):
+            y, final = chunk_ssd(x, a, b, c, chunk_size=chunk, implementation=implementation)
+            return jnp.sum(y.astype(jnp.float32) * dy) + final.sum(), y
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+            x, a, B, C)
+
+    def mamba(implementation):
+        def loss(x, dt, A, b, c, D, z, dt_bias):
+            y = mamba_chunk_scan(x, dt, A, b, c, chunk, D=D, z=z, dt_bias=dt_bias,
+                                 dt_softplus=True, seq_idx=seq_idx,
+                                 implementation=implementation)
+            return jnp.sum(y.astype(jnp.float32) * dy), y
+        return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(8)), has_aux=True))(
+            x, dt, A, B, C, D, z, dt_bias)
+
+    for run in (ssd, mamba):
+        (_, y), grads = run(None)
+        (_, y_xla), grads_xla = run("xla")
+        parity.assert_close(y, y_xla, dtype=bf16, what=f"{run.__name__} y")
+        for i, (got, want) in enumerate(zip(grads, grads_xla)):
+            parity.assert_close(got, want, dtype=bf16, what=f"{run.__name__} grad {i}")
 
 
 def test_decay_from_double_float_cumsums():
