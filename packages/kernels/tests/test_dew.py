@@ -151,9 +151,11 @@ def test_ssd_kernel_platform(devices, monkeypatch):
     assert dew.ssd_kernel_platform(32, 64, 128) is None
     devices(_tpu("TPU v6 lite"))
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    # Geometry fits, but pallasite admits no TPU kernel by default until one is measured.
+    # The Mosaic TPU kernel is admitted (measured ahead of XLA on a TPU v5e); a geometry
+    # it refuses takes the XLA path.
     assert dew.ssd_kernel_runs(128, 64, 128, "tpu")
-    assert dew.ssd_kernel_platform(128, 64, 128) is None
+    assert dew.ssd_kernel_platform(128, 64, 128) == "tpu"
+    assert dew.ssd_kernel_platform(32, 64, 128) is None
 
 
 def _ssd_operands(dtype=jnp.float32, nc=2, bsz=1, chunk=16, h=2, p=16, n=16):
