@@ -97,7 +97,8 @@ def run(shape: str, tiles_list, folder: str) -> None:
                 if not backward:
                     got = np.asarray(call(sets[0]).astype(jnp.float32))
                     _emit(folder, kind="error_vs_ragged_dot_fp32", shape=shape,
-                          tiles=_named(tiles), max_rel=float(np.abs(got - want).max()) / scale, flops_fwd=flops)
+                          tiles=_named(tiles), flops_fwd=flops,
+                          max_rel=float(np.abs(got - want).max()) / scale)
             except Exception as err:  # noqa: BLE001 - a failing tile is a record
                 _emit(folder, kind="error", shape=shape, variant=name, tiles=_named(tiles),
                       error=f"{type(err).__name__}: {str(err)[:300]}")

@@ -19,9 +19,9 @@ kernels are ahead of Triton where groups average 256 rows or more, behind below 
 (docs/performance.md, issue 7), hence mosaic_gpu_preferred. On a TPU v5e the Mosaic TPU
 kernels ran the forward+backward in 0.56-0.91x a bare ragged_dot's time from 4096 down
 to 256 rows per group, the forward within 6% of it, and both 1.5-1.8x faster than the XLA
-path from 128 down to 8 rows per group (docs/grouped_projection.md); one group is a dense
-dot, which XLA's path computes as such (mosaic_tpu_preferred). Naming a backend skips those preferences (not the
-can-it-run predicates).
+path from 128 down to 2 rows per group (docs/grouped_projection.md); one group is a dense
+dot, which XLA's path computes as such and faster (mosaic_tpu_preferred). Naming a
+backend skips those preferences (not the can-it-run predicates).
 
 `implementation=` a name: that backend or its error (fails fast); a sequence: tried in
 order, each fallback logged with its reason, all reasons raised together (an

@@ -119,9 +119,11 @@ def mosaic_gpu_preferred(m: int, g: int) -> bool:
 # Measured on a TPU v5e (2026-12-07, docs/performance.md) at the default tiles, the Mosaic
 # TPU kernels against pallasite's XLA path (the other default), ms forward and fwd+bwd:
 # mixtral (4096 rows per group) 29.6/35.7, 81.8/155.5; qwen3 (512) 2.50/3.98, 7.09/12.71;
-# 8, 64 and 128 rows per group 1.83/3.24, 2.49/3.82, 1.53/2.27 and 5.95/10.37,
-# 7.55/12.41, 4.50/7.33. So every grouped product takes the kernels; a single local group
-# stays with XLA, whose path computes it as a dense dot (xla.py, ONE_GROUP).
+# 2, 8, 64 and 128 rows per group 2.02/3.23, 1.83/3.24, 2.49/3.82, 1.53/2.27 and
+# 6.09/10.42, 5.95/10.37, 7.55/12.41, 4.50/7.33. One group (8192 x 2048 x 2048 and
+# 4096 x 4096 x 14336): 0.607/0.486, 1.438/1.339 and 4.134/2.983, 10.898/8.688. So every
+# grouped product takes the kernels; a single local group stays with XLA, whose path
+# computes it as a dense dot (xla.py, ONE_GROUP), 7-28% faster.
 def mosaic_tpu_preferred(local_groups: int) -> bool:
     """Whether a TPU's default order tries pallas_mosaic_tpu before xla, given the
     kernel's group count: with more than one group (one is a dense product)."""
